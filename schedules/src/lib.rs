@@ -1,0 +1,1 @@
+//! Pipeline schedules as pure data (see README.md beside this crate).

@@ -1,0 +1,31 @@
+//! The `conveyor` command line: parses arguments and dispatches to one module per subcommand.
+//!
+//! Exit codes: 0 success, 2 bad input (a usage error naming what was wrong and how to fix it),
+//! 1 any other failure.
+mod cli;
+
+use clap::{Parser, Subcommand};
+
+/// Conveyor: pipeline- and model-parallel training, schedule simulation and stage placement.
+#[derive(Parser)]
+#[command(name = "conveyor", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Simulate a pipeline schedule and print its timeline, makespan and bubble fraction.
+    Simulate(cli::simulate::SimulateArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Simulate(args) => cli::simulate::run(args),
+    };
+    if let Err(err) = result {
+        std::process::exit(cli::report(&err));
+    }
+}
