@@ -1,1 +1,23 @@
-//! Conveyor engine.
+//! Conveyor's engine: tensors, devices with memory budgets, CPU kernels, the `Layer` trait,
+//! initialisation, optimizers and checkpoints. The pipeline runtime builds on these.
+//!
+//! Design: tensors own contiguous row-major storage and a reservation on their device's memory
+//! ledger, so every byte a stage holds is counted and a budget overrun is an error, not an abort.
+//! We rejected a global allocator hook: it cannot tell which device a byte belongs to.
+#![deny(missing_docs)]
+
+pub mod cpu;
+pub mod device;
+mod dtype;
+mod error;
+pub mod init;
+mod layer;
+mod shape;
+mod tensor;
+
+pub use device::{CpuDevice, CudaDevice, Device};
+pub use dtype::DType;
+pub use error::{Error, Result};
+pub use layer::{ForwardCtx, Layer, LayerCost, Loss, Parameter, Saved};
+pub use shape::Shape;
+pub use tensor::Tensor;

@@ -1,0 +1,133 @@
+//! Matrix products on one core through the `gemm` crate (`Parallelism::None`), over strided f32
+//! views so either operand may be transposed without a copy.
+use gemm::Parallelism;
+
+use crate::{Error, Result};
+
+/// A read-only strided view of an f32 matrix.
+#[derive(Clone, Copy, Debug)]
+pub struct MatRef<'a> {
+    data: &'a [f32],
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl<'a> MatRef<'a> {
+    /// `data` as a row-major `rows x cols` matrix.
+    pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Result<Self> {
+        if data.len() < rows * cols {
+            return Err(Error::shape("MatRef::row_major", format!("{} elements for {rows}x{cols}", rows * cols), format!("{}", data.len())));
+        }
+        Ok(MatRef { data, rows, cols, row_stride: cols, col_stride: 1 })
+    }
+
+    /// The transposed view (no copy).
+    pub fn t(self) -> Self {
+        MatRef { data: self.data, rows: self.cols, cols: self.rows, row_stride: self.col_stride, col_stride: self.row_stride }
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Number of columns.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
+/// `dst = lhs · rhs` (or `dst += lhs · rhs` when `accumulate`), `dst` row-major `lhs.rows x rhs.cols`.
+pub fn matmul(dst: &mut [f32], lhs: MatRef<'_>, rhs: MatRef<'_>, accumulate: bool) -> Result<()> {
+    let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
+    if rhs.rows != k {
+        return Err(Error::shape("matmul", format!("rhs with {k} rows"), format!("{}x{}", rhs.rows, rhs.cols)));
+    }
+    if dst.len() != m * n {
+        return Err(Error::shape("matmul", format!("dst of {m}x{n} = {} elements", m * n), format!("{}", dst.len())));
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        if !accumulate {
+            dst.fill(0.0);
+        }
+        return Ok(());
+    }
+    // SAFETY: the views were checked to cover rows x cols elements with their strides (row_major
+    // checks the length; t() only swaps strides), and dst holds m x n row-major elements.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            lhs.data.as_ptr(),
+            lhs.col_stride as isize,
+            lhs.row_stride as isize,
+            rhs.data.as_ptr(),
+            rhs.col_stride as isize,
+            rhs.row_stride as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+        let mut out = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k).map(|p| a[i * k + p] * b[p * n + j]).sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn matches_naive_in_all_layouts() {
+        let (m, k, n) = (5, 7, 3);
+        let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
+        let expected = naive(&a, &b, m, k, n);
+        let a_t: Vec<f32> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
+        let b_t: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+        let lhs_views = [MatRef::row_major(&a, m, k).unwrap(), MatRef::row_major(&a_t, k, m).unwrap().t()];
+        let rhs_views = [MatRef::row_major(&b, k, n).unwrap(), MatRef::row_major(&b_t, n, k).unwrap().t()];
+        for lhs in lhs_views {
+            for rhs in rhs_views {
+                let mut dst = vec![1.0; m * n];
+                matmul(&mut dst, lhs, rhs, true).unwrap();
+                for (d, e) in dst.iter().zip(&expected) {
+                    assert!((d - (e + 1.0)).abs() < 1e-5, "{d} vs {}", e + 1.0);
+                }
+                matmul(&mut dst, lhs, rhs, false).unwrap();
+                for (d, e) in dst.iter().zip(&expected) {
+                    assert!((d - e).abs() < 1e-5);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_mismatched_inner_dimension() {
+        let a = vec![0.0; 6];
+        let err = matmul(&mut [0.0; 4], MatRef::row_major(&a, 2, 3).unwrap(), MatRef::row_major(&a, 2, 3).unwrap(), false);
+        assert!(matches!(err, Err(Error::ShapeMismatch { .. })));
+    }
+}

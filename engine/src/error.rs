@@ -1,0 +1,94 @@
+//! The engine's error type: one structured enum, each variant saying what was wrong and what would fix it.
+use crate::DType;
+
+/// Result alias for the engine.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in the engine.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An allocation would exceed the device's memory budget.
+    #[error(
+        "out of memory on {device}: requested {requested} bytes with {in_use} in use and a budget of {budget}; \
+         raise the device's memory budget, use more stages, smaller micro-batches or recomputation"
+    )]
+    OutOfDeviceMemory {
+        /// The device, e.g. `cpu:1`.
+        device: String,
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes already in use on the device.
+        in_use: u64,
+        /// The device's budget in bytes.
+        budget: u64,
+    },
+    /// Shapes of the operands of `op` do not fit together.
+    #[error("shape mismatch in {op}: expected {expected}, got {got}")]
+    ShapeMismatch {
+        /// The operation or layer.
+        op: String,
+        /// What the operation needs.
+        expected: String,
+        /// What it was given.
+        got: String,
+    },
+    /// The operation does not support this dtype.
+    #[error("{op} does not support dtype {dtype}; convert the tensor with `to_dtype(DType::F32)` first")]
+    UnsupportedDType {
+        /// The operation.
+        op: String,
+        /// The dtype given.
+        dtype: DType,
+    },
+    /// Two tensors live on different devices.
+    #[error("{op}: operands live on different devices ({lhs} and {rhs}); move one with `to_device`")]
+    DeviceMismatch {
+        /// The operation.
+        op: String,
+        /// Device of the first operand.
+        lhs: String,
+        /// Device of the second operand.
+        rhs: String,
+    },
+    /// A CUDA device was asked for but this build has no CUDA support, or no driver was found.
+    #[error("{0}")]
+    CudaUnavailable(String),
+    /// A value given to the engine is invalid.
+    #[error("invalid argument {name}: {reason}")]
+    InvalidArgument {
+        /// What the argument is.
+        name: String,
+        /// Why it is invalid and what would be valid.
+        reason: String,
+    },
+    /// A checkpoint file could not be used.
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint {
+        /// The file.
+        path: String,
+        /// What is wrong with it (naming the tensor where there is one).
+        reason: String,
+    },
+    /// An I/O error, with the path it concerns.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// Builds [`Error::ShapeMismatch`].
+    pub fn shape(op: impl Into<String>, expected: impl Into<String>, got: impl Into<String>) -> Self {
+        Error::ShapeMismatch { op: op.into(), expected: expected.into(), got: got.into() }
+    }
+
+    /// Builds [`Error::InvalidArgument`].
+    pub fn invalid(name: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument { name: name.into(), reason: reason.into() }
+    }
+}

@@ -1,0 +1,118 @@
+//! The `Layer` and `Loss` traits: what the graph, the placement planner and the pipeline runtime
+//! need from a layer. Concrete layers live in `conveyor-layers`; the engine never names one.
+//!
+//! The backward pass is two calls, [`Layer::backward_input`] and [`Layer::backward_weight`], so
+//! zero-bubble schedules can run them at different times.
+use crate::{Device, Result, Shape, Tensor};
+
+/// A named parameter, with the name PyTorch's module would give it (`weight`, `bias`).
+#[derive(Debug)]
+pub struct Parameter {
+    /// The name within the layer, e.g. `weight`.
+    pub name: String,
+    /// The value, in PyTorch's layout (Linear weight `[out, in]`).
+    pub value: Tensor,
+}
+
+/// What a forward pass keeps for its backward pass.
+#[derive(Debug, Default)]
+pub struct Saved {
+    /// Tensors (inputs, masks, statistics), counted against their device's budget while held.
+    pub tensors: Vec<Tensor>,
+}
+
+impl Saved {
+    /// Bytes held by the saved tensors.
+    pub fn size_in_bytes(&self) -> usize {
+        self.tensors.iter().map(Tensor::size_in_bytes).sum()
+    }
+}
+
+/// Per-call context of a forward pass.
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardCtx {
+    /// Training mode (dropout active) or evaluation.
+    pub training: bool,
+    /// Seed for any randomness (dropout masks); the same seed reproduces the same mask, which is
+    /// what makes activation recomputation exact.
+    pub seed: u64,
+}
+
+impl ForwardCtx {
+    /// Training mode with the given seed.
+    pub fn train(seed: u64) -> Self {
+        ForwardCtx { training: true, seed }
+    }
+
+    /// Evaluation mode.
+    pub fn eval() -> Self {
+        ForwardCtx { training: false, seed: 0 }
+    }
+}
+
+/// Cost estimates of a layer for given input shapes (per sample, without the batch dimension).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LayerCost {
+    /// Floating-point operations of the forward pass per sample.
+    pub forward_flops_per_sample: u64,
+    /// Floating-point operations of the input-gradient pass per sample.
+    pub backward_input_flops_per_sample: u64,
+    /// Floating-point operations of the weight-gradient pass per sample.
+    pub backward_weight_flops_per_sample: u64,
+    /// Bytes of parameters (f32).
+    pub param_bytes: u64,
+    /// Bytes the forward pass saves for backward, per sample.
+    pub activation_bytes_per_sample: u64,
+    /// Bytes of the output, per sample.
+    pub output_bytes_per_sample: u64,
+}
+
+/// A differentiable layer. Shapes passed to [`Layer::output_shape`] and [`Layer::cost`] are per
+/// sample (no batch dimension); tensors passed to forward and backward carry the batch first.
+pub trait Layer: Send + std::fmt::Debug {
+    /// The layer's kind, e.g. `Linear`.
+    fn kind(&self) -> &'static str;
+
+    /// How many inputs the layer takes (1 for most; 2 for residual Add).
+    fn n_inputs(&self) -> usize {
+        1
+    }
+
+    /// The per-sample output shape for per-sample input shapes, or a shape error naming what was expected.
+    fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape>;
+
+    /// The parameters, in PyTorch's order.
+    fn parameters(&self) -> &[Parameter];
+
+    /// The parameters, mutable (for optimizers and checkpoint loading).
+    fn parameters_mut(&mut self) -> &mut [Parameter];
+
+    /// Forward pass on a batch; returns the output and what backward needs.
+    fn forward(&self, inputs: &[&Tensor], ctx: &ForwardCtx) -> Result<(Tensor, Saved)>;
+
+    /// Gradients with respect to each input (`None` for inputs that take no gradient).
+    fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>>;
+
+    /// Adds the gradients with respect to the parameters into `param_grads` (aligned with
+    /// [`Layer::parameters`]). Layers without parameters do nothing.
+    fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()>;
+
+    /// Cost estimates for per-sample input shapes.
+    fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost>;
+
+    /// Moves the parameters onto `device` (counted against its budget).
+    fn to_device(&mut self, device: &Device) -> Result<()> {
+        for param in self.parameters_mut() {
+            param.value = param.value.to_device(device)?;
+        }
+        Ok(())
+    }
+}
+
+/// A loss over a batch of outputs and integer class labels.
+pub trait Loss: Send + Sync + std::fmt::Debug {
+    /// Returns the summed loss divided by `normalizer`, and the gradient of that value with respect
+    /// to `output`. With `normalizer` = the full batch size, summing over micro-batches gives the
+    /// full-batch mean (PyTorch's `reduction="mean"`).
+    fn loss_and_grad(&self, output: &Tensor, labels: &[usize], normalizer: f32) -> Result<(f64, Tensor)>;
+}
