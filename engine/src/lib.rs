@@ -6,12 +6,14 @@
 //! We rejected a global allocator hook: it cannot tell which device a byte belongs to.
 #![deny(missing_docs)]
 
+pub mod checkpoint;
 pub mod cpu;
 pub mod device;
 mod dtype;
 mod error;
 pub mod init;
 mod layer;
+pub mod optim;
 mod shape;
 mod tensor;
 

@@ -1,0 +1,1 @@
+//! Checkpoints as safetensors: atomic writes, strict loads that name the offending tensor.

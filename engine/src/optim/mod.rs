@@ -1,0 +1,1 @@
+//! Optimizers with torch.optim's exact update rules, and gradient-norm clipping.
