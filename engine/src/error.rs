@@ -70,6 +70,21 @@ pub enum Error {
         /// What is wrong with it (naming the tensor where there is one).
         reason: String,
     },
+    /// No placement of the model on the given devices keeps every stage under its memory budget.
+    #[error(
+        "the model does not fit: on {n_stages} stage(s) the best placement needs {smallest_need} on its largest stage \
+         against budgets {budgets}; what would help: {suggestion}"
+    )]
+    DoesNotFit {
+        /// Number of stages asked for.
+        n_stages: usize,
+        /// Per-stage memory of the placement whose largest stage is smallest, formatted.
+        smallest_need: String,
+        /// The devices' budgets, formatted.
+        budgets: String,
+        /// What would make it fit.
+        suggestion: String,
+    },
     /// An I/O error, with the path it concerns.
     #[error("{path}: {source}")]
     Io {

@@ -11,9 +11,11 @@ pub mod cpu;
 pub mod device;
 mod dtype;
 mod error;
+pub mod graph;
 pub mod init;
 mod layer;
 pub mod optim;
+pub mod placement;
 mod shape;
 mod tensor;
 

@@ -1,0 +1,117 @@
+//! Automatic placement: a dynamic programme over cut points of the topological order that
+//! minimises the slowest stage's time subject to every stage fitting its device's budget.
+//!
+//! `best[k][j]` is the smallest bottleneck of placing the first `j` nodes on the first `k` devices;
+//! `best[k][j] = min over i of max(best[k-1][i], time(stage k-1 = nodes i..j))`, taking only stages
+//! that fit. Each stage's time and memory depend only on its own range, its device and its
+//! position (the schedule's in-flight count), so the recurrence is exact: the result is optimal
+//! for the cost model among contiguous placements, which for a chain are all placements.
+use super::cost::{NodeCosts, PlanConfig, format_bytes, plan_from_cuts};
+use super::{DeviceSpec, Plan};
+use crate::graph::Graph;
+use crate::{Error, Result};
+
+/// Places `graph` on `devices` (one stage per device, in order), minimising the bottleneck stage
+/// time under the memory budgets; [`Error::DoesNotFit`] when no placement fits.
+pub fn place_automatically(graph: &Graph, devices: &[DeviceSpec], config: &PlanConfig) -> Result<Plan> {
+    let costs = NodeCosts::of_graph(graph)?;
+    let n_stages = devices.len();
+    let n_nodes = costs.len();
+    if n_stages == 0 {
+        return Err(Error::invalid("devices", "no devices given; give at least one"));
+    }
+    if n_nodes < n_stages {
+        return Err(Error::invalid(
+            "stages",
+            format!("{n_stages} stages asked for but the model has only {n_nodes} layers; use at most {n_nodes} devices"),
+        ));
+    }
+    let fits = |memory: u64, device: &DeviceSpec| device.budget_bytes.is_none_or(|b| memory <= b);
+    let mut best = vec![vec![f64::INFINITY; n_nodes + 1]; n_stages + 1];
+    let mut choice = vec![vec![usize::MAX; n_nodes + 1]; n_stages + 1];
+    best[0][0] = 0.0;
+    for k in 1..=n_stages {
+        // Leave at least one node for each later stage.
+        for j in k..=n_nodes - (n_stages - k) {
+            for i in (k - 1)..j {
+                if !best[k - 1][i].is_finite() {
+                    continue;
+                }
+                let (memory, [f, b, w, _]) = costs.stage(config, &devices[k - 1], n_stages, k - 1, i, j)?;
+                if !fits(memory.total(), &devices[k - 1]) {
+                    continue;
+                }
+                let candidate = best[k - 1][i].max(f + b + w);
+                if candidate < best[k][j] {
+                    best[k][j] = candidate;
+                    choice[k][j] = i;
+                }
+            }
+        }
+    }
+    if !best[n_stages][n_nodes].is_finite() {
+        return Err(does_not_fit(&costs, devices, config)?);
+    }
+    let mut cuts = vec![n_nodes];
+    let mut j = n_nodes;
+    for k in (1..=n_stages).rev() {
+        j = choice[k][j];
+        cuts.push(j);
+    }
+    cuts.reverse();
+    plan_from_cuts(&costs, config, devices, &cuts)
+}
+
+/// The error for a model that fits no placement: the placement whose worst need-to-budget ratio is
+/// smallest, its per-stage needs, and what would help.
+fn does_not_fit(costs: &NodeCosts, devices: &[DeviceSpec], config: &PlanConfig) -> Result<Error> {
+    let n_stages = devices.len();
+    let n_nodes = costs.len();
+    let ratio = |need: u64, device: &DeviceSpec| device.budget_bytes.map_or(0.0, |b| need as f64 / b.max(1) as f64);
+    let mut best = vec![vec![f64::INFINITY; n_nodes + 1]; n_stages + 1];
+    let mut choice = vec![vec![0; n_nodes + 1]; n_stages + 1];
+    best[0][0] = 0.0;
+    for k in 1..=n_stages {
+        for j in k..=n_nodes - (n_stages - k) {
+            for i in (k - 1)..j {
+                let (memory, _) = costs.stage(config, &devices[k - 1], n_stages, k - 1, i, j)?;
+                let candidate = best[k - 1][i].max(ratio(memory.total(), &devices[k - 1]));
+                if candidate < best[k][j] {
+                    best[k][j] = candidate;
+                    choice[k][j] = i;
+                }
+            }
+        }
+    }
+    let mut cuts = vec![n_nodes];
+    let mut j = n_nodes;
+    for k in (1..=n_stages).rev() {
+        j = choice[k][j];
+        cuts.push(j);
+    }
+    cuts.reverse();
+    let plan = plan_from_cuts(costs, config, devices, &cuts)?;
+    let needs: Vec<String> = plan.stages.iter().map(|s| format_bytes(s.memory.total())).collect();
+    let budgets: Vec<String> =
+        devices.iter().map(|d| d.budget_bytes.map_or("unlimited".to_string(), format_bytes)).collect();
+    let largest_layer = (0..n_nodes).map(|n| costs.param_bytes(n, n + 1)).max().unwrap_or(0);
+    let per_param = 2 + config.optimizer.state_factor();
+    let smallest_budget = devices.iter().filter_map(|d| d.budget_bytes).min().unwrap_or(u64::MAX);
+    let mut suggestion = String::new();
+    if largest_layer * per_param > smallest_budget {
+        suggestion.push_str(&format!(
+            "one layer alone needs {} for parameters, gradients and optimizer state: split it with tensor parallelism; ",
+            format_bytes(largest_layer * per_param)
+        ));
+    }
+    suggestion.push_str("more stages (devices), larger budgets, activation recomputation, smaller micro-batches");
+    if config.optimizer.state_factor() > 0 {
+        suggestion.push_str(", or an optimizer with less state (plain SGD)");
+    }
+    Ok(Error::DoesNotFit {
+        n_stages,
+        smallest_need: format!("[{}]", needs.join(", ")),
+        budgets: format!("[{}]", budgets.join(", ")),
+        suggestion,
+    })
+}

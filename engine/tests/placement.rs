@@ -1,0 +1,228 @@
+//! Graph building and stage placement: shape inference errors, manual placement checks, automatic
+//! placement against brute force, and memory budgets.
+use conveyor_engine::graph::Graph;
+use conveyor_engine::placement::{
+    DeviceSpec, Link, OptimizerMemory, PlanConfig, place_automatically, place_manually,
+};
+use conveyor_engine::{Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
+
+/// A layer that only has costs: `flops` per sample for each pass, `params` f32 parameters,
+/// width-preserving shapes. Enough for the planner, which never runs a layer.
+#[derive(Debug)]
+struct CostLayer {
+    width: usize,
+    flops: u64,
+    params: u64,
+    n_inputs: usize,
+}
+
+impl Layer for CostLayer {
+    fn kind(&self) -> &'static str {
+        "Cost"
+    }
+    fn n_inputs(&self) -> usize {
+        self.n_inputs
+    }
+    fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape> {
+        for s in input_shapes {
+            if s.dims() != [self.width] {
+                return Err(Error::shape("Cost", format!("[{}]", self.width), s.to_string()));
+            }
+        }
+        Ok(Shape::new([self.width]))
+    }
+    fn parameters(&self) -> &[Parameter] {
+        &[]
+    }
+    fn parameters_mut(&mut self) -> &mut [Parameter] {
+        &mut []
+    }
+    fn forward(&self, _: &[&Tensor], _: &ForwardCtx) -> Result<(Tensor, Saved)> {
+        unreachable!("the planner never runs layers")
+    }
+    fn backward_input(&self, _: &Saved, _: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        unreachable!("the planner never runs layers")
+    }
+    fn backward_weight(&self, _: &Saved, _: &Tensor, _: &mut [Tensor]) -> Result<()> {
+        unreachable!("the planner never runs layers")
+    }
+    fn cost(&self, _: &[Shape]) -> Result<LayerCost> {
+        Ok(LayerCost {
+            forward_flops_per_sample: self.flops,
+            backward_input_flops_per_sample: self.flops,
+            backward_weight_flops_per_sample: self.flops,
+            param_bytes: self.params * 4,
+            activation_bytes_per_sample: self.width as u64 * 4,
+            output_bytes_per_sample: self.width as u64 * 4,
+        })
+    }
+}
+
+fn cost_layer(flops: u64, params: u64) -> CostLayer {
+    CostLayer { width: 8, flops, params, n_inputs: 1 }
+}
+
+fn chain(flops: &[u64], params: &[u64]) -> Graph {
+    let mut g = Graph::new();
+    let mut x = g.input("x", [8]).unwrap();
+    for (i, (&f, &p)) in flops.iter().zip(params).enumerate() {
+        x = g.add(&format!("l{i}"), cost_layer(f, p), &[x]).unwrap();
+    }
+    g.set_output(x).unwrap();
+    g
+}
+
+fn devices(n: usize, budget: Option<u64>) -> Vec<DeviceSpec> {
+    (0..n).map(|i| DeviceSpec { name: format!("cpu:{i}"), flops_per_s: 1e9, budget_bytes: budget }).collect()
+}
+
+/// 1F1B in-flight counts: stage s of p holds min(m, p - s) micro-batches.
+fn config(micro_batches: usize, optimizer: OptimizerMemory) -> PlanConfig {
+    PlanConfig::new(
+        4,
+        8,
+        |p| (0..p).map(|s| micro_batches.min(p - s)).collect(),
+        optimizer,
+        Link { latency_s: 0.0, bandwidth_bytes_per_s: f64::INFINITY },
+    )
+}
+
+/// Every way of cutting `n` nodes into `p` non-empty contiguous stages.
+fn all_cuts(n: usize, p: usize) -> Vec<Vec<usize>> {
+    fn rec(start: usize, n: usize, left: usize, cuts: &mut Vec<usize>, out: &mut Vec<Vec<usize>>) {
+        if left == 1 {
+            let mut c = cuts.clone();
+            c.push(n);
+            out.push(c);
+            return;
+        }
+        for next in start + 1..=n - (left - 1) {
+            cuts.push(next);
+            rec(next, n, left - 1, cuts, out);
+            cuts.pop();
+        }
+    }
+    let mut out = Vec::new();
+    rec(0, n, p, &mut vec![0], &mut out);
+    out
+}
+
+fn brute_force_bottleneck(flops: &[u64], p: usize) -> f64 {
+    all_cuts(flops.len(), p)
+        .iter()
+        .map(|cuts| {
+            cuts.windows(2).map(|w| flops[w[0]..w[1]].iter().sum::<u64>() as f64 * 3.0 * 4.0 / 1e9).fold(0.0, f64::max)
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+#[test]
+fn automatic_placement_matches_brute_force_on_uneven_chains() {
+    let mut seed = 12345u64;
+    let mut next = || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (seed >> 33) % 1000 + 1
+    };
+    for case in 0..40 {
+        let n = 4 + case % 9;
+        let p = 1 + case % 4;
+        let flops: Vec<u64> = (0..n).map(|_| next() * 1000).collect();
+        let g = chain(&flops, &vec![0; n]);
+        let plan = place_automatically(&g, &devices(p, None), &config(8, OptimizerMemory::Sgd)).unwrap();
+        let optimal = brute_force_bottleneck(&flops, p);
+        assert!((plan.bottleneck_s() - optimal).abs() <= 1e-12 * optimal, "case {case}: {} vs {optimal}", plan.bottleneck_s());
+        assert_eq!(plan.stages.len(), p);
+    }
+}
+
+#[test]
+fn sixteen_uneven_layers_on_four_devices_within_five_percent_of_optimal() {
+    let widths = [64u64, 512, 128, 1024, 32, 256, 2048, 64, 96, 768, 512, 16, 1024, 384, 128, 10];
+    let flops: Vec<u64> = widths.windows(2).map(|w| 2 * w[0] * w[1]).chain([2 * 10 * 64]).collect();
+    let g = chain(&flops, &vec![0; flops.len()]);
+    let plan = place_automatically(&g, &devices(4, None), &config(8, OptimizerMemory::Sgd)).unwrap();
+    let optimal = brute_force_bottleneck(&flops, 4);
+    assert!(plan.bottleneck_s() <= optimal * 1.05, "{} vs optimal {optimal}", plan.bottleneck_s());
+}
+
+#[test]
+fn model_four_times_one_budget_fits_on_four_devices_not_one() {
+    // 16 layers of 1M parameters with Adam: 16 MiB x 4 (param, grad, two moments) = 256 MiB.
+    let params = vec![1 << 20; 16];
+    let g = chain(&vec![1000; 16], &params);
+    let budget = 72 << 20; // a quarter of 256 MiB plus room for activations
+    let cfg = config(8, OptimizerMemory::Adam);
+    let plan = place_automatically(&g, &devices(4, Some(budget)), &cfg).unwrap();
+    for stage in &plan.stages {
+        assert!(stage.memory.total() <= budget, "stage {} needs {}", stage.stage_idx, stage.memory.total());
+        assert_eq!(stage.memory.optimizer_state, 2 * stage.memory.params);
+    }
+    let err = place_automatically(&g, &devices(1, Some(budget)), &cfg).unwrap_err();
+    match &err {
+        Error::DoesNotFit { n_stages: 1, suggestion, .. } => assert!(suggestion.contains("more stages"), "{err}"),
+        other => panic!("expected DoesNotFit, got {other}"),
+    }
+}
+
+#[test]
+fn manual_placement_checks_graph_order_and_names() {
+    let g = chain(&[1, 2, 3, 4], &[0; 4]);
+    let cfg = config(4, OptimizerMemory::Sgd);
+    let names = |stages: &[&[&str]]| -> Vec<Vec<String>> {
+        stages.iter().map(|s| s.iter().map(|n| n.to_string()).collect()).collect()
+    };
+    let plan = place_manually(&g, &names(&[&["l0..l2"], &["l3"]]), &devices(2, None), &cfg).unwrap();
+    assert_eq!(plan.stages[0].node_names, ["l0", "l1", "l2"]);
+    assert_eq!(plan.stages[1].node_names, ["l3"]);
+
+    let err = place_manually(&g, &names(&[&["l0", "l2", "l3"], &["l1"]]), &devices(2, None), &cfg).unwrap_err();
+    assert!(err.to_string().contains("consumes `l1` from the later stage 1"), "{err}");
+    let err = place_manually(&g, &names(&[&["l0", "l1"], &["l2", "fc9"]]), &devices(2, None), &cfg).unwrap_err();
+    assert!(err.to_string().contains("no node named `fc9`"), "{err}");
+    let err = place_manually(&g, &names(&[&["l0", "l1"], &["l2"]]), &devices(2, None), &cfg).unwrap_err();
+    assert!(err.to_string().contains("`l3` is not placed"), "{err}");
+}
+
+#[test]
+fn graph_builder_infers_shapes_and_rejects_bad_graphs() {
+    let mut g = Graph::new();
+    let x = g.input("x", [8]).unwrap();
+    let a = g.add("a", cost_layer(1, 0), &[x]).unwrap();
+    let b = g.add("b", cost_layer(1, 0), &[a]).unwrap();
+    // A residual join: one output (a) feeds two nodes.
+    let sum = g.add("sum", CostLayer { width: 8, flops: 1, params: 0, n_inputs: 2 }, &[a, b]).unwrap();
+    assert_eq!(g.predecessors(sum), vec![a, b]);
+    assert_eq!(g.successors(a), vec![b, sum]);
+    g.set_output(sum).unwrap();
+    g.validate().unwrap();
+
+    let err = g.add("wide", CostLayer { width: 16, flops: 1, params: 0, n_inputs: 1 }, &[sum]).unwrap_err();
+    assert!(err.to_string().contains("node `wide`") && err.to_string().contains("expected [16], got [8]"), "{err}");
+    // `wide` was refused, so the graph is still valid; a dangling node is not.
+    g.add("dangling", cost_layer(1, 0), &[x]).unwrap();
+    assert!(g.validate().unwrap_err().to_string().contains("`dangling` is dangling"));
+    assert!(g.add("a", cost_layer(1, 0), &[x]).unwrap_err().to_string().contains("already in the graph"));
+    let mut other = Graph::new();
+    assert!(other.add("z", cost_layer(1, 0), &[sum]).unwrap_err().to_string().contains("not in this graph"));
+}
+
+#[test]
+fn skip_edges_go_straight_to_their_consumer_stage() {
+    // x -> a -> b -> c -> add(a, c): the edge a -> add skips stage 1 when placed on 3 stages.
+    let mut g = Graph::new();
+    let x = g.input("x", [8]).unwrap();
+    let a = g.add("a", cost_layer(10, 0), &[x]).unwrap();
+    let b = g.add("b", cost_layer(10, 0), &[a]).unwrap();
+    let c = g.add("c", cost_layer(10, 0), &[b]).unwrap();
+    let out = g.add("add", CostLayer { width: 8, flops: 10, params: 0, n_inputs: 2 }, &[a, c]).unwrap();
+    g.set_output(out).unwrap();
+    let plan = place_automatically(&g, &devices(3, None), &config(4, OptimizerMemory::Sgd)).unwrap();
+    let stage_of = plan.stage_of_nodes();
+    for (node, stage) in &stage_of {
+        for p in g.predecessors(*node) {
+            if let Some((_, ps)) = stage_of.iter().find(|(n, _)| *n == p) {
+                assert!(ps <= stage);
+            }
+        }
+    }
+}
