@@ -1,4 +1,7 @@
-//! Conveyor facade: re-exports the engine, layers and schedules so users depend on one crate.
+//! Conveyor facade: re-exports the engine, layers and schedules so users depend on one crate,
+//! and holds the model zoo the CLI and examples share.
 pub use conveyor_engine as engine;
 pub use conveyor_layers as layers;
 pub use conveyor_schedules as schedules;
+
+pub mod zoo;

@@ -85,6 +85,26 @@ pub enum Error {
         /// What would make it fit.
         suggestion: String,
     },
+    /// A pipeline stage failed during a step; the step was abandoned and no parameter changed.
+    #[error(
+        "stage {stage_idx} on {device} failed at {op}{}: {message}; the step was abandoned and no parameter changed",
+        micro_batch_idx.map(|m| format!(" of micro-batch {m}")).unwrap_or_default()
+    )]
+    StageFailed {
+        /// The stage.
+        stage_idx: usize,
+        /// Its device.
+        device: String,
+        /// The op (forward, backward_input, ...).
+        op: String,
+        /// The micro-batch, when the op had one.
+        micro_batch_idx: Option<usize>,
+        /// What went wrong (an error's message or a panic's payload).
+        message: String,
+    },
+    /// The schedule could not be built or validated.
+    #[error(transparent)]
+    Schedule(#[from] conveyor_schedules::ScheduleError),
     /// An I/O error, with the path it concerns.
     #[error("{path}: {source}")]
     Io {

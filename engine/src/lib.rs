@@ -16,6 +16,7 @@ pub mod init;
 mod layer;
 pub mod optim;
 pub mod placement;
+pub mod runtime;
 mod shape;
 mod tensor;
 

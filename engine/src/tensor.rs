@@ -217,6 +217,22 @@ impl Tensor {
         Tensor::from_storage(storage, self.shape.clone(), device)
     }
 
+    /// Moves this tensor onto `device` without copying its elements: the bytes are reserved on
+    /// the target's ledger and released from the source's (a host-memory stand-in for a
+    /// device-to-device transfer).
+    pub fn move_to_device(self, device: &Device) -> Result<Tensor> {
+        if self.device.same_device(device) {
+            return Ok(self);
+        }
+        if let Device::Cuda(_) = device {
+            return Err(Error::CudaUnavailable(format!(
+                "{device}: CUDA tensors are not implemented yet in this build; use cpu devices"
+            )));
+        }
+        let reservation = device.reserve(self.size_in_bytes() as u64)?;
+        Ok(Tensor { shape: self.shape, storage: self.storage, device: device.clone(), _reservation: reservation })
+    }
+
     /// A copy on the same device.
     pub fn try_clone(&self) -> Result<Tensor> {
         self.to_device(&self.device)

@@ -1,11 +1,180 @@
 //! `conveyor simulate`: builds a schedule, validates it and prints the simulated timeline.
+use anyhow::Context;
 use clap::Args;
+use conveyor_schedules::{
+    CostModel, Link, MessageBytes, Schedule, ScheduleError, ScheduleKind, StageCosts,
+    render_timeline, simulate, validate,
+};
+
+/// Channel capacity the schedule is validated with before it is simulated: the tightest
+/// bounded channel, one message in flight per (from stage, to stage, direction).
+const VALIDATION_CHANNEL_CAPACITY: usize = 1;
 
 /// Arguments of `conveyor simulate`.
 #[derive(Args, Debug)]
-pub struct SimulateArgs {}
+pub struct SimulateArgs {
+    /// Schedule to simulate: gpipe, 1f1b, interleaved, zb-h1 or zb-h2.
+    #[arg(long, value_name = "NAME")]
+    pub schedule: ScheduleKind,
+    /// Pipeline depth P: the number of devices (with interleaved, each device holds V chunks).
+    #[arg(long, value_name = "P")]
+    pub stages: usize,
+    /// Micro-batches M per optimizer step.
+    #[arg(long, value_name = "M")]
+    pub microbatches: usize,
+    /// Chunks (virtual stages) per device V; interleaved only, default 2.
+    #[arg(long, value_name = "V")]
+    pub chunks: Option<usize>,
+    /// Seconds per micro-batch per stage of forward, backward-input and backward-weight; a fused
+    /// backward costs B + W.
+    #[arg(long, value_name = "F,B,W", default_value = "1,1,1")]
+    pub costs: String,
+    /// Link latency per message between devices, seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = 0.0)]
+    pub latency: f64,
+    /// Link bandwidth, bytes per second (default: unlimited).
+    #[arg(long, value_name = "BYTES_PER_S")]
+    pub bandwidth: Option<f64>,
+    /// Bytes of every activation and gradient message between stages.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub message_bytes: u64,
+    /// Print one JSON object (makespan, bubble_fraction, peak_inflight, events, ...) instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
 
 /// Runs `conveyor simulate`.
-pub fn run(_args: SimulateArgs) -> anyhow::Result<()> {
-    Err(super::usage("conveyor simulate is not built yet"))
+pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
+    let n_chunks = match (args.chunks, args.schedule.supports_chunks()) {
+        (Some(_), false) => {
+            return Err(super::usage(format!(
+                "--chunks applies only to --schedule interleaved; {} places one stage per device, drop --chunks",
+                args.schedule
+            )));
+        }
+        (Some(n_chunks), true) => n_chunks,
+        (None, true) => 2,
+        (None, false) => 1,
+    };
+    let stage_costs = parse_costs(&args.costs)?;
+    if !(args.latency.is_finite() && args.latency >= 0.0) {
+        return Err(super::usage(format!(
+            "--latency must be a finite number of seconds >= 0, got {}",
+            args.latency
+        )));
+    }
+    let bandwidth = args.bandwidth.unwrap_or(f64::INFINITY);
+    if bandwidth.is_nan() || bandwidth <= 0.0 {
+        return Err(super::usage(format!(
+            "--bandwidth must be > 0 bytes per second, got {bandwidth}"
+        )));
+    }
+    let schedule =
+        Schedule::new(args.schedule, args.stages, args.microbatches, n_chunks).map_err(|err| {
+            // Undefined shapes are the user's to fix: name the flag.
+            let hint = match err {
+                ScheduleError::ZeroParameter {
+                    parameter: "n_devices",
+                    ..
+                } => " (--stages)",
+                ScheduleError::ZeroParameter {
+                    parameter: "n_micro_batches",
+                    ..
+                } => " (--microbatches)",
+                ScheduleError::ZeroParameter {
+                    parameter: "n_chunks",
+                    ..
+                } => " (--chunks)",
+                _ => "",
+            };
+            super::usage(format!("{err}{hint}"))
+        })?;
+    validate(&schedule, VALIDATION_CHANNEL_CAPACITY)
+        .with_context(|| format!("generated {} schedule failed validation", schedule.kind()))?;
+    let costs = CostModel::uniform(stage_costs)
+        .with_link(Link {
+            latency_s: args.latency,
+            bandwidth_bytes_per_s: bandwidth,
+        })
+        .with_message_bytes(MessageBytes {
+            activation_bytes: args.message_bytes,
+            gradient_bytes: args.message_bytes,
+        });
+    let report = simulate(&schedule, &costs).context("simulating the schedule")?;
+    if args.json {
+        let output = serde_json::json!({
+            "schedule": schedule.kind(),
+            "stages": schedule.n_devices(),
+            "microbatches": schedule.n_micro_batches(),
+            "chunks": schedule.n_chunks(),
+            "makespan": report.makespan_s,
+            "bubble_fraction": report.bubble_fraction,
+            "interior_bubble_fraction": report.interior_bubble_fraction,
+            "busy": report.busy_s,
+            "peak_inflight": report.peak_inflight,
+            "peak_inflight_per_device": report.peak_inflight_per_device,
+            "events": report.timeline.events,
+        });
+        println!("{}", serde_json::to_string(&output)?);
+        return Ok(());
+    }
+    println!(
+        "schedule {}: p = {} devices, m = {} micro-batches, v = {} chunks per device ({} stages)",
+        schedule.kind(),
+        schedule.n_devices(),
+        schedule.n_micro_batches(),
+        schedule.n_chunks(),
+        schedule.n_stages()
+    );
+    println!(
+        "costs F = {} s, B = {} s, W = {} s; F forward, B fused backward, I input gradient, W weight gradient, \
+         :c chunk, . idle",
+        stage_costs.forward_s, stage_costs.backward_input_s, stage_costs.backward_weight_s
+    );
+    print!("{}", render_timeline(&report.timeline));
+    println!("makespan: {} s", report.makespan_s);
+    println!(
+        "bubble fraction: {:.4} (inside each device's busy span: {:.4})",
+        report.bubble_fraction, report.interior_bubble_fraction
+    );
+    println!(
+        "peak in-flight micro-batches per stage: {:?}",
+        report.peak_inflight
+    );
+    if schedule.n_chunks() > 1 {
+        println!(
+            "peak in-flight (micro-batch, stage) pairs per device: {:?}",
+            report.peak_inflight_per_device
+        );
+    }
+    Ok(())
+}
+
+/// Parses `F,B,W` seconds.
+fn parse_costs(text: &str) -> anyhow::Result<StageCosts> {
+    let malformed = |why: String| {
+        super::usage(format!(
+            "--costs {text:?} is malformed: {why}; give three seconds F,B,W, e.g. --costs 1,1,1"
+        ))
+    };
+    let parts: Vec<&str> = text.split(',').map(str::trim).collect();
+    let [forward, backward_input, backward_weight] = parts.as_slice() else {
+        return Err(malformed(format!(
+            "expected 3 comma-separated numbers, found {}",
+            parts.len()
+        )));
+    };
+    let mut values = [0.0; 3];
+    for (value, part) in values
+        .iter_mut()
+        .zip([forward, backward_input, backward_weight])
+    {
+        *value = part
+            .parse::<f64>()
+            .map_err(|_| malformed(format!("{part:?} is not a number")))?;
+        if !(value.is_finite() && *value >= 0.0) {
+            return Err(malformed(format!("{part} is not a finite number >= 0")));
+        }
+    }
+    Ok(StageCosts::new(values[0], values[1], values[2]))
 }

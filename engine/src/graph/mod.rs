@@ -260,6 +260,11 @@ impl Graph {
         }
     }
 
+    /// Every parameter's full name (`node.param`) in node order, without shapes.
+    pub fn parameter_names_in_order(&self) -> Vec<String> {
+        self.parameter_names().into_iter().map(|(name, _)| name).collect()
+    }
+
     /// Every parameter as `(node.param, shape)`, in node order — PyTorch's state-dict names when
     /// nodes are named like a module's children (`0`, `2`, ... for nn.Sequential).
     pub fn parameter_names(&self) -> Vec<(String, Shape)> {

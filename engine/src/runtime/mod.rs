@@ -1,0 +1,76 @@
+//! The pipeline runtime: one worker thread per device executing its instruction list from
+//! `conveyor-schedules`, micro-batches streaming through bounded crossbeam channels, and a
+//! [`Trainer`] (API Boundary) tying graph, placement, schedule and devices together.
+//!
+//! Why it cannot hang: every channel is bounded by the number of micro-batches, and each
+//! (sender, receiver, direction) pair carries at most one message per micro-batch per step, so a
+//! send never blocks. A receive waits only for a message that an earlier instruction of the same
+//! micro-batch's dependency chain sends, and the schedule validator proves every device reaches
+//! that instruction. Faults close a per-step abort channel that every blocking receive selects on.
+//!
+//! Why results equal one device's: each layer does the same arithmetic wherever it runs, the loss
+//! of every micro-batch is divided by the full batch size, and weight gradients are accumulated in
+//! micro-batch order on every stage whatever order the schedule computes them in.
+mod stage;
+mod trainer;
+mod worker;
+
+pub use trainer::{Trainer, TrainerBuilder};
+
+use conveyor_schedules::OpKind;
+
+/// Activation recomputation (torchgpipe's checkpoint modes), chosen per stage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Recompute {
+    /// Keep every activation a backward needs (fastest, most memory).
+    #[default]
+    Never,
+    /// Recompute every micro-batch but the last one of the step (torchgpipe's `except_last`: the
+    /// last micro-batch's backward follows its forward closely, so keeping it costs little).
+    ExceptLast,
+    /// Keep only each stage's inputs and recompute its forward before the backward.
+    Always,
+}
+
+impl std::str::FromStr for Recompute {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> crate::Result<Self> {
+        match s {
+            "never" => Ok(Recompute::Never),
+            "except-last" | "except_last" => Ok(Recompute::ExceptLast),
+            "always" => Ok(Recompute::Always),
+            other => Err(crate::Error::invalid("recompute", format!("`{other}`: use never, except-last or always"))),
+        }
+    }
+}
+
+/// A deliberate failure, for testing fault handling: the given op of the given stage and
+/// micro-batch returns an error (or panics) instead of computing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FaultInjection {
+    /// The stage that fails.
+    pub stage_idx: usize,
+    /// The op that fails (Forward, BackwardInput, BackwardWeight, Backward, OptimizerStep, Recompute).
+    pub op: OpKind,
+    /// The micro-batch (ignored for the optimizer step).
+    pub micro_batch_idx: usize,
+    /// Panic instead of returning an error.
+    pub panic: bool,
+}
+
+/// What one optimizer step reports.
+#[derive(Clone, Debug)]
+pub struct StepReport {
+    /// The full-batch mean loss.
+    pub loss: f64,
+    /// Peak bytes in use on each device during the step, device 0 first.
+    pub peak_memory: Vec<u64>,
+    /// Peak bytes of activations (saved tensors and kept inputs) per stage during the step.
+    pub peak_activation_bytes: Vec<u64>,
+    /// Every op executed, with its start and end relative to the step's start.
+    pub timeline: conveyor_schedules::Timeline,
+    /// Wall time of the step, seconds.
+    pub step_s: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+}

@@ -1,0 +1,391 @@
+//! One pipeline stage on its worker: its layers, gradients, optimizer and the per-micro-batch
+//! state between forward and backward. Knows nothing of channels; the worker moves messages.
+use std::collections::BTreeSet;
+
+use super::Recompute;
+use crate::graph::NodeId;
+use crate::optim::Optimizer;
+use crate::{Device, Error, ForwardCtx, Layer, Loss, Result, Saved, Tensor};
+
+/// A layer node as its stage runs it.
+#[derive(Debug)]
+pub(crate) struct NodeExec {
+    pub id: NodeId,
+    pub name: String,
+    pub layer: Box<dyn Layer>,
+    /// Producers of the node's inputs, in input order.
+    pub inputs: Vec<NodeId>,
+    /// Gradients, aligned with the layer's parameters.
+    pub grads: Vec<Tensor>,
+}
+
+/// Node outputs that cross from one stage to another, for one peer stage.
+#[derive(Clone, Debug)]
+pub(crate) struct Route {
+    pub peer_stage_idx: usize,
+    pub nodes: Vec<NodeId>,
+}
+
+/// Tensors of one message, each tagged with the node whose output (or output gradient) it is.
+pub(crate) type Payload = Vec<(NodeId, Tensor)>;
+
+#[derive(Debug, Default)]
+struct MicroBatchState {
+    /// Stage inputs kept for recomputation.
+    kept_inputs: Payload,
+    /// Per local node: what its forward saved.
+    saved: Vec<Option<Saved>>,
+    /// Per local node: gradient of its output (accumulated, then kept for the weight pass).
+    grad_out: Vec<Option<Tensor>>,
+    /// Labels, on the stage holding the graph output.
+    labels: Vec<usize>,
+}
+
+impl MicroBatchState {
+    fn activation_bytes(&self) -> u64 {
+        let kept: usize = self.kept_inputs.iter().map(|(_, t)| t.size_in_bytes()).sum();
+        let saved: usize = self.saved.iter().flatten().map(Saved::size_in_bytes).sum();
+        (kept + saved) as u64
+    }
+}
+
+/// A stage: its nodes in execution order, routes to other stages, and step state.
+#[derive(Debug)]
+pub(crate) struct Stage {
+    pub stage_idx: usize,
+    pub device: Device,
+    pub nodes: Vec<NodeExec>,
+    /// Graph inputs this stage reads from the batch.
+    pub data_inputs: Vec<NodeId>,
+    /// Producer stages and which of their node outputs this stage receives.
+    pub recv_from: Vec<Route>,
+    /// Consumer stages and which of this stage's node outputs they receive.
+    pub send_to: Vec<Route>,
+    /// The graph's output node, when it lives here.
+    pub output_node: Option<NodeId>,
+    pub recompute: Recompute,
+    pub optimizer: Optimizer,
+    micro_batches: Vec<MicroBatchState>,
+    next_weight_micro_batch: usize,
+    deferred_weight: BTreeSet<usize>,
+    pub peak_activation_bytes: u64,
+}
+
+/// Everything a forward or backward needs from the step, shared by all stages.
+pub(crate) struct StepCtx<'a> {
+    pub step_idx: u64,
+    pub seed: u64,
+    pub n_micro_batches: usize,
+    pub normalizer: f32,
+    pub loss: &'a dyn Loss,
+    pub training: bool,
+}
+
+impl StepCtx<'_> {
+    /// The dropout seed of one node on one micro-batch of this step: the same wherever the node
+    /// runs and whether or not it is recomputed.
+    fn node_seed(&self, micro_batch_idx: usize, node: NodeId) -> u64 {
+        let mut h = self.seed ^ 0x9E37_79B9_7F4A_7C15;
+        for v in [self.step_idx, micro_batch_idx as u64, node.index() as u64] {
+            h = (h ^ v).wrapping_mul(0x0100_0000_01B3).rotate_left(17) ^ (h >> 29);
+        }
+        h
+    }
+}
+
+impl Stage {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        stage_idx: usize,
+        device: Device,
+        nodes: Vec<NodeExec>,
+        data_inputs: Vec<NodeId>,
+        recv_from: Vec<Route>,
+        send_to: Vec<Route>,
+        output_node: Option<NodeId>,
+        recompute: Recompute,
+        optimizer: Optimizer,
+    ) -> Stage {
+        Stage {
+            stage_idx,
+            device,
+            nodes,
+            data_inputs,
+            recv_from,
+            send_to,
+            output_node,
+            recompute,
+            optimizer,
+            micro_batches: Vec::new(),
+            next_weight_micro_batch: 0,
+            deferred_weight: BTreeSet::new(),
+            peak_activation_bytes: 0,
+        }
+    }
+
+    /// Clears step state and zeroes the gradients for a step of `n_micro_batches`.
+    pub fn begin_step(&mut self, n_micro_batches: usize) {
+        self.micro_batches = (0..n_micro_batches).map(|_| MicroBatchState::default()).collect();
+        self.next_weight_micro_batch = 0;
+        self.deferred_weight.clear();
+        self.peak_activation_bytes = 0;
+        for node in &mut self.nodes {
+            node.grads.iter_mut().for_each(Tensor::fill_zero);
+        }
+    }
+
+    /// Drops all step state (after a step or an abort); parameters are untouched.
+    pub fn end_step(&mut self) {
+        self.micro_batches.clear();
+        self.deferred_weight.clear();
+    }
+
+    fn local_index(&self, id: NodeId) -> Option<usize> {
+        self.nodes.iter().position(|n| n.id == id)
+    }
+
+    fn micro_batch(&mut self, micro_batch_idx: usize) -> Result<&mut MicroBatchState> {
+        let stage_idx = self.stage_idx;
+        self.micro_batches.get_mut(micro_batch_idx).ok_or_else(|| {
+            Error::invalid("micro_batch_idx", format!("stage {stage_idx} has no micro-batch {micro_batch_idx} in this step"))
+        })
+    }
+
+    fn note_activation_bytes(&mut self) {
+        let bytes: u64 = self.micro_batches.iter().map(MicroBatchState::activation_bytes).sum();
+        self.peak_activation_bytes = self.peak_activation_bytes.max(bytes);
+    }
+
+    fn recomputes(&self, micro_batch_idx: usize, n_micro_batches: usize) -> bool {
+        match self.recompute {
+            Recompute::Never => false,
+            Recompute::Always => true,
+            Recompute::ExceptLast => micro_batch_idx + 1 < n_micro_batches,
+        }
+    }
+
+    /// Runs the stage's layers on `inputs`; returns each node's saved state and the outputs other
+    /// stages or the loss need.
+    fn run_layers(&self, ctx: &StepCtx<'_>, micro_batch_idx: usize, inputs: &Payload) -> Result<(Vec<Saved>, Payload)> {
+        let mut values: Vec<Option<Tensor>> = Vec::with_capacity(self.nodes.len());
+        let mut saved = Vec::with_capacity(self.nodes.len());
+        for node in &self.nodes {
+            let mut args: Vec<&Tensor> = Vec::with_capacity(node.inputs.len());
+            for input in &node.inputs {
+                let tensor = match self.local_index(*input) {
+                    Some(j) => values[j].as_ref(),
+                    None => inputs.iter().find(|(id, _)| id == input).map(|(_, t)| t),
+                };
+                args.push(tensor.ok_or_else(|| {
+                    Error::invalid("stage inputs", format!("node `{}` on stage {} lacks an input", node.name, self.stage_idx))
+                })?);
+            }
+            let fctx = ForwardCtx { training: ctx.training, seed: ctx.node_seed(micro_batch_idx, node.id) };
+            let (out, node_saved) = node.layer.forward(&args, &fctx)?;
+            values.push(Some(out));
+            saved.push(node_saved);
+        }
+        let mut outputs = Payload::new();
+        let wanted = |id: NodeId| self.send_to.iter().any(|r| r.nodes.contains(&id)) || self.output_node == Some(id);
+        for (node, value) in self.nodes.iter().zip(values) {
+            if wanted(node.id)
+                && let Some(value) = value
+            {
+                outputs.push((node.id, value));
+            }
+        }
+        Ok((saved, outputs))
+    }
+
+    /// Forward of one micro-batch. Returns the messages for consumer stages (on this device; the
+    /// worker moves them), the loss of the micro-batch when the output is here, and in evaluation
+    /// mode the graph output.
+    pub fn forward(
+        &mut self,
+        ctx: &StepCtx<'_>,
+        micro_batch_idx: usize,
+        inputs: Payload,
+        labels: Vec<usize>,
+    ) -> Result<(Vec<(usize, Payload)>, Option<f64>, Option<Tensor>)> {
+        let (saved, mut outputs) = self.run_layers(ctx, micro_batch_idx, &inputs)?;
+        let mut loss_value = None;
+        let mut eval_output = None;
+        let n_nodes = self.nodes.len();
+        let recompute = ctx.training && self.recomputes(micro_batch_idx, ctx.n_micro_batches);
+        let mut grad_out: Vec<Option<Tensor>> = (0..n_nodes).map(|_| None).collect();
+        if let Some(output_id) = self.output_node {
+            let position = outputs.iter().position(|(id, _)| *id == output_id).expect("output node is always kept");
+            let sent_elsewhere = self.send_to.iter().any(|r| r.nodes.contains(&output_id));
+            let output = if sent_elsewhere { outputs[position].1.try_clone()? } else { outputs.remove(position).1 };
+            if ctx.training {
+                let (loss, grad) = ctx.loss.loss_and_grad(&output, &labels, ctx.normalizer)?;
+                loss_value = Some(loss);
+                grad_out[self.local_index(output_id).expect("output node is local")] = Some(grad);
+            } else {
+                eval_output = Some(output);
+            }
+        }
+        let mut messages = Vec::with_capacity(self.send_to.len());
+        for (k, route) in self.send_to.iter().enumerate() {
+            let last_route_for = |id: NodeId| !self.send_to[k + 1..].iter().any(|r| r.nodes.contains(&id));
+            let mut payload = Payload::with_capacity(route.nodes.len());
+            for id in &route.nodes {
+                let position = outputs.iter().position(|(o, _)| o == id).expect("routed outputs are kept");
+                let tensor = if last_route_for(*id) { outputs.remove(position).1 } else { outputs[position].1.try_clone()? };
+                payload.push((*id, tensor));
+            }
+            messages.push((route.peer_stage_idx, payload));
+        }
+        if ctx.training {
+            let state = self.micro_batch(micro_batch_idx)?;
+            state.labels = labels;
+            state.grad_out = grad_out;
+            if recompute {
+                state.kept_inputs = inputs;
+                state.saved = (0..n_nodes).map(|_| None).collect();
+            } else {
+                state.saved = saved.into_iter().map(Some).collect();
+            }
+            self.note_activation_bytes();
+        }
+        Ok((messages, loss_value, eval_output))
+    }
+
+    /// True when the micro-batch's activations were dropped and must be recomputed before backward.
+    pub fn needs_recompute(&self, micro_batch_idx: usize) -> bool {
+        self.micro_batches.get(micro_batch_idx).is_some_and(|s| s.saved.iter().any(Option::is_none))
+    }
+
+    /// Re-runs the forward of a micro-batch from its kept inputs to restore what backward needs.
+    pub fn recompute(&mut self, ctx: &StepCtx<'_>, micro_batch_idx: usize) -> Result<()> {
+        let inputs = std::mem::take(&mut self.micro_batch(micro_batch_idx)?.kept_inputs);
+        let (saved, _) = self.run_layers(ctx, micro_batch_idx, &inputs)?;
+        let state = self.micro_batch(micro_batch_idx)?;
+        state.saved = saved.into_iter().map(Some).collect();
+        self.note_activation_bytes();
+        Ok(())
+    }
+
+    /// Input-gradient pass of one micro-batch. `received` holds gradient messages from consumer
+    /// stages, highest stage first. With `fused`, the weight pass runs right after. Returns the
+    /// gradient messages for producer stages (on this device).
+    pub fn backward_input(
+        &mut self,
+        micro_batch_idx: usize,
+        received: Vec<Payload>,
+        fused: bool,
+    ) -> Result<Vec<(usize, Payload)>> {
+        let stage_idx = self.stage_idx;
+        let n_nodes = self.nodes.len();
+        let mut grad_out = std::mem::take(&mut self.micro_batch(micro_batch_idx)?.grad_out);
+        if grad_out.len() != n_nodes {
+            return Err(Error::invalid("backward", format!("stage {stage_idx}: micro-batch {micro_batch_idx} has no forward")));
+        }
+        for payload in received {
+            for (id, grad) in payload {
+                let j = self.local_index(id).ok_or_else(|| {
+                    Error::invalid("gradient message", format!("stage {stage_idx} got a gradient for a node it does not hold"))
+                })?;
+                accumulate(&mut grad_out[j], grad)?;
+            }
+        }
+        let mut outgoing: Vec<(usize, Payload)> = self.recv_from.iter().map(|r| (r.peer_stage_idx, Payload::new())).collect();
+        let saved = std::mem::take(&mut self.micro_batch(micro_batch_idx)?.saved);
+        for j in (0..n_nodes).rev() {
+            let node = &self.nodes[j];
+            let grad = grad_out[j].as_ref().ok_or_else(|| {
+                Error::invalid("backward", format!("stage {stage_idx}: no gradient reached node `{}`", node.name))
+            })?;
+            let node_saved = saved[j].as_ref().ok_or_else(|| {
+                Error::invalid("backward", format!("stage {stage_idx}: node `{}` has no saved activations", node.name))
+            })?;
+            let input_grads = node.layer.backward_input(node_saved, grad)?;
+            for (input, input_grad) in node.inputs.clone().into_iter().zip(input_grads) {
+                let Some(input_grad) = input_grad else { continue };
+                if let Some(k) = self.local_index(input) {
+                    accumulate(&mut grad_out[k], input_grad)?;
+                } else if let Some(r) = self.recv_from.iter().position(|r| r.nodes.contains(&input)) {
+                    let payload = &mut outgoing[r].1;
+                    match payload.iter_mut().find(|(id, _)| *id == input) {
+                        Some((_, existing)) => existing.add_assign(&input_grad)?,
+                        None => payload.push((input, input_grad)),
+                    }
+                }
+            }
+        }
+        let state = self.micro_batch(micro_batch_idx)?;
+        state.saved = saved;
+        state.grad_out = grad_out;
+        if fused {
+            self.backward_weight(micro_batch_idx)?;
+        }
+        Ok(outgoing)
+    }
+
+    /// Weight-gradient pass of one micro-batch; frees its activations. Gradients are accumulated
+    /// in micro-batch order on every schedule, so the sums are the same bit for bit: a
+    /// micro-batch whose turn has not come keeps its activations and is computed as soon as every
+    /// earlier micro-batch's weight pass has run.
+    pub fn backward_weight(&mut self, micro_batch_idx: usize) -> Result<()> {
+        if micro_batch_idx != self.next_weight_micro_batch {
+            self.micro_batch(micro_batch_idx)?;
+            self.deferred_weight.insert(micro_batch_idx);
+            return Ok(());
+        }
+        let mut next = Some(micro_batch_idx);
+        while let Some(mb) = next {
+            let state = std::mem::take(self.micro_batch(mb)?);
+            for (j, node) in self.nodes.iter_mut().enumerate() {
+                let (Some(saved), Some(grad)) = (state.saved.get(j).and_then(Option::as_ref), state.grad_out.get(j).and_then(Option::as_ref)) else {
+                    return Err(Error::invalid(
+                        "backward_weight",
+                        format!("stage {}: node `{}` has no input-gradient pass for micro-batch {mb}", self.stage_idx, node.name),
+                    ));
+                };
+                node.layer.backward_weight(saved, grad, &mut node.grads)?;
+            }
+            self.next_weight_micro_batch = mb + 1;
+            next = self.deferred_weight.remove(&(mb + 1)).then_some(mb + 1);
+        }
+        Ok(())
+    }
+
+    /// Sum of squares of this stage's gradients (for global-norm clipping).
+    pub fn grad_sum_of_squares(&self) -> Result<f64> {
+        let grads: Vec<&Tensor> = self.nodes.iter().flat_map(|n| n.grads.iter()).collect();
+        crate::optim::grad_sum_of_squares(&grads)
+    }
+
+    /// Clips (when `max_norm` is set) with the global norm and applies the optimizer.
+    pub fn apply_optimizer(&mut self, max_norm: Option<f64>, global_norm: f64) -> Result<()> {
+        let mut grads: Vec<&mut Tensor> = self.nodes.iter_mut().flat_map(|n| n.grads.iter_mut()).collect();
+        if let Some(max_norm) = max_norm {
+            crate::optim::clip_grads_with_norm(&mut grads, max_norm, global_norm)?;
+        }
+        let mut params: Vec<&mut Tensor> = Vec::new();
+        let mut grad_refs: Vec<&Tensor> = Vec::new();
+        for node in &mut self.nodes {
+            let NodeExec { layer, grads, .. } = node;
+            for (p, g) in layer.parameters_mut().iter_mut().zip(grads.iter()) {
+                params.push(&mut p.value);
+                grad_refs.push(g);
+            }
+        }
+        self.optimizer.step(&mut params, &grad_refs)
+    }
+
+    /// `(node.param, tensor)` for every parameter of the stage.
+    pub fn named_parameters(&self) -> impl Iterator<Item = (String, &Tensor)> {
+        self.nodes.iter().flat_map(|n| n.layer.parameters().iter().map(move |p| (format!("{}.{}", n.name, p.name), &p.value)))
+    }
+}
+
+fn accumulate(slot: &mut Option<Tensor>, grad: Tensor) -> Result<()> {
+    match slot {
+        Some(existing) => existing.add_assign(&grad),
+        None => {
+            *slot = Some(grad);
+            Ok(())
+        }
+    }
+}

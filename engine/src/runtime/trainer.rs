@@ -1,0 +1,670 @@
+//! `Trainer` (API Boundary): builds stages from a graph and a placement, starts one worker thread
+//! per device, and runs training steps, evaluation and parameter transfer through them.
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use conveyor_schedules::{Instruction, Schedule, ScheduleKind, Timeline};
+use crossbeam::channel::{self, Receiver, Sender};
+
+use super::stage::{NodeExec, Payload, Route, Stage};
+use super::worker::{self, Command, Commit, Links, Report, StepJob};
+use super::{FaultInjection, Recompute, StepReport};
+use crate::graph::{Graph, NodeId};
+use crate::optim::{Optimizer, OptimizerConfig};
+use crate::{Device, Error, Loss, Result, Tensor};
+
+/// How long the coordinator waits for a worker's report before declaring the step hung.
+const REPORT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Builds a [`Trainer`].
+pub struct TrainerBuilder {
+    graph: Graph,
+    loss: Arc<dyn Loss>,
+    devices: Vec<Device>,
+    stages: Option<Vec<Vec<NodeId>>>,
+    schedule: ScheduleKind,
+    n_chunks: usize,
+    n_micro_batches: usize,
+    optimizer: OptimizerConfig,
+    recompute: Vec<Recompute>,
+    seed: u64,
+    max_grad_norm: Option<f64>,
+}
+
+impl TrainerBuilder {
+    /// Devices, device 0 first. Stage `s` runs on device `s % n_devices` (with chunks, Megatron's
+    /// virtual-pipeline mapping; without, stage s on device s).
+    pub fn devices(mut self, devices: Vec<Device>) -> Self {
+        self.devices = devices;
+        self
+    }
+
+    /// The layer nodes of each stage, in execution order (for example from a [`crate::placement::Plan`]).
+    pub fn stages(mut self, stages: Vec<Vec<NodeId>>) -> Self {
+        self.stages = Some(stages);
+        self
+    }
+
+    /// The schedule and its number of chunks per device (1 except for interleaved).
+    pub fn schedule(mut self, kind: ScheduleKind, n_chunks: usize) -> Self {
+        self.schedule = kind;
+        self.n_chunks = n_chunks;
+        self
+    }
+
+    /// Micro-batches per batch.
+    pub fn micro_batches(mut self, n_micro_batches: usize) -> Self {
+        self.n_micro_batches = n_micro_batches;
+        self
+    }
+
+    /// The optimizer (one instance per stage, owning that stage's state).
+    pub fn optimizer(mut self, optimizer: OptimizerConfig) -> Self {
+        self.optimizer = optimizer;
+        self
+    }
+
+    /// Recomputation for every stage.
+    pub fn recompute(mut self, recompute: Recompute) -> Self {
+        self.recompute = vec![recompute];
+        self
+    }
+
+    /// Recomputation per stage (stage 0 first).
+    pub fn recompute_per_stage(mut self, recompute: Vec<Recompute>) -> Self {
+        self.recompute = recompute;
+        self
+    }
+
+    /// Seed for dropout masks.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Clip gradients to this global L2 norm (torch's `clip_grad_norm_`), across all stages.
+    pub fn max_grad_norm(mut self, max_norm: Option<f64>) -> Self {
+        self.max_grad_norm = max_norm;
+        self
+    }
+
+    /// Moves the layers onto their devices and starts the workers.
+    pub fn build(mut self) -> Result<Trainer> {
+        self.graph.validate()?;
+        self.optimizer.validate()?;
+        let n_devices = self.devices.len();
+        if n_devices == 0 {
+            return Err(Error::invalid("devices", "no devices given; give at least one (e.g. cpu:0)"));
+        }
+        let schedule = Schedule::new(self.schedule, n_devices, self.n_micro_batches, self.n_chunks)?;
+        let n_stages = schedule.n_stages();
+        let layer_order: Vec<NodeId> =
+            self.graph.topological_order()?.into_iter().filter(|&id| self.graph.layer(id).is_some()).collect();
+        let stage_nodes = match self.stages.take() {
+            Some(stages) => stages,
+            None if n_stages == 1 => vec![layer_order.clone()],
+            None => return Err(Error::invalid("stages", format!("{n_stages} stages need a placement; call .stages(...)"))),
+        };
+        if stage_nodes.len() != n_stages {
+            return Err(Error::invalid(
+                "stages",
+                format!("{} stages given but the schedule runs {n_stages} ({n_devices} devices x {} chunks)", stage_nodes.len(), self.n_chunks),
+            ));
+        }
+        let mut stage_of: HashMap<NodeId, usize> = HashMap::new();
+        for (stage_idx, nodes) in stage_nodes.iter().enumerate() {
+            if nodes.is_empty() {
+                return Err(Error::invalid("stages", format!("stage {stage_idx} has no layers")));
+            }
+            for &id in nodes {
+                if self.graph.layer(id).is_none() {
+                    return Err(Error::invalid("stages", format!("node #{} is not a layer of this graph", id.index())));
+                }
+                if stage_of.insert(id, stage_idx).is_some() {
+                    return Err(Error::invalid("stages", format!("node `{}` is placed twice", self.graph.node(id)?.name)));
+                }
+            }
+        }
+        if let Some(missing) = layer_order.iter().find(|id| !stage_of.contains_key(id)) {
+            return Err(Error::invalid("stages", format!("node `{}` is not placed on any stage", self.graph.node(*missing)?.name)));
+        }
+        let output = self.graph.output()?;
+        let param_order = self.graph.parameter_names_in_order();
+        let data_inputs = self.graph.inputs();
+        let stage_devices: Vec<Device> = (0..n_stages).map(|s| self.devices[schedule.device_of_stage(s)].clone()).collect();
+        let mut stages: Vec<Stage> = Vec::with_capacity(n_stages);
+        let mut send_to: Vec<Vec<Route>> = vec![Vec::new(); n_stages];
+        let mut recv_from: Vec<Vec<Route>> = vec![Vec::new(); n_stages];
+        let mut stage_data_inputs: Vec<Vec<NodeId>> = vec![Vec::new(); n_stages];
+        for (stage_idx, nodes) in stage_nodes.iter().enumerate() {
+            for (position, &id) in nodes.iter().enumerate() {
+                for pred in self.graph.predecessors(id) {
+                    if data_inputs.contains(&pred) {
+                        if !stage_data_inputs[stage_idx].contains(&pred) {
+                            stage_data_inputs[stage_idx].push(pred);
+                        }
+                        continue;
+                    }
+                    let pred_stage = stage_of[&pred];
+                    let earlier_here = pred_stage == stage_idx && nodes[..position].contains(&pred);
+                    if pred_stage > stage_idx || (pred_stage == stage_idx && !earlier_here) {
+                        return Err(Error::invalid(
+                            "stages",
+                            format!(
+                                "node `{}` on stage {stage_idx} consumes `{}` which runs later (stage {pred_stage}); stages must follow graph order",
+                                self.graph.node(id)?.name,
+                                self.graph.node(pred)?.name
+                            ),
+                        ));
+                    }
+                    if pred_stage < stage_idx {
+                        add_route(&mut recv_from[stage_idx], pred_stage, pred);
+                        add_route(&mut send_to[pred_stage], stage_idx, pred);
+                    }
+                }
+            }
+        }
+        for (stage_idx, nodes) in stage_nodes.iter().enumerate() {
+            let device = &stage_devices[stage_idx];
+            let mut execs = Vec::with_capacity(nodes.len());
+            let mut n_params = 0;
+            for &id in nodes {
+                let mut layer = self.graph.take_layer(id).expect("checked above");
+                layer.to_device(device)?;
+                let grads = layer
+                    .parameters()
+                    .iter()
+                    .map(|p| Tensor::zeros(p.value.shape().clone(), p.value.dtype(), device))
+                    .collect::<Result<Vec<_>>>()?;
+                n_params += grads.len();
+                execs.push(NodeExec {
+                    id,
+                    name: self.graph.node(id)?.name.clone(),
+                    inputs: self.graph.predecessors(id),
+                    layer,
+                    grads,
+                });
+            }
+            let recompute = self.recompute.get(stage_idx).or(self.recompute.last()).copied().unwrap_or_default();
+            stages.push(Stage::new(
+                stage_idx,
+                device.clone(),
+                execs,
+                std::mem::take(&mut stage_data_inputs[stage_idx]),
+                std::mem::take(&mut recv_from[stage_idx]),
+                std::mem::take(&mut send_to[stage_idx]),
+                stage_nodes[stage_idx].contains(&output).then_some(output),
+                recompute,
+                Optimizer::new(self.optimizer, n_params)?,
+            ));
+        }
+        let mut per_device: Vec<Vec<Stage>> = (0..n_devices).map(|_| Vec::new()).collect();
+        for stage in stages {
+            per_device[schedule.device_of_stage(stage.stage_idx)].push(stage);
+        }
+        let mut stage_info = Vec::with_capacity(n_stages);
+        for stages in &per_device {
+            for s in stages {
+                stage_info.push(StageInfo {
+                    stage_idx: s.stage_idx,
+                    data_inputs: s.data_inputs.clone(),
+                    send_to: s.send_to.iter().map(|r| r.peer_stage_idx).collect(),
+                    holds_output: s.output_node.is_some(),
+                });
+            }
+        }
+        stage_info.sort_by_key(|s| s.stage_idx);
+        let mut workers = Vec::with_capacity(n_devices);
+        for (device_idx, stages) in per_device.into_iter().enumerate() {
+            let (tx, rx) = channel::unbounded();
+            let loss = Arc::clone(&self.loss);
+            let handle = std::thread::Builder::new()
+                .name(format!("conveyor-{}", self.devices[device_idx]))
+                .spawn(move || worker::run(device_idx, stages, loss, rx))
+                .map_err(|e| Error::invalid("worker thread", format!("could not start: {e}")))?;
+            workers.push(WorkerHandle { commands: tx, thread: Some(handle) });
+        }
+        Ok(Trainer {
+            workers,
+            devices: self.devices,
+            stage_devices: Arc::new(stage_devices),
+            stage_info,
+            schedule,
+            seed: self.seed,
+            max_grad_norm: self.max_grad_norm,
+            step_idx: 0,
+            fault: None,
+            graph: self.graph,
+            param_order,
+        })
+    }
+}
+
+fn add_route(routes: &mut Vec<Route>, peer_stage_idx: usize, node: NodeId) {
+    match routes.iter_mut().find(|r| r.peer_stage_idx == peer_stage_idx) {
+        Some(route) => {
+            if !route.nodes.contains(&node) {
+                route.nodes.push(node);
+            }
+        }
+        None => routes.push(Route { peer_stage_idx, nodes: vec![node] }),
+    }
+}
+
+struct WorkerHandle {
+    commands: Sender<Command>,
+    thread: Option<JoinHandle<()>>,
+}
+
+#[derive(Debug)]
+struct StageInfo {
+    stage_idx: usize,
+    data_inputs: Vec<NodeId>,
+    send_to: Vec<usize>,
+    holds_output: bool,
+}
+
+/// Trains a graph placed on devices with a pipeline schedule. One worker thread per device owns
+/// its stages' parameters, gradients and optimizer state.
+pub struct Trainer {
+    workers: Vec<WorkerHandle>,
+    devices: Vec<Device>,
+    stage_devices: Arc<Vec<Device>>,
+    stage_info: Vec<StageInfo>,
+    schedule: Schedule,
+    seed: u64,
+    max_grad_norm: Option<f64>,
+    step_idx: u64,
+    fault: Option<FaultInjection>,
+    /// The graph's structure (its layers live on the workers).
+    graph: Graph,
+    /// Full parameter names in graph order, recorded before the layers moved to the workers.
+    param_order: Vec<String>,
+}
+
+impl Trainer {
+    /// Starts building a trainer for `graph` with `loss` on its output.
+    pub fn builder(graph: Graph, loss: Arc<dyn Loss>) -> TrainerBuilder {
+        TrainerBuilder {
+            graph,
+            loss,
+            devices: vec![Device::cpu(0)],
+            stages: None,
+            schedule: ScheduleKind::OneFOneB,
+            n_chunks: 1,
+            n_micro_batches: 1,
+            optimizer: OptimizerConfig::sgd(0.01),
+            recompute: vec![Recompute::Never],
+            seed: 0,
+            max_grad_norm: None,
+        }
+    }
+
+    /// Full parameter names (`node.param`) in graph order.
+    pub fn parameter_names(&self) -> &[String] {
+        &self.param_order
+    }
+
+    /// The devices, device 0 first.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+
+    /// The schedule every step runs.
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+
+    /// Optimizer steps taken so far.
+    pub fn step_idx(&self) -> u64 {
+        self.step_idx
+    }
+
+    /// Sets the step counter (when resuming from a checkpoint; dropout seeds depend on it).
+    pub fn set_step_idx(&mut self, step_idx: u64) {
+        self.step_idx = step_idx;
+    }
+
+    /// Makes the next steps fail as described (for testing fault handling); `None` clears it.
+    pub fn inject_fault(&mut self, fault: Option<FaultInjection>) {
+        self.fault = fault;
+    }
+
+    /// Splits `rows` into `n` micro-batches: sizes differ by at most one, the first
+    /// `rows % n` get the extra row.
+    fn split(&self, rows: usize) -> Result<Vec<(usize, usize)>> {
+        let n = self.schedule.n_micro_batches();
+        if rows < n {
+            return Err(Error::invalid(
+                "batch",
+                format!("{rows} rows cannot make {n} micro-batches; use at most {rows} micro-batches or a larger batch"),
+            ));
+        }
+        let (base, extra) = (rows / n, rows % n);
+        let mut start = 0;
+        Ok((0..n)
+            .map(|i| {
+                let len = base + usize::from(i < extra);
+                let range = (start, len);
+                start += len;
+                range
+            })
+            .collect())
+    }
+
+    fn dispatch(&mut self, inputs: &Tensor, labels: Option<&[usize]>, training: bool) -> Result<StepOutcome> {
+        let rows = inputs.shape().leading();
+        if let Some(labels) = labels
+            && labels.len() != rows
+        {
+            return Err(Error::shape("train_step", format!("{rows} labels (one per input row)"), format!("{}", labels.len())));
+        }
+        let input_nodes = self.graph.inputs();
+        if input_nodes.len() != 1 {
+            return Err(Error::invalid("graph inputs", "the trainer feeds graphs with exactly one input node"));
+        }
+        let input_id = input_nodes[0];
+        let expected = self.graph.node(input_id)?.output_shape.clone();
+        if inputs.dims().get(1..) != Some(expected.dims()) {
+            return Err(Error::shape("train_step", format!("inputs [batch, {}]", expected.dims().iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")), inputs.shape().to_string()));
+        }
+        let splits = self.split(rows)?;
+        let n_micro_batches = splits.len();
+        let n_devices = self.devices.len();
+        for device in &self.devices {
+            device.reset_peak_memory();
+        }
+        let started = Instant::now();
+        // Channels: one per (from, to, direction), bounded by the micro-batch count.
+        let mut senders = HashMap::new();
+        let mut receivers = HashMap::new();
+        for info in &self.stage_info {
+            for &peer in &info.send_to {
+                for (from, to, gradient) in [(info.stage_idx, peer, false), (peer, info.stage_idx, true)] {
+                    let (tx, rx) = channel::bounded(n_micro_batches);
+                    senders.insert((from, to, gradient), tx);
+                    receivers.insert((from, to, gradient), rx);
+                }
+            }
+        }
+        let (abort_tx, abort_rx) = channel::bounded::<()>(0);
+        let (report_tx, report_rx) = channel::unbounded();
+        let mut commit_txs = Vec::with_capacity(n_devices);
+        let programs: Vec<Vec<Instruction>> = if training {
+            self.schedule.programs().to_vec()
+        } else {
+            forward_only_programs(&self.schedule, n_micro_batches)
+        };
+        for (device_idx, program) in programs.into_iter().enumerate() {
+            let my_stages: Vec<&StageInfo> =
+                self.stage_info.iter().filter(|s| self.schedule.device_of_stage(s.stage_idx) == device_idx).collect();
+            let mut links = Links::default();
+            for key in senders.keys() {
+                if my_stages.iter().any(|s| s.stage_idx == key.0) {
+                    links.senders.insert(*key, senders[key].clone());
+                }
+            }
+            for key in receivers.keys() {
+                if my_stages.iter().any(|s| s.stage_idx == key.1) {
+                    links.receivers.insert(*key, receivers[key].clone());
+                }
+            }
+            let mut data: HashMap<usize, Vec<Payload>> = HashMap::new();
+            for info in &my_stages {
+                if info.data_inputs.contains(&input_id) {
+                    let device = &self.stage_devices[info.stage_idx];
+                    let per_mb = splits
+                        .iter()
+                        .map(|&(start, len)| Ok(vec![(input_id, inputs.narrow_rows(start, len)?.move_to_device(device)?)]))
+                        .collect::<Result<Vec<Payload>>>()?;
+                    data.insert(info.stage_idx, per_mb);
+                }
+            }
+            let holds_output = my_stages.iter().any(|s| s.holds_output);
+            let mb_labels = match (labels, holds_output) {
+                (Some(labels), true) => splits.iter().map(|&(start, len)| labels[start..start + len].to_vec()).collect(),
+                _ => Vec::new(),
+            };
+            let (commit_tx, commit_rx) = channel::bounded(1);
+            commit_txs.push(commit_tx);
+            let job = StepJob {
+                step_idx: self.step_idx,
+                seed: self.seed,
+                training,
+                program,
+                n_micro_batches,
+                normalizer: rows as f32,
+                data,
+                labels: mb_labels,
+                links,
+                stage_devices: Arc::clone(&self.stage_devices),
+                abort: abort_rx.clone(),
+                commit: commit_rx,
+                fault: self.fault,
+                started,
+                max_grad_norm: self.max_grad_norm,
+            };
+            self.workers[device_idx]
+                .commands
+                .send(Command::Step(Box::new(job), report_tx.clone()))
+                .map_err(|_| Error::invalid("worker", format!("the worker of device {device_idx} has stopped")))?;
+        }
+        drop((senders, receivers));
+        self.collect(report_rx, abort_tx, commit_txs, started, training)
+    }
+
+    fn collect(
+        &mut self,
+        reports: Receiver<Report>,
+        abort: Sender<()>,
+        commits: Vec<Sender<Commit>>,
+        started: Instant,
+        training: bool,
+    ) -> Result<StepOutcome> {
+        let n_devices = self.devices.len();
+        let mut abort = Some(abort);
+        let mut failure: Option<Error> = None;
+        let mut ready = vec![false; n_devices];
+        let mut finished = vec![false; n_devices];
+        let mut losses = Vec::new();
+        let mut sum_of_squares = 0.0;
+        let mut events = Vec::new();
+        let mut peak_activation_bytes = vec![0; self.stage_info.len()];
+        let mut outputs = Vec::new();
+        let mut committed = false;
+        while finished.iter().any(|f| !f) {
+            let report = reports.recv_timeout(REPORT_TIMEOUT).map_err(|_| {
+                Error::invalid("step", "a worker stopped reporting; the step was abandoned")
+            })?;
+            match report {
+                Report::Ready { device_idx, losses: l, sum_of_squares: s } => {
+                    ready[device_idx] = true;
+                    losses.extend(l);
+                    sum_of_squares += s;
+                }
+                Report::Done { device_idx, events: e, peak_activation_bytes: p, outputs: o } => {
+                    finished[device_idx] = true;
+                    events.extend(e);
+                    for (stage_idx, bytes) in p {
+                        peak_activation_bytes[stage_idx] = bytes;
+                    }
+                    outputs.extend(o);
+                }
+                Report::Failed { device_idx, error } => {
+                    finished[device_idx] = true;
+                    failure.get_or_insert(error);
+                    abort.take();
+                }
+                Report::Aborted { device_idx } => finished[device_idx] = true,
+            }
+            // Commit once every device is ready and nothing failed: only then do parameters change.
+            if training && !committed && failure.is_none() && ready.iter().all(|&r| r) {
+                committed = true;
+                let global_norm = sum_of_squares.sqrt();
+                for commit in &commits {
+                    let _ = commit.send(Commit { global_norm });
+                }
+            }
+        }
+        drop(abort);
+        if let Some(error) = failure {
+            return Err(error);
+        }
+        losses.sort_by_key(|(mb, _)| *mb);
+        let loss = losses.iter().map(|(_, l)| l).sum();
+        outputs.sort_by_key(|(mb, _)| *mb);
+        let mut timeline = Timeline::new(n_devices, self.stage_info.len());
+        events.sort_by(|a: &conveyor_schedules::TimelineEvent, b| a.start_s.total_cmp(&b.start_s));
+        timeline.events = events;
+        Ok(StepOutcome {
+            report: StepReport {
+                loss,
+                peak_memory: self.devices.iter().map(Device::peak_memory).collect(),
+                peak_activation_bytes,
+                timeline,
+                step_s: started.elapsed().as_secs_f64(),
+                grad_norm: sum_of_squares.sqrt(),
+            },
+            outputs: outputs.into_iter().map(|(_, t)| t).collect(),
+        })
+    }
+
+    /// One optimizer step on a batch: `inputs` `[batch, ...]` and one class label per row. The
+    /// loss is the full-batch mean (each micro-batch's summed loss divided by the batch size).
+    /// On any failure the step is abandoned with no parameter changed.
+    pub fn train_step(&mut self, inputs: &Tensor, labels: &[usize]) -> Result<StepReport> {
+        let outcome = self.dispatch(inputs, Some(labels), true)?;
+        self.step_idx += 1;
+        Ok(outcome.report)
+    }
+
+    /// Runs the forward pass only (evaluation mode: no dropout) and returns the graph's output
+    /// for all rows, on the host.
+    pub fn predict(&mut self, inputs: &Tensor) -> Result<Tensor> {
+        let outcome = self.dispatch(inputs, None, false)?;
+        let host = Device::host();
+        let parts = outcome.outputs.into_iter().map(|t| t.move_to_device(&host)).collect::<Result<Vec<_>>>()?;
+        Tensor::cat_rows(&parts.iter().collect::<Vec<_>>(), &host)
+    }
+
+    fn on_every_worker<T: Send + 'static>(&self, f: impl Fn(&mut [Stage]) -> T + Send + Sync + 'static) -> Result<Vec<T>> {
+        let f = Arc::new(f);
+        let mut answers = Vec::with_capacity(self.workers.len());
+        for (device_idx, worker) in self.workers.iter().enumerate() {
+            let (tx, rx) = channel::bounded(1);
+            let f = Arc::clone(&f);
+            worker
+                .commands
+                .send(Command::With(Box::new(move |stages| {
+                    let _ = tx.send(f(stages));
+                })))
+                .map_err(|_| Error::invalid("worker", format!("the worker of device {device_idx} has stopped")))?;
+            answers.push(rx);
+        }
+        answers
+            .into_iter()
+            .enumerate()
+            .map(|(i, rx)| rx.recv().map_err(|_| Error::invalid("worker", format!("the worker of device {i} has stopped"))))
+            .collect()
+    }
+
+    /// Every parameter gathered from all stages onto the host, as `(node.param, tensor)` in graph
+    /// order (PyTorch state-dict names when nodes are named like module children).
+    pub fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        let host = Device::host();
+        let parts = self.on_every_worker(move |stages| {
+            let mut out = Vec::new();
+            for stage in stages.iter() {
+                for (name, tensor) in stage.named_parameters() {
+                    out.push((name, tensor.to_device(&host)));
+                }
+            }
+            out
+        })?;
+        let mut gathered = Vec::new();
+        for (name, tensor) in parts.into_iter().flatten() {
+            gathered.push((name, tensor?));
+        }
+        gathered.sort_by_key(|(name, _)| self.param_order.iter().position(|o| o == name).unwrap_or(usize::MAX));
+        Ok(gathered)
+    }
+
+    /// Sets parameters by name (shapes and dtypes must match; names not given stay as they are).
+    pub fn load_parameters(&mut self, tensors: Vec<(String, Tensor)>) -> Result<()> {
+        let tensors = Arc::new(tensors);
+        for (name, _) in tensors.iter() {
+            if !self.param_order.contains(name) {
+                return Err(Error::invalid("parameters", format!("the model has no parameter `{name}`")));
+            }
+        }
+        let results = self.on_every_worker(move |stages| -> Result<()> {
+            for stage in stages.iter_mut() {
+                for node in &mut stage.nodes {
+                    for p in node.layer.parameters_mut() {
+                        let full = format!("{}.{}", node.name, p.name);
+                        if let Some((_, t)) = tensors.iter().find(|(n, _)| *n == full) {
+                            if t.shape() != p.value.shape() {
+                                return Err(Error::shape(format!("parameter `{full}`"), p.value.shape().to_string(), t.shape().to_string()));
+                            }
+                            let converted = t.to_dtype(p.value.dtype())?;
+                            p.value.copy_from(&converted)?;
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        results.into_iter().collect()
+    }
+
+    /// Runs `f` on every stage's optimizer on its worker (state export and import for checkpoints).
+    pub fn with_optimizers<T: Send + 'static>(
+        &self,
+        f: impl Fn(&mut Optimizer, &[String]) -> T + Send + Sync + 'static,
+    ) -> Result<Vec<T>> {
+        let answers = self.on_every_worker(move |stages| {
+            stages
+                .iter_mut()
+                .map(|stage| {
+                    let names: Vec<String> = stage.named_parameters().map(|(n, _)| n).collect();
+                    f(&mut stage.optimizer, &names)
+                })
+                .collect::<Vec<T>>()
+        })?;
+        Ok(answers.into_iter().flatten().collect())
+    }
+}
+
+struct StepOutcome {
+    report: StepReport,
+    outputs: Vec<Tensor>,
+}
+
+/// Forward-only programs for evaluation: each device runs its stages' forwards in
+/// (micro-batch, stage) order, which depends only on lexicographically earlier work, so it
+/// completes with non-blocking sends.
+fn forward_only_programs(schedule: &Schedule, n_micro_batches: usize) -> Vec<Vec<Instruction>> {
+    (0..schedule.n_devices())
+        .map(|device_idx| {
+            let stages: Vec<usize> = schedule.stages_of_device(device_idx).collect();
+            (0..n_micro_batches)
+                .flat_map(|micro_batch_idx| stages.iter().map(move |&stage_idx| Instruction::Forward { micro_batch_idx, stage_idx }))
+                .collect()
+        })
+        .collect()
+}
+
+impl Drop for Trainer {
+    fn drop(&mut self) {
+        for worker in &self.workers {
+            let _ = worker.commands.send(Command::Shutdown);
+        }
+        for worker in &mut self.workers {
+            if let Some(handle) = worker.thread.take() {
+                let _ = handle.join();
+            }
+        }
+    }
+}

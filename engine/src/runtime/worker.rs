@@ -1,0 +1,374 @@
+//! A device's worker thread: executes its instruction list for each step, moving messages over
+//! crossbeam channels, recording every op on the timeline, and taking part in the two-phase
+//! commit that makes a step all-or-nothing.
+use std::collections::HashMap;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::time::Instant;
+
+use conveyor_schedules::{Instruction, OpKind, TimelineEvent};
+use crossbeam::channel::{Receiver, Sender, select};
+
+use super::FaultInjection;
+use super::stage::{Payload, Stage, StepCtx};
+use crate::{Device, Error, Loss, Result, Tensor};
+
+/// A message between stages: one micro-batch's tensors.
+pub(crate) type Message = (usize, Payload);
+
+/// Key of a channel: (from stage, to stage, gradient?).
+pub(crate) type ChannelKey = (usize, usize, bool);
+
+/// The channel ends a worker uses in one step.
+#[derive(Default)]
+pub(crate) struct Links {
+    pub senders: HashMap<ChannelKey, Sender<Message>>,
+    pub receivers: HashMap<ChannelKey, Receiver<Message>>,
+}
+
+/// One step's work for one worker.
+pub(crate) struct StepJob {
+    pub step_idx: u64,
+    pub seed: u64,
+    pub training: bool,
+    pub program: Vec<Instruction>,
+    pub n_micro_batches: usize,
+    pub normalizer: f32,
+    /// Per stage held by this worker: per micro-batch, the graph inputs it reads.
+    pub data: HashMap<usize, Vec<Payload>>,
+    /// Per micro-batch labels (for the stage holding the output).
+    pub labels: Vec<Vec<usize>>,
+    pub links: Links,
+    /// Devices of every stage, to move messages onto the receiver's device.
+    pub stage_devices: Arc<Vec<Device>>,
+    pub abort: Receiver<()>,
+    pub commit: Receiver<Commit>,
+    pub fault: Option<FaultInjection>,
+    pub started: Instant,
+    pub max_grad_norm: Option<f64>,
+}
+
+/// The coordinator's decision after every worker is ready.
+pub(crate) struct Commit {
+    pub global_norm: f64,
+}
+
+/// What a worker tells the coordinator about a step.
+pub(crate) enum Report {
+    /// Every backward is done: losses per micro-batch, gradient sum of squares, activation peaks.
+    Ready { device_idx: usize, losses: Vec<(usize, f64)>, sum_of_squares: f64 },
+    /// The optimizer was applied (or the evaluation finished).
+    Done { device_idx: usize, events: Vec<TimelineEvent>, peak_activation_bytes: Vec<(usize, u64)>, outputs: Vec<(usize, Tensor)> },
+    /// The step failed here.
+    Failed { device_idx: usize, error: Error },
+    /// The step was aborted because of a failure elsewhere.
+    Aborted { device_idx: usize },
+}
+
+/// Commands a worker thread takes.
+pub(crate) enum Command {
+    Step(Box<StepJob>, Sender<Report>),
+    /// Runs a closure on the worker's stages (parameter gather, load, state export).
+    With(Box<dyn FnOnce(&mut [Stage]) + Send>),
+    Shutdown,
+}
+
+struct Aborted;
+
+enum OpFailure {
+    Aborted,
+    Failed(Error),
+}
+
+impl From<Error> for OpFailure {
+    fn from(error: Error) -> Self {
+        OpFailure::Failed(error)
+    }
+}
+
+impl From<Aborted> for OpFailure {
+    fn from(_: Aborted) -> Self {
+        OpFailure::Aborted
+    }
+}
+
+fn recv(rx: &Receiver<Message>, abort: &Receiver<()>) -> std::result::Result<Message, Aborted> {
+    select! {
+        recv(rx) -> msg => msg.map_err(|_| Aborted),
+        recv(abort) -> _ => Err(Aborted),
+    }
+}
+
+/// The worker thread's loop: runs commands until `Shutdown` or the command channel closes.
+pub(crate) fn run(device_idx: usize, mut stages: Vec<Stage>, loss: Arc<dyn Loss>, commands: Receiver<Command>) {
+    while let Ok(command) = commands.recv() {
+        match command {
+            Command::Step(mut job, reports) => {
+                let report = run_step(device_idx, &mut stages, loss.as_ref(), &mut job, &reports);
+                stages.iter_mut().for_each(Stage::end_step);
+                // The coordinator may have given up on us; nothing else to do then.
+                let _ = reports.send(report);
+            }
+            Command::With(f) => f(&mut stages),
+            Command::Shutdown => break,
+        }
+    }
+}
+
+fn op_name(op: OpKind) -> &'static str {
+    match op {
+        OpKind::Forward => "forward",
+        OpKind::BackwardInput => "backward_input",
+        OpKind::BackwardWeight => "backward_weight",
+        OpKind::Backward => "backward",
+        OpKind::OptimizerStep => "optimizer_step",
+        OpKind::Recompute => "recompute",
+        OpKind::Send => "send",
+        OpKind::Recv => "recv",
+        OpKind::Wait => "wait",
+    }
+}
+
+fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_string())
+}
+
+/// Runs one op with fault injection and panic capture, naming stage, op and micro-batch on failure.
+fn guarded<T>(
+    stage_idx: usize,
+    device: &Device,
+    op: OpKind,
+    micro_batch_idx: Option<usize>,
+    fault: Option<FaultInjection>,
+    f: impl FnOnce() -> std::result::Result<T, OpFailure>,
+) -> std::result::Result<T, OpFailure> {
+    let fail = |message: String| {
+        OpFailure::Failed(Error::StageFailed {
+            stage_idx,
+            device: device.to_string(),
+            op: op_name(op).to_string(),
+            micro_batch_idx,
+            message,
+        })
+    };
+    let injected = fault.filter(|f| {
+        f.stage_idx == stage_idx && f.op == op && (op == OpKind::OptimizerStep || Some(f.micro_batch_idx) == micro_batch_idx)
+    });
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        if let Some(fault) = injected {
+            if fault.panic {
+                panic!("injected panic");
+            }
+            return Err(OpFailure::Failed(Error::invalid("fault injection", "injected failure")));
+        }
+        f()
+    }));
+    match outcome {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(OpFailure::Aborted)) => Err(OpFailure::Aborted),
+        Ok(Err(OpFailure::Failed(error))) => Err(fail(error.to_string())),
+        Err(payload) => Err(fail(format!("panicked: {}", panic_message(payload)))),
+    }
+}
+
+/// [`guarded`] for an op on one stage.
+fn guarded_mut<T>(
+    stage: &mut Stage,
+    op: OpKind,
+    micro_batch_idx: usize,
+    fault: Option<FaultInjection>,
+    f: impl FnOnce(&mut Stage) -> std::result::Result<T, OpFailure>,
+) -> std::result::Result<T, OpFailure> {
+    let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
+    guarded(stage_idx, &device, op, Some(micro_batch_idx), fault, || f(stage))
+}
+
+fn run_step(device_idx: usize, stages: &mut [Stage], loss: &dyn Loss, job: &mut StepJob, reports: &Sender<Report>) -> Report {
+    let mut events = Vec::with_capacity(job.program.len() * 2);
+    let mut outputs = Vec::new();
+    match execute(device_idx, stages, loss, job, reports, &mut events, &mut outputs) {
+        Ok(()) => Report::Done {
+            device_idx,
+            events,
+            peak_activation_bytes: stages.iter().map(|s| (s.stage_idx, s.peak_activation_bytes)).collect(),
+            outputs,
+        },
+        Err(OpFailure::Aborted) => Report::Aborted { device_idx },
+        Err(OpFailure::Failed(error)) => Report::Failed { device_idx, error },
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn execute(
+    device_idx: usize,
+    stages: &mut [Stage],
+    loss: &dyn Loss,
+    job: &mut StepJob,
+    reports: &Sender<Report>,
+    events: &mut Vec<TimelineEvent>,
+    outputs: &mut Vec<(usize, Tensor)>,
+) -> std::result::Result<(), OpFailure> {
+    let ctx = StepCtx {
+        step_idx: job.step_idx,
+        seed: job.seed,
+        n_micro_batches: job.n_micro_batches,
+        normalizer: job.normalizer,
+        loss,
+        training: job.training,
+    };
+    for stage in stages.iter_mut() {
+        stage.begin_step(job.n_micro_batches);
+    }
+    let mut losses = Vec::new();
+    let started = job.started;
+    let now = move || started.elapsed().as_secs_f64();
+    let local = |stages: &[Stage], stage_idx: usize| stages.iter().position(|s| s.stage_idx == stage_idx);
+    for instruction in &job.program {
+        let op = instruction.op_kind();
+        let micro_batch_idx = instruction.micro_batch_idx();
+        if op == OpKind::OptimizerStep {
+            if !job.training {
+                continue;
+            }
+            let (first_idx, first_device) = (stages[0].stage_idx, stages[0].device.clone());
+            let sum_of_squares = guarded(first_idx, &first_device, op, None, job.fault, || {
+                let mut total = 0.0;
+                for stage in stages.iter() {
+                    total += stage.grad_sum_of_squares()?;
+                }
+                Ok(total)
+            })?;
+            // Faults injected at the optimizer step of other stages on this device.
+            for stage in stages.iter().skip(1) {
+                guarded(stage.stage_idx, &stage.device, op, None, job.fault, || Ok(()))?;
+            }
+            let _ = reports.send(Report::Ready { device_idx, losses: std::mem::take(&mut losses), sum_of_squares });
+            let commit = select! {
+                recv(job.commit) -> c => c.map_err(|_| OpFailure::Aborted)?,
+                recv(job.abort) -> _ => return Err(OpFailure::Aborted),
+            };
+            let start = now();
+            for stage in stages.iter_mut() {
+                let stage_idx = stage.stage_idx;
+                stage.apply_optimizer(job.max_grad_norm, commit.global_norm).map_err(|error| {
+                    OpFailure::Failed(Error::StageFailed {
+                        stage_idx,
+                        device: stage.device.to_string(),
+                        op: "optimizer_step".into(),
+                        micro_batch_idx: None,
+                        message: error.to_string(),
+                    })
+                })?;
+            }
+            events.push(TimelineEvent { device_idx, stage_idx: None, op, micro_batch_idx: None, start_s: start, end_s: now() });
+            continue;
+        }
+        let stage_idx = instruction.stage_idx().expect("compute instructions have a stage");
+        let micro_batch_idx = micro_batch_idx.expect("compute instructions have a micro-batch");
+        let Some(s) = local(stages, stage_idx) else {
+            return Err(OpFailure::Failed(Error::invalid("program", format!("device {device_idx} does not hold stage {stage_idx}"))));
+        };
+        match instruction {
+            Instruction::Forward { .. } => {
+                let wait_start = now();
+                let mut inputs: Payload = Vec::new();
+                for route in &stages[s].recv_from {
+                    let rx = &job.links.receivers[&(route.peer_stage_idx, stage_idx, false)];
+                    let (mb, payload) = recv(rx, &job.abort)?;
+                    check_order(&stages[s], mb, micro_batch_idx)?;
+                    inputs.extend(payload);
+                }
+                if let Some(per_mb) = job.data.get_mut(&stage_idx)
+                    && let Some(payload) = per_mb.get_mut(micro_batch_idx)
+                {
+                    inputs.append(payload);
+                }
+                record_wait(events, device_idx, stage_idx, micro_batch_idx, wait_start, now());
+                let labels = if stages[s].output_node.is_some() {
+                    job.labels.get_mut(micro_batch_idx).map(std::mem::take).unwrap_or_default()
+                } else {
+                    Vec::new()
+                };
+                let start = now();
+                let stage = &mut stages[s];
+                let (messages, loss_value, eval_output) =
+                    guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| Ok(stage.forward(&ctx, micro_batch_idx, inputs, labels)?))?;
+                events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: now() });
+                if let Some(l) = loss_value {
+                    losses.push((micro_batch_idx, l));
+                }
+                if let Some(out) = eval_output {
+                    outputs.push((micro_batch_idx, out));
+                }
+                send_all(job, stage_idx, micro_batch_idx, messages, false)?;
+            }
+            Instruction::BackwardInput { .. } | Instruction::Backward { .. } => {
+                if stages[s].needs_recompute(micro_batch_idx) {
+                    let start = now();
+                    guarded_mut(&mut stages[s], OpKind::Recompute, micro_batch_idx, job.fault, |stage| {
+                        Ok(stage.recompute(&ctx, micro_batch_idx)?)
+                    })?;
+                    events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op: OpKind::Recompute, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: now() });
+                }
+                let wait_start = now();
+                let mut received = Vec::new();
+                let mut peers: Vec<usize> = stages[s].send_to.iter().map(|r| r.peer_stage_idx).collect();
+                peers.sort_unstable_by(|a, b| b.cmp(a));
+                for peer in peers {
+                    let rx = &job.links.receivers[&(peer, stage_idx, true)];
+                    let (mb, payload) = recv(rx, &job.abort)?;
+                    check_order(&stages[s], mb, micro_batch_idx)?;
+                    received.push(payload);
+                }
+                record_wait(events, device_idx, stage_idx, micro_batch_idx, wait_start, now());
+                let fused = matches!(instruction, Instruction::Backward { .. });
+                let start = now();
+                let messages = guarded_mut(&mut stages[s], op, micro_batch_idx, job.fault, |stage| {
+                    Ok(stage.backward_input(micro_batch_idx, received, fused)?)
+                })?;
+                events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: now() });
+                send_all(job, stage_idx, micro_batch_idx, messages, true)?;
+            }
+            Instruction::BackwardWeight { .. } => {
+                let start = now();
+                guarded_mut(&mut stages[s], op, micro_batch_idx, job.fault, |stage| Ok(stage.backward_weight(micro_batch_idx)?))?;
+                events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: now() });
+            }
+            Instruction::OptimizerStep => unreachable!("handled above"),
+        }
+    }
+    Ok(())
+}
+
+fn check_order(stage: &Stage, got: usize, expected: usize) -> std::result::Result<(), OpFailure> {
+    if got != expected {
+        return Err(OpFailure::Failed(Error::invalid(
+            "schedule",
+            format!("stage {} expected micro-batch {expected} but received {got}; the schedule's channel order is broken", stage.stage_idx),
+        )));
+    }
+    Ok(())
+}
+
+fn record_wait(events: &mut Vec<TimelineEvent>, device_idx: usize, stage_idx: usize, micro_batch_idx: usize, start: f64, end: f64) {
+    // Waits shorter than a few microseconds are channel bookkeeping, not idling.
+    if end - start > 5e-6 {
+        events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op: OpKind::Wait, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: end });
+    }
+}
+
+fn send_all(job: &StepJob, from_stage: usize, micro_batch_idx: usize, messages: Vec<(usize, Payload)>, gradient: bool) -> std::result::Result<(), OpFailure> {
+    for (to_stage, payload) in messages {
+        let target = &job.stage_devices[to_stage];
+        let moved = payload.into_iter().map(|(id, t)| Ok((id, t.move_to_device(target)?))).collect::<Result<Payload>>()?;
+        let tx = &job.links.senders[&(from_stage, to_stage, gradient)];
+        // Channels hold one message per micro-batch, so this never blocks; a closed channel means
+        // the step was aborted.
+        tx.send((micro_batch_idx, moved)).map_err(|_| OpFailure::Aborted)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,125 @@
+//! The model zoo: model specs (`mlp:64,128,10`, `cnn`, `resnet`) parsed into graphs whose node
+//! names give PyTorch's state-dict names for the equivalent module.
+//!
+//! `mlp:D0,D1,...,Dn` is `nn.Sequential(Linear(D0, D1), ReLU(), Linear(D1, D2), ..., Linear(Dn-1, Dn))`:
+//! Linear nodes are named `0`, `2`, `4`, ... and ReLUs `1`, `3`, ..., so parameters are
+//! `0.weight`, `0.bias`, `2.weight`, ... exactly as PyTorch names them.
+use conveyor_engine::graph::Graph;
+use conveyor_engine::{Error, Result, init};
+use conveyor_layers::{Add, Conv2d, Conv2dOptions, Flatten, Linear, MaxPool2d, Relu};
+
+/// A parsed model spec.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModelSpec {
+    /// Linear/ReLU stack with these widths (input first, classes last).
+    Mlp(Vec<usize>),
+    /// A LeNet-like CNN for 1x8x8 images and 10 classes.
+    Cnn,
+    /// A small residual CNN for 1x8x8 images and 10 classes.
+    Resnet,
+}
+
+impl std::str::FromStr for ModelSpec {
+    type Err = Error;
+    fn from_str(spec: &str) -> Result<Self> {
+        let bad = |reason: String| Error::invalid("model spec", format!("`{spec}`: {reason}"));
+        match spec.split_once(':') {
+            Some(("mlp", dims)) => {
+                let dims = dims
+                    .split(',')
+                    .map(|d| d.trim().parse::<usize>().ok().filter(|&d| d > 0))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| bad("widths must be positive integers, e.g. mlp:64,128,10".into()))?;
+                if dims.len() < 2 {
+                    return Err(bad("an MLP needs at least an input and an output width, e.g. mlp:64,10".into()));
+                }
+                Ok(ModelSpec::Mlp(dims))
+            }
+            None if spec == "cnn" => Ok(ModelSpec::Cnn),
+            None if spec == "resnet" => Ok(ModelSpec::Resnet),
+            _ => Err(bad("unknown model; use mlp:D0,D1,...,Dn, cnn or resnet".into())),
+        }
+    }
+}
+
+impl ModelSpec {
+    /// Builds the graph with parameters drawn from `seed` (PyTorch's default initialisation).
+    pub fn build(&self, seed: u64) -> Result<Graph> {
+        match self {
+            ModelSpec::Mlp(dims) => mlp(dims, seed),
+            ModelSpec::Cnn => cnn(seed),
+            ModelSpec::Resnet => resnet(seed),
+        }
+    }
+
+    /// The per-sample input shape the model takes.
+    pub fn input_shape(&self) -> Vec<usize> {
+        match self {
+            ModelSpec::Mlp(dims) => vec![dims[0]],
+            ModelSpec::Cnn | ModelSpec::Resnet => vec![1, 8, 8],
+        }
+    }
+}
+
+/// `nn.Sequential` of Linear and ReLU layers with PyTorch's child names.
+pub fn mlp(dims: &[usize], seed: u64) -> Result<Graph> {
+    let mut rng = init::rng(seed);
+    let mut g = Graph::new();
+    let mut x = g.input("input", [dims[0]])?;
+    let mut child = 0;
+    for (i, pair) in dims.windows(2).enumerate() {
+        x = g.add(&child.to_string(), Linear::new(pair[0], pair[1], true, &mut rng)?, &[x])?;
+        child += 1;
+        if i + 2 < dims.len() {
+            x = g.add(&child.to_string(), Relu::new(), &[x])?;
+            child += 1;
+        }
+    }
+    g.set_output(x)?;
+    Ok(g)
+}
+
+fn conv3x3(in_channels: usize, out_channels: usize, rng: &mut rand::rngs::StdRng) -> Result<Conv2d> {
+    Conv2d::new(in_channels, out_channels, (3, 3), Conv2dOptions { padding: (1, 1), ..Conv2dOptions::default() }, rng)
+}
+
+/// LeNet-like: conv(1→16) relu pool → conv(16→32) relu pool → flatten → fc(128→64) relu → fc(64→10).
+pub fn cnn(seed: u64) -> Result<Graph> {
+    let mut rng = init::rng(seed);
+    let mut g = Graph::new();
+    let x = g.input("input", [1, 8, 8])?;
+    let x = g.add("conv1", conv3x3(1, 16, &mut rng)?, &[x])?;
+    let x = g.add("relu1", Relu::new(), &[x])?;
+    let x = g.add("pool1", MaxPool2d::new((2, 2), (2, 2))?, &[x])?;
+    let x = g.add("conv2", conv3x3(16, 32, &mut rng)?, &[x])?;
+    let x = g.add("relu2", Relu::new(), &[x])?;
+    let x = g.add("pool2", MaxPool2d::new((2, 2), (2, 2))?, &[x])?;
+    let x = g.add("flatten", Flatten::new(), &[x])?;
+    let x = g.add("fc1", Linear::new(32 * 2 * 2, 64, true, &mut rng)?, &[x])?;
+    let x = g.add("relu3", Relu::new(), &[x])?;
+    let x = g.add("fc2", Linear::new(64, 10, true, &mut rng)?, &[x])?;
+    g.set_output(x)?;
+    Ok(g)
+}
+
+/// A small residual network: a stem conv, two residual blocks (conv relu conv + skip), pooling
+/// and a classifier. The skip connections are graph edges that may cross stages.
+pub fn resnet(seed: u64) -> Result<Graph> {
+    let mut rng = init::rng(seed);
+    let mut g = Graph::new();
+    let x = g.input("input", [1, 8, 8])?;
+    let stem = g.add("stem", conv3x3(1, 8, &mut rng)?, &[x])?;
+    let mut x = g.add("stem_relu", Relu::new(), &[stem])?;
+    for block in 1..=2 {
+        let a = g.add(&format!("block{block}.conv1"), conv3x3(8, 8, &mut rng)?, &[x])?;
+        let a = g.add(&format!("block{block}.relu1"), Relu::new(), &[a])?;
+        let a = g.add(&format!("block{block}.conv2"), conv3x3(8, 8, &mut rng)?, &[a])?;
+        let sum = g.add(&format!("block{block}.add"), Add::new(), &[a, x])?;
+        x = g.add(&format!("block{block}.relu2"), Relu::new(), &[sum])?;
+    }
+    let x = g.add("pool", MaxPool2d::new((2, 2), (2, 2))?, &[x])?;
+    let x = g.add("flatten", Flatten::new(), &[x])?;
+    let x = g.add("fc", Linear::new(8 * 4 * 4, 10, true, &mut rng)?, &[x])?;
+    g.set_output(x)?;
+    Ok(g)
+}
