@@ -5,3 +5,5 @@ pub use conveyor_layers as layers;
 pub use conveyor_schedules as schedules;
 
 pub mod zoo;
+pub mod data;
+pub mod pipeline;

@@ -18,12 +18,15 @@ struct Cli {
 enum Command {
     /// Simulate a pipeline schedule and print its timeline, makespan and bubble fraction.
     Simulate(cli::simulate::SimulateArgs),
+    /// Train a model across devices with a pipeline schedule (defaults: a CNN on the built-in digits, cpu:2, 1F1B).
+    Train(cli::train::TrainArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Simulate(args) => cli::simulate::run(args),
+        Command::Train(args) => cli::train::run(args),
     };
     if let Err(err) = result {
         std::process::exit(cli::report(&err));

@@ -6,7 +6,7 @@
 //! `0.weight`, `0.bias`, `2.weight`, ... exactly as PyTorch names them.
 use conveyor_engine::graph::Graph;
 use conveyor_engine::{Error, Result, init};
-use conveyor_layers::{Add, Conv2d, Conv2dOptions, Flatten, Linear, MaxPool2d, Relu};
+use conveyor_layers::{Add, Conv2d, Conv2dOptions, Dropout, Flatten, Linear, MaxPool2d, Relu};
 
 /// A parsed model spec.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -83,20 +83,20 @@ fn conv3x3(in_channels: usize, out_channels: usize, rng: &mut rand::rngs::StdRng
     Conv2d::new(in_channels, out_channels, (3, 3), Conv2dOptions { padding: (1, 1), ..Conv2dOptions::default() }, rng)
 }
 
-/// LeNet-like: conv(1→16) relu pool → conv(16→32) relu pool → flatten → fc(128→64) relu → fc(64→10).
+/// LeNet-like for 8x8 digits: conv(1→16) relu → conv(16→32) relu pool → flatten → fc(512→64) relu dropout(0.3) → fc(64→10).
 pub fn cnn(seed: u64) -> Result<Graph> {
     let mut rng = init::rng(seed);
     let mut g = Graph::new();
     let x = g.input("input", [1, 8, 8])?;
     let x = g.add("conv1", conv3x3(1, 16, &mut rng)?, &[x])?;
     let x = g.add("relu1", Relu::new(), &[x])?;
-    let x = g.add("pool1", MaxPool2d::new((2, 2), (2, 2))?, &[x])?;
     let x = g.add("conv2", conv3x3(16, 32, &mut rng)?, &[x])?;
     let x = g.add("relu2", Relu::new(), &[x])?;
-    let x = g.add("pool2", MaxPool2d::new((2, 2), (2, 2))?, &[x])?;
+    let x = g.add("pool", MaxPool2d::new((2, 2), (2, 2))?, &[x])?;
     let x = g.add("flatten", Flatten::new(), &[x])?;
-    let x = g.add("fc1", Linear::new(32 * 2 * 2, 64, true, &mut rng)?, &[x])?;
+    let x = g.add("fc1", Linear::new(32 * 4 * 4, 64, true, &mut rng)?, &[x])?;
     let x = g.add("relu3", Relu::new(), &[x])?;
+    let x = g.add("dropout", Dropout::new(0.3)?, &[x])?;
     let x = g.add("fc2", Linear::new(64, 10, true, &mut rng)?, &[x])?;
     g.set_output(x)?;
     Ok(g)

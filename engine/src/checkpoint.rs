@@ -1,1 +1,504 @@
-//! Checkpoints as safetensors: atomic writes, strict loads that name the offending tensor.
+//! Checkpoints as safetensors files: atomic writes, loads onto a device, and strict loads that
+//! refuse a missing, extra, misshapen or mistyped tensor and name it.
+//!
+//! # Format
+//!
+//! A standard safetensors file (readable by `safetensors.torch.load_file`): tensors by name with
+//! their shapes and dtypes (`F32`, `F16`, `BF16`), and a string-to-string metadata map that holds
+//! whatever the caller adds (step, data position, ...) plus [`FORMAT_VERSION_KEY`]. Optimizer state
+//! follows the naming in [`crate::optim::optimizer_state_name`]:
+//! `optimizer.<param name>.step` (an F32 scalar of shape `[]`, as torch keeps it),
+//! `optimizer.<param name>.momentum_buffer`, `optimizer.<param name>.exp_avg` and
+//! `optimizer.<param name>.exp_avg_sq`.
+//!
+//! # Atomicity
+//!
+//! [`save`] writes to a uniquely named temporary file in the target's directory, fsyncs it, and
+//! renames it over the target (an atomic replace on POSIX file systems), then fsyncs the directory.
+//! On any error before the rename, the temporary file is removed and the previous file is untouched,
+//! so a crash mid-save never leaves a half-written checkpoint under the target name. We rejected
+//! writing in place with a "complete" marker: readers would have to know about the marker.
+//!
+//! # Loading
+//!
+//! [`load`] reads the whole file, checks it with `safetensors` (a truncated or corrupt file is an
+//! [`Error::Checkpoint`], never a panic), and builds each tensor on the given device (counted
+//! against its budget). [`load_exact`] first checks names, shapes and dtypes against an expected
+//! list and allocates nothing if they differ.
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use safetensors::tensor::{Dtype as SafeDtype, SafeTensors, TensorView, View};
+
+use crate::{DType, Device, Error, Result, Shape, Tensor};
+
+/// The metadata key under which [`save_with_metadata`] records the format version.
+pub const FORMAT_VERSION_KEY: &str = "conveyor.format_version";
+
+/// The format version this build writes and the newest it reads.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Name, shape and dtype a strict load expects of one tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// The tensor's name in the file.
+    pub name: String,
+    /// The expected shape.
+    pub shape: Shape,
+    /// The expected dtype.
+    pub dtype: DType,
+}
+
+impl TensorSpec {
+    /// A spec from its parts.
+    pub fn new(name: impl Into<String>, shape: impl Into<Shape>, dtype: DType) -> Self {
+        TensorSpec { name: name.into(), shape: shape.into(), dtype }
+    }
+
+    /// The spec of an existing tensor (e.g. a freshly initialised parameter).
+    pub fn of(name: impl Into<String>, tensor: &Tensor) -> Self {
+        TensorSpec { name: name.into(), shape: tensor.shape().clone(), dtype: tensor.dtype() }
+    }
+}
+
+/// A loaded checkpoint: its tensors by name (on the device given to [`load`]) and its metadata.
+#[derive(Debug)]
+pub struct Checkpoint {
+    path: PathBuf,
+    tensors: BTreeMap<String, Tensor>,
+    metadata: BTreeMap<String, String>,
+}
+
+impl Checkpoint {
+    /// The file it was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The metadata map (including [`FORMAT_VERSION_KEY`] when written by Conveyor).
+    pub fn metadata(&self) -> &BTreeMap<String, String> {
+        &self.metadata
+    }
+
+    /// One metadata value parsed as `T` (e.g. the step as `u64`); an [`Error::Checkpoint`] naming
+    /// the key when it is absent or does not parse.
+    pub fn metadata_value<T: std::str::FromStr>(&self, key: &str) -> Result<T> {
+        let raw = self.metadata.get(key).ok_or_else(|| {
+            self.error(format!(
+                "metadata key `{key}` is missing (keys present: {}); was the checkpoint saved with it?",
+                list_or_none(self.metadata.keys())
+            ))
+        })?;
+        raw.parse().map_err(|_| {
+            self.error(format!("metadata `{key}` = `{raw}` does not parse as {}", std::any::type_name::<T>()))
+        })
+    }
+
+    /// The names of the tensors still held, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// Number of tensors still held.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// True when no tensors are held.
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    /// The tensor named `name`, if held.
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
+        self.tensors.get(name)
+    }
+
+    /// Removes and returns the tensor named `name`, if held.
+    pub fn take(&mut self, name: &str) -> Option<Tensor> {
+        self.tensors.remove(name)
+    }
+
+    /// Removes and returns the tensor named `name`, checking its shape and dtype; an
+    /// [`Error::Checkpoint`] naming the tensor when it is missing or differs.
+    pub fn take_checked(&mut self, name: &str, shape: &Shape, dtype: DType) -> Result<Tensor> {
+        let Some(tensor) = self.tensors.get(name) else {
+            return Err(self.error(format!("tensor `{name}` is missing: expected {dtype} {shape}")));
+        };
+        if let Some(problem) = describe_difference(name, shape, dtype, tensor.shape().dims(), Ok(tensor.dtype())) {
+            return Err(self.error(problem));
+        }
+        self.tensors.remove(name).ok_or_else(|| self.error(format!("tensor `{name}` vanished")))
+    }
+
+    /// Checks that the held tensors are exactly `expected`: no name missing, none extra, and each
+    /// with the expected shape and dtype. The error names every offending tensor with what was
+    /// expected and what was found.
+    pub fn check_exact(&self, expected: &[TensorSpec]) -> Result<()> {
+        let found = self.tensors.iter().map(|(name, tensor)| Found {
+            name: name.clone(),
+            shape: tensor.dims().to_vec(),
+            dtype: Ok(tensor.dtype()),
+        });
+        check_exact(&self.path, found.collect(), expected)
+    }
+
+    /// [`Checkpoint::check_exact`], then the tensors in the order of `expected`.
+    pub fn take_exact(mut self, expected: &[TensorSpec]) -> Result<Vec<Tensor>> {
+        self.check_exact(expected)?;
+        let mut tensors = Vec::with_capacity(expected.len());
+        for spec in expected {
+            tensors.push(self.take_checked(&spec.name, &spec.shape, spec.dtype)?);
+        }
+        Ok(tensors)
+    }
+
+    /// All tensors still held, by name.
+    pub fn into_tensors(self) -> BTreeMap<String, Tensor> {
+        self.tensors
+    }
+
+    /// An [`Error::Checkpoint`] about this checkpoint's file.
+    pub fn error(&self, reason: impl Into<String>) -> Error {
+        Error::Checkpoint { path: self.path.display().to_string(), reason: reason.into() }
+    }
+}
+
+/// Saves `tensors` to `path` as safetensors, atomically (see the module docs). Names must be unique.
+pub fn save<N: AsRef<str>>(path: impl AsRef<Path>, tensors: &[(N, &Tensor)]) -> Result<()> {
+    save_with_metadata(path, tensors, &BTreeMap::new())
+}
+
+/// [`save`] with a metadata map (e.g. `step`, the data position). [`FORMAT_VERSION_KEY`] is added
+/// and reserved: a caller that sets it gets an [`Error::InvalidArgument`].
+pub fn save_with_metadata<N: AsRef<str>>(
+    path: impl AsRef<Path>,
+    tensors: &[(N, &Tensor)],
+    metadata: &BTreeMap<String, String>,
+) -> Result<()> {
+    let path = path.as_ref();
+    let mut seen = BTreeSet::new();
+    for (name, _) in tensors {
+        if !seen.insert(name.as_ref()) {
+            return Err(Error::invalid(
+                "tensors",
+                format!(
+                    "tensor name `{}` appears twice in the save to {}; names must be unique",
+                    name.as_ref(),
+                    path.display()
+                ),
+            ));
+        }
+    }
+    if metadata.contains_key(FORMAT_VERSION_KEY) {
+        return Err(Error::invalid(
+            "metadata",
+            format!("`{FORMAT_VERSION_KEY}` is reserved for the checkpoint writer; use another key"),
+        ));
+    }
+    let mut header_metadata: HashMap<String, String> = metadata.clone().into_iter().collect();
+    header_metadata.insert(FORMAT_VERSION_KEY.to_string(), FORMAT_VERSION.to_string());
+
+    let views: Vec<(&str, TensorBytes)> = tensors
+        .iter()
+        .map(|(name, tensor)| {
+            (
+                name.as_ref(),
+                TensorBytes { dtype: tensor.dtype(), shape: tensor.dims().to_vec(), bytes: tensor.to_le_bytes() },
+            )
+        })
+        .collect();
+    let bytes = safetensors::serialize(views, Some(header_metadata)).map_err(|error| Error::Checkpoint {
+        path: path.display().to_string(),
+        reason: format!("could not encode the tensors as safetensors: {error}"),
+    })?;
+    write_file_atomically(path, |file| file.write_all(&bytes))
+}
+
+/// Writes a file atomically: `write_contents` writes into a uniquely named temporary file beside
+/// `path`, which is then fsynced and renamed over `path`. If `write_contents` or any file operation
+/// fails, the temporary file is removed, `path` keeps its previous contents, and the error carries
+/// the path it concerns.
+pub fn write_file_atomically(
+    path: impl AsRef<Path>,
+    write_contents: impl FnOnce(&mut File) -> std::io::Result<()>,
+) -> Result<()> {
+    let path = path.as_ref();
+    let file_name = path.file_name().ok_or_else(|| {
+        Error::invalid(
+            "path",
+            format!("{} does not name a file; give a path such as run/step-100.safetensors", path.display()),
+        )
+    })?;
+    let directory = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let temp_path = directory.join(unique_temp_name(file_name));
+
+    let mut file = OpenOptions::new().write(true).create_new(true).open(&temp_path).map_err(io_error(&temp_path))?;
+    let temp = RemoveOnDrop(Some(temp_path));
+    let temp_path = temp.path();
+    write_contents(&mut file).map_err(io_error(temp_path))?;
+    file.flush().map_err(io_error(temp_path))?;
+    file.sync_all().map_err(io_error(temp_path))?;
+    drop(file);
+    fs::rename(temp_path, path).map_err(io_error(path))?;
+    temp.disarm();
+    // Make the rename itself durable. Best effort: the new file is already in place, so a failure
+    // here must not be reported as a failed save.
+    if let Ok(directory) = File::open(&directory) {
+        let _ = directory.sync_all();
+    }
+    Ok(())
+}
+
+/// Loads every tensor of the checkpoint at `path` onto `device`, with its metadata.
+pub fn load(path: impl AsRef<Path>, device: &Device) -> Result<Checkpoint> {
+    let path = path.as_ref();
+    let buffer = fs::read(path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
+    let parsed = parse(path, &buffer)?;
+    materialise(path, parsed, device)
+}
+
+/// Loads the checkpoint at `path` onto `device` only if its tensors are exactly `expected` (see
+/// [`Checkpoint::check_exact`]); checks the header before allocating any tensor.
+pub fn load_exact(path: impl AsRef<Path>, device: &Device, expected: &[TensorSpec]) -> Result<Checkpoint> {
+    let path = path.as_ref();
+    let buffer = fs::read(path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
+    let parsed = parse(path, &buffer)?;
+    let found = parsed
+        .tensors
+        .iter()
+        .map(|(name, view)| Found {
+            name: name.clone(),
+            shape: view.shape().to_vec(),
+            dtype: engine_dtype(view.dtype()),
+        })
+        .collect();
+    check_exact(path, found, expected)?;
+    materialise(path, parsed, device)
+}
+
+/// A parsed file: views into the buffer, and the metadata.
+struct Parsed<'data> {
+    tensors: Vec<(String, TensorView<'data>)>,
+    metadata: BTreeMap<String, String>,
+}
+
+fn checkpoint_error(path: &Path, reason: impl Into<String>) -> Error {
+    Error::Checkpoint { path: path.display().to_string(), reason: reason.into() }
+}
+
+fn parse<'data>(path: &Path, buffer: &'data [u8]) -> Result<Parsed<'data>> {
+    let corrupt = |error: safetensors::SafeTensorError| {
+        checkpoint_error(
+            path,
+            format!(
+                "not a valid safetensors file ({error}; {} bytes on disk); it is truncated or corrupt, \
+                 restore it from an earlier checkpoint or save it again",
+                buffer.len()
+            ),
+        )
+    };
+    let (_, header) = SafeTensors::read_metadata(buffer).map_err(corrupt)?;
+    let metadata: BTreeMap<String, String> = header.metadata().clone().unwrap_or_default().into_iter().collect();
+    if let Some(version) = metadata.get(FORMAT_VERSION_KEY) {
+        match version.parse::<u32>() {
+            Ok(version) if version <= FORMAT_VERSION => {}
+            _ => {
+                return Err(checkpoint_error(
+                    path,
+                    format!(
+                        "format version `{version}` is not one this build reads (up to {FORMAT_VERSION}); \
+                         load it with a newer Conveyor"
+                    ),
+                ));
+            }
+        }
+    }
+    let tensors = SafeTensors::deserialize(buffer).map_err(corrupt)?.tensors();
+    Ok(Parsed { tensors, metadata })
+}
+
+fn materialise(path: &Path, parsed: Parsed<'_>, device: &Device) -> Result<Checkpoint> {
+    let mut tensors = BTreeMap::new();
+    for (name, view) in parsed.tensors {
+        let dtype = engine_dtype(view.dtype()).map_err(|found| {
+            checkpoint_error(
+                path,
+                format!("tensor `{name}` has dtype {found}, which Conveyor does not hold; save it as F32, F16 or BF16"),
+            )
+        })?;
+        let tensor = Tensor::from_le_bytes(view.data(), dtype, view.shape(), device)?;
+        tensors.insert(name, tensor);
+    }
+    Ok(Checkpoint { path: path.to_path_buf(), tensors, metadata: parsed.metadata })
+}
+
+/// The engine's dtype for a safetensors dtype, or the file's name for it.
+fn engine_dtype(dtype: SafeDtype) -> std::result::Result<DType, String> {
+    match dtype {
+        SafeDtype::F32 => Ok(DType::F32),
+        SafeDtype::F16 => Ok(DType::F16),
+        SafeDtype::BF16 => Ok(DType::BF16),
+        other => Err(format!("{other:?}")),
+    }
+}
+
+fn safetensors_dtype(dtype: DType) -> SafeDtype {
+    match dtype {
+        DType::F32 => SafeDtype::F32,
+        DType::F16 => SafeDtype::F16,
+        DType::BF16 => SafeDtype::BF16,
+    }
+}
+
+/// A tensor in a file, as far as the strict check needs it.
+struct Found {
+    name: String,
+    shape: Vec<usize>,
+    dtype: std::result::Result<DType, String>,
+}
+
+/// Most problems one strict-check error lists before summarising the rest.
+const MAX_LISTED_PROBLEMS: usize = 8;
+
+fn check_exact(path: &Path, found: Vec<Found>, expected: &[TensorSpec]) -> Result<()> {
+    let mut expected_names = BTreeSet::new();
+    for spec in expected {
+        if !expected_names.insert(spec.name.as_str()) {
+            return Err(Error::invalid(
+                "expected",
+                format!("tensor `{}` is listed twice in the expected tensors; list each name once", spec.name),
+            ));
+        }
+    }
+    let found_by_name: BTreeMap<&str, &Found> = found.iter().map(|f| (f.name.as_str(), f)).collect();
+    let mut problems = Vec::new();
+    for spec in expected {
+        match found_by_name.get(spec.name.as_str()) {
+            None => problems.push(format!("tensor `{}` is missing: expected {} {}", spec.name, spec.dtype, spec.shape)),
+            Some(f) => {
+                problems.extend(describe_difference(&spec.name, &spec.shape, spec.dtype, &f.shape, f.dtype.clone()))
+            }
+        }
+    }
+    for f in &found {
+        if !expected_names.contains(f.name.as_str()) {
+            let dtype = f.dtype.as_ref().map(ToString::to_string).unwrap_or_else(|name| name.clone());
+            problems.push(format!(
+                "tensor `{}` ({dtype} {}) is in the file but not expected",
+                f.name,
+                Shape::new(f.shape.clone())
+            ));
+        }
+    }
+    if problems.is_empty() {
+        return Ok(());
+    }
+    let n_problems = problems.len();
+    let mut reason = problems.into_iter().take(MAX_LISTED_PROBLEMS).collect::<Vec<_>>().join("; ");
+    if n_problems > MAX_LISTED_PROBLEMS {
+        reason.push_str(&format!("; and {} more", n_problems - MAX_LISTED_PROBLEMS));
+    }
+    reason.push_str(
+        "; the checkpoint does not match this model: check it was saved from the same model and stage layout",
+    );
+    Err(checkpoint_error(path, reason))
+}
+
+/// What differs between an expected and a found tensor of the same name, if anything.
+fn describe_difference(
+    name: &str,
+    shape: &Shape,
+    dtype: DType,
+    found_shape: &[usize],
+    found_dtype: std::result::Result<DType, String>,
+) -> Option<String> {
+    let found_dtype_name = found_dtype.as_ref().map(ToString::to_string).unwrap_or_else(|name| name.clone());
+    if shape.dims() != found_shape {
+        return Some(format!(
+            "tensor `{name}` has shape {} but {shape} was expected",
+            Shape::new(found_shape.to_vec())
+        ));
+    }
+    if found_dtype != Ok(dtype) {
+        return Some(format!(
+            "tensor `{name}` has dtype {found_dtype_name} but {dtype} was expected; convert it with `to_dtype` before saving"
+        ));
+    }
+    None
+}
+
+fn list_or_none<'a>(names: impl Iterator<Item = &'a String>) -> String {
+    let names: Vec<&str> = names.map(String::as_str).collect();
+    if names.is_empty() { "none".to_string() } else { names.join(", ") }
+}
+
+/// A tensor's bytes in the shape safetensors' serializer reads.
+struct TensorBytes {
+    dtype: DType,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+impl View for TensorBytes {
+    fn dtype(&self) -> SafeDtype {
+        safetensors_dtype(self.dtype)
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.bytes)
+    }
+
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// Wraps an I/O error with the path it concerns.
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |source| Error::Io { path: path.display().to_string(), source }
+}
+
+/// `.<file name>.tmp-<pid>-<nanoseconds>-<counter>`: unique across threads and processes.
+fn unique_temp_name(file_name: &std::ffi::OsStr) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    format!(
+        ".{}.tmp-{}-{nanos}-{}",
+        file_name.to_string_lossy(),
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Removes the temporary file when dropped, unless disarmed after a successful rename.
+struct RemoveOnDrop(Option<PathBuf>);
+
+impl RemoveOnDrop {
+    fn path(&self) -> &Path {
+        self.0.as_deref().unwrap_or(Path::new(""))
+    }
+
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Some(path) = self.0.take() {
+            let _ = fs::remove_file(path);
+        }
+    }
+}

@@ -1,5 +1,6 @@
 //! Subcommand modules and the shared error reporting of the `conveyor` binary.
 pub mod simulate;
+pub mod train;
 
 /// A problem with what the user gave us: printed to stderr, exit code 2.
 #[derive(Debug)]
@@ -21,5 +22,17 @@ pub fn usage(message: impl Into<String>) -> anyhow::Error {
 /// Prints the error chain to stderr and returns the process exit code for it.
 pub fn report(err: &anyhow::Error) -> i32 {
     eprintln!("error: {err:#}");
-    if err.downcast_ref::<UsageError>().is_some() { 2 } else { 1 }
+    let bad_input = err.downcast_ref::<UsageError>().is_some()
+        || matches!(
+            err.downcast_ref::<conveyor::engine::Error>(),
+            Some(
+                conveyor::engine::Error::InvalidArgument { .. }
+                    | conveyor::engine::Error::ShapeMismatch { .. }
+                    | conveyor::engine::Error::DoesNotFit { .. }
+                    | conveyor::engine::Error::CudaUnavailable(_)
+                    | conveyor::engine::Error::Checkpoint { .. }
+                    | conveyor::engine::Error::Schedule(_)
+            )
+        );
+    if bad_input { 2 } else { 1 }
 }

@@ -2,8 +2,8 @@
 use anyhow::Context;
 use clap::Args;
 use conveyor_schedules::{
-    CostModel, Link, MessageBytes, Schedule, ScheduleError, ScheduleKind, StageCosts,
-    render_timeline, simulate, validate,
+    CostModel, Link, MessageBytes, Schedule, ScheduleError, ScheduleKind, StageCosts, render_timeline, simulate,
+    validate,
 };
 
 /// Channel capacity the schedule is validated with before it is simulated: the tightest
@@ -58,48 +58,27 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     };
     let stage_costs = parse_costs(&args.costs)?;
     if !(args.latency.is_finite() && args.latency >= 0.0) {
-        return Err(super::usage(format!(
-            "--latency must be a finite number of seconds >= 0, got {}",
-            args.latency
-        )));
+        return Err(super::usage(format!("--latency must be a finite number of seconds >= 0, got {}", args.latency)));
     }
     let bandwidth = args.bandwidth.unwrap_or(f64::INFINITY);
     if bandwidth.is_nan() || bandwidth <= 0.0 {
-        return Err(super::usage(format!(
-            "--bandwidth must be > 0 bytes per second, got {bandwidth}"
-        )));
+        return Err(super::usage(format!("--bandwidth must be > 0 bytes per second, got {bandwidth}")));
     }
-    let schedule =
-        Schedule::new(args.schedule, args.stages, args.microbatches, n_chunks).map_err(|err| {
-            // Undefined shapes are the user's to fix: name the flag.
-            let hint = match err {
-                ScheduleError::ZeroParameter {
-                    parameter: "n_devices",
-                    ..
-                } => " (--stages)",
-                ScheduleError::ZeroParameter {
-                    parameter: "n_micro_batches",
-                    ..
-                } => " (--microbatches)",
-                ScheduleError::ZeroParameter {
-                    parameter: "n_chunks",
-                    ..
-                } => " (--chunks)",
-                _ => "",
-            };
-            super::usage(format!("{err}{hint}"))
-        })?;
+    let schedule = Schedule::new(args.schedule, args.stages, args.microbatches, n_chunks).map_err(|err| {
+        // Undefined shapes are the user's to fix: name the flag.
+        let hint = match err {
+            ScheduleError::ZeroParameter { parameter: "n_devices", .. } => " (--stages)",
+            ScheduleError::ZeroParameter { parameter: "n_micro_batches", .. } => " (--microbatches)",
+            ScheduleError::ZeroParameter { parameter: "n_chunks", .. } => " (--chunks)",
+            _ => "",
+        };
+        super::usage(format!("{err}{hint}"))
+    })?;
     validate(&schedule, VALIDATION_CHANNEL_CAPACITY)
         .with_context(|| format!("generated {} schedule failed validation", schedule.kind()))?;
     let costs = CostModel::uniform(stage_costs)
-        .with_link(Link {
-            latency_s: args.latency,
-            bandwidth_bytes_per_s: bandwidth,
-        })
-        .with_message_bytes(MessageBytes {
-            activation_bytes: args.message_bytes,
-            gradient_bytes: args.message_bytes,
-        });
+        .with_link(Link { latency_s: args.latency, bandwidth_bytes_per_s: bandwidth })
+        .with_message_bytes(MessageBytes { activation_bytes: args.message_bytes, gradient_bytes: args.message_bytes });
     let report = simulate(&schedule, &costs).context("simulating the schedule")?;
     if args.json {
         let output = serde_json::json!({
@@ -137,15 +116,9 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         "bubble fraction: {:.4} (inside each device's busy span: {:.4})",
         report.bubble_fraction, report.interior_bubble_fraction
     );
-    println!(
-        "peak in-flight micro-batches per stage: {:?}",
-        report.peak_inflight
-    );
+    println!("peak in-flight micro-batches per stage: {:?}", report.peak_inflight);
     if schedule.n_chunks() > 1 {
-        println!(
-            "peak in-flight (micro-batch, stage) pairs per device: {:?}",
-            report.peak_inflight_per_device
-        );
+        println!("peak in-flight (micro-batch, stage) pairs per device: {:?}", report.peak_inflight_per_device);
     }
     Ok(())
 }
@@ -153,25 +126,15 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
 /// Parses `F,B,W` seconds.
 fn parse_costs(text: &str) -> anyhow::Result<StageCosts> {
     let malformed = |why: String| {
-        super::usage(format!(
-            "--costs {text:?} is malformed: {why}; give three seconds F,B,W, e.g. --costs 1,1,1"
-        ))
+        super::usage(format!("--costs {text:?} is malformed: {why}; give three seconds F,B,W, e.g. --costs 1,1,1"))
     };
     let parts: Vec<&str> = text.split(',').map(str::trim).collect();
     let [forward, backward_input, backward_weight] = parts.as_slice() else {
-        return Err(malformed(format!(
-            "expected 3 comma-separated numbers, found {}",
-            parts.len()
-        )));
+        return Err(malformed(format!("expected 3 comma-separated numbers, found {}", parts.len())));
     };
     let mut values = [0.0; 3];
-    for (value, part) in values
-        .iter_mut()
-        .zip([forward, backward_input, backward_weight])
-    {
-        *value = part
-            .parse::<f64>()
-            .map_err(|_| malformed(format!("{part:?} is not a number")))?;
+    for (value, part) in values.iter_mut().zip([forward, backward_input, backward_weight]) {
+        *value = part.parse::<f64>().map_err(|_| malformed(format!("{part:?} is not a number")))?;
         if !(value.is_finite() && *value >= 0.0) {
             return Err(malformed(format!("{part} is not a finite number >= 0")));
         }

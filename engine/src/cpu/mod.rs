@@ -1,4 +1,12 @@
 //! CPU kernels on f32 slices, single-threaded (one device is one core). Tensors and layers call these.
+pub mod activation;
+pub mod conv;
+pub mod elementwise;
 pub mod gemm;
+pub mod layer_norm;
+pub mod pool;
+pub mod softmax;
+pub mod window;
 
 pub use gemm::{MatRef, matmul};
+pub use window::Window2d;

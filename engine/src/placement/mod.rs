@@ -11,7 +11,7 @@ mod cost;
 mod manual;
 
 pub use auto::place_automatically;
-pub use cost::{DeviceSpec, Link, NodeCosts, OptimizerMemory, PlanConfig, StageMemory};
+pub use cost::{DeviceSpec, Link, NodeCosts, OptimizerMemory, PlanConfig, StageMemory, format_bytes};
 pub use manual::place_manually;
 
 use crate::graph::NodeId;

@@ -1,0 +1,201 @@
+//! Pooling kernels over `n_planes` planes (batch x channels) of one size: max pooling with saved
+//! argmax positions, average pooling (padding counted in the divisor, PyTorch's
+//! `count_include_pad=True`), and global average pooling.
+use super::window::{Window2d, check_len};
+use crate::{Error, Result};
+
+/// Largest plane for which max pooling records argmax positions exactly as f32 (2^24).
+pub const MAX_POOL_PLANE_LIMIT: usize = 1 << 24;
+
+/// Max pooling: `output[p, i, j]` is the largest input in the window, padding acting as -inf;
+/// `argmax[p, i, j]` receives the winning position within the input plane (`row * in_width + col`)
+/// as an f32 (exact below [`MAX_POOL_PLANE_LIMIT`]). The first maximum wins ties; NaN propagates.
+pub fn max_pool2d_forward(
+    input: &[f32],
+    n_planes: usize,
+    window: &Window2d,
+    output: &mut [f32],
+    argmax: &mut [f32],
+) -> Result<()> {
+    if window.in_plane_len() > MAX_POOL_PLANE_LIMIT {
+        return Err(Error::invalid(
+            "max pooling input",
+            format!(
+                "a {}x{} plane exceeds 2^24 positions, which f32 argmax indices cannot address",
+                window.in_height, window.in_width
+            ),
+        ));
+    }
+    let (out_h, out_w) = (window.out_height(), window.out_width());
+    check_len("max_pool2d", "input", n_planes * window.in_plane_len(), input.len())?;
+    check_len("max_pool2d", "output", n_planes * out_h * out_w, output.len())?;
+    check_len("max_pool2d", "argmax", n_planes * out_h * out_w, argmax.len())?;
+    let planes = input.chunks_exact(window.in_plane_len().max(1));
+    let outs = output.chunks_exact_mut(out_h * out_w).zip(argmax.chunks_exact_mut(out_h * out_w));
+    for (plane, (out, arg)) in planes.zip(outs) {
+        for out_row in 0..out_h {
+            for out_col in 0..out_w {
+                let mut best = f32::NEG_INFINITY;
+                let mut best_idx = usize::MAX;
+                for kernel_row in 0..window.kernel_height {
+                    let Some(r) = window.input_row(out_row, kernel_row) else { continue };
+                    for kernel_col in 0..window.kernel_width {
+                        let Some(c) = window.input_col(out_col, kernel_col) else { continue };
+                        let idx = r * window.in_width + c;
+                        let v = plane[idx];
+                        if best_idx == usize::MAX || v > best || (v.is_nan() && !best.is_nan()) {
+                            best = v;
+                            best_idx = idx;
+                        }
+                    }
+                }
+                // Window2d guarantees every window overlaps the input when padding <= kernel / 2;
+                // a window entirely in padding yields -inf and routes no gradient.
+                out[out_row * out_w + out_col] = best;
+                arg[out_row * out_w + out_col] = if best_idx == usize::MAX { -1.0 } else { best_idx as f32 };
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Max pooling's input gradient: adds each output gradient onto the input position recorded in
+/// `argmax` (`input_grad += scatter(grad_output)`).
+pub fn max_pool2d_backward(
+    grad_output: &[f32],
+    argmax: &[f32],
+    n_planes: usize,
+    window: &Window2d,
+    input_grad: &mut [f32],
+) -> Result<()> {
+    let out_plane = window.out_plane_len();
+    check_len("max_pool2d_backward", "grad_output", n_planes * out_plane, grad_output.len())?;
+    check_len("max_pool2d_backward", "argmax", n_planes * out_plane, argmax.len())?;
+    check_len("max_pool2d_backward", "input_grad", n_planes * window.in_plane_len(), input_grad.len())?;
+    let in_plane = window.in_plane_len();
+    for ((g, arg), dst) in
+        grad_output.chunks_exact(out_plane).zip(argmax.chunks_exact(out_plane)).zip(input_grad.chunks_exact_mut(in_plane.max(1)))
+    {
+        for (gv, &a) in g.iter().zip(arg) {
+            if a >= 0.0 && (a as usize) < in_plane {
+                dst[a as usize] += *gv;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Average pooling: `output[p, i, j]` is the window's sum divided by `kernel_height * kernel_width`
+/// (padding counts as zeros in the divisor, PyTorch's default).
+pub fn avg_pool2d_forward(input: &[f32], n_planes: usize, window: &Window2d, output: &mut [f32]) -> Result<()> {
+    let (out_h, out_w) = (window.out_height(), window.out_width());
+    check_len("avg_pool2d", "input", n_planes * window.in_plane_len(), input.len())?;
+    check_len("avg_pool2d", "output", n_planes * out_h * out_w, output.len())?;
+    let scale = 1.0 / (window.kernel_height * window.kernel_width) as f32;
+    for (plane, out) in input.chunks_exact(window.in_plane_len().max(1)).zip(output.chunks_exact_mut(out_h * out_w)) {
+        for out_row in 0..out_h {
+            for out_col in 0..out_w {
+                let mut sum = 0.0;
+                for kernel_row in 0..window.kernel_height {
+                    let Some(r) = window.input_row(out_row, kernel_row) else { continue };
+                    for kernel_col in 0..window.kernel_width {
+                        if let Some(c) = window.input_col(out_col, kernel_col) {
+                            sum += plane[r * window.in_width + c];
+                        }
+                    }
+                }
+                out[out_row * out_w + out_col] = sum * scale;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Average pooling's input gradient: `input_grad += grad_output / (kh * kw)` spread over each window.
+pub fn avg_pool2d_backward(grad_output: &[f32], n_planes: usize, window: &Window2d, input_grad: &mut [f32]) -> Result<()> {
+    let (out_h, out_w) = (window.out_height(), window.out_width());
+    check_len("avg_pool2d_backward", "grad_output", n_planes * out_h * out_w, grad_output.len())?;
+    check_len("avg_pool2d_backward", "input_grad", n_planes * window.in_plane_len(), input_grad.len())?;
+    let scale = 1.0 / (window.kernel_height * window.kernel_width) as f32;
+    for (g, plane) in grad_output.chunks_exact(out_h * out_w).zip(input_grad.chunks_exact_mut(window.in_plane_len().max(1))) {
+        for out_row in 0..out_h {
+            for out_col in 0..out_w {
+                let share = g[out_row * out_w + out_col] * scale;
+                for kernel_row in 0..window.kernel_height {
+                    let Some(r) = window.input_row(out_row, kernel_row) else { continue };
+                    for kernel_col in 0..window.kernel_width {
+                        if let Some(c) = window.input_col(out_col, kernel_col) {
+                            plane[r * window.in_width + c] += share;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Global average pooling: `output[p] = mean(input[p, :])` over planes of `plane_len` elements.
+pub fn global_avg_pool_forward(input: &[f32], plane_len: usize, output: &mut [f32]) -> Result<()> {
+    check_len("global_avg_pool", "input", output.len() * plane_len, input.len())?;
+    if plane_len == 0 {
+        return Err(Error::invalid("global average pooling input", "planes are empty (height or width 0); nothing to average"));
+    }
+    let scale = 1.0 / plane_len as f32;
+    for (plane, out) in input.chunks_exact(plane_len).zip(output.iter_mut()) {
+        *out = plane.iter().sum::<f32>() * scale;
+    }
+    Ok(())
+}
+
+/// Global average pooling's input gradient: `input_grad[p, :] += grad_output[p] / plane_len`.
+pub fn global_avg_pool_backward(grad_output: &[f32], plane_len: usize, input_grad: &mut [f32]) -> Result<()> {
+    check_len("global_avg_pool_backward", "input_grad", grad_output.len() * plane_len, input_grad.len())?;
+    if plane_len == 0 {
+        return Ok(());
+    }
+    let scale = 1.0 / plane_len as f32;
+    for (g, plane) in grad_output.iter().zip(input_grad.chunks_exact_mut(plane_len)) {
+        let share = g * scale;
+        plane.iter_mut().for_each(|x| *x += share);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn max_pool_picks_window_maxima_and_routes_gradient() {
+        // One 4x4 plane, 2x2 windows, stride 2.
+        let input: Vec<f32> = vec![1., 5., 2., 0., 3., 4., 8., 7., 0., 0., 1., 1., 9., 0., 1., 2.];
+        let w = Window2d::new(1, (4, 4), (2, 2), (2, 2), (0, 0)).unwrap();
+        let (mut out, mut arg) = (vec![0.0; 4], vec![0.0; 4]);
+        max_pool2d_forward(&input, 1, &w, &mut out, &mut arg).unwrap();
+        assert_eq!(out, vec![5., 8., 9., 2.]);
+        assert_eq!(arg, vec![1., 6., 12., 15.]);
+        let mut grad = vec![0.0; 16];
+        max_pool2d_backward(&[1., 2., 3., 4.], &arg, 1, &w, &mut grad).unwrap();
+        assert_eq!((grad[1], grad[6], grad[12], grad[15]), (1., 2., 3., 4.));
+        assert_eq!(grad.iter().sum::<f32>(), 10.0);
+    }
+
+    #[test]
+    fn avg_pool_counts_padding_in_divisor() {
+        let w = Window2d::new(1, (2, 2), (2, 2), (2, 2), (1, 1)).unwrap();
+        let mut out = vec![0.0; 4];
+        avg_pool2d_forward(&[4., 8., 12., 16.], 1, &w, &mut out).unwrap();
+        assert_eq!(out, vec![1., 2., 3., 4.]);
+    }
+
+    #[test]
+    fn global_average_is_the_plane_mean() {
+        let mut out = vec![0.0; 2];
+        global_avg_pool_forward(&[1., 2., 3., 4., 5., 6.], 3, &mut out).unwrap();
+        assert_eq!(out, vec![2., 5.]);
+        let mut grad = vec![0.0; 6];
+        global_avg_pool_backward(&[3., 6.], 3, &mut grad).unwrap();
+        assert_eq!(grad, vec![1., 1., 1., 2., 2., 2.]);
+    }
+}

@@ -1,0 +1,99 @@
+//! Gradient-norm clipping as `torch.nn.utils.clip_grad_norm_(max_norm, norm_type=2)`, in one call
+//! or in two phases for pipelines, where each stage holds only its own gradients.
+//!
+//! # Rule
+//!
+//! ```text
+//! total_norm = sqrt(Σ over every gradient element of g²)
+//! clip_coef  = max_norm / (total_norm + 1e-6)
+//! g          = g · min(clip_coef, 1)                   (for every gradient)
+//! ```
+//!
+//! Torch multiplies by the clamped coefficient unconditionally; multiplying by exactly 1 changes
+//! nothing, so we skip the multiply when `clip_coef >= 1`. Like torch's default
+//! (`error_if_nonfinite=False`), a non-finite total norm is not an error: the gradients are scaled
+//! by the resulting coefficient (0 for an infinite norm, NaN for a NaN norm). Check
+//! `total_norm.is_finite()` to skip a step instead.
+//!
+//! # Two phases (torch's `get_total_norm` and `clip_grads_with_norm_`)
+//!
+//! 1. every stage calls [`grad_sum_of_squares`] over its own gradients;
+//! 2. the sums are combined with [`total_norm_from_sums_of_squares`] (addition, so the order of
+//!    stages does not matter beyond f64 rounding);
+//! 3. every stage calls [`clip_grads_with_norm`] with the global norm.
+//!
+//! Sums of squares are accumulated in f64, so the norm is at least as accurate as torch's f32
+//! reduction; the coefficient is rounded to f32 before scaling, as torch's f32 `mul_` does.
+use crate::{Error, Result, Tensor};
+
+/// The constant torch adds to the total norm before dividing, so a zero norm does not divide by zero.
+pub const CLIP_NORM_EPSILON: f64 = 1e-6;
+
+/// Phase 1: the sum of squares of every element of `grads` (f32 tensors), accumulated in f64.
+pub fn grad_sum_of_squares(grads: &[&Tensor]) -> Result<f64> {
+    let mut sum = 0.0f64;
+    for grad in grads {
+        for &x in grad.as_f32()? {
+            let x = f64::from(x);
+            sum += x * x;
+        }
+    }
+    Ok(sum)
+}
+
+/// Phase 2: the global L2 norm from the per-stage sums of squares.
+pub fn total_norm_from_sums_of_squares(sums_of_squares: &[f64]) -> f64 {
+    sums_of_squares.iter().sum::<f64>().sqrt()
+}
+
+/// Phase 3: scales `grads` by `min(max_norm / (total_norm + 1e-6), 1)` and returns the factor
+/// applied (1 when no clipping was needed). `max_norm` must be a finite number ≥ 0.
+pub fn clip_grads_with_norm(grads: &mut [&mut Tensor], max_norm: f64, total_norm: f64) -> Result<f32> {
+    check_max_norm(max_norm)?;
+    for grad in grads.iter() {
+        grad.as_f32()?; // refuse a non-f32 gradient before scaling any
+    }
+    let clip_coef = max_norm / (total_norm + CLIP_NORM_EPSILON);
+    if clip_coef >= 1.0 {
+        return Ok(1.0);
+    }
+    let factor = clip_coef as f32; // NaN stays NaN: torch's clamp propagates it too
+    for grad in grads.iter_mut() {
+        grad.scale_in_place(factor)?;
+    }
+    Ok(factor)
+}
+
+/// `torch.nn.utils.clip_grad_norm_(grads, max_norm)` with the L2 norm: clips in place and returns
+/// the total norm of the gradients before clipping.
+///
+/// ```
+/// use conveyor_engine::{optim::clip_grad_norm, Device, Tensor};
+/// let device = Device::cpu(0);
+/// let mut grad = Tensor::from_slice(&[3.0, 4.0], [2], &device)?;
+/// let total_norm = clip_grad_norm(&mut [&mut grad], 1.0)?;
+/// assert_eq!(total_norm, 5.0);
+/// let clipped = grad.as_f32()?;
+/// assert!((clipped[0] - 0.6).abs() < 1e-6 && (clipped[1] - 0.8).abs() < 1e-6);
+/// # Ok::<(), conveyor_engine::Error>(())
+/// ```
+pub fn clip_grad_norm(grads: &mut [&mut Tensor], max_norm: f64) -> Result<f64> {
+    check_max_norm(max_norm)?;
+    let sum = {
+        let views: Vec<&Tensor> = grads.iter().map(|grad| &**grad).collect();
+        grad_sum_of_squares(&views)?
+    };
+    let total_norm = total_norm_from_sums_of_squares(&[sum]);
+    clip_grads_with_norm(grads, max_norm, total_norm)?;
+    Ok(total_norm)
+}
+
+fn check_max_norm(max_norm: f64) -> Result<()> {
+    if !(max_norm >= 0.0 && max_norm.is_finite()) {
+        return Err(Error::invalid(
+            "max_norm",
+            format!("{max_norm} is not a valid gradient-norm limit; use a finite number >= 0 (e.g. 1.0)"),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,274 @@
+//! `Conv2d`: 2-D convolution over NCHW inputs by im2col + one matrix product per sample, its input
+//! gradient by a product and col2im, with PyTorch's names, layout and default initialisation.
+use conveyor_engine::cpu::conv::{col2im, im2col};
+use conveyor_engine::cpu::elementwise::accumulate_row_sums;
+use conveyor_engine::cpu::{MatRef, Window2d, matmul};
+use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
+use rand::rngs::StdRng;
+
+use crate::tensor_io::{
+    accumulate_into, check_grad_shape, check_param_grads, check_same_device, chw, expect_inputs, expect_shapes, f32_bytes,
+    into_dtype, nchw, saved_tensor, values, zeros_f32,
+};
+
+/// Stride, zero padding and bias of a [`Conv2d`]; the default is PyTorch's (stride 1, no padding, bias).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv2dOptions {
+    /// (vertical, horizontal) stride.
+    pub stride: (usize, usize),
+    /// (rows, columns) of zeros added on each side.
+    pub padding: (usize, usize),
+    /// Whether the layer has a bias.
+    pub bias: bool,
+}
+
+impl Default for Conv2dOptions {
+    fn default() -> Self {
+        Conv2dOptions { stride: (1, 1), padding: (0, 0), bias: true }
+    }
+}
+
+/// 2-D convolution (cross-correlation, like PyTorch): input `[batch, in_channels, H, W]`, output
+/// `[batch, out_channels, H_out, W_out]` with `H_out = floor((H + 2·pad_h - kh) / stride_h) + 1`.
+///
+/// Parameters (PyTorch's `nn.Conv2d`): `weight` `[out_channels, in_channels, kh, kw]`, then `bias`
+/// `[out_channels]` when enabled; both default to U(±1/sqrt(in_channels·kh·kw)).
+///
+/// Per sample the forward pass is `y = weight [out, in·kh·kw] · im2col(x) [in·kh·kw, H_out·W_out]`;
+/// the input gradient is `col2im(weightᵀ · dy)` and the weight gradient `dy · im2col(x)ᵀ`, the
+/// col matrix being recomputed rather than saved (it is kh·kw times the input). A 1x1 kernel with
+/// stride 1 and no padding multiplies the input directly.
+#[derive(Debug)]
+pub struct Conv2d {
+    in_channels: usize,
+    out_channels: usize,
+    kernel_size: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize),
+    params: Vec<Parameter>,
+}
+
+impl Conv2d {
+    /// A layer with PyTorch's default initialisation, parameters on the host.
+    pub fn new(
+        in_channels: usize,
+        out_channels: usize,
+        kernel_size: (usize, usize),
+        options: Conv2dOptions,
+        rng: &mut StdRng,
+    ) -> Result<Conv2d> {
+        let (kh, kw) = kernel_size;
+        if in_channels == 0 || out_channels == 0 || kh == 0 || kw == 0 {
+            return Err(Error::invalid(
+                "Conv2d size",
+                format!("in_channels={in_channels}, out_channels={out_channels}, kernel {kh}x{kw}: all must be at least 1"),
+            ));
+        }
+        let fan_in = in_channels * kh * kw;
+        let host = Device::host();
+        let weight = init::kaiming_uniform_default([out_channels, in_channels, kh, kw], fan_in, rng, &host)?;
+        let bias = if options.bias { Some(init::bias_uniform_default([out_channels], fan_in, rng, &host)?) } else { None };
+        Conv2d::from_parameters(weight, bias, options.stride, options.padding)
+    }
+
+    /// A layer from given tensors: `weight` `[out_channels, in_channels, kh, kw]`, optional `bias` `[out_channels]`.
+    pub fn from_parameters(
+        weight: Tensor,
+        bias: Option<Tensor>,
+        stride: (usize, usize),
+        padding: (usize, usize),
+    ) -> Result<Conv2d> {
+        let &[out_channels, in_channels, kh, kw] = weight.dims() else {
+            return Err(Error::shape("Conv2d weight", "[out_channels, in_channels, kh, kw]", weight.shape().to_string()));
+        };
+        if weight.numel() == 0 {
+            return Err(Error::shape(
+                "Conv2d weight",
+                "[out_channels, in_channels, kh, kw] with all at least 1",
+                weight.shape().to_string(),
+            ));
+        }
+        if stride.0 == 0 || stride.1 == 0 {
+            return Err(Error::invalid("Conv2d stride", format!("{stride:?}: both strides must be at least 1")));
+        }
+        let mut params = vec![Parameter { name: "weight".into(), value: weight }];
+        if let Some(bias) = bias {
+            if bias.dims() != [out_channels] {
+                return Err(Error::shape("Conv2d bias", format!("[{out_channels}] (out_channels)"), bias.shape().to_string()));
+            }
+            params.push(Parameter { name: "bias".into(), value: bias });
+        }
+        Ok(Conv2d { in_channels, out_channels, kernel_size: (kh, kw), stride, padding, params })
+    }
+
+    /// The weight, `[out_channels, in_channels, kh, kw]`.
+    pub fn weight(&self) -> &Tensor {
+        &self.params[0].value
+    }
+
+    /// The bias, `[out_channels]`, if any.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.params.get(1).map(|p| &p.value)
+    }
+
+    /// (in_channels, out_channels).
+    pub fn channels(&self) -> (usize, usize) {
+        (self.in_channels, self.out_channels)
+    }
+
+    /// The window geometry for a per-sample input `[in_channels, height, width]`.
+    fn window(&self, channels: usize, height: usize, width: usize, shape: &Shape) -> Result<Window2d> {
+        if channels != self.in_channels || height == 0 || width == 0 {
+            return Err(Error::shape(
+                "Conv2d",
+                format!("{} input channels and a non-empty plane", self.in_channels),
+                shape.to_string(),
+            ));
+        }
+        Window2d::new(channels, (height, width), self.kernel_size, self.stride, self.padding).map_err(|_| {
+            Error::shape(
+                "Conv2d",
+                format!("an input at least as large as the kernel {:?} after padding {:?}", self.kernel_size, self.padding),
+                shape.to_string(),
+            )
+        })
+    }
+
+    /// The batch size and window of a batched NCHW input.
+    fn batch_window(&self, shape: &Shape) -> Result<(usize, Window2d)> {
+        let [batch, channels, height, width] = nchw("Conv2d", shape)?;
+        Ok((batch, self.window(channels, height, width, shape)?))
+    }
+
+    fn output_dims(&self, batch: usize, window: &Window2d) -> [usize; 4] {
+        [batch, self.out_channels, window.out_height(), window.out_width()]
+    }
+}
+
+impl Layer for Conv2d {
+    fn kind(&self) -> &'static str {
+        "Conv2d"
+    }
+
+    fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape> {
+        let shape = &expect_shapes("Conv2d", input_shapes, 1)?[0];
+        let [channels, height, width] = chw("Conv2d", shape)?;
+        let window = self.window(channels, height, width, shape)?;
+        Ok(Shape::new([self.out_channels, window.out_height(), window.out_width()]))
+    }
+
+    fn parameters(&self) -> &[Parameter] {
+        &self.params
+    }
+
+    fn parameters_mut(&mut self) -> &mut [Parameter] {
+        &mut self.params
+    }
+
+    fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
+        expect_inputs("Conv2d", inputs, 1)?;
+        let input = inputs[0];
+        let (batch, window) = self.batch_window(input.shape())?;
+        check_same_device("Conv2d", input, self.weight())?;
+        let x = values(input);
+        let weight = values(self.weight());
+        let bias = self.bias().map(values);
+        let (col_rows, out_plane) = (window.col_rows(), window.out_plane_len());
+        let weight_view = MatRef::row_major(&weight, self.out_channels, col_rows)?;
+        let mut col = if window.is_pointwise() { Vec::new() } else { vec![0.0; col_rows * out_plane] };
+        let mut output = zeros_f32(self.output_dims(batch, &window), input.device())?;
+        let sample_outputs = output.as_f32_mut()?.chunks_exact_mut(self.out_channels * out_plane);
+        for (x_sample, y_sample) in x.chunks_exact(window.input_len()).zip(sample_outputs) {
+            if let Some(bias) = &bias {
+                for (y_channel, &b) in y_sample.chunks_exact_mut(out_plane).zip(bias.iter()) {
+                    y_channel.fill(b);
+                }
+            }
+            let col_view = if window.is_pointwise() {
+                MatRef::row_major(x_sample, col_rows, out_plane)?
+            } else {
+                im2col(x_sample, &window, &mut col)?;
+                MatRef::row_major(&col, col_rows, out_plane)?
+            };
+            matmul(y_sample, weight_view, col_view, bias.is_some())?;
+        }
+        let saved = Saved { tensors: vec![input.try_clone()?] };
+        Ok((into_dtype(output, input.dtype())?, saved))
+    }
+
+    fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let input = saved_tensor("Conv2d", saved, 0)?;
+        let (batch, window) = self.batch_window(input.shape())?;
+        check_grad_shape("Conv2d", grad_output, &Shape::new(self.output_dims(batch, &window)))?;
+        let grad = values(grad_output);
+        let weight = values(self.weight());
+        let (col_rows, out_plane) = (window.col_rows(), window.out_plane_len());
+        let weight_t = MatRef::row_major(&weight, self.out_channels, col_rows)?.t();
+        let mut grad_input = zeros_f32(input.shape().clone(), input.device())?;
+        let mut col = if window.is_pointwise() { Vec::new() } else { vec![0.0; col_rows * out_plane] };
+        let sample_grads = grad.chunks_exact(self.out_channels * out_plane);
+        for (dy_sample, dx_sample) in sample_grads.zip(grad_input.as_f32_mut()?.chunks_exact_mut(window.input_len())) {
+            let dy_view = MatRef::row_major(dy_sample, self.out_channels, out_plane)?;
+            if window.is_pointwise() {
+                matmul(dx_sample, weight_t, dy_view, false)?;
+            } else {
+                // dcol [in·kh·kw, out_plane] = weightᵀ · dy, then scatter-add onto the input positions.
+                matmul(&mut col, weight_t, dy_view, false)?;
+                col2im(&col, &window, dx_sample)?;
+            }
+        }
+        Ok(vec![Some(into_dtype(grad_input, input.dtype())?)])
+    }
+
+    fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()> {
+        check_param_grads("Conv2d", &self.params, param_grads)?;
+        let input = saved_tensor("Conv2d", saved, 0)?;
+        let (batch, window) = self.batch_window(input.shape())?;
+        check_grad_shape("Conv2d", grad_output, &Shape::new(self.output_dims(batch, &window)))?;
+        let grad = values(grad_output);
+        let x = values(input);
+        let (col_rows, out_plane) = (window.col_rows(), window.out_plane_len());
+        let (weight_grad, bias_grad) = param_grads.split_at_mut(1);
+        let mut col = if window.is_pointwise() { Vec::new() } else { vec![0.0; col_rows * out_plane] };
+        accumulate_into(&mut weight_grad[0], |dst| {
+            for (x_sample, dy_sample) in x.chunks_exact(window.input_len()).zip(grad.chunks_exact(self.out_channels * out_plane))
+            {
+                let col_view = if window.is_pointwise() {
+                    MatRef::row_major(x_sample, col_rows, out_plane)?
+                } else {
+                    im2col(x_sample, &window, &mut col)?;
+                    MatRef::row_major(&col, col_rows, out_plane)?
+                };
+                // dweight [out, in·kh·kw] += dy [out, out_plane] · colᵀ [out_plane, in·kh·kw]
+                matmul(dst, MatRef::row_major(dy_sample, self.out_channels, out_plane)?, col_view.t(), true)?;
+            }
+            Ok(())
+        })?;
+        if let Some(bias_grad) = bias_grad.first_mut() {
+            accumulate_into(bias_grad, |dst| {
+                for dy_sample in grad.chunks_exact(self.out_channels * out_plane) {
+                    accumulate_row_sums(dy_sample, dst)?;
+                }
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+
+    fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {
+        let output = self.output_shape(input_shapes)?;
+        let [channels, height, width] = chw("Conv2d", &input_shapes[0])?;
+        let window = self.window(channels, height, width, &input_shapes[0])?;
+        let product_flops = 2 * (self.out_channels * window.col_rows() * window.out_plane_len()) as u64;
+        let bias_flops = if self.bias().is_some() { output.numel() as u64 } else { 0 };
+        let param_count: usize = self.params.iter().map(|p| p.value.numel()).sum();
+        Ok(LayerCost {
+            forward_flops_per_sample: product_flops + bias_flops,
+            backward_input_flops_per_sample: product_flops,
+            backward_weight_flops_per_sample: product_flops + bias_flops,
+            param_bytes: f32_bytes(param_count),
+            activation_bytes_per_sample: f32_bytes(input_shapes[0].numel()),
+            output_bytes_per_sample: f32_bytes(output.numel()),
+        })
+    }
+}

@@ -1,0 +1,213 @@
+//! `Linear`: `y = x · weightᵀ + bias` over the last dimension, with PyTorch's names, layout and
+//! default initialisation.
+use conveyor_engine::cpu::elementwise::{accumulate_column_sums, broadcast_rows};
+use conveyor_engine::cpu::{MatRef, matmul};
+use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
+use rand::rngs::StdRng;
+
+use crate::tensor_io::{
+    accumulate_into, check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes, into_dtype,
+    saved_tensor, values, zeros_f32,
+};
+
+/// A fully connected layer: `y = x · weightᵀ + bias`, applied to the last dimension of an input of
+/// rank ≥ 2 (`[batch, in]` or `[batch, ..., in]`).
+///
+/// Parameters (PyTorch's `nn.Linear`): `weight` `[out_features, in_features]`, then `bias`
+/// `[out_features]` when enabled. Both default to U(±1/sqrt(in_features)).
+///
+/// f16 and bf16 inputs and parameters are accepted: the layer computes in f32 and returns the
+/// input's dtype, so the result differs from an f32 layer on the same (rounded) values only by the
+/// final rounding and the rounding of the inputs themselves; the test `half_precision_linear`
+/// bounds the relative error by `4 · u · sqrt(in_features)` with unit roundoff u = 2⁻¹¹ (f16) or
+/// 2⁻⁸ (bf16).
+///
+/// ```
+/// use conveyor_engine::{Device, ForwardCtx, Layer, Tensor, init};
+/// use conveyor_layers::Linear;
+/// let layer = Linear::new(3, 2, true, &mut init::rng(0))?;
+/// let x = Tensor::from_vec(vec![1.0, 2.0, 3.0], [1, 3], &Device::host())?;
+/// let (y, _saved) = layer.forward(&[&x], &ForwardCtx::eval())?;
+/// assert_eq!(y.dims(), &[1, 2]);
+/// # Ok::<(), conveyor_engine::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct Linear {
+    in_features: usize,
+    out_features: usize,
+    params: Vec<Parameter>,
+}
+
+impl Linear {
+    /// A layer with PyTorch's default initialisation (weight kaiming-uniform with a = sqrt(5), bias
+    /// U(±1/sqrt(in_features))), parameters on the host.
+    pub fn new(in_features: usize, out_features: usize, bias: bool, rng: &mut StdRng) -> Result<Linear> {
+        if in_features == 0 || out_features == 0 {
+            return Err(Error::invalid(
+                "Linear features",
+                format!("in_features={in_features}, out_features={out_features}: both must be at least 1"),
+            ));
+        }
+        let host = Device::host();
+        let weight = init::kaiming_uniform_default([out_features, in_features], in_features, rng, &host)?;
+        let bias = if bias { Some(init::bias_uniform_default([out_features], in_features, rng, &host)?) } else { None };
+        Linear::from_parameters(weight, bias)
+    }
+
+    /// A layer from given tensors: `weight` `[out, in]` and optionally `bias` `[out]`.
+    pub fn from_parameters(weight: Tensor, bias: Option<Tensor>) -> Result<Linear> {
+        let &[out_features, in_features] = weight.dims() else {
+            return Err(Error::shape("Linear weight", "[out_features, in_features]", weight.shape().to_string()));
+        };
+        if in_features == 0 || out_features == 0 {
+            return Err(Error::shape(
+                "Linear weight",
+                "[out_features, in_features] with both at least 1",
+                weight.shape().to_string(),
+            ));
+        }
+        let mut params = vec![Parameter { name: "weight".into(), value: weight }];
+        if let Some(bias) = bias {
+            if bias.dims() != [out_features] {
+                return Err(Error::shape("Linear bias", format!("[{out_features}] (out_features)"), bias.shape().to_string()));
+            }
+            params.push(Parameter { name: "bias".into(), value: bias });
+        }
+        Ok(Linear { in_features, out_features, params })
+    }
+
+    /// Input features (the last input dimension).
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    /// Output features.
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    /// The weight, `[out_features, in_features]`.
+    pub fn weight(&self) -> &Tensor {
+        &self.params[0].value
+    }
+
+    /// The bias, `[out_features]`, if the layer has one.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.params.get(1).map(|p| &p.value)
+    }
+
+    /// Checks a batched input and returns its number of rows (all dims but the last).
+    fn input_rows(&self, shape: &Shape) -> Result<usize> {
+        match shape.dims().split_last() {
+            Some((&last, leading)) if !leading.is_empty() && last == self.in_features => Ok(leading.iter().product()),
+            _ => Err(Error::shape(
+                "Linear",
+                format!("an input [batch, ..., {}] of rank >= 2", self.in_features),
+                shape.to_string(),
+            )),
+        }
+    }
+
+    fn output_dims(&self, input: &Shape) -> Vec<usize> {
+        let mut dims = input.dims().to_vec();
+        *dims.last_mut().expect("checked rank >= 1") = self.out_features;
+        dims
+    }
+}
+
+impl Layer for Linear {
+    fn kind(&self) -> &'static str {
+        "Linear"
+    }
+
+    fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape> {
+        let shape = &expect_shapes("Linear", input_shapes, 1)?[0];
+        match shape.dims().last() {
+            Some(&last) if last == self.in_features => Ok(Shape::new(self.output_dims(shape))),
+            _ => Err(Error::shape("Linear", format!("a per-sample shape [..., {}]", self.in_features), shape.to_string())),
+        }
+    }
+
+    fn parameters(&self) -> &[Parameter] {
+        &self.params
+    }
+
+    fn parameters_mut(&mut self) -> &mut [Parameter] {
+        &mut self.params
+    }
+
+    fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
+        expect_inputs("Linear", inputs, 1)?;
+        let input = inputs[0];
+        let rows = self.input_rows(input.shape())?;
+        check_same_device("Linear", input, self.weight())?;
+        let x = values(input);
+        let weight = values(self.weight());
+        let mut output = zeros_f32(self.output_dims(input.shape()), input.device())?;
+        let dst = output.as_f32_mut()?;
+        // Pre-fill with the bias so the product accumulates onto it: no second pass over y.
+        let has_bias = match self.bias() {
+            Some(bias) => {
+                broadcast_rows(&values(bias), dst)?;
+                true
+            }
+            None => false,
+        };
+        let x_view = MatRef::row_major(&x, rows, self.in_features)?;
+        let weight_t = MatRef::row_major(&weight, self.out_features, self.in_features)?.t();
+        matmul(dst, x_view, weight_t, has_bias)?;
+        let saved = Saved { tensors: vec![input.try_clone()?] };
+        Ok((into_dtype(output, input.dtype())?, saved))
+    }
+
+    fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let input = saved_tensor("Linear", saved, 0)?;
+        let rows = self.input_rows(input.shape())?;
+        check_grad_shape("Linear", grad_output, &Shape::new(self.output_dims(input.shape())))?;
+        let grad = values(grad_output);
+        let weight = values(self.weight());
+        // dx [rows, in] = dy [rows, out] · weight [out, in]
+        let mut grad_input = zeros_f32(input.shape().clone(), input.device())?;
+        matmul(
+            grad_input.as_f32_mut()?,
+            MatRef::row_major(&grad, rows, self.out_features)?,
+            MatRef::row_major(&weight, self.out_features, self.in_features)?,
+            false,
+        )?;
+        Ok(vec![Some(into_dtype(grad_input, input.dtype())?)])
+    }
+
+    fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()> {
+        check_param_grads("Linear", &self.params, param_grads)?;
+        let input = saved_tensor("Linear", saved, 0)?;
+        let rows = self.input_rows(input.shape())?;
+        check_grad_shape("Linear", grad_output, &Shape::new(self.output_dims(input.shape())))?;
+        let grad = values(grad_output);
+        let x = values(input);
+        let (weight_grad, bias_grad) = param_grads.split_at_mut(1);
+        // dweight [out, in] += dyᵀ [out, rows] · x [rows, in]
+        let grad_t = MatRef::row_major(&grad, rows, self.out_features)?.t();
+        let x_view = MatRef::row_major(&x, rows, self.in_features)?;
+        accumulate_into(&mut weight_grad[0], |dst| matmul(dst, grad_t, x_view, true))?;
+        if let Some(bias_grad) = bias_grad.first_mut() {
+            accumulate_into(bias_grad, |dst| accumulate_column_sums(&grad, dst))?;
+        }
+        Ok(())
+    }
+
+    fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {
+        let output = self.output_shape(input_shapes)?;
+        let positions = (input_shapes[0].numel() / self.in_features) as u64;
+        let (n_in, n_out) = (self.in_features as u64, self.out_features as u64);
+        let bias_flops = if self.bias().is_some() { positions * n_out } else { 0 };
+        let param_count: usize = self.params.iter().map(|p| p.value.numel()).sum();
+        Ok(LayerCost {
+            forward_flops_per_sample: 2 * positions * n_in * n_out + bias_flops,
+            backward_input_flops_per_sample: 2 * positions * n_in * n_out,
+            backward_weight_flops_per_sample: 2 * positions * n_in * n_out + bias_flops,
+            param_bytes: f32_bytes(param_count),
+            activation_bytes_per_sample: f32_bytes(input_shapes[0].numel()),
+            output_bytes_per_sample: f32_bytes(output.numel()),
+        })
+    }
+}

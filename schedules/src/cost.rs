@@ -1,0 +1,161 @@
+//! The cost model the simulator times a schedule with: per-stage compute costs, one link model
+//! and per-stage message sizes.
+use serde::Serialize;
+
+use crate::error::ScheduleError;
+
+/// Seconds one micro-batch spends in each compute op of one stage. A fused `Backward` costs
+/// `backward_input_s + backward_weight_s`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct StageCosts {
+    /// Forward pass (`F`).
+    pub forward_s: f64,
+    /// Gradient with respect to the stage's input (`B`).
+    pub backward_input_s: f64,
+    /// Gradient with respect to the stage's weights (`W`).
+    pub backward_weight_s: f64,
+}
+
+impl StageCosts {
+    /// `F = B = W = 1` second: the unit costs the bubble formulas are stated in.
+    pub const UNIT: StageCosts = StageCosts { forward_s: 1.0, backward_input_s: 1.0, backward_weight_s: 1.0 };
+
+    /// Costs from `F`, `B` and `W` in seconds.
+    pub fn new(forward_s: f64, backward_input_s: f64, backward_weight_s: f64) -> StageCosts {
+        StageCosts { forward_s, backward_input_s, backward_weight_s }
+    }
+
+    /// The cost of a fused backward: `B + W`.
+    pub fn backward_s(&self) -> f64 {
+        self.backward_input_s + self.backward_weight_s
+    }
+}
+
+/// A point-to-point link: sending `bytes` takes `latency_s + bytes / bandwidth_bytes_per_s`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Link {
+    /// Fixed cost per message, seconds.
+    pub latency_s: f64,
+    /// Bytes per second; `f64::INFINITY` for free transfers.
+    pub bandwidth_bytes_per_s: f64,
+}
+
+impl Link {
+    /// No latency, infinite bandwidth: messages arrive when they are sent.
+    pub const FREE: Link = Link { latency_s: 0.0, bandwidth_bytes_per_s: f64::INFINITY };
+
+    /// Seconds to move `bytes` over this link.
+    pub fn transfer_s(&self, bytes: u64) -> f64 {
+        self.latency_s + bytes as f64 / self.bandwidth_bytes_per_s
+    }
+}
+
+/// Sizes of the messages one stage sends: its output activation (to `s + 1`) and the gradient
+/// of its input (to `s - 1`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct MessageBytes {
+    /// Bytes of the activation stage `s` sends forward.
+    pub activation_bytes: u64,
+    /// Bytes of the gradient stage `s` sends backward.
+    pub gradient_bytes: u64,
+}
+
+/// Everything the simulator needs to time a schedule. Per-stage lists hold either one entry
+/// (applied to every stage) or one entry per stage. Messages between two stages on the same
+/// device cost nothing.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CostModel {
+    stage_costs: Vec<StageCosts>,
+    link: Link,
+    message_bytes: Vec<MessageBytes>,
+    optimizer_step_s: f64,
+}
+
+impl Default for CostModel {
+    fn default() -> Self {
+        CostModel::uniform(StageCosts::UNIT)
+    }
+}
+
+impl CostModel {
+    /// The same costs on every stage, free communication, a free optimizer step.
+    pub fn uniform(costs: StageCosts) -> CostModel {
+        CostModel::per_stage(vec![costs])
+    }
+
+    /// One entry per stage (or a single entry for all), free communication.
+    pub fn per_stage(stage_costs: Vec<StageCosts>) -> CostModel {
+        CostModel { stage_costs, link: Link::FREE, message_bytes: vec![MessageBytes::default()], optimizer_step_s: 0.0 }
+    }
+
+    /// Uses `link` for every message between devices.
+    pub fn with_link(mut self, link: Link) -> CostModel {
+        self.link = link;
+        self
+    }
+
+    /// Every stage sends messages of these sizes.
+    pub fn with_message_bytes(self, message_bytes: MessageBytes) -> CostModel {
+        self.with_message_bytes_per_stage(vec![message_bytes])
+    }
+
+    /// Message sizes by sending stage (one entry, or one per stage).
+    pub fn with_message_bytes_per_stage(mut self, message_bytes: Vec<MessageBytes>) -> CostModel {
+        self.message_bytes = message_bytes;
+        self
+    }
+
+    /// Seconds each device spends in its optimizer step.
+    pub fn with_optimizer_step_s(mut self, optimizer_step_s: f64) -> CostModel {
+        self.optimizer_step_s = optimizer_step_s;
+        self
+    }
+
+    /// The link.
+    pub fn link(&self) -> Link {
+        self.link
+    }
+
+    /// The optimizer step's cost.
+    pub fn optimizer_step_s(&self) -> f64 {
+        self.optimizer_step_s
+    }
+
+    /// Costs of `stage_idx`.
+    pub fn stage_costs(&self, stage_idx: usize) -> StageCosts {
+        pick(&self.stage_costs, stage_idx)
+    }
+
+    /// Message sizes sent by `stage_idx`.
+    pub fn message_bytes(&self, stage_idx: usize) -> MessageBytes {
+        pick(&self.message_bytes, stage_idx)
+    }
+
+    /// Checks lengths against `n_stages` and that every number is usable.
+    pub fn check(&self, n_stages: usize) -> Result<(), ScheduleError> {
+        for (what, len) in [("stage costs", self.stage_costs.len()), ("message bytes", self.message_bytes.len())] {
+            if len != 1 && len != n_stages {
+                return Err(ScheduleError::PerStageLength { what, got: len, n_stages });
+            }
+        }
+        let non_negative = |what: String, value: f64| {
+            if value.is_finite() && value >= 0.0 { Ok(()) } else { Err(ScheduleError::InvalidCost { what, value }) }
+        };
+        for (stage_idx, costs) in self.stage_costs.iter().enumerate() {
+            non_negative(format!("forward_s of stage {stage_idx}"), costs.forward_s)?;
+            non_negative(format!("backward_input_s of stage {stage_idx}"), costs.backward_input_s)?;
+            non_negative(format!("backward_weight_s of stage {stage_idx}"), costs.backward_weight_s)?;
+        }
+        non_negative("latency_s".into(), self.link.latency_s)?;
+        non_negative("optimizer_step_s".into(), self.optimizer_step_s)?;
+        let bandwidth = self.link.bandwidth_bytes_per_s;
+        if bandwidth.is_nan() || bandwidth <= 0.0 {
+            return Err(ScheduleError::InvalidCost { what: "bandwidth_bytes_per_s".into(), value: bandwidth });
+        }
+        Ok(())
+    }
+}
+
+fn pick<T: Copy>(entries: &[T], stage_idx: usize) -> T {
+    if entries.len() == 1 { entries[0] } else { entries[stage_idx] }
+}

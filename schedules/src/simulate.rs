@@ -1,0 +1,192 @@
+//! The simulator: times a schedule under a [`CostModel`] and reports its timeline and figures.
+//!
+//! Model: each device runs its program in order; an op starts when the device is free and its
+//! input message (by the communication rule of [`crate::instruction`]) has arrived; a message
+//! sent by an op ending at `t` arrives at `t + latency + bytes / bandwidth` (at `t` between
+//! stages on one device). Sends never block here — channel capacity is the validator's concern.
+//! Every start time is therefore `max(device free, input arrival)`, fixed once the sender's op
+//! is timed, so the simulation times ops in dependency order in one pass over the programs: a
+//! discrete-event simulation with one event per op, without an event queue.
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use crate::cost::CostModel;
+use crate::error::{BlockedDevice, ScheduleError, Wait};
+use crate::instruction::{Instruction, Message};
+use crate::schedule::Schedule;
+use crate::timeline::{OpKind, Timeline, TimelineEvent};
+
+/// A simulated timeline with the figures derived from it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SimulationReport {
+    /// First compute start to last compute end, seconds.
+    pub makespan_s: f64,
+    /// Idle over `n_devices * makespan`, compute ops counting as busy.
+    pub bubble_fraction: f64,
+    /// Idle inside each device's own busy span; see [`Timeline::interior_bubble_fraction`].
+    pub interior_bubble_fraction: f64,
+    /// Compute seconds per device, device 0 first.
+    pub busy_s: Vec<f64>,
+    /// Peak in-flight micro-batches per stage, stage 0 first.
+    pub peak_inflight: Vec<usize>,
+    /// Peak in-flight (micro-batch, stage) activation sets per device, device 0 first.
+    pub peak_inflight_per_device: Vec<usize>,
+    /// Every event.
+    pub timeline: Timeline,
+}
+
+impl SimulationReport {
+    /// Derives the figures from a timeline (simulated or measured).
+    pub fn from_timeline(timeline: Timeline) -> SimulationReport {
+        SimulationReport {
+            makespan_s: timeline.makespan_s(),
+            bubble_fraction: timeline.bubble_fraction(),
+            interior_bubble_fraction: timeline.interior_bubble_fraction(),
+            busy_s: timeline.busy_s(),
+            peak_inflight: timeline.peak_inflight(),
+            peak_inflight_per_device: timeline.peak_inflight_per_device(),
+            timeline,
+        }
+    }
+}
+
+/// Simulates `schedule` under `costs`.
+///
+/// The timeline holds one event per instruction, a `Wait` event for each interval a device
+/// idles before an op whose input has not arrived, and a `Send` event (on the sender) for each
+/// message whose transfer takes time. Errors: an unusable cost model; programs that cannot
+/// finish (a receive nobody sends), reported as [`ScheduleError::Deadlock`] with capacity
+/// `usize::MAX`.
+pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationReport, ScheduleError> {
+    let n_stages = schedule.n_stages();
+    costs.check(n_stages)?;
+    let programs = schedule.programs();
+    let mut timeline = Timeline::new(schedule.n_devices(), n_stages);
+    let mut arrivals: HashMap<Message, f64> = HashMap::new();
+    let mut positions = vec![0usize; programs.len()];
+    let mut free_at = vec![0.0f64; programs.len()];
+    loop {
+        let mut progressed = false;
+        for (device_idx, program) in programs.iter().enumerate() {
+            while let Some(&instruction) = program.get(positions[device_idx]) {
+                let ready_at = match instruction.recv_from(n_stages) {
+                    Some(message) => match arrivals.remove(&message) {
+                        Some(arrival) => arrival,
+                        None => break,
+                    },
+                    None => 0.0,
+                };
+                let start_s = free_at[device_idx].max(ready_at);
+                if start_s > free_at[device_idx] {
+                    timeline.events.push(TimelineEvent {
+                        device_idx,
+                        stage_idx: instruction.stage_idx(),
+                        op: OpKind::Wait,
+                        micro_batch_idx: instruction.micro_batch_idx(),
+                        start_s: free_at[device_idx],
+                        end_s: start_s,
+                    });
+                }
+                let end_s = start_s + op_cost(costs, instruction);
+                timeline.events.push(TimelineEvent {
+                    device_idx,
+                    stage_idx: instruction.stage_idx(),
+                    op: instruction.op_kind(),
+                    micro_batch_idx: instruction.micro_batch_idx(),
+                    start_s,
+                    end_s,
+                });
+                if let Some(message) = instruction.send_to(n_stages) {
+                    let arrival = end_s + transfer_s(schedule, costs, message);
+                    if arrival > end_s {
+                        timeline.events.push(TimelineEvent {
+                            device_idx,
+                            stage_idx: Some(message.from_stage_idx),
+                            op: OpKind::Send,
+                            micro_batch_idx: Some(message.micro_batch_idx),
+                            start_s: end_s,
+                            end_s: arrival,
+                        });
+                    }
+                    arrivals.insert(message, arrival);
+                }
+                free_at[device_idx] = end_s;
+                positions[device_idx] += 1;
+                progressed = true;
+            }
+        }
+        if positions.iter().zip(programs).all(|(&position, program)| position == program.len()) {
+            return Ok(SimulationReport::from_timeline(timeline));
+        }
+        if !progressed {
+            let blocked = programs
+                .iter()
+                .enumerate()
+                .filter_map(|(device_idx, program)| {
+                    let instruction_idx = positions[device_idx];
+                    let instruction = *program.get(instruction_idx)?;
+                    let message = instruction.recv_from(n_stages)?;
+                    Some(BlockedDevice { device_idx, instruction_idx, instruction, waiting_on: Wait::Receive(message) })
+                })
+                .collect();
+            return Err(ScheduleError::Deadlock { channel_capacity: usize::MAX, blocked });
+        }
+    }
+}
+
+fn op_cost(costs: &CostModel, instruction: Instruction) -> f64 {
+    let Some(stage_idx) = instruction.stage_idx() else {
+        return costs.optimizer_step_s();
+    };
+    let stage = costs.stage_costs(stage_idx);
+    match instruction {
+        Instruction::Forward { .. } => stage.forward_s,
+        Instruction::BackwardInput { .. } => stage.backward_input_s,
+        Instruction::BackwardWeight { .. } => stage.backward_weight_s,
+        Instruction::Backward { .. } => stage.backward_s(),
+        Instruction::OptimizerStep => costs.optimizer_step_s(),
+    }
+}
+
+fn transfer_s(schedule: &Schedule, costs: &CostModel, message: Message) -> f64 {
+    if schedule.device_of_stage(message.from_stage_idx) == schedule.device_of_stage(message.to_stage_idx) {
+        return 0.0;
+    }
+    let bytes = costs.message_bytes(message.from_stage_idx);
+    let n_bytes = match message.direction {
+        crate::instruction::Direction::Activation => bytes.activation_bytes,
+        crate::instruction::Direction::Gradient => bytes.gradient_bytes,
+    };
+    costs.link().transfer_s(n_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::{Link, MessageBytes, StageCosts};
+    use crate::kind::ScheduleKind;
+
+    #[test]
+    fn link_costs_delay_the_receiver() {
+        let schedule = Schedule::new(ScheduleKind::GPipe, 2, 1, 1).unwrap();
+        let costs = CostModel::uniform(StageCosts::UNIT)
+            .with_link(Link { latency_s: 0.5, bandwidth_bytes_per_s: 100.0 })
+            .with_message_bytes(MessageBytes { activation_bytes: 50, gradient_bytes: 150 });
+        let report = simulate(&schedule, &costs).unwrap();
+        // F0 on stage 0: [0, 1]; transfer 0.5 + 0.5; F0 on stage 1: [2, 3]; B: [3, 5];
+        // gradient transfer 0.5 + 1.5; B on stage 0: [7, 9].
+        assert_eq!(report.makespan_s, 9.0);
+        let sends: Vec<_> = report.timeline.events.iter().filter(|e| e.op == OpKind::Send).collect();
+        assert_eq!(sends.len(), 2);
+    }
+
+    #[test]
+    fn rejects_bad_costs() {
+        let schedule = Schedule::new(ScheduleKind::GPipe, 2, 1, 1).unwrap();
+        let negative = CostModel::uniform(StageCosts::new(-1.0, 1.0, 1.0));
+        assert!(matches!(simulate(&schedule, &negative), Err(ScheduleError::InvalidCost { .. })));
+        let three = CostModel::per_stage(vec![StageCosts::UNIT; 3]);
+        assert!(matches!(simulate(&schedule, &three), Err(ScheduleError::PerStageLength { got: 3, .. })));
+    }
+}

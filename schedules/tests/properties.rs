@@ -1,0 +1,86 @@
+//! Property tests over every schedule kind, 1..=8 devices, 1..=32 micro-batches and 1..=4
+//! chunks: defined shapes validate under bounded channels and simulate to completion; undefined
+//! shapes are rejected with the right error. Failures persist to
+//! `schedules/proptest-regressions/properties.txt` (commit it).
+use conveyor_schedules::{
+    CostModel, Instruction, OpKind, Schedule, ScheduleError, ScheduleKind, StageCosts, simulate, validate,
+};
+use proptest::prelude::*;
+use proptest::test_runner::FileFailurePersistence;
+
+fn config() -> ProptestConfig {
+    ProptestConfig {
+        cases: 256,
+        failure_persistence: Some(Box::new(FileFailurePersistence::Direct(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/proptest-regressions/properties.txt"
+        )))),
+        ..ProptestConfig::default()
+    }
+}
+
+fn kind() -> impl Strategy<Value = ScheduleKind> {
+    prop::sample::select(ScheduleKind::ALL.to_vec())
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn defined_schedules_validate_and_simulate(
+        kind in kind(),
+        n_devices in 1usize..=8,
+        n_micro_batches in 1usize..=32,
+        n_chunks in 1usize..=4,
+        capacity in 2usize..=16,
+        forward_s in 0.5f64..2.0,
+        backward_s in 0.5f64..2.0,
+    ) {
+        // Make the shape defined: one chunk unless interleaved, whole groups of micro-batches.
+        let n_chunks = if kind.supports_chunks() { n_chunks } else { 1 };
+        let n_micro_batches =
+            if n_chunks > 1 { n_micro_batches.next_multiple_of(n_devices) } else { n_micro_batches };
+        let schedule = Schedule::new(kind, n_devices, n_micro_batches, n_chunks).unwrap();
+        validate(&schedule, 1).map_err(|err| TestCaseError::fail(format!("capacity 1: {err}")))?;
+        validate(&schedule, capacity).map_err(|err| TestCaseError::fail(format!("capacity {capacity}: {err}")))?;
+
+        let costs = CostModel::uniform(StageCosts::new(forward_s, backward_s, backward_s / 2.0));
+        let report = simulate(&schedule, &costs).map_err(|err| TestCaseError::fail(err.to_string()))?;
+        let n_instructions: usize = schedule.programs().iter().map(Vec::len).sum();
+        let n_compute = report.timeline.events.iter().filter(|event| event.op.is_compute()).count();
+        prop_assert_eq!(n_compute, n_instructions);
+        prop_assert!(report.bubble_fraction >= -1e-9 && report.bubble_fraction < 1.0);
+        // Every stage holds at least one and at most m micro-batches.
+        prop_assert!(report.peak_inflight.iter().all(|&peak| (1..=n_micro_batches).contains(&peak)));
+        // The optimizer step is last on every device and every device runs.
+        for program in schedule.programs() {
+            prop_assert_eq!(program.last(), Some(&Instruction::OptimizerStep));
+        }
+        prop_assert!(report.timeline.events.iter().any(|event| event.op == OpKind::OptimizerStep));
+    }
+
+    #[test]
+    fn undefined_shapes_are_rejected(
+        kind in kind(),
+        n_devices in 0usize..=8,
+        n_micro_batches in 0usize..=32,
+        n_chunks in 0usize..=4,
+    ) {
+        let result = Schedule::new(kind, n_devices, n_micro_batches, n_chunks);
+        let zero = n_devices == 0 || n_micro_batches == 0 || n_chunks == 0;
+        let chunks_unsupported = n_chunks > 1 && !kind.supports_chunks();
+        let ragged = n_chunks > 1 && n_devices > 0 && n_micro_batches % n_devices != 0;
+        match result {
+            Err(ScheduleError::ZeroParameter { .. }) => prop_assert!(zero),
+            Err(ScheduleError::ChunksUnsupported { .. }) => prop_assert!(!zero && chunks_unsupported),
+            Err(ScheduleError::MicroBatchesNotMultipleOfDevices { .. }) => {
+                prop_assert!(!zero && !chunks_unsupported && ragged)
+            }
+            Err(err) => prop_assert!(false, "unexpected error {err}"),
+            Ok(schedule) => {
+                prop_assert!(!zero && !chunks_unsupported && !ragged);
+                prop_assert!(validate(&schedule, 1).is_ok());
+            }
+        }
+    }
+}
