@@ -73,7 +73,7 @@ fn recomputation_changes_memory_not_results() {
     }
     // Memory: stage 0 keeps less with recomputation.
     let peak = |mode| {
-        let mut t = trainer(mlp(&[12, 256, 256, 256, 10], 3).unwrap(), 2, ScheduleKind::OneFOneB, 1, 8, mode);
+        let mut t = trainer(mlp(&[12, 256, 256, 256, 10], 3).unwrap(), 2, ScheduleKind::GPipe, 1, 8, mode);
         let (x, y) = data(64, &[12], 10, 0);
         t.train_step(&x, &y).unwrap().peak_activation_bytes[0]
     };

@@ -25,10 +25,10 @@ fn gpipe_p2_m2() {
         2,
         1,
         expect![[r#"
-        dev0 |F0 F1 .  .  .  B1 -  B0 -  |
-        dev1 |.  F0 F1 B1 -  B0 -  .  .  |
-        makespan 9 bubble 0.3333 peak in-flight [2, 2]
-    "#]],
+            dev0 |F0 F1 .  .  .  B0 -  B1 -  |
+            dev1 |.  F0 F1 B0 -  B1 -  .  .  |
+            makespan 9 bubble 0.3333 peak in-flight [2, 2]
+        "#]],
     );
 }
 

@@ -99,6 +99,8 @@ impl TrainerBuilder {
             return Err(Error::invalid("devices", "no devices given; give at least one (e.g. cpu:0)"));
         }
         let schedule = Schedule::new(self.schedule, n_devices, self.n_micro_batches, self.n_chunks)?;
+        // Channels hold one message per micro-batch; prove the programs complete under that.
+        conveyor_schedules::validate(&schedule, self.n_micro_batches)?;
         let n_stages = schedule.n_stages();
         let layer_order: Vec<NodeId> =
             self.graph.topological_order()?.into_iter().filter(|&id| self.graph.layer(id).is_some()).collect();
