@@ -18,7 +18,9 @@ pub struct CudaDevice {
 impl CudaDevice {
     /// Opens GPU `ordinal`; a clear error when no CUDA driver is installed or the GPU does not exist.
     pub fn new(ordinal: usize, budget_bytes: Option<u64>) -> Result<Self> {
-        if !cudarc::driver::sys::is_culib_present() {
+        // SAFETY: `is_culib_present` only tries to dlopen the driver library and reports whether
+        // it loaded; it touches no CUDA state.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(Error::CudaUnavailable(format!(
                 "cuda:{ordinal} requested, but no CUDA driver (libcuda) was found on this machine; \
                  install the NVIDIA driver or use cpu devices"
