@@ -57,13 +57,13 @@ pub struct TrainArgs {
     #[arg(long, default_value = "adam")]
     pub optimizer: String,
     /// Learning rate (default 0.005 for adam/adamw, 0.05 for sgd/momentum).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub lr: Option<f64>,
     /// Momentum for `--optimizer momentum` (default 0.9).
     #[arg(long)]
     pub momentum: Option<f64>,
     /// Weight decay (L2 for sgd/adam, decoupled for adamw).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub weight_decay: Option<f64>,
     /// Activation recomputation: never, except-last or always.
     #[arg(long, default_value = "never")]
