@@ -36,6 +36,13 @@ impl Shape {
         self.0.iter().skip(1).product()
     }
 
+    /// This shape with a batch dimension of `rows` put in front (a per-sample shape made a batch).
+    pub fn with_leading_dim(&self, rows: usize) -> Shape {
+        let mut dims = vec![rows];
+        dims.extend_from_slice(&self.0);
+        Shape(dims)
+    }
+
     /// This shape with the leading dimension replaced.
     pub fn with_leading(&self, leading: usize) -> Shape {
         let mut dims = self.0.clone();

@@ -14,7 +14,12 @@ use crate::{Error, Result};
 /// Places `graph` on `devices` (one stage per device, in order), minimising the bottleneck stage
 /// time under the memory budgets; [`Error::DoesNotFit`] when no placement fits.
 pub fn place_automatically(graph: &Graph, devices: &[DeviceSpec], config: &PlanConfig) -> Result<Plan> {
-    let costs = NodeCosts::of_graph(graph)?;
+    place_with_costs(&NodeCosts::of_graph(graph)?, devices, config)
+}
+
+/// [`place_automatically`] with given node costs (for example measured ones, see
+/// [`super::profile_graph`] and [`NodeCosts::with_measured_times`]).
+pub fn place_with_costs(costs: &NodeCosts, devices: &[DeviceSpec], config: &PlanConfig) -> Result<Plan> {
     let n_stages = devices.len();
     let n_nodes = costs.len();
     if n_stages == 0 {
@@ -50,7 +55,7 @@ pub fn place_automatically(graph: &Graph, devices: &[DeviceSpec], config: &PlanC
         }
     }
     if !best[n_stages][n_nodes].is_finite() {
-        return Err(does_not_fit(&costs, devices, config)?);
+        return Err(does_not_fit(costs, devices, config)?);
     }
     let mut cuts = vec![n_nodes];
     let mut j = n_nodes;
@@ -59,7 +64,7 @@ pub fn place_automatically(graph: &Graph, devices: &[DeviceSpec], config: &PlanC
         cuts.push(j);
     }
     cuts.reverse();
-    plan_from_cuts(&costs, config, devices, &cuts)
+    plan_from_cuts(costs, config, devices, &cuts)
 }
 
 /// The error for a model that fits no placement: the placement whose worst need-to-budget ratio is

@@ -123,9 +123,9 @@ pub struct NodeCosts {
     pub order: Vec<NodeId>,
     /// Names, aligned with `order`.
     pub names: Vec<String>,
-    prefix_forward_flops: Vec<f64>,
-    prefix_backward_input_flops: Vec<f64>,
-    prefix_backward_weight_flops: Vec<f64>,
+    pub(crate) prefix_forward_flops: Vec<f64>,
+    pub(crate) prefix_backward_input_flops: Vec<f64>,
+    pub(crate) prefix_backward_weight_flops: Vec<f64>,
     prefix_param_bytes: Vec<u64>,
     prefix_saved_bytes: Vec<u64>,
     /// Output bytes per sample of each node in `order`.

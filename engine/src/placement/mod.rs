@@ -9,10 +9,12 @@
 mod auto;
 mod cost;
 mod manual;
+mod profile;
 
-pub use auto::place_automatically;
+pub use auto::{place_automatically, place_with_costs};
 pub use cost::{DeviceSpec, Link, NodeCosts, OptimizerMemory, PlanConfig, StageMemory, format_bytes};
 pub use manual::place_manually;
+pub use profile::{NodeTimes, profile_graph};
 
 use crate::graph::NodeId;
 
