@@ -17,6 +17,7 @@ mod layer;
 pub mod optim;
 pub mod placement;
 pub mod runtime;
+pub mod trace;
 mod shape;
 mod tensor;
 

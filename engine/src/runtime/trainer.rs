@@ -219,12 +219,15 @@ impl TrainerBuilder {
         }
         stage_info.sort_by_key(|s| s.stage_idx);
         let mut workers = Vec::with_capacity(n_devices);
+        // Workers report op spans to the subscriber of the thread that built the trainer.
+        let dispatch = tracing::dispatcher::get_default(|d| d.clone());
         for (device_idx, stages) in per_device.into_iter().enumerate() {
             let (tx, rx) = channel::unbounded();
             let loss = Arc::clone(&self.loss);
+            let dispatch = dispatch.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("conveyor-{}", self.devices[device_idx]))
-                .spawn(move || worker::run(device_idx, stages, loss, rx))
+                .spawn(move || tracing::dispatcher::with_default(&dispatch, || worker::run(device_idx, stages, loss, rx)))
                 .map_err(|e| Error::invalid("worker thread", format!("could not start: {e}")))?;
             workers.push(WorkerHandle { commands: tx, thread: Some(handle) });
         }

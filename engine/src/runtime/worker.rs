@@ -115,20 +115,6 @@ pub(crate) fn run(device_idx: usize, mut stages: Vec<Stage>, loss: Arc<dyn Loss>
     }
 }
 
-fn op_name(op: OpKind) -> &'static str {
-    match op {
-        OpKind::Forward => "forward",
-        OpKind::BackwardInput => "backward_input",
-        OpKind::BackwardWeight => "backward_weight",
-        OpKind::Backward => "backward",
-        OpKind::OptimizerStep => "optimizer_step",
-        OpKind::Recompute => "recompute",
-        OpKind::Send => "send",
-        OpKind::Recv => "recv",
-        OpKind::Wait => "wait",
-    }
-}
-
 fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
     payload
         .downcast_ref::<&str>()
@@ -150,7 +136,7 @@ fn guarded<T>(
         OpFailure::Failed(Error::StageFailed {
             stage_idx,
             device: device.to_string(),
-            op: op_name(op).to_string(),
+            op: crate::trace::op_name(op).to_string(),
             micro_batch_idx,
             message,
         })
@@ -251,6 +237,7 @@ fn execute(
                 recv(job.commit) -> c => c.map_err(|_| OpFailure::Aborted)?,
                 recv(job.abort) -> _ => return Err(OpFailure::Aborted),
             };
+            let span = op_span(device_idx, None, op, None);
             let start = now();
             for stage in stages.iter_mut() {
                 let stage_idx = stage.stage_idx;
@@ -265,6 +252,7 @@ fn execute(
                 })?;
             }
             events.push(TimelineEvent { device_idx, stage_idx: None, op, micro_batch_idx: None, start_s: start, end_s: now() });
+            drop(span);
             continue;
         }
         let stage_idx = instruction.stage_idx().expect("compute instructions have a stage");
@@ -274,6 +262,7 @@ fn execute(
         };
         match instruction {
             Instruction::Forward { .. } => {
+                let wait_span = op_span(device_idx, Some(stage_idx), OpKind::Wait, Some(micro_batch_idx));
                 let wait_start = now();
                 let mut inputs: Payload = Vec::new();
                 for route in &stages[s].recv_from {
@@ -288,16 +277,19 @@ fn execute(
                     inputs.append(payload);
                 }
                 record_wait(events, device_idx, stage_idx, micro_batch_idx, wait_start, now());
+                drop(wait_span);
                 let labels = if stages[s].output_node.is_some() {
                     job.labels.get_mut(micro_batch_idx).map(std::mem::take).unwrap_or_default()
                 } else {
                     Vec::new()
                 };
+                let span = op_span(device_idx, Some(stage_idx), op, Some(micro_batch_idx));
                 let start = now();
                 let stage = &mut stages[s];
                 let (messages, loss_value, eval_output) =
                     guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| Ok(stage.forward(&ctx, micro_batch_idx, inputs, labels)?))?;
                 events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: now() });
+                drop(span);
                 if let Some(l) = loss_value {
                     losses.push((micro_batch_idx, l));
                 }
@@ -308,12 +300,15 @@ fn execute(
             }
             Instruction::BackwardInput { .. } | Instruction::Backward { .. } => {
                 if stages[s].needs_recompute(micro_batch_idx) {
+                    let span = op_span(device_idx, Some(stage_idx), OpKind::Recompute, Some(micro_batch_idx));
                     let start = now();
                     guarded_mut(&mut stages[s], OpKind::Recompute, micro_batch_idx, job.fault, |stage| {
                         Ok(stage.recompute(&ctx, micro_batch_idx)?)
                     })?;
                     events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op: OpKind::Recompute, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: now() });
+                    drop(span);
                 }
+                let wait_span = op_span(device_idx, Some(stage_idx), OpKind::Wait, Some(micro_batch_idx));
                 let wait_start = now();
                 let mut received = Vec::new();
                 let mut peers: Vec<usize> = stages[s].send_to.iter().map(|r| r.peer_stage_idx).collect();
@@ -325,18 +320,23 @@ fn execute(
                     received.push(payload);
                 }
                 record_wait(events, device_idx, stage_idx, micro_batch_idx, wait_start, now());
+                drop(wait_span);
                 let fused = matches!(instruction, Instruction::Backward { .. });
+                let span = op_span(device_idx, Some(stage_idx), op, Some(micro_batch_idx));
                 let start = now();
                 let messages = guarded_mut(&mut stages[s], op, micro_batch_idx, job.fault, |stage| {
                     Ok(stage.backward_input(micro_batch_idx, received, fused)?)
                 })?;
                 events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: now() });
+                drop(span);
                 send_all(job, stage_idx, micro_batch_idx, messages, true)?;
             }
             Instruction::BackwardWeight { .. } => {
+                let span = op_span(device_idx, Some(stage_idx), op, Some(micro_batch_idx));
                 let start = now();
                 guarded_mut(&mut stages[s], op, micro_batch_idx, job.fault, |stage| Ok(stage.backward_weight(micro_batch_idx)?))?;
                 events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: now() });
+                drop(span);
             }
             Instruction::OptimizerStep => unreachable!("handled above"),
         }
@@ -352,6 +352,21 @@ fn check_order(stage: &Stage, got: usize, expected: usize) -> std::result::Resul
         )));
     }
     Ok(())
+}
+
+/// Opens the `tracing` span of one op (see [`crate::trace`]); a disabled callsite when no
+/// subscriber listens to [`crate::trace::OP_TARGET`].
+fn op_span(device_idx: usize, stage_idx: Option<usize>, op: OpKind, micro_batch_idx: Option<usize>) -> tracing::span::EnteredSpan {
+    use crate::trace::{NONE_FIELD, OP_TARGET};
+    tracing::info_span!(
+        target: OP_TARGET,
+        "op",
+        device = device_idx as u64,
+        stage = stage_idx.map_or(NONE_FIELD, |s| s as u64),
+        op = crate::trace::op_name(op),
+        micro_batch = micro_batch_idx.map_or(NONE_FIELD, |m| m as u64),
+    )
+    .entered()
 }
 
 fn record_wait(events: &mut Vec<TimelineEvent>, device_idx: usize, stage_idx: usize, micro_batch_idx: usize, start: f64, end: f64) {

@@ -1,0 +1,45 @@
+//! Op spans through `tracing`: a `TimelineLayer` subscriber sees every executed op of every
+//! worker, with the same (device, stage, op, micro-batch) as the runtime's own step timeline.
+mod common;
+
+use common::{data, trainer};
+use conveyor::engine::runtime::Recompute;
+use conveyor::engine::trace::TimelineRecorder;
+use conveyor::schedules::{OpKind, ScheduleKind};
+use conveyor::zoo::mlp;
+use tracing_subscriber::layer::SubscriberExt;
+
+#[test]
+fn every_op_of_every_worker_is_captured_as_a_span() {
+    let (recorder, layer) = TimelineRecorder::new();
+    let subscriber = tracing_subscriber::registry().with(layer);
+    let (n_devices, n_micro_batches) = (4, 8);
+    let report = tracing::subscriber::with_default(subscriber, || {
+        let mut t = trainer(mlp(&[8, 16, 16, 16, 16, 4], 2).unwrap(), n_devices, ScheduleKind::ZbH1, 1, n_micro_batches, Recompute::Never);
+        let (x, y) = data(16, &[8], 4, 1);
+        t.train_step(&x, &y).unwrap()
+    });
+    let captured = recorder.timeline(n_devices, n_devices);
+    let key = |e: &conveyor::schedules::TimelineEvent| (e.device_idx, e.stage_idx, e.op, e.micro_batch_idx);
+    let compute = |events: &[conveyor::schedules::TimelineEvent]| {
+        let mut keys: Vec<_> = events.iter().filter(|e| e.op.is_compute()).map(key).collect();
+        keys.sort_by_key(|k| format!("{k:?}"));
+        keys
+    };
+    assert_eq!(compute(&captured.events), compute(&report.timeline.events));
+    for op in [OpKind::Forward, OpKind::BackwardInput, OpKind::BackwardWeight] {
+        let count = captured.events.iter().filter(|e| e.op == op).count();
+        assert_eq!(count, n_devices * n_micro_batches, "{op:?}");
+    }
+    assert_eq!(captured.events.iter().filter(|e| e.op == OpKind::OptimizerStep).count(), n_devices);
+    assert!(captured.events.iter().all(|e| e.end_s >= e.start_s));
+}
+
+#[test]
+fn without_a_subscriber_nothing_is_recorded() {
+    let (recorder, _layer) = TimelineRecorder::new();
+    let mut t = trainer(mlp(&[8, 16, 4], 2).unwrap(), 2, ScheduleKind::OneFOneB, 1, 4, Recompute::Never);
+    let (x, y) = data(8, &[8], 4, 1);
+    t.train_step(&x, &y).unwrap();
+    assert!(recorder.is_empty());
+}
