@@ -20,6 +20,9 @@ enum Command {
     Simulate(cli::simulate::SimulateArgs),
     /// Train a model across devices with a pipeline schedule (defaults: a CNN on the built-in digits, cpu:2, 1F1B).
     Train(cli::train::TrainArgs),
+    /// Place a model on devices under memory budgets and print each stage's layers, memory and
+    /// predicted times, with the predicted step time and bubble fraction.
+    Plan(cli::plan::PlanArgs),
 }
 
 fn main() {
@@ -27,6 +30,7 @@ fn main() {
     let result = match cli.command {
         Command::Simulate(args) => cli::simulate::run(args),
         Command::Train(args) => cli::train::run(args),
+        Command::Plan(args) => cli::plan::run(args),
     };
     if let Err(err) = result {
         std::process::exit(cli::report(&err));

@@ -1,4 +1,5 @@
 //! Subcommand modules and the shared error reporting of the `conveyor` binary.
+pub mod plan;
 pub mod simulate;
 pub mod train;
 

@@ -1,0 +1,422 @@
+//! `conveyor plan`: places a zoo model on devices (automatically, or from a placement file) and
+//! prints each stage's layers, memory and predicted times, then the step time and bubble fraction
+//! the schedule simulator predicts for that placement.
+use std::path::Path;
+
+use anyhow::Context;
+use clap::Args;
+use conveyor::engine::Device;
+use conveyor::engine::graph::Graph;
+use conveyor::engine::placement::{
+    DeviceSpec, Link, OptimizerMemory, Plan, PlanConfig, format_bytes, place_automatically, place_manually,
+};
+use conveyor::pipeline::{CPU_FLOPS_PER_S, simulated_inflight};
+use conveyor::schedules::{CostModel, Schedule, ScheduleKind, SimulationReport, StageCosts, simulate};
+use conveyor::zoo::ModelSpec;
+
+use super::train::{parse_devices, parse_optimizer, parse_size};
+use super::usage;
+
+/// Stages listing more layers than this are shown as `first..last (n layers)` in the table.
+const MAX_LISTED_LAYERS: usize = 4;
+
+/// Arguments of `conveyor plan`.
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// Model: `mlp:D0,D1,...,Dn` (Linear/ReLU stack), `cnn` (LeNet-like, 1x8x8 inputs) or `resnet`.
+    #[arg(long)]
+    pub model: String,
+    /// Devices: `cpu:N` for N CPU devices, or `cuda:0,1` for GPUs.
+    #[arg(long)]
+    pub devices: String,
+    /// Memory budget of each device, e.g. `40MiB`, `512KiB` or `2GiB` (default: unlimited).
+    #[arg(long, value_name = "SIZE")]
+    pub device_memory: Option<String>,
+    /// Optimizer whose state is budgeted: sgd (none), momentum (one buffer), adam or adamw (two).
+    #[arg(long, default_value = "adam")]
+    pub optimizer: String,
+    /// Schedule: gpipe, 1f1b, interleaved, zb-h1 or zb-h2 (sets the activations held per stage).
+    #[arg(long, value_name = "NAME", default_value = "1f1b")]
+    pub schedule: ScheduleKind,
+    /// Micro-batches per batch.
+    #[arg(long, value_name = "M", default_value_t = 8)]
+    pub microbatches: usize,
+    /// Rows per batch; a micro-batch has ceil(B / M) rows.
+    #[arg(long, value_name = "B", default_value_t = 64)]
+    pub batch: usize,
+    /// Model chunks per device (interleaved schedule only): devices x chunks stages.
+    #[arg(long, value_name = "V", default_value_t = 1)]
+    pub chunks: usize,
+    /// `auto` (minimise the slowest stage under the budgets), or a file with one line per stage
+    /// listing node names or ranges `first..last` separated by spaces (`#` starts a comment).
+    #[arg(long, value_name = "auto|FILE", default_value = "auto")]
+    pub placement: String,
+    /// Print one JSON object (stages, predicted_step_s, predicted_bubble_fraction, ...) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `conveyor plan`.
+pub fn run(args: PlanArgs) -> anyhow::Result<()> {
+    let spec: ModelSpec = args.model.parse().map_err(|e: conveyor::engine::Error| usage(e.to_string()))?;
+    if args.chunks == 0 {
+        return Err(usage("--chunks must be at least 1"));
+    }
+    if args.chunks > 1 && !args.schedule.supports_chunks() {
+        return Err(usage(format!("--chunks {} needs --schedule interleaved", args.chunks)));
+    }
+    if args.microbatches == 0 || args.batch == 0 {
+        return Err(usage("--batch and --microbatches must be at least 1"));
+    }
+    if args.microbatches > args.batch {
+        return Err(usage(format!(
+            "--microbatches {} is more than the {} rows of a batch; use at most --microbatches {}",
+            args.microbatches, args.batch, args.batch
+        )));
+    }
+    let optimizer = parse_optimizer(&args.optimizer, None, None, None)?;
+    let budget = args.device_memory.as_deref().map(parse_size).transpose()?;
+    let devices = parse_devices(&args.devices, budget)?;
+    let graph = spec.build(0).map_err(|e| usage(e.to_string()))?;
+    let optimizer_memory = match optimizer.state_bytes_per_param_byte() {
+        0 => OptimizerMemory::Sgd,
+        1 => OptimizerMemory::Momentum,
+        _ => OptimizerMemory::Adam,
+    };
+    let (specs, config) = planner_inputs(&devices, &args, optimizer_memory)?;
+    let plan = if args.placement == "auto" {
+        place_automatically(&graph, &specs, &config).map_err(|e| explain_memory(e, &args, budget))?
+    } else {
+        let path = Path::new(&args.placement);
+        let stages = read_placement_file(path)?;
+        place_manually(&graph, &stages, &specs, &config)
+            .map_err(|e| explain_memory(e, &args, budget))
+            .with_context(|| format!("--placement {}", path.display()))?
+    };
+    let report = simulate_plan(&plan, &args, devices.len())?;
+    if args.json {
+        println!("{}", serde_json::to_string(&plan_json(&plan, &report, &args, &graph))?);
+    } else {
+        print_table(&plan, &report, &args, config.micro_batch_rows);
+    }
+    Ok(())
+}
+
+/// The planner's devices and settings, made exactly as [`conveyor::pipeline::plan`] makes them
+/// for `conveyor train` (so the two agree on every figure; a unit test below holds them to it):
+/// one spec per stage (device `s % n_devices`, its budget shared by its chunks), in-flight counts
+/// from the schedule simulator, the default in-process link.
+fn planner_inputs(
+    devices: &[Device],
+    args: &PlanArgs,
+    optimizer: OptimizerMemory,
+) -> anyhow::Result<(Vec<DeviceSpec>, PlanConfig)> {
+    let n_devices = devices.len();
+    let n_stages = n_devices * args.chunks;
+    let inflight = simulated_inflight(args.schedule, n_devices, args.microbatches, args.chunks)?;
+    let micro_batch_rows = args.batch.div_ceil(args.microbatches).max(1);
+    let config = PlanConfig::new(
+        micro_batch_rows,
+        n_stages,
+        |p| if p == n_stages { inflight.clone() } else { vec![args.microbatches; p] },
+        optimizer,
+        Link::default(),
+    );
+    let specs = (0..n_stages)
+        .map(|stage_idx| {
+            let device = &devices[stage_idx % n_devices];
+            let budget = device.memory_budget().map(|b| b / args.chunks as u64);
+            DeviceSpec { name: device.to_string(), flops_per_s: CPU_FLOPS_PER_S, budget_bytes: budget }
+        })
+        .collect();
+    Ok((specs, config))
+}
+
+/// Puts the flags that set the budget in front of a [`conveyor::engine::Error::DoesNotFit`], so the
+/// message says it is about memory and which flag to change; other errors pass unchanged.
+fn explain_memory(err: conveyor::engine::Error, args: &PlanArgs, budget: Option<u64>) -> anyhow::Error {
+    let is_memory = matches!(err, conveyor::engine::Error::DoesNotFit { .. });
+    let err = anyhow::Error::new(err);
+    if !is_memory {
+        return err;
+    }
+    let budget = budget.map_or("unlimited".to_string(), format_bytes);
+    err.context(format!(
+        "{} with {} does not fit the memory of --devices {} (--device-memory {budget} each)",
+        args.model, args.optimizer, args.devices
+    ))
+}
+
+/// Reads a placement file: one line per stage, node names or ranges `first..last` separated by
+/// whitespace; blank lines and `#` comments are skipped.
+fn read_placement_file(path: &Path) -> anyhow::Result<Vec<Vec<String>>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| usage(format!("--placement {}: {e}; give `auto` or a readable placement file", path.display())))?;
+    let stages: Vec<Vec<String>> = text
+        .lines()
+        .map(|line| line.split('#').next().unwrap_or_default())
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| line.split_whitespace().map(str::to_string).collect())
+        .collect();
+    if stages.is_empty() {
+        return Err(usage(format!(
+            "--placement {}: the file lists no stages; write one line per stage with its node names",
+            path.display()
+        )));
+    }
+    Ok(stages)
+}
+
+/// Runs the schedule simulator with each stage's predicted F, B and W. The planner already folds
+/// each stage's incoming transfers into its F and B, so the simulator's link stays free: adding
+/// the link model again would count every transfer twice.
+fn simulate_plan(plan: &Plan, args: &PlanArgs, n_devices: usize) -> anyhow::Result<SimulationReport> {
+    let schedule = Schedule::new(args.schedule, n_devices, args.microbatches, args.chunks)
+        .map_err(|e| usage(format!("--schedule/--microbatches/--chunks: {e}")))?;
+    let costs = CostModel::per_stage(
+        plan.stages.iter().map(|s| StageCosts::new(s.forward_s, s.backward_input_s, s.backward_weight_s)).collect(),
+    );
+    simulate(&schedule, &costs).context("simulating the schedule with the plan's predicted stage costs")
+}
+
+fn plan_json(plan: &Plan, report: &SimulationReport, args: &PlanArgs, graph: &Graph) -> serde_json::Value {
+    let stages: Vec<serde_json::Value> = plan
+        .stages
+        .iter()
+        .map(|s| {
+            let device = &plan.devices[s.device_idx];
+            serde_json::json!({
+                "stage": s.stage_idx,
+                "device": device.name,
+                "layers": s.node_names,
+                "params": s.n_params,
+                "memory": {
+                    "params": s.memory.params,
+                    "grads": s.memory.grads,
+                    "optimizer_state": s.memory.optimizer_state,
+                    "activations": s.memory.activations,
+                },
+                "memory_bytes": s.memory.total(),
+                "budget_bytes": device.budget_bytes,
+                "forward_s": s.forward_s,
+                "backward_input_s": s.backward_input_s,
+                "backward_weight_s": s.backward_weight_s,
+                "transfer_s": s.transfer_s,
+                "predicted_time_s": s.time_per_micro_batch_s(),
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "model": args.model,
+        "n_layers": graph.n_nodes() - graph.inputs().len(),
+        "devices": args.devices,
+        "schedule": args.schedule.name(),
+        "microbatches": args.microbatches,
+        "batch": args.batch,
+        "micro_batch_rows": plan.config.micro_batch_rows,
+        "chunks": args.chunks,
+        "optimizer": args.optimizer,
+        "placement": args.placement,
+        "stages": stages,
+        "bottleneck_s": plan.bottleneck_s(),
+        "predicted_step_s": report.makespan_s,
+        "predicted_bubble_fraction": report.bubble_fraction,
+    })
+}
+
+fn print_table(plan: &Plan, report: &SimulationReport, args: &PlanArgs, micro_batch_rows: usize) {
+    let placement = if args.placement == "auto" { "automatic placement".to_string() } else { args.placement.clone() };
+    println!(
+        "conveyor plan: {} on {} ({} stages), {}{}, {} micro-batches of {micro_batch_rows} rows, {}; {placement}",
+        args.model,
+        args.devices,
+        plan.stages.len(),
+        args.schedule,
+        if args.chunks > 1 { format!(" x{} chunks", args.chunks) } else { String::new() },
+        args.microbatches,
+        args.optimizer,
+    );
+    let header = [
+        "stage",
+        "device",
+        "layers",
+        "params",
+        "param mem",
+        "grads",
+        "optimizer",
+        "activations",
+        "total",
+        "budget",
+        "F",
+        "B",
+        "W",
+    ];
+    let rows: Vec<Vec<String>> = plan
+        .stages
+        .iter()
+        .map(|s| {
+            let device = &plan.devices[s.device_idx];
+            vec![
+                s.stage_idx.to_string(),
+                device.name.clone(),
+                compact_layers(&s.node_names),
+                format_count(s.n_params),
+                format_bytes(s.memory.params),
+                format_bytes(s.memory.grads),
+                format_bytes(s.memory.optimizer_state),
+                format_bytes(s.memory.activations),
+                format_bytes(s.memory.total()),
+                device.budget_bytes.map_or("unlimited".to_string(), format_bytes),
+                format_seconds(s.forward_s),
+                format_seconds(s.backward_input_s),
+                format_seconds(s.backward_weight_s),
+            ]
+        })
+        .collect();
+    print!("{}", render_table(&header, &rows));
+    let bottleneck = plan
+        .stages
+        .iter()
+        .max_by(|a, b| a.time_per_micro_batch_s().total_cmp(&b.time_per_micro_batch_s()))
+        .expect("a plan has at least one stage");
+    println!(
+        "times per micro-batch: F forward, B input gradient, W weight gradient (F and B include transfers in); \
+         slowest stage {} at {} (F+B+W)",
+        bottleneck.stage_idx,
+        format_seconds(bottleneck.time_per_micro_batch_s())
+    );
+    println!(
+        "predicted step: {} ({} simulated with these stage times)",
+        format_seconds(report.makespan_s),
+        args.schedule
+    );
+    println!("predicted bubble fraction: {:.4}", report.bubble_fraction);
+}
+
+/// Left-aligns text columns (stage, device, layers) and right-aligns the figures.
+fn render_table(header: &[&str], rows: &[Vec<String>]) -> String {
+    const TEXT_COLUMNS: usize = 3;
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let line = |cells: &mut dyn Iterator<Item = &str>| {
+        let padded: Vec<String> = cells
+            .enumerate()
+            .map(|(column, cell)| {
+                let pad = " ".repeat(widths[column] - cell.chars().count());
+                if column < TEXT_COLUMNS { format!("{cell}{pad}") } else { format!("{pad}{cell}") }
+            })
+            .collect();
+        format!("{}\n", padded.join("  ").trim_end())
+    };
+    let mut out = line(&mut header.iter().copied());
+    for row in rows {
+        out.push_str(&line(&mut row.iter().map(String::as_str)));
+    }
+    out
+}
+
+/// `a b c`, or `first..last (n layers)` when there are more than [`MAX_LISTED_LAYERS`]; the range
+/// form is what a placement file accepts.
+fn compact_layers(names: &[String]) -> String {
+    match names {
+        [first, .., last] if names.len() > MAX_LISTED_LAYERS => format!("{first}..{last} ({} layers)", names.len()),
+        _ => names.join(" "),
+    }
+}
+
+/// `530`, `10.3 k`, `3.15 M`.
+fn format_count(n: u64) -> String {
+    match n {
+        0..1_000 => n.to_string(),
+        1_000..1_000_000 => format!("{:.1} k", n as f64 / 1e3),
+        _ => format!("{:.2} M", n as f64 / 1e6),
+    }
+}
+
+/// Seconds with a unit that keeps three or four significant digits: `12.3 µs`, `1.234 ms`, `2.50 s`.
+fn format_seconds(s: f64) -> String {
+    if s < 1e-3 {
+        format!("{:.1} µs", s * 1e6)
+    } else if s < 1.0 {
+        format!("{:.3} ms", s * 1e3)
+    } else {
+        format!("{s:.2} s")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+    use conveyor::engine::runtime::Recompute;
+    use conveyor::pipeline::PipelineConfig;
+
+    fn args(model: &str, devices: &str, schedule: ScheduleKind, chunks: usize) -> PlanArgs {
+        PlanArgs {
+            model: model.to_string(),
+            devices: devices.to_string(),
+            device_memory: None,
+            optimizer: "adam".to_string(),
+            schedule,
+            microbatches: 8,
+            batch: 64,
+            chunks,
+            placement: "auto".to_string(),
+            json: false,
+        }
+    }
+
+    /// `conveyor plan` and `conveyor train` must plan alike: the same cuts and the same figures.
+    #[test]
+    fn automatic_plan_matches_the_one_train_uses() {
+        for (schedule, chunks, budget) in [
+            (ScheduleKind::OneFOneB, 1, None),
+            (ScheduleKind::Interleaved, 2, Some(2 << 20)),
+            (ScheduleKind::ZbH1, 1, None),
+        ] {
+            let a = args("resnet", "cpu:2", schedule, chunks);
+            let devices = parse_devices(&a.devices, budget).unwrap();
+            let graph = ModelSpec::Resnet.build(0).unwrap();
+            let (specs, config) = planner_inputs(&devices, &a, OptimizerMemory::Adam).unwrap();
+            let ours = place_automatically(&graph, &specs, &config).unwrap();
+            let pipeline_config = PipelineConfig {
+                schedule,
+                n_chunks: chunks,
+                n_micro_batches: a.microbatches,
+                batch_rows: a.batch,
+                optimizer: parse_optimizer("adam", None, None, None).unwrap(),
+                recompute: Recompute::Never,
+                seed: 0,
+            };
+            let theirs = conveyor::pipeline::plan(&graph, &devices, &pipeline_config).unwrap();
+            assert_eq!(ours.config, theirs.config);
+            assert_eq!(ours.devices, theirs.devices);
+            for (x, y) in ours.stages.iter().zip(&theirs.stages) {
+                assert_eq!((&x.node_names, x.memory, x.forward_s), (&y.node_names, y.memory, y.forward_s));
+            }
+        }
+    }
+
+    #[test]
+    fn placement_file_skips_comments_and_blank_lines() {
+        let path: PathBuf = std::env::temp_dir().join(format!("conveyor-plan-unit-{}.txt", std::process::id()));
+        std::fs::write(&path, "# two stages\n0..2  3\n\n4 # the head\n").unwrap();
+        let stages = read_placement_file(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(stages, vec![vec!["0..2".to_string(), "3".to_string()], vec!["4".to_string()]]);
+    }
+
+    #[test]
+    fn compact_forms() {
+        let names: Vec<String> = (0..15).map(|i| i.to_string()).collect();
+        assert_eq!(compact_layers(&names), "0..14 (15 layers)");
+        assert_eq!(compact_layers(&names[..3]), "0 1 2");
+        assert_eq!(format_count(3_148_800), "3.15 M");
+        assert_eq!(format_seconds(0.00123), "1.230 ms");
+    }
+}

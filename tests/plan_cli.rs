@@ -1,0 +1,220 @@
+//! `conveyor plan` end to end: runs the built binary and checks its JSON, its table, memory
+//! refusals and placement files, with their exit codes.
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use anyhow::{Context, Result, ensure};
+use serde_json::Value;
+
+/// Eight 1024-wide Linear layers: about 28 MiB of parameters, gradients and Adam state per
+/// 1024x1024 layer, 113 MiB in all; 40 MiB per device fits on four devices, not on one.
+const BIG_MLP: &str = "mlp:1024,1024,1024,1024,1024,1024,1024,1024,10";
+
+fn conveyor(args: &[&str]) -> Result<Output> {
+    Command::new(env!("CARGO_BIN_EXE_conveyor")).args(args).output().context("running conveyor")
+}
+
+fn plan_json(args: &[&str]) -> Result<Value> {
+    let mut all = vec!["plan", "--json"];
+    all.extend_from_slice(args);
+    let output = conveyor(&all)?;
+    ensure!(output.status.success(), "conveyor {all:?} failed: {}", String::from_utf8_lossy(&output.stderr));
+    serde_json::from_slice(&output.stdout).context("stdout is one JSON object")
+}
+
+fn assert_usage_error(args: &[&str], needles: &[&str]) -> Result<()> {
+    let output = conveyor(args)?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    ensure!(output.status.code() == Some(2), "{args:?} exited with {:?}: {stderr}", output.status.code());
+    for needle in needles {
+        ensure!(stderr.contains(needle), "{args:?}: stderr {stderr:?} lacks {needle:?}");
+    }
+    Ok(())
+}
+
+/// A placement file in the temp directory, removed when dropped.
+struct PlacementFile(PathBuf);
+
+impl PlacementFile {
+    fn new(name: &str, text: &str) -> Result<Self> {
+        let path = std::env::temp_dir().join(format!("conveyor-plan-{}-{name}.txt", std::process::id()));
+        std::fs::write(&path, text)?;
+        Ok(PlacementFile(path))
+    }
+
+    fn arg(&self) -> &str {
+        self.0.to_str().expect("temp paths are UTF-8 here")
+    }
+}
+
+impl Drop for PlacementFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn stage_layers(json: &Value) -> Result<Vec<Vec<String>>> {
+    json["stages"]
+        .as_array()
+        .context("stages")?
+        .iter()
+        .map(|stage| {
+            stage["layers"]
+                .as_array()
+                .context("layers")?
+                .iter()
+                .map(|name| name.as_str().map(str::to_string).context("a layer name"))
+                .collect()
+        })
+        .collect()
+}
+
+fn f64_of(value: &Value, key: &str) -> Result<f64> {
+    value[key].as_f64().with_context(|| format!("{key} in {value}"))
+}
+
+fn u64_of(value: &Value, key: &str) -> Result<u64> {
+    value[key].as_u64().with_context(|| format!("{key} in {value}"))
+}
+
+#[test]
+fn json_stages_are_consistent_and_cover_every_layer_once() -> Result<()> {
+    let json = plan_json(&["--model", BIG_MLP, "--devices", "cpu:4", "--device-memory", "40MiB"])?;
+    assert_eq!(json["schedule"], "1f1b");
+    assert_eq!(json["microbatches"], 8);
+    let stages = json["stages"].as_array().context("stages")?;
+    assert_eq!(stages.len(), 4, "one stage per device");
+    let budget = 40u64 << 20;
+    for (stage_idx, stage) in stages.iter().enumerate() {
+        assert_eq!(stage["stage"], stage_idx);
+        assert_eq!(stage["device"], format!("cpu:{stage_idx}"));
+        let memory = &stage["memory"];
+        let parts = ["params", "grads", "optimizer_state", "activations"].map(|k| u64_of(memory, k));
+        let sum: u64 = parts.into_iter().sum::<Result<u64>>()?;
+        assert_eq!(u64_of(stage, "memory_bytes")?, sum, "stage {stage_idx}: total is the sum of the breakdown");
+        assert!(sum <= budget, "stage {stage_idx} needs {sum} > budget {budget}");
+        // Adam keeps two moments per parameter; gradients are as large as the parameters.
+        assert_eq!(u64_of(memory, "optimizer_state")?, 2 * u64_of(memory, "params")?);
+        assert_eq!(u64_of(memory, "grads")?, u64_of(memory, "params")?);
+        assert_eq!(u64_of(memory, "params")?, 4 * u64_of(stage, "params")?, "f32 parameters");
+        let fbw =
+            f64_of(stage, "forward_s")? + f64_of(stage, "backward_input_s")? + f64_of(stage, "backward_weight_s")?;
+        assert!((f64_of(stage, "predicted_time_s")? - fbw).abs() <= 1e-12 * fbw);
+    }
+    let mut layers: Vec<String> = stage_layers(&json)?.concat();
+    layers.sort_by_key(|name| name.parse::<usize>().unwrap_or(usize::MAX));
+    let expected: Vec<String> = (0..15).map(|i| i.to_string()).collect();
+    assert_eq!(layers, expected, "every layer exactly once");
+    // A 1F1B step runs m forward-backward pairs on the slowest stage, plus the fill and drain.
+    let bottleneck = f64_of(&json, "bottleneck_s")?;
+    let step = f64_of(&json, "predicted_step_s")?;
+    assert!(step >= 8.0 * bottleneck * (1.0 - 1e-12), "step {step} < m x bottleneck {bottleneck}");
+    let bubble = f64_of(&json, "predicted_bubble_fraction")?;
+    assert!((0.0..1.0).contains(&bubble) && bubble > 0.0, "{bubble}");
+    Ok(())
+}
+
+#[test]
+fn a_model_that_fits_on_four_devices_does_not_fit_on_one() -> Result<()> {
+    plan_json(&["--model", BIG_MLP, "--devices", "cpu:4", "--device-memory", "40MiB"])?;
+    assert_usage_error(
+        &["plan", "--model", BIG_MLP, "--devices", "cpu:1", "--device-memory", "40MiB"],
+        &["memory", "does not fit", "more stages"],
+    )?;
+    // Plain SGD needs half of Adam's memory, but still more than one device's 40 MiB.
+    assert_usage_error(
+        &["plan", "--model", BIG_MLP, "--devices", "cpu:1", "--device-memory", "40MiB", "--optimizer", "sgd"],
+        &["memory"],
+    )
+}
+
+#[test]
+fn table_lists_stages_memory_times_step_and_bubble() -> Result<()> {
+    let output = conveyor(&["plan", "--model", BIG_MLP, "--devices", "cpu:4", "--device-memory", "40MiB"])?;
+    ensure!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8(output.stdout)?;
+    for needle in [
+        "1f1b, 8 micro-batches of 8 rows, adam",
+        "stage  device  layers",
+        "param mem",
+        "optimizer",
+        "activations",
+        "40.0 MiB",
+        "cpu:3",
+        "predicted step:",
+        "predicted bubble fraction: 0.",
+    ] {
+        ensure!(stdout.contains(needle), "{stdout} lacks {needle:?}");
+    }
+    // A long stage is compacted to `first..last (n layers)`.
+    let output = conveyor(&["plan", "--model", BIG_MLP, "--devices", "cpu:2"])?;
+    let stdout = String::from_utf8(output.stdout)?;
+    ensure!(stdout.contains("0..") && stdout.contains(" layers)"), "{stdout}");
+    Ok(())
+}
+
+#[test]
+fn other_schedules_and_chunks() -> Result<()> {
+    let json = plan_json(&["--model", "resnet", "--devices", "cpu:2", "--schedule", "interleaved", "--chunks", "2"])?;
+    assert_eq!(json["stages"].as_array().map(Vec::len), Some(4), "devices x chunks stages");
+    assert_eq!(json["stages"][2]["device"], "cpu:0", "stage 2 of 4 sits on device 0");
+    let json = plan_json(&["--model", "cnn", "--devices", "cpu:3", "--schedule", "zb-h1", "--microbatches", "4"])?;
+    assert_eq!(json["schedule"], "zb-h1");
+    assert_eq!(json["micro_batch_rows"], 16);
+    Ok(())
+}
+
+#[test]
+fn manual_placement_file_is_followed() -> Result<()> {
+    let file = PlacementFile::new("good", "# stage per line\n0..4\n5 6 7 8\n9..10\n11..14  # head\n")?;
+    let json = plan_json(&["--model", BIG_MLP, "--devices", "cpu:4", "--placement", file.arg()])?;
+    let layers = stage_layers(&json)?;
+    let expected: Vec<Vec<String>> =
+        [0..5, 5..9, 9..11, 11..15].into_iter().map(|r| r.map(|i| i.to_string()).collect()).collect();
+    assert_eq!(layers, expected);
+    // A residual skip edge crossing stages: block1's sum on stage 1 reads stem_relu from stage 0.
+    let file = PlacementFile::new("resnet", "stem stem_relu block1.conv1\nblock1.relu1..fc\n")?;
+    let json = plan_json(&["--model", "resnet", "--devices", "cpu:2", "--placement", file.arg()])?;
+    assert_eq!(stage_layers(&json)?[0], ["stem", "stem_relu", "block1.conv1"]);
+    Ok(())
+}
+
+#[test]
+fn bad_placement_files_exit_2() -> Result<()> {
+    let run = |name: &str, text: &str, needles: &[&str]| -> Result<()> {
+        let file = PlacementFile::new(name, text)?;
+        assert_usage_error(&["plan", "--model", BIG_MLP, "--devices", "cpu:2", "--placement", file.arg()], needles)
+    };
+    // Stage 0 holds `4`, which consumes `3` from stage 1.
+    run("later", "0 1 2 4\n3 5..14\n", &["--placement", "consumes `3` from the later stage 1"])?;
+    run("unknown", "0..6 fc9\n7..14\n", &["no node named `fc9`"])?;
+    run("missing", "0..6\n7..13\n", &["`14` is not placed"])?;
+    run("twice", "0..7\n7..14\n", &["placed twice"])?;
+    run("count", "0..4\n5..9\n10..14\n", &["3 stages given for 2 devices"])?;
+    run("empty", "# nothing\n\n", &["lists no stages"])?;
+    assert_usage_error(
+        &["plan", "--model", BIG_MLP, "--devices", "cpu:2", "--placement", "/nonexistent/conveyor-plan.txt"],
+        &["--placement /nonexistent/conveyor-plan.txt"],
+    )?;
+    // Over budget by hand: every layer but the head on stage 0.
+    let file = PlacementFile::new("over", "0..12\n13 14\n")?;
+    assert_usage_error(
+        &["plan", "--model", BIG_MLP, "--devices", "cpu:2", "--device-memory", "40MiB", "--placement", file.arg()],
+        &["memory", "stage 0"],
+    )
+}
+
+#[test]
+fn bad_arguments_exit_2() -> Result<()> {
+    let base = ["plan", "--model", BIG_MLP, "--devices"];
+    let with = |extra: &[&'static str]| -> Vec<&str> { base.iter().copied().chain(extra.iter().copied()).collect() };
+    assert_usage_error(&with(&["gpu:2"]), &["--devices `gpu:2`"])?;
+    assert_usage_error(&with(&["cpu:0"]), &["at least one device"])?;
+    assert_usage_error(&with(&["cpu:2", "--device-memory", "40XB"]), &["unknown unit"])?;
+    assert_usage_error(&with(&["cpu:2", "--optimizer", "lamb"]), &["--optimizer `lamb`"])?;
+    assert_usage_error(&with(&["cpu:2", "--chunks", "2"]), &["--chunks 2 needs --schedule interleaved"])?;
+    assert_usage_error(&with(&["cpu:2", "--microbatches", "100"]), &["--microbatches 100"])?;
+    assert_usage_error(&with(&["cpu:2", "--schedule", "pipedream"]), &["pipedream"])?;
+    assert_usage_error(&["plan", "--model", "mlp:4", "--devices", "cpu:1"], &["model spec"])?;
+    assert_usage_error(&["plan", "--model", "mlp:4,4", "--devices", "cpu:2"], &["only 1 layers"])
+}
