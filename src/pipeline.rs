@@ -38,7 +38,8 @@ pub fn simulated_inflight(kind: ScheduleKind, n_devices: usize, n_micro_batches:
     Ok(simulate(&schedule, &CostModel::uniform(StageCosts::UNIT))?.peak_inflight)
 }
 
-fn optimizer_memory(optimizer: &OptimizerConfig) -> OptimizerMemory {
+/// The planner's optimizer-state class of an optimizer configuration.
+pub fn optimizer_memory(optimizer: &OptimizerConfig) -> OptimizerMemory {
     match optimizer.state_bytes_per_param_byte() {
         0 => OptimizerMemory::Sgd,
         1 => OptimizerMemory::Momentum,
@@ -46,27 +47,49 @@ fn optimizer_memory(optimizer: &OptimizerConfig) -> OptimizerMemory {
     }
 }
 
-/// Plans `graph` on `devices` (one stage per device and chunk) under their budgets.
-pub fn plan(graph: &Graph, devices: &[Device], config: &PipelineConfig) -> Result<Plan> {
+/// The planner's devices and settings for `devices` under a schedule: one spec per stage
+/// (stage `s` on device `s % n_devices`, a device's budget shared by its chunks), in-flight
+/// counts from the schedule simulator, the default in-process link. `conveyor train` and
+/// `conveyor plan` both plan through this, so they agree on every figure.
+pub fn planner_inputs(
+    devices: &[Device],
+    schedule: ScheduleKind,
+    n_chunks: usize,
+    n_micro_batches: usize,
+    batch_rows: usize,
+    optimizer: OptimizerMemory,
+) -> Result<(Vec<DeviceSpec>, PlanConfig)> {
     let n_devices = devices.len();
-    let n_stages = n_devices * config.n_chunks;
-    let inflight = simulated_inflight(config.schedule, n_devices, config.n_micro_batches, config.n_chunks)?;
-    let micro_batch_rows = config.batch_rows.div_ceil(config.n_micro_batches.max(1)).max(1);
+    let n_stages = n_devices * n_chunks;
+    let inflight = simulated_inflight(schedule, n_devices, n_micro_batches, n_chunks)?;
+    let micro_batch_rows = batch_rows.div_ceil(n_micro_batches.max(1)).max(1);
     let plan_config = PlanConfig::new(
         micro_batch_rows,
         n_stages,
-        |p| if p == n_stages { inflight.clone() } else { vec![config.n_micro_batches; p] },
-        optimizer_memory(&config.optimizer),
+        |p| if p == n_stages { inflight.clone() } else { vec![n_micro_batches; p] },
+        optimizer,
         Link::default(),
     );
-    let specs: Vec<DeviceSpec> = (0..n_stages)
+    let specs = (0..n_stages)
         .map(|s| {
             let device = &devices[s % n_devices];
-            // With chunks, a device's budget is shared by its chunks.
-            let budget = device.memory_budget().map(|b| b / config.n_chunks as u64);
+            let budget = device.memory_budget().map(|b| b / n_chunks as u64);
             DeviceSpec { name: device.to_string(), flops_per_s: CPU_FLOPS_PER_S, budget_bytes: budget }
         })
         .collect();
+    Ok((specs, plan_config))
+}
+
+/// Plans `graph` on `devices` (one stage per device and chunk) under their budgets.
+pub fn plan(graph: &Graph, devices: &[Device], config: &PipelineConfig) -> Result<Plan> {
+    let (specs, plan_config) = planner_inputs(
+        devices,
+        config.schedule,
+        config.n_chunks,
+        config.n_micro_batches,
+        config.batch_rows,
+        optimizer_memory(&config.optimizer),
+    )?;
     place_automatically(graph, &specs, &plan_config)
 }
 

@@ -1,4 +1,6 @@
-//! `conveyor simulate` end to end: runs the built binary and checks its JSON and exit codes.
+//! `conveyor simulate` end to end: runs the built binary and checks its JSON, the files it
+//! writes and its exit codes.
+use std::path::PathBuf;
 use std::process::{Command, Output};
 
 use anyhow::{Context, Result, ensure};
@@ -111,5 +113,64 @@ fn bad_arguments_exit_2() -> Result<()> {
         "multiple of n_devices",
     )?;
     assert_usage_error(&["simulate", "--schedule", "gpipe", "--stages", "2"], "--microbatches")?;
+    Ok(())
+}
+
+/// A fresh directory under the target's temporary folder, removed first if a run left it.
+fn scratch_dir(name: &str) -> Result<PathBuf> {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+#[test]
+fn svg_and_trace_are_written_and_show_draws_the_chart() -> Result<()> {
+    let dir = scratch_dir("simulate_cli_exports")?;
+    let svg = dir.join("gpipe.svg");
+    let trace = dir.join("gpipe.json");
+    let (svg_arg, trace_arg) = (svg.to_str().context("utf-8 path")?, trace.to_str().context("utf-8 path")?);
+    let args = ["simulate", "--schedule", "gpipe", "--stages", "4", "--microbatches", "8"];
+    let output = conveyor(&[&args[..], &["--svg", svg_arg, "--trace", trace_arg, "--show"]].concat())?;
+    ensure!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8(output.stdout)?;
+    ensure!(stdout.contains("dev3 |..."), "--show draws the chart: {stdout}");
+    ensure!(stdout.contains("odd micro-batches lower case"), "--show prints its legend: {stdout}");
+
+    let svg_text = std::fs::read_to_string(&svg)?;
+    ensure!(svg_text.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""), "{svg_text:.80}");
+    ensure!(svg_text.contains("GPipe, p=4, m=8 — bubble 27.3%"));
+    ensure!(svg_text.trim_end().ends_with("</svg>"));
+    let trace_json: Value = serde_json::from_str(&std::fs::read_to_string(&trace)?)?;
+    let events = trace_json["traceEvents"].as_array().context("traceEvents")?;
+    let n_forwards = events.iter().filter(|event| event["ph"] == "X" && event["cat"] == "forward").count();
+    assert_eq!(n_forwards, 4 * 8);
+    // Only the two files: the temporary files were renamed away.
+    let mut names: Vec<String> = std::fs::read_dir(&dir)?
+        .map(|entry| Ok(entry?.file_name().to_string_lossy().into_owned()))
+        .collect::<Result<_>>()?;
+    names.sort();
+    assert_eq!(names, ["gpipe.json", "gpipe.svg"]);
+
+    // With --json, files are still written and stdout stays one JSON object.
+    std::fs::remove_file(&svg)?;
+    let json = simulate_json(&["--schedule", "zb-h1", "--stages", "4", "--microbatches", "8", "--svg", svg_arg])?;
+    assert_eq!(json["makespan"].as_f64(), Some(27.0));
+    ensure!(std::fs::read_to_string(&svg)?.contains("ZB-H1, p=4, m=8 — bubble 11.1%"));
+    Ok(())
+}
+
+#[test]
+fn unwritable_export_paths_exit_2() -> Result<()> {
+    let dir = scratch_dir("simulate_cli_bad_paths")?;
+    let missing = dir.join("no-such-dir").join("out.svg");
+    let missing = missing.to_str().context("utf-8 path")?;
+    let base = ["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "2"];
+    assert_usage_error(&[&base[..], &["--svg", missing]].concat(), "does not exist")?;
+    assert_usage_error(&[&base[..], &["--trace", missing]].concat(), "--trace")?;
+    let directory = dir.to_str().context("utf-8 path")?;
+    assert_usage_error(&[&base[..], &["--svg", directory]].concat(), "is a directory")?;
+    assert_usage_error(&[&base[..], &["--json", "--show"]].concat(), "--show")?;
+    ensure!(std::fs::read_dir(&dir)?.next().is_none(), "nothing was left behind in {}", dir.display());
     Ok(())
 }

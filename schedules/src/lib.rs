@@ -31,6 +31,7 @@
 
 mod cost;
 mod error;
+pub mod export;
 mod gpipe;
 pub mod instruction;
 mod interleaved;

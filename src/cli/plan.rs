@@ -5,12 +5,11 @@ use std::path::Path;
 
 use anyhow::Context;
 use clap::Args;
-use conveyor::engine::Device;
 use conveyor::engine::graph::Graph;
 use conveyor::engine::placement::{
-    DeviceSpec, Link, OptimizerMemory, Plan, PlanConfig, format_bytes, place_automatically, place_manually,
+    OptimizerMemory, Plan, format_bytes, place_automatically, place_manually,
 };
-use conveyor::pipeline::{CPU_FLOPS_PER_S, simulated_inflight};
+use conveyor::pipeline::planner_inputs;
 use conveyor::schedules::{CostModel, Schedule, ScheduleKind, SimulationReport, StageCosts, simulate};
 use conveyor::zoo::ModelSpec;
 
@@ -83,7 +82,8 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         1 => OptimizerMemory::Momentum,
         _ => OptimizerMemory::Adam,
     };
-    let (specs, config) = planner_inputs(&devices, &args, optimizer_memory)?;
+    let (specs, config) =
+        planner_inputs(&devices, args.schedule, args.chunks, args.microbatches, args.batch, optimizer_memory)?;
     let plan = if args.placement == "auto" {
         place_automatically(&graph, &specs, &config).map_err(|e| explain_memory(e, &args, budget))?
     } else {
@@ -100,36 +100,6 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         print_table(&plan, &report, &args, config.micro_batch_rows);
     }
     Ok(())
-}
-
-/// The planner's devices and settings, made exactly as [`conveyor::pipeline::plan`] makes them
-/// for `conveyor train` (so the two agree on every figure; a unit test below holds them to it):
-/// one spec per stage (device `s % n_devices`, its budget shared by its chunks), in-flight counts
-/// from the schedule simulator, the default in-process link.
-fn planner_inputs(
-    devices: &[Device],
-    args: &PlanArgs,
-    optimizer: OptimizerMemory,
-) -> anyhow::Result<(Vec<DeviceSpec>, PlanConfig)> {
-    let n_devices = devices.len();
-    let n_stages = n_devices * args.chunks;
-    let inflight = simulated_inflight(args.schedule, n_devices, args.microbatches, args.chunks)?;
-    let micro_batch_rows = args.batch.div_ceil(args.microbatches).max(1);
-    let config = PlanConfig::new(
-        micro_batch_rows,
-        n_stages,
-        |p| if p == n_stages { inflight.clone() } else { vec![args.microbatches; p] },
-        optimizer,
-        Link::default(),
-    );
-    let specs = (0..n_stages)
-        .map(|stage_idx| {
-            let device = &devices[stage_idx % n_devices];
-            let budget = device.memory_budget().map(|b| b / args.chunks as u64);
-            DeviceSpec { name: device.to_string(), flops_per_s: CPU_FLOPS_PER_S, budget_bytes: budget }
-        })
-        .collect();
-    Ok((specs, config))
 }
 
 /// Puts the flags that set the budget in front of a [`conveyor::engine::Error::DoesNotFit`], so the
@@ -353,54 +323,6 @@ mod tests {
     use std::path::PathBuf;
 
     use super::*;
-    use conveyor::engine::runtime::Recompute;
-    use conveyor::pipeline::PipelineConfig;
-
-    fn args(model: &str, devices: &str, schedule: ScheduleKind, chunks: usize) -> PlanArgs {
-        PlanArgs {
-            model: model.to_string(),
-            devices: devices.to_string(),
-            device_memory: None,
-            optimizer: "adam".to_string(),
-            schedule,
-            microbatches: 8,
-            batch: 64,
-            chunks,
-            placement: "auto".to_string(),
-            json: false,
-        }
-    }
-
-    /// `conveyor plan` and `conveyor train` must plan alike: the same cuts and the same figures.
-    #[test]
-    fn automatic_plan_matches_the_one_train_uses() {
-        for (schedule, chunks, budget) in [
-            (ScheduleKind::OneFOneB, 1, None),
-            (ScheduleKind::Interleaved, 2, Some(2 << 20)),
-            (ScheduleKind::ZbH1, 1, None),
-        ] {
-            let a = args("resnet", "cpu:2", schedule, chunks);
-            let devices = parse_devices(&a.devices, budget).unwrap();
-            let graph = ModelSpec::Resnet.build(0).unwrap();
-            let (specs, config) = planner_inputs(&devices, &a, OptimizerMemory::Adam).unwrap();
-            let ours = place_automatically(&graph, &specs, &config).unwrap();
-            let pipeline_config = PipelineConfig {
-                schedule,
-                n_chunks: chunks,
-                n_micro_batches: a.microbatches,
-                batch_rows: a.batch,
-                optimizer: parse_optimizer("adam", None, None, None).unwrap(),
-                recompute: Recompute::Never,
-                seed: 0,
-            };
-            let theirs = conveyor::pipeline::plan(&graph, &devices, &pipeline_config).unwrap();
-            assert_eq!(ours.config, theirs.config);
-            assert_eq!(ours.devices, theirs.devices);
-            for (x, y) in ours.stages.iter().zip(&theirs.stages) {
-                assert_eq!((&x.node_names, x.memory, x.forward_s), (&y.node_names, y.memory, y.forward_s));
-            }
-        }
-    }
 
     #[test]
     fn placement_file_skips_comments_and_blank_lines() {

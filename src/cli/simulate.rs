@@ -1,6 +1,12 @@
-//! `conveyor simulate`: builds a schedule, validates it and prints the simulated timeline.
+//! `conveyor simulate`: builds a schedule, validates it and prints the simulated timeline;
+//! optionally writes it as an SVG Gantt chart (`--svg`) and a Chrome trace (`--trace`), and
+//! draws a compact chart (`--show`).
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
 use anyhow::Context;
 use clap::Args;
+use conveyor_schedules::export::{SvgOptions, TraceOptions, chrome_trace, svg_gantt, terminal_chart};
 use conveyor_schedules::{
     CostModel, Link, MessageBytes, Schedule, ScheduleError, ScheduleKind, StageCosts, render_timeline, simulate,
     validate,
@@ -41,7 +47,19 @@ pub struct SimulateArgs {
     /// Print one JSON object (makespan, bubble_fraction, peak_inflight, events, ...) instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Write the timeline as an SVG Gantt chart (bubbles hatched, bubble fraction in the title).
+    #[arg(long, value_name = "FILE")]
+    pub svg: Option<PathBuf>,
+    /// Write the timeline as Chrome trace / Perfetto JSON (open in ui.perfetto.dev).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// Draw a compact Gantt chart sized to the terminal ($COLUMNS, default 100).
+    #[arg(long, conflicts_with = "json")]
+    pub show: bool,
 }
+
+/// Terminal width for `--show` when `$COLUMNS` is unset or not a number.
+const DEFAULT_TERMINAL_COLUMNS: usize = 100;
 
 /// Runs `conveyor simulate`.
 pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
@@ -80,6 +98,13 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         .with_link(Link { latency_s: args.latency, bandwidth_bytes_per_s: bandwidth })
         .with_message_bytes(MessageBytes { activation_bytes: args.message_bytes, gradient_bytes: args.message_bytes });
     let report = simulate(&schedule, &costs).context("simulating the schedule")?;
+    if let Some(path) = &args.svg {
+        let options = SvgOptions { title: chart_title(&schedule), ..SvgOptions::default() };
+        write_atomically(path, "--svg", &svg_gantt(&report.timeline, &options))?;
+    }
+    if let Some(path) = &args.trace {
+        write_atomically(path, "--trace", &chrome_trace(&report.timeline, &TraceOptions::default()))?;
+    }
     if args.json {
         let output = serde_json::json!({
             "schedule": schedule.kind(),
@@ -119,6 +144,70 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     println!("peak in-flight micro-batches per stage: {:?}", report.peak_inflight);
     if schedule.n_chunks() > 1 {
         println!("peak in-flight (micro-batch, stage) pairs per device: {:?}", report.peak_inflight_per_device);
+    }
+    if args.show {
+        let columns = std::env::var("COLUMNS")
+            .ok()
+            .and_then(|columns| columns.trim().parse::<usize>().ok())
+            .unwrap_or(DEFAULT_TERMINAL_COLUMNS);
+        print!("{}", terminal_chart(&report.timeline, columns));
+    }
+    Ok(())
+}
+
+/// `1F1B, p=4, m=8` (with `, v=2` for interleaved): the SVG's title, before its bubble fraction.
+fn chart_title(schedule: &Schedule) -> String {
+    let name = match schedule.kind() {
+        ScheduleKind::GPipe => "GPipe",
+        ScheduleKind::OneFOneB => "1F1B",
+        ScheduleKind::Interleaved => "Interleaved 1F1B",
+        ScheduleKind::ZbH1 => "ZB-H1",
+        ScheduleKind::ZbH2 => "ZB-H2",
+    };
+    let mut title = format!("{name}, p={}, m={}", schedule.n_devices(), schedule.n_micro_batches());
+    if schedule.n_chunks() > 1 {
+        title.push_str(&format!(", v={}", schedule.n_chunks()));
+    }
+    title
+}
+
+/// Writes `contents` to `path` so that readers see the old file or the whole new one, never a
+/// part: into a temporary file in the same directory, then renamed over `path` (the temporary
+/// file is removed if anything fails). A path the user can fix (a missing directory, a
+/// directory, no permission) is a usage error, exit code 2.
+fn write_atomically(path: &Path, flag: &str, contents: &str) -> anyhow::Result<()> {
+    let bad_path = |why: String| super::usage(format!("cannot write {flag} {}: {why}", path.display()));
+    let Some(file_name) = path.file_name() else {
+        return Err(bad_path("not a file name; give a path such as out/timeline.svg".to_owned()));
+    };
+    if path.is_dir() {
+        return Err(bad_path("it is a directory; give a file path inside it".to_owned()));
+    }
+    let directory = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    if !directory.is_dir() {
+        return Err(bad_path(format!("directory {} does not exist; create it first", directory.display())));
+    }
+    let mut temporary_name = std::ffi::OsString::from(".");
+    temporary_name.push(file_name);
+    temporary_name.push(format!(".{}.tmp", std::process::id()));
+    let temporary = directory.join(temporary_name);
+    let result = std::fs::File::create(&temporary)
+        .and_then(|mut file| {
+            file.write_all(contents.as_bytes())?;
+            file.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&temporary, path));
+    if let Err(err) = result {
+        let _ = std::fs::remove_file(&temporary);
+        return Err(match err.kind() {
+            std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::NotFound | std::io::ErrorKind::IsADirectory => {
+                bad_path(err.to_string())
+            }
+            _ => anyhow::Error::new(err).context(format!("writing {flag} {}", path.display())),
+        });
     }
     Ok(())
 }
