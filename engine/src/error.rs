@@ -102,6 +102,35 @@ pub enum Error {
         /// What went wrong (an error's message or a panic's payload).
         message: String,
     },
+    /// A collective operation could not complete on one rank of a process group (a peer sent the
+    /// wrong message or none in time, a peer's handle was dropped, or the arguments were invalid).
+    #[error(
+        "collective {op} failed on rank {rank} of {n_ranks}: {reason}; every rank of a group must call the same \
+         collectives in the same order with matching lengths"
+    )]
+    CollectiveFailed {
+        /// The collective, e.g. `all_reduce`.
+        op: String,
+        /// The rank that reports the failure.
+        rank: usize,
+        /// The group size.
+        n_ranks: usize,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A collective was abandoned because another rank of the group failed first (that rank's error
+    /// is the cause); the group must be recovered before it is used again.
+    #[error("collective {op} on rank {rank} abandoned: rank {failed_rank} failed first ({reason})")]
+    CollectiveAborted {
+        /// The collective this rank was in.
+        op: String,
+        /// The rank that reports the abandonment.
+        rank: usize,
+        /// The rank that failed first.
+        failed_rank: usize,
+        /// That rank's error, as text.
+        reason: String,
+    },
     /// The schedule could not be built or validated.
     #[error(transparent)]
     Schedule(#[from] conveyor_schedules::ScheduleError),

@@ -18,6 +18,21 @@ use tracing_subscriber::registry::LookupSpan;
 /// The `tracing` target of op spans.
 pub const OP_TARGET: &str = "conveyor::op";
 
+/// The `tracing` target of memory samples: events with fields `device` and `bytes` (in use on
+/// the device), emitted by the runtime after every op.
+pub const MEMORY_TARGET: &str = "conveyor::memory";
+
+/// Bytes in use on one device at one time (seconds from the recorder's origin).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MemoryPoint {
+    /// The device.
+    pub device_idx: usize,
+    /// Seconds from the recorder's origin.
+    pub time_s: f64,
+    /// Bytes in use.
+    pub bytes: u64,
+}
+
 /// The name an op kind carries in span fields.
 pub fn op_name(op: OpKind) -> &'static str {
     match op {
@@ -54,6 +69,7 @@ pub const NONE_FIELD: u64 = u64::MAX;
 
 #[derive(Default)]
 struct OpFields {
+    bytes: Option<u64>,
     device: Option<u64>,
     stage: Option<u64>,
     micro_batch: Option<u64>,
@@ -67,6 +83,7 @@ impl Visit for OpFields {
             "device" => self.device = value,
             "stage" => self.stage = value,
             "micro_batch" => self.micro_batch = value,
+            "bytes" => self.bytes = value,
             _ => {}
         }
     }
@@ -98,12 +115,17 @@ struct OpSpan {
 pub struct TimelineRecorder {
     origin: Instant,
     events: Arc<Mutex<Vec<TimelineEvent>>>,
+    memory: Arc<Mutex<Vec<MemoryPoint>>>,
 }
 
 impl TimelineRecorder {
     /// A recorder whose times count from now, and the layer that feeds it.
     pub fn new() -> (TimelineRecorder, TimelineLayer) {
-        let recorder = TimelineRecorder { origin: Instant::now(), events: Arc::new(Mutex::new(Vec::new())) };
+        let recorder = TimelineRecorder {
+            origin: Instant::now(),
+            events: Arc::new(Mutex::new(Vec::new())),
+            memory: Arc::new(Mutex::new(Vec::new())),
+        };
         (recorder.clone(), TimelineLayer { recorder })
     }
 
@@ -114,6 +136,30 @@ impl TimelineRecorder {
         events.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
         timeline.events = events;
         timeline
+    }
+
+    /// The events that started in `since_s..until_s`, shifted so `since_s` is time zero (one
+    /// step of a longer run).
+    pub fn timeline_window(&self, since_s: f64, until_s: f64, n_devices: usize, n_stages: usize) -> Timeline {
+        let mut timeline = self.timeline(n_devices, n_stages);
+        timeline.events.retain(|e| e.start_s >= since_s && e.start_s < until_s);
+        for e in &mut timeline.events {
+            e.start_s -= since_s;
+            e.end_s -= since_s;
+        }
+        timeline
+    }
+
+    /// Seconds from the recorder's origin until now.
+    pub fn now_s(&self) -> f64 {
+        self.origin.elapsed().as_secs_f64()
+    }
+
+    /// Memory samples recorded so far, in time order.
+    pub fn memory(&self) -> Vec<MemoryPoint> {
+        let mut points = self.memory.lock().clone();
+        points.sort_by(|a, b| a.time_s.total_cmp(&b.time_s));
+        points
     }
 
     /// Number of events recorded.
@@ -129,7 +175,15 @@ impl TimelineRecorder {
     /// Forgets everything recorded so far.
     pub fn clear(&self) {
         self.events.lock().clear();
+        self.memory.lock().clear();
     }
+}
+
+/// A per-layer filter that passes only op spans and memory samples: put it on the
+/// [`TimelineLayer`] (`layer.with_filter(timeline_filter())`) so that adding the layer enables
+/// nothing else, whatever other layers log.
+pub fn timeline_filter() -> tracing_subscriber::filter::FilterFn {
+    tracing_subscriber::filter::filter_fn(|metadata| metadata.target() == OP_TARGET || metadata.target() == MEMORY_TARGET)
 }
 
 /// The `tracing-subscriber` layer that records op spans into a [`TimelineRecorder`].
@@ -138,8 +192,16 @@ pub struct TimelineLayer {
 }
 
 impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for TimelineLayer {
-    fn enabled(&self, metadata: &tracing::Metadata<'_>, _ctx: Context<'_, S>) -> bool {
-        metadata.target() == OP_TARGET
+    fn on_event(&self, event: &tracing::Event<'_>, _ctx: Context<'_, S>) {
+        if event.metadata().target() != MEMORY_TARGET {
+            return;
+        }
+        let mut fields = OpFields::default();
+        event.record(&mut fields);
+        if let (Some(device), Some(bytes)) = (fields.device, fields.bytes) {
+            let time_s = self.recorder.origin.elapsed().as_secs_f64();
+            self.recorder.memory.lock().push(MemoryPoint { device_idx: device as usize, time_s, bytes });
+        }
     }
 
     fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {

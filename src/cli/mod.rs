@@ -1,4 +1,7 @@
-//! Subcommand modules and the shared error reporting of the `conveyor` binary.
+//! Subcommand modules, the shared error reporting of the `conveyor` binary, and atomic file writes.
+use std::io::Write;
+use std::path::Path;
+
 pub mod plan;
 pub mod simulate;
 pub mod train;
@@ -37,3 +40,45 @@ pub fn report(err: &anyhow::Error) -> i32 {
         );
     if bad_input { 2 } else { 1 }
 }
+
+/// Writes `contents` to `path` so that readers see the old file or the whole new one, never a
+/// part: into a temporary file in the same directory, then renamed over `path` (the temporary
+/// file is removed if anything fails). A path the user can fix (a missing directory, a
+/// directory, no permission) is a usage error, exit code 2.
+pub fn write_atomically(path: &Path, flag: &str, contents: &str) -> anyhow::Result<()> {
+    let bad_path = |why: String| usage(format!("cannot write {flag} {}: {why}", path.display()));
+    let Some(file_name) = path.file_name() else {
+        return Err(bad_path("not a file name; give a path such as out/timeline.svg".to_owned()));
+    };
+    if path.is_dir() {
+        return Err(bad_path("it is a directory; give a file path inside it".to_owned()));
+    }
+    let directory = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    if !directory.is_dir() {
+        return Err(bad_path(format!("directory {} does not exist; create it first", directory.display())));
+    }
+    let mut temporary_name = std::ffi::OsString::from(".");
+    temporary_name.push(file_name);
+    temporary_name.push(format!(".{}.tmp", std::process::id()));
+    let temporary = directory.join(temporary_name);
+    let result = std::fs::File::create(&temporary)
+        .and_then(|mut file| {
+            file.write_all(contents.as_bytes())?;
+            file.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&temporary, path));
+    if let Err(err) = result {
+        let _ = std::fs::remove_file(&temporary);
+        return Err(match err.kind() {
+            std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::NotFound | std::io::ErrorKind::IsADirectory => {
+                bad_path(err.to_string())
+            }
+            _ => anyhow::Error::new(err).context(format!("writing {flag} {}", path.display())),
+        });
+    }
+    Ok(())
+}
+

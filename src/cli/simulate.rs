@@ -1,8 +1,7 @@
 //! `conveyor simulate`: builds a schedule, validates it and prints the simulated timeline;
 //! optionally writes it as an SVG Gantt chart (`--svg`) and a Chrome trace (`--trace`), and
 //! draws a compact chart (`--show`).
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
@@ -100,10 +99,10 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     let report = simulate(&schedule, &costs).context("simulating the schedule")?;
     if let Some(path) = &args.svg {
         let options = SvgOptions { title: chart_title(&schedule), ..SvgOptions::default() };
-        write_atomically(path, "--svg", &svg_gantt(&report.timeline, &options))?;
+        super::write_atomically(path, "--svg", &svg_gantt(&report.timeline, &options))?;
     }
     if let Some(path) = &args.trace {
-        write_atomically(path, "--trace", &chrome_trace(&report.timeline, &TraceOptions::default()))?;
+        super::write_atomically(path, "--trace", &chrome_trace(&report.timeline, &TraceOptions::default()))?;
     }
     if args.json {
         let output = serde_json::json!({
@@ -169,47 +168,6 @@ fn chart_title(schedule: &Schedule) -> String {
         title.push_str(&format!(", v={}", schedule.n_chunks()));
     }
     title
-}
-
-/// Writes `contents` to `path` so that readers see the old file or the whole new one, never a
-/// part: into a temporary file in the same directory, then renamed over `path` (the temporary
-/// file is removed if anything fails). A path the user can fix (a missing directory, a
-/// directory, no permission) is a usage error, exit code 2.
-fn write_atomically(path: &Path, flag: &str, contents: &str) -> anyhow::Result<()> {
-    let bad_path = |why: String| super::usage(format!("cannot write {flag} {}: {why}", path.display()));
-    let Some(file_name) = path.file_name() else {
-        return Err(bad_path("not a file name; give a path such as out/timeline.svg".to_owned()));
-    };
-    if path.is_dir() {
-        return Err(bad_path("it is a directory; give a file path inside it".to_owned()));
-    }
-    let directory = match path.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => parent,
-        _ => Path::new("."),
-    };
-    if !directory.is_dir() {
-        return Err(bad_path(format!("directory {} does not exist; create it first", directory.display())));
-    }
-    let mut temporary_name = std::ffi::OsString::from(".");
-    temporary_name.push(file_name);
-    temporary_name.push(format!(".{}.tmp", std::process::id()));
-    let temporary = directory.join(temporary_name);
-    let result = std::fs::File::create(&temporary)
-        .and_then(|mut file| {
-            file.write_all(contents.as_bytes())?;
-            file.sync_all()
-        })
-        .and_then(|()| std::fs::rename(&temporary, path));
-    if let Err(err) = result {
-        let _ = std::fs::remove_file(&temporary);
-        return Err(match err.kind() {
-            std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::NotFound | std::io::ErrorKind::IsADirectory => {
-                bad_path(err.to_string())
-            }
-            _ => anyhow::Error::new(err).context(format!("writing {flag} {}", path.display())),
-        });
-    }
-    Ok(())
 }
 
 /// Parses `F,B,W` seconds.

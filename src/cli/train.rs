@@ -10,6 +10,8 @@ use conveyor::engine::Device;
 use conveyor::engine::optim::{AdamConfig, OptimizerConfig, SgdConfig};
 use conveyor::engine::runtime::Recompute;
 use conveyor::pipeline::{PipelineConfig, build_trainer, simulated_inflight};
+use conveyor::engine::trace::{TimelineRecorder, timeline_filter};
+use conveyor::schedules::export::{MemorySample, SvgOptions, TraceOptions, chrome_trace, svg_gantt};
 use conveyor::schedules::{CostModel, Schedule, ScheduleKind, StageCosts, simulate};
 use conveyor::zoo::ModelSpec;
 
@@ -80,6 +82,12 @@ pub struct TrainArgs {
     /// Write one JSON object per optimizer step to this file, then a summary object.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
+    /// Write a Chrome / Perfetto trace of every op of the whole run (open in ui.perfetto.dev).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Write an SVG Gantt chart of the last step: one row per device, bubbles marked.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
     /// Print progress every this many steps (0: only the summary).
     #[arg(long, default_value_t = 10)]
     pub log_every: u64,
@@ -172,8 +180,28 @@ fn load_data(spec: &str, seed: u64) -> anyhow::Result<(Dataset, Option<Dataset>)
     Err(usage(format!("--data `{spec}`: use digits or synthetic:N,D,C")))
 }
 
+/// Installs the process's `tracing` subscriber: logs to stderr filtered by `RUST_LOG` (default
+/// `warn`), and, when a trace or chart is asked for, the op-span recorder.
+fn install_subscriber(record_ops: bool) -> Option<TimelineRecorder> {
+    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::SubscriberExt;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+    let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(filter);
+    let (recorder, timeline) = if record_ops {
+        let (recorder, layer) = TimelineRecorder::new();
+        (Some(recorder), Some(layer.with_filter(timeline_filter())))
+    } else {
+        (None, None)
+    };
+    let subscriber = tracing_subscriber::registry().with(logs).with(timeline);
+    // Only the first call in a process installs; later ones (tests running `run` twice) keep it.
+    let _ = tracing::subscriber::set_global_default(subscriber);
+    recorder
+}
+
 /// Runs `conveyor train`.
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    let recorder = install_subscriber(args.trace.is_some() || args.svg.is_some());
     let (train, test) = load_data(&args.data, args.seed)?;
     let n_classes = train.n_classes;
     let model_text = args.model.clone().unwrap_or_else(|| match train.feature_shape.as_slice() {
@@ -263,7 +291,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let mut samples = 0u64;
     let mut compute_s = 0.0;
     let mut order = Vec::new();
+    let (mut last_step_start_s, mut last_step_end_s) = (0.0, 0.0);
     for step in 0..total_steps {
+        if let Some(recorder) = &recorder {
+            last_step_start_s = recorder.now_s();
+        }
         let epoch = step / steps_per_epoch.max(1);
         let within = (step % steps_per_epoch.max(1)) as usize;
         if within == 0 {
@@ -272,6 +304,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         let indices = &order[within * args.batch..(within + 1) * args.batch];
         let (x, y) = train.batch(indices)?;
         let report = trainer.train_step(&x, &y)?;
+        if let Some(recorder) = &recorder {
+            last_step_end_s = recorder.now_s();
+        }
         samples += args.batch as u64;
         compute_s += report.step_s;
         if let Some(out) = metrics.as_mut() {
@@ -340,10 +375,19 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let busy = report.timeline.busy_s();
     let makespan = report.timeline.makespan_s();
     for (device_idx, device) in trainer.devices().iter().enumerate() {
+        let waiting: f64 = report
+            .timeline
+            .events
+            .iter()
+            .filter(|e| e.device_idx == device_idx && e.op == conveyor::schedules::OpKind::Wait)
+            .map(|e| e.duration_s())
+            .sum::<f64>()
+            + 0.0; // an empty f64 sum is -0.0
         println!(
-            "  {device}: busy {:.1} ms, idle {:.1} ms of a {:.1} ms step, peak memory {} (micro-batches in flight on its first stage: {})",
+            "  {device}: busy {:.1} ms, idle {:.1} ms (waiting for messages {:.1} ms) of a {:.1} ms step, peak memory {} (micro-batches in flight on its first stage: {})",
             busy[device_idx] * 1e3,
             (makespan - busy[device_idx]) * 1e3,
+            waiting * 1e3,
             makespan * 1e3,
             conveyor::engine::placement::format_bytes(report.peak_memory[device_idx]),
             inflight.get(device_idx).copied().unwrap_or(0),
@@ -365,6 +409,27 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             })
         )?;
         out.flush()?;
+    }
+    if let Some(recorder) = &recorder {
+        let labels: Vec<String> = trainer.devices().iter().map(|d| d.to_string()).collect();
+        if let Some(path) = &args.svg {
+            let last_step = recorder.timeline_window(last_step_start_s, last_step_end_s, n_devices, sched.n_stages());
+            let title = format!("{schedule}, p={n_devices}, m={}, measured (last step)", args.microbatches);
+            let options = SvgOptions { title, device_labels: labels.clone(), ..SvgOptions::default() };
+            super::write_atomically(path, "--svg", &svg_gantt(&last_step, &options))?;
+            println!("wrote the last step's chart to {}", path.display());
+        }
+        if let Some(path) = &args.trace {
+            let memory_samples = recorder
+                .memory()
+                .into_iter()
+                .map(|m| MemorySample { device_idx: m.device_idx, time_s: m.time_s, bytes: m.bytes })
+                .collect();
+            let options = TraceOptions { device_labels: labels, memory_samples };
+            let whole_run = recorder.timeline(n_devices, sched.n_stages());
+            super::write_atomically(path, "--trace", &chrome_trace(&whole_run, &options))?;
+            println!("wrote a trace of {} ops to {}", whole_run.events.len(), path.display());
+        }
     }
     if let Some(path) = &args.save {
         let params = trainer.parameters()?;

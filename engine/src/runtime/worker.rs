@@ -209,6 +209,7 @@ fn execute(
     for stage in stages.iter_mut() {
         stage.begin_step(job.n_micro_batches);
     }
+    let device = stages.first().map(|s| s.device.clone()).expect("a worker holds at least one stage");
     let mut losses = Vec::new();
     let started = job.started;
     let now = move || started.elapsed().as_secs_f64();
@@ -253,6 +254,7 @@ fn execute(
             }
             events.push(TimelineEvent { device_idx, stage_idx: None, op, micro_batch_idx: None, start_s: start, end_s: now() });
             drop(span);
+            note_memory(device_idx, &device);
             continue;
         }
         let stage_idx = instruction.stage_idx().expect("compute instructions have a stage");
@@ -290,6 +292,7 @@ fn execute(
                     guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| Ok(stage.forward(&ctx, micro_batch_idx, inputs, labels)?))?;
                 events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: now() });
                 drop(span);
+                note_memory(device_idx, &device);
                 if let Some(l) = loss_value {
                     losses.push((micro_batch_idx, l));
                 }
@@ -307,6 +310,7 @@ fn execute(
                     })?;
                     events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op: OpKind::Recompute, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: now() });
                     drop(span);
+                    note_memory(device_idx, &device);
                 }
                 let wait_span = op_span(device_idx, Some(stage_idx), OpKind::Wait, Some(micro_batch_idx));
                 let wait_start = now();
@@ -329,6 +333,7 @@ fn execute(
                 })?;
                 events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: now() });
                 drop(span);
+                note_memory(device_idx, &device);
                 send_all(job, stage_idx, micro_batch_idx, messages, true)?;
             }
             Instruction::BackwardWeight { .. } => {
@@ -337,6 +342,7 @@ fn execute(
                 guarded_mut(&mut stages[s], op, micro_batch_idx, job.fault, |stage| Ok(stage.backward_weight(micro_batch_idx)?))?;
                 events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: now() });
                 drop(span);
+                note_memory(device_idx, &device);
             }
             Instruction::OptimizerStep => unreachable!("handled above"),
         }
@@ -352,6 +358,11 @@ fn check_order(stage: &Stage, got: usize, expected: usize) -> std::result::Resul
         )));
     }
     Ok(())
+}
+
+/// Reports the device's bytes in use as a `tracing` event (see [`crate::trace::MEMORY_TARGET`]).
+fn note_memory(device_idx: usize, device: &Device) {
+    tracing::trace!(target: crate::trace::MEMORY_TARGET, device = device_idx as u64, bytes = device.memory_in_use());
 }
 
 /// Opens the `tracing` span of one op (see [`crate::trace`]); a disabled callsite when no
