@@ -1,12 +1,18 @@
-//! The model zoo: model specs (`mlp:64,128,10`, `cnn`, `resnet`) parsed into graphs whose node
-//! names give PyTorch's state-dict names for the equivalent module.
+//! The model zoo: model specs (`mlp:64,128,10`, `cnn`, `resnet`, `transformer:32,16,32,4,2,10`)
+//! parsed into graphs whose node names give PyTorch's state-dict names for the equivalent module.
 //!
 //! `mlp:D0,D1,...,Dn` is `nn.Sequential(Linear(D0, D1), ReLU(), Linear(D1, D2), ..., Linear(Dn-1, Dn))`:
 //! Linear nodes are named `0`, `2`, `4`, ... and ReLUs `1`, `3`, ..., so parameters are
 //! `0.weight`, `0.bias`, `2.weight`, ... exactly as PyTorch names them.
+//!
+//! `transformer:VOCAB,T,D,H,L,C` (or `transformer` for [`TransformerConfig::default`]) is a
+//! pre-norm encoder classifier over token ids; see [`transformer`].
 use conveyor_engine::graph::Graph;
 use conveyor_engine::{Error, Result, init};
-use conveyor_layers::{Add, Conv2d, Conv2dOptions, Dropout, Flatten, Linear, MaxPool2d, Relu};
+use conveyor_layers::{
+    Add, Conv2d, Conv2dOptions, Dropout, Embedding, Flatten, Gelu, LayerNorm, Linear, MaxPool2d, MeanOverTokens,
+    MultiheadSelfAttention, PositionalEmbedding, Relu,
+};
 
 /// A parsed model spec.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -17,6 +23,32 @@ pub enum ModelSpec {
     Cnn,
     /// A small residual CNN for 1x8x8 images and 10 classes.
     Resnet,
+    /// A pre-norm transformer encoder classifier over token ids (see [`transformer`]).
+    Transformer(TransformerConfig),
+}
+
+/// Sizes of the [`transformer`] model: `transformer:VOCAB,T,D,H,L,C` in a spec.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransformerConfig {
+    /// Token ids are in `0..vocab`.
+    pub vocab: usize,
+    /// Tokens per sample (the input is `[batch, tokens]`).
+    pub tokens: usize,
+    /// Model width `D`.
+    pub dim: usize,
+    /// Attention heads; must divide `dim`.
+    pub n_heads: usize,
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Output classes.
+    pub classes: usize,
+}
+
+impl Default for TransformerConfig {
+    /// `transformer:32,16,32,4,2,10`: 32 token ids, 16 tokens, width 32, 4 heads, 2 blocks, 10 classes.
+    fn default() -> Self {
+        TransformerConfig { vocab: 32, tokens: 16, dim: 32, n_heads: 4, n_layers: 2, classes: 10 }
+    }
 }
 
 impl std::str::FromStr for ModelSpec {
@@ -35,9 +67,25 @@ impl std::str::FromStr for ModelSpec {
                 }
                 Ok(ModelSpec::Mlp(dims))
             }
+            Some(("transformer", sizes)) => {
+                let usage = "sizes must be six positive integers VOCAB,T,D,H,L,C with H dividing D, e.g. transformer:32,16,32,4,2,10";
+                let sizes = sizes
+                    .split(',')
+                    .map(|d| d.trim().parse::<usize>().ok().filter(|&d| d > 0))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| bad(usage.into()))?;
+                let &[vocab, tokens, dim, n_heads, n_layers, classes] = sizes.as_slice() else {
+                    return Err(bad(format!("got {} sizes; {usage}", sizes.len())));
+                };
+                if !dim.is_multiple_of(n_heads) {
+                    return Err(bad(format!("H={n_heads} does not divide D={dim}; {usage}")));
+                }
+                Ok(ModelSpec::Transformer(TransformerConfig { vocab, tokens, dim, n_heads, n_layers, classes }))
+            }
             None if spec == "cnn" => Ok(ModelSpec::Cnn),
             None if spec == "resnet" => Ok(ModelSpec::Resnet),
-            _ => Err(bad("unknown model; use mlp:D0,D1,...,Dn, cnn or resnet".into())),
+            None if spec == "transformer" => Ok(ModelSpec::Transformer(TransformerConfig::default())),
+            _ => Err(bad("unknown model; use mlp:D0,D1,...,Dn, cnn, resnet or transformer[:VOCAB,T,D,H,L,C]".into())),
         }
     }
 }
@@ -49,14 +97,16 @@ impl ModelSpec {
             ModelSpec::Mlp(dims) => mlp(dims, seed),
             ModelSpec::Cnn => cnn(seed),
             ModelSpec::Resnet => resnet(seed),
+            ModelSpec::Transformer(config) => transformer(config, seed),
         }
     }
 
-    /// The per-sample input shape the model takes.
+    /// The per-sample input shape the model takes (`[T]` token ids for a transformer).
     pub fn input_shape(&self) -> Vec<usize> {
         match self {
             ModelSpec::Mlp(dims) => vec![dims[0]],
             ModelSpec::Cnn | ModelSpec::Resnet => vec![1, 8, 8],
+            ModelSpec::Transformer(config) => vec![config.tokens],
         }
     }
 }
@@ -120,6 +170,55 @@ pub fn resnet(seed: u64) -> Result<Graph> {
     let x = g.add("pool", MaxPool2d::new((2, 2), (2, 2))?, &[x])?;
     let x = g.add("flatten", Flatten::new(), &[x])?;
     let x = g.add("fc", Linear::new(8 * 4 * 4, 10, true, &mut rng)?, &[x])?;
+    g.set_output(x)?;
+    Ok(g)
+}
+
+/// A pre-norm transformer encoder classifier over token ids `[batch, T]` (integer-valued f32 in
+/// `0..vocab`), with the node names of this PyTorch module's attributes:
+///
+/// ```text
+/// embed      Embedding(vocab, D)                                  ids [T] -> [T, D]
+/// pos        PositionalEmbedding(T, D)   (learned; `pos.weight` [T, D])
+/// blocks.i   for i in 0..L:
+///   ln1        LayerNorm(D)
+///   attn       MultiheadSelfAttention(D, H)  (nn.MultiheadAttention, batch_first, no mask)
+///   add1       Add(pos-or-previous-block, attn)                      residual
+///   ln2        LayerNorm(D)
+///   fc1        Linear(D, 4D)
+///   act        GELU (exact)
+///   fc2        Linear(4D, D)
+///   add2       Add(add1, fc2)                                         residual
+/// ln_f       LayerNorm(D)
+/// pool       MeanOverTokens                                       [T, D] -> [D]
+/// head       Linear(D, C)
+/// ```
+///
+/// so parameters are `embed.weight`, `pos.weight`, `blocks.0.ln1.weight`,
+/// `blocks.0.attn.in_proj_weight`, `blocks.0.attn.out_proj.weight`, `blocks.0.fc1.weight`, ...,
+/// `head.bias`. The positional table is there because attention and mean pooling are otherwise
+/// blind to token order. Parameters are drawn from `seed` in node order with PyTorch's defaults.
+pub fn transformer(config: &TransformerConfig, seed: u64) -> Result<Graph> {
+    let &TransformerConfig { vocab, tokens, dim, n_heads, n_layers, classes } = config;
+    let mut rng = init::rng(seed);
+    let mut g = Graph::new();
+    let ids = g.input("input", [tokens])?;
+    let x = g.add("embed", Embedding::new(vocab, dim, &mut rng)?, &[ids])?;
+    let mut x = g.add("pos", PositionalEmbedding::new(tokens, dim, &mut rng)?, &[x])?;
+    for block in 0..n_layers {
+        let name = |part: &str| format!("blocks.{block}.{part}");
+        let h = g.add(&name("ln1"), LayerNorm::new(dim)?, &[x])?;
+        let h = g.add(&name("attn"), MultiheadSelfAttention::new(dim, n_heads, false, &mut rng)?, &[h])?;
+        let sum = g.add(&name("add1"), Add::new(), &[x, h])?;
+        let h = g.add(&name("ln2"), LayerNorm::new(dim)?, &[sum])?;
+        let h = g.add(&name("fc1"), Linear::new(dim, 4 * dim, true, &mut rng)?, &[h])?;
+        let h = g.add(&name("act"), Gelu::new(), &[h])?;
+        let h = g.add(&name("fc2"), Linear::new(4 * dim, dim, true, &mut rng)?, &[h])?;
+        x = g.add(&name("add2"), Add::new(), &[sum, h])?;
+    }
+    let x = g.add("ln_f", LayerNorm::new(dim)?, &[x])?;
+    let x = g.add("pool", MeanOverTokens::new(), &[x])?;
+    let x = g.add("head", Linear::new(dim, classes, true, &mut rng)?, &[x])?;
     g.set_output(x)?;
     Ok(g)
 }

@@ -68,6 +68,7 @@
 #![deny(missing_docs)]
 
 mod activation;
+mod attention;
 mod conv2d;
 mod dropout;
 mod embedding;
@@ -77,9 +78,11 @@ mod linear;
 mod loss;
 mod pool;
 mod residual;
+mod sequence;
 mod tensor_io;
 
 pub use activation::{Gelu, Relu, Tanh};
+pub use attention::MultiheadSelfAttention;
 pub use conv2d::{Conv2d, Conv2dOptions};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
@@ -89,3 +92,4 @@ pub use linear::Linear;
 pub use loss::CrossEntropyLoss;
 pub use pool::{AvgPool2d, GlobalAvgPool2d, MaxPool2d};
 pub use residual::Add;
+pub use sequence::{MeanOverTokens, PositionalEmbedding};

@@ -1,0 +1,453 @@
+//! `MultiheadSelfAttention`: scaled dot-product self-attention over `[batch, tokens, embed_dim]`
+//! with PyTorch's `nn.MultiheadAttention(embed_dim, n_heads, batch_first=True)` parameters.
+//!
+//! # Layout
+//!
+//! The forward pass keeps q, k and v *head-major*, `[3, n_heads, batch · tokens, head_dim]`:
+//! block `(w, h)` (w = 0 for q, 1 for k, 2 for v) is the product of the input with rows
+//! `w·D + h·head_dim ..` of `in_proj_weight`, which are contiguous, so every projection, every
+//! per-(head, sample) attention product and every `in_proj_weight` gradient block is a GEMM on
+//! contiguous row-major views (transposes are views, never copies). The one layout change is the
+//! head concatenation before `out_proj` (and its inverse in backward): a copy of `tokens ·
+//! head_dim` elements per (head, sample), linear in the activations, where a strided view would
+//! need column blocks of `out_proj.weight` that `MatRef` cannot express.
+//!
+//! # Why `backward_weight` repeats work
+//!
+//! `in_proj_weight`'s gradient needs ∂L/∂q, ∂L/∂k and ∂L/∂v, which sit behind the softmax: the
+//! chain `dctx → dP, dV → dS → dQ, dK` is the bulk of `backward_input`. `Saved` is immutable and
+//! the two calls may run in either order, so `backward_weight` recomputes that chain rather than
+//! caching it; [`LayerCost`] counts it in both.
+use conveyor_engine::cpu::elementwise::{accumulate_column_sums, broadcast_rows};
+use conveyor_engine::cpu::softmax::softmax_rows;
+use conveyor_engine::cpu::{MatRef, matmul};
+use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
+use rand::rngs::StdRng;
+
+use crate::tensor_io::{
+    accumulate_into, check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes,
+    into_dtype, saved_tensor, values, zeros_f32,
+};
+
+const KIND: &str = "MultiheadSelfAttention";
+
+/// Multi-head self-attention on `x` `[batch, tokens, embed_dim]`, output of the same shape:
+///
+/// ```text
+/// [q | k | v] = x · in_proj_weightᵀ + in_proj_bias                 (each [batch, tokens, D])
+/// P_h        = softmax(q_h · k_hᵀ / sqrt(head_dim) + mask)          per head h, [tokens, tokens]
+/// y          = concat_h(P_h · v_h) · out_proj.weightᵀ + out_proj.bias
+/// ```
+///
+/// with `head_dim = embed_dim / n_heads`; the causal mask is `-inf` where key position > query
+/// position (PyTorch's `generate_square_subsequent_mask`), otherwise no mask.
+///
+/// Parameters, in PyTorch's order and layout: `in_proj_weight` `[3D, D]` (q rows, then k, then v),
+/// `in_proj_bias` `[3D]`, `out_proj.weight` `[D, D]`, `out_proj.bias` `[D]`. The forward pass saves
+/// the input, q/k/v, the attention probabilities and the concatenated head outputs.
+///
+/// ```
+/// use conveyor_engine::{Device, ForwardCtx, Layer, Tensor, init};
+/// use conveyor_layers::MultiheadSelfAttention;
+/// let attn = MultiheadSelfAttention::new(8, 2, true, &mut init::rng(0))?;
+/// let x = Tensor::from_vec(vec![0.1; 2 * 3 * 8], [2, 3, 8], &Device::host())?;
+/// let (y, _saved) = attn.forward(&[&x], &ForwardCtx::eval())?;
+/// assert_eq!(y.dims(), &[2, 3, 8]);
+/// # Ok::<(), conveyor_engine::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct MultiheadSelfAttention {
+    embed_dim: usize,
+    n_heads: usize,
+    causal: bool,
+    params: Vec<Parameter>,
+}
+
+/// Per-call sizes: batch, tokens, embed dim, heads, head dim.
+#[derive(Clone, Copy)]
+struct Dims {
+    batch: usize,
+    tokens: usize,
+    embed_dim: usize,
+    n_heads: usize,
+    head_dim: usize,
+}
+
+impl Dims {
+    /// Rows of the flattened input, `batch · tokens`.
+    fn rows(&self) -> usize {
+        self.batch * self.tokens
+    }
+
+    /// Elements of one q/k/v block `(w, h)`: `[rows, head_dim]`.
+    fn block_len(&self) -> usize {
+        self.rows() * self.head_dim
+    }
+
+    /// Range of block `(w, h)` in the head-major `[3, n_heads, rows, head_dim]` buffer.
+    fn block(&self, which: usize, head: usize) -> std::ops::Range<usize> {
+        let start = (which * self.n_heads + head) * self.block_len();
+        start..start + self.block_len()
+    }
+
+    /// Range of sample `b`'s `[tokens, head_dim]` rows of block `(w, h)`.
+    fn sample(&self, which: usize, head: usize, b: usize) -> std::ops::Range<usize> {
+        let start = self.block(which, head).start + b * self.tokens * self.head_dim;
+        start..start + self.tokens * self.head_dim
+    }
+
+    /// Range of the `[tokens, tokens]` probabilities of (head, sample) in `[n_heads, batch, T, T]`.
+    fn probs(&self, head: usize, b: usize) -> std::ops::Range<usize> {
+        let square = self.tokens * self.tokens;
+        let start = (head * self.batch + b) * square;
+        start..start + square
+    }
+
+    /// `1 / sqrt(head_dim)`.
+    fn scale(&self) -> f32 {
+        1.0 / (self.head_dim as f32).sqrt()
+    }
+}
+
+impl MultiheadSelfAttention {
+    /// A layer with PyTorch's initialisation: `in_proj_weight` xavier-uniform
+    /// (U(±sqrt(6 / (D + 3D)))), `out_proj.weight` like `Linear`'s default (U(±1/sqrt(D))), both
+    /// biases zero; parameters on the host. `embed_dim` must be a positive multiple of `n_heads`.
+    pub fn new(embed_dim: usize, n_heads: usize, causal: bool, rng: &mut StdRng) -> Result<MultiheadSelfAttention> {
+        check_heads(embed_dim, n_heads)?;
+        let host = Device::host();
+        let bound = (6.0 / (4 * embed_dim) as f32).sqrt();
+        let in_proj_weight = init::uniform([3 * embed_dim, embed_dim], -bound, bound, rng, &host)?;
+        let in_proj_bias = zeros_f32([3 * embed_dim], &host)?;
+        let out_weight = init::kaiming_uniform_default([embed_dim, embed_dim], embed_dim, rng, &host)?;
+        let out_bias = zeros_f32([embed_dim], &host)?;
+        MultiheadSelfAttention::from_parameters(n_heads, causal, in_proj_weight, in_proj_bias, out_weight, out_bias)
+    }
+
+    /// A layer from given tensors: `in_proj_weight` `[3D, D]`, `in_proj_bias` `[3D]`,
+    /// `out_weight` `[D, D]` and `out_bias` `[D]` (PyTorch's `out_proj.weight`/`out_proj.bias`).
+    pub fn from_parameters(
+        n_heads: usize,
+        causal: bool,
+        in_proj_weight: Tensor,
+        in_proj_bias: Tensor,
+        out_weight: Tensor,
+        out_bias: Tensor,
+    ) -> Result<MultiheadSelfAttention> {
+        let embed_dim = match in_proj_weight.dims() {
+            &[rows, cols] if rows == 3 * cols && cols > 0 => cols,
+            _ => {
+                return Err(Error::shape(
+                    "MultiheadSelfAttention in_proj_weight",
+                    "[3 * embed_dim, embed_dim] with embed_dim >= 1",
+                    in_proj_weight.shape().to_string(),
+                ));
+            }
+        };
+        check_heads(embed_dim, n_heads)?;
+        let expect = |name: &str, tensor: &Tensor, dims: &[usize]| -> Result<()> {
+            if tensor.dims() != dims {
+                return Err(Error::shape(
+                    format!("MultiheadSelfAttention {name}"),
+                    Shape::new(dims.to_vec()).to_string(),
+                    tensor.shape().to_string(),
+                ));
+            }
+            Ok(())
+        };
+        expect("in_proj_bias", &in_proj_bias, &[3 * embed_dim])?;
+        expect("out_proj.weight", &out_weight, &[embed_dim, embed_dim])?;
+        expect("out_proj.bias", &out_bias, &[embed_dim])?;
+        let params = vec![
+            Parameter { name: "in_proj_weight".into(), value: in_proj_weight },
+            Parameter { name: "in_proj_bias".into(), value: in_proj_bias },
+            Parameter { name: "out_proj.weight".into(), value: out_weight },
+            Parameter { name: "out_proj.bias".into(), value: out_bias },
+        ];
+        Ok(MultiheadSelfAttention { embed_dim, n_heads, causal, params })
+    }
+
+    /// The embedding width `D` (last input dimension).
+    pub fn embed_dim(&self) -> usize {
+        self.embed_dim
+    }
+
+    /// Number of heads.
+    pub fn n_heads(&self) -> usize {
+        self.n_heads
+    }
+
+    /// Width of one head, `embed_dim / n_heads`.
+    pub fn head_dim(&self) -> usize {
+        self.embed_dim / self.n_heads
+    }
+
+    /// Whether each position attends only to itself and earlier positions.
+    pub fn is_causal(&self) -> bool {
+        self.causal
+    }
+
+    /// Checks a batched input `[batch, tokens, D]` and returns its sizes.
+    fn dims(&self, shape: &Shape) -> Result<Dims> {
+        match shape.dims() {
+            &[batch, tokens, embed_dim] if embed_dim == self.embed_dim && tokens > 0 => {
+                Ok(Dims { batch, tokens, embed_dim, n_heads: self.n_heads, head_dim: self.head_dim() })
+            }
+            _ => Err(Error::shape(
+                KIND,
+                format!("an input [batch, tokens, {}] with tokens >= 1", self.embed_dim),
+                shape.to_string(),
+            )),
+        }
+    }
+
+    /// `∂L/∂[q, k, v]` in the head-major layout, from the saved state and `∂L/∂y`: the chain
+    /// both backward calls need (see the module docs).
+    fn grad_qkv(&self, dims: Dims, saved: &Saved, grad_output: &[f32]) -> Result<Vec<f32>> {
+        let qkv = saved_tensor(KIND, saved, 1)?.as_f32()?;
+        let probs = saved_tensor(KIND, saved, 2)?.as_f32()?;
+        let out_weight = values(&self.params[2].value);
+        let (rows, d, t, dh) = (dims.rows(), dims.embed_dim, dims.tokens, dims.head_dim);
+        // dctx [rows, D] = dy [rows, D] · out_proj.weight [D, D]
+        let mut grad_ctx = vec![0.0f32; rows * d];
+        matmul(&mut grad_ctx, MatRef::row_major(grad_output, rows, d)?, MatRef::row_major(&out_weight, d, d)?, false)?;
+        let mut grad_qkv = vec![0.0f32; 3 * dims.n_heads * dims.block_len()];
+        let mut grad_ctx_head = vec![0.0f32; t * dh];
+        let mut grad_scores = vec![0.0f32; t * t];
+        let scale = dims.scale();
+        for h in 0..dims.n_heads {
+            for b in 0..dims.batch {
+                gather_head(&grad_ctx, dims, h, b, &mut grad_ctx_head);
+                let p = &probs[dims.probs(h, b)];
+                let q = MatRef::row_major(&qkv[dims.sample(0, h, b)], t, dh)?;
+                let k = MatRef::row_major(&qkv[dims.sample(1, h, b)], t, dh)?;
+                let v = MatRef::row_major(&qkv[dims.sample(2, h, b)], t, dh)?;
+                let grad_ctx_view = MatRef::row_major(&grad_ctx_head, t, dh)?;
+                // dV [T, dh] = Pᵀ · dctx_h
+                matmul(&mut grad_qkv[dims.sample(2, h, b)], MatRef::row_major(p, t, t)?.t(), grad_ctx_view, false)?;
+                // dP [T, T] = dctx_h · Vᵀ
+                matmul(&mut grad_scores, grad_ctx_view, v.t(), false)?;
+                // dS = P ⊙ (dP - Σ_j P ⊙ dP) · scale   (masked entries have P = 0, so dS = 0)
+                for (grad_row, p_row) in grad_scores.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
+                    let dot: f32 = grad_row.iter().zip(p_row).map(|(g, p)| g * p).sum();
+                    grad_row.iter_mut().zip(p_row).for_each(|(g, &p)| *g = p * (*g - dot) * scale);
+                }
+                let grad_scores_view = MatRef::row_major(&grad_scores, t, t)?;
+                // dQ = dS · K;  dK = dSᵀ · Q
+                matmul(&mut grad_qkv[dims.sample(0, h, b)], grad_scores_view, k, false)?;
+                matmul(&mut grad_qkv[dims.sample(1, h, b)], grad_scores_view.t(), q, false)?;
+            }
+        }
+        Ok(grad_qkv)
+    }
+
+    fn saved_dims(&self, saved: &Saved, grad_output: &Tensor) -> Result<Dims> {
+        let input = saved_tensor(KIND, saved, 0)?;
+        let dims = self.dims(input.shape())?;
+        check_grad_shape(KIND, grad_output, input.shape())?;
+        Ok(dims)
+    }
+}
+
+fn check_heads(embed_dim: usize, n_heads: usize) -> Result<()> {
+    if embed_dim == 0 || n_heads == 0 || !embed_dim.is_multiple_of(n_heads) {
+        return Err(Error::invalid(
+            "MultiheadSelfAttention heads",
+            format!(
+                "embed_dim={embed_dim}, n_heads={n_heads}: both must be at least 1 and n_heads must divide embed_dim"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Copies columns `h·head_dim ..` of sample `b`'s rows of `concat` `[rows, D]` into `head` `[T, head_dim]`.
+fn gather_head(concat: &[f32], dims: Dims, h: usize, b: usize, head: &mut [f32]) {
+    let (d, dh) = (dims.embed_dim, dims.head_dim);
+    for (t, dst) in head.chunks_exact_mut(dh).enumerate() {
+        let row = (b * dims.tokens + t) * d + h * dh;
+        dst.copy_from_slice(&concat[row..row + dh]);
+    }
+}
+
+/// Copies `head` `[T, head_dim]` into columns `h·head_dim ..` of sample `b`'s rows of `concat`.
+fn scatter_head(head: &[f32], dims: Dims, h: usize, b: usize, concat: &mut [f32]) {
+    let (d, dh) = (dims.embed_dim, dims.head_dim);
+    for (t, src) in head.chunks_exact(dh).enumerate() {
+        let row = (b * dims.tokens + t) * d + h * dh;
+        concat[row..row + dh].copy_from_slice(src);
+    }
+}
+
+impl Layer for MultiheadSelfAttention {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape> {
+        let shape = &expect_shapes(KIND, input_shapes, 1)?[0];
+        match shape.dims() {
+            &[tokens, embed_dim] if embed_dim == self.embed_dim && tokens > 0 => Ok(shape.clone()),
+            _ => Err(Error::shape(
+                KIND,
+                format!("a per-sample shape [tokens, {}] with tokens >= 1", self.embed_dim),
+                shape.to_string(),
+            )),
+        }
+    }
+
+    fn parameters(&self) -> &[Parameter] {
+        &self.params
+    }
+
+    fn parameters_mut(&mut self) -> &mut [Parameter] {
+        &mut self.params
+    }
+
+    fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
+        expect_inputs(KIND, inputs, 1)?;
+        let input = inputs[0];
+        let dims = self.dims(input.shape())?;
+        check_same_device(KIND, input, &self.params[0].value)?;
+        let device = input.device();
+        let (rows, d, t, dh) = (dims.rows(), dims.embed_dim, dims.tokens, dims.head_dim);
+        let x = values(input);
+        let x_view = MatRef::row_major(&x, rows, d)?;
+        let in_weight = values(&self.params[0].value);
+        let in_bias = values(&self.params[1].value);
+
+        // q, k, v head-major: block (w, h) [rows, dh] = x · W[w·D + h·dh ..]ᵀ + b[w·D + h·dh ..].
+        let mut qkv = zeros_f32([3, dims.n_heads, dims.batch, t, dh], device)?;
+        {
+            let qkv = qkv.as_f32_mut()?;
+            for which in 0..3 {
+                for h in 0..dims.n_heads {
+                    let first = which * d + h * dh;
+                    let dst = &mut qkv[dims.block(which, h)];
+                    broadcast_rows(&in_bias[first..first + dh], dst)?;
+                    let weight = MatRef::row_major(&in_weight[first * d..(first + dh) * d], dh, d)?;
+                    matmul(dst, x_view, weight.t(), true)?;
+                }
+            }
+        }
+
+        // P = softmax(q kᵀ · scale + mask) and ctx = concat_h(P v) per (head, sample).
+        let mut probs = zeros_f32([dims.n_heads, dims.batch, t, t], device)?;
+        let mut ctx = zeros_f32([dims.batch, t, d], device)?;
+        {
+            let qkv = qkv.as_f32()?;
+            let (probs, ctx) = (probs.as_f32_mut()?, ctx.as_f32_mut()?);
+            let mut scores = vec![0.0f32; t * t];
+            let mut head_out = vec![0.0f32; t * dh];
+            let scale = dims.scale();
+            for h in 0..dims.n_heads {
+                for b in 0..dims.batch {
+                    let q = MatRef::row_major(&qkv[dims.sample(0, h, b)], t, dh)?;
+                    let k = MatRef::row_major(&qkv[dims.sample(1, h, b)], t, dh)?;
+                    let v = MatRef::row_major(&qkv[dims.sample(2, h, b)], t, dh)?;
+                    matmul(&mut scores, q, k.t(), false)?;
+                    for (i, row) in scores.chunks_exact_mut(t).enumerate() {
+                        for (j, s) in row.iter_mut().enumerate() {
+                            *s = if self.causal && j > i { f32::NEG_INFINITY } else { *s * scale };
+                        }
+                    }
+                    let p = &mut probs[dims.probs(h, b)];
+                    softmax_rows(&scores, t, p)?;
+                    matmul(&mut head_out, MatRef::row_major(p, t, t)?, v, false)?;
+                    scatter_head(&head_out, dims, h, b, ctx);
+                }
+            }
+        }
+
+        // y = ctx · out_proj.weightᵀ + out_proj.bias
+        let mut output = zeros_f32(input.shape().clone(), device)?;
+        {
+            let dst = output.as_f32_mut()?;
+            broadcast_rows(&values(&self.params[3].value), dst)?;
+            let out_weight = values(&self.params[2].value);
+            matmul(dst, MatRef::row_major(ctx.as_f32()?, rows, d)?, MatRef::row_major(&out_weight, d, d)?.t(), true)?;
+        }
+        let saved = Saved { tensors: vec![input.try_clone()?, qkv, probs, ctx] };
+        Ok((into_dtype(output, input.dtype())?, saved))
+    }
+
+    fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let dims = self.saved_dims(saved, grad_output)?;
+        let input = saved_tensor(KIND, saved, 0)?;
+        let grad_qkv = self.grad_qkv(dims, saved, &values(grad_output))?;
+        let (rows, d, dh) = (dims.rows(), dims.embed_dim, dims.head_dim);
+        let in_weight = values(&self.params[0].value);
+        // dx [rows, D] = Σ_(w, h) dqkv_(w, h) [rows, dh] · W[w·D + h·dh ..] [dh, D]
+        let mut grad_input = zeros_f32(input.shape().clone(), input.device())?;
+        let dst = grad_input.as_f32_mut()?;
+        for which in 0..3 {
+            for h in 0..dims.n_heads {
+                let first = which * d + h * dh;
+                let grad_block = MatRef::row_major(&grad_qkv[dims.block(which, h)], rows, dh)?;
+                let weight = MatRef::row_major(&in_weight[first * d..(first + dh) * d], dh, d)?;
+                matmul(dst, grad_block, weight, which + h > 0)?;
+            }
+        }
+        Ok(vec![Some(into_dtype(grad_input, input.dtype())?)])
+    }
+
+    fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()> {
+        check_param_grads(KIND, &self.params, param_grads)?;
+        let dims = self.saved_dims(saved, grad_output)?;
+        let (rows, d, dh) = (dims.rows(), dims.embed_dim, dims.head_dim);
+        let x = values(saved_tensor(KIND, saved, 0)?);
+        let ctx = saved_tensor(KIND, saved, 3)?.as_f32()?;
+        let grad = values(grad_output);
+        let grad_qkv = self.grad_qkv(dims, saved, &grad)?;
+        let x_view = MatRef::row_major(&x, rows, d)?;
+        let [in_weight_grad, in_bias_grad, out_weight_grad, out_bias_grad] = param_grads else {
+            unreachable!("check_param_grads checked four gradients");
+        };
+        // d in_proj_weight[w·D + h·dh ..] [dh, D] += dqkv_(w, h)ᵀ [dh, rows] · x [rows, D]
+        accumulate_into(in_weight_grad, |dst| {
+            for which in 0..3 {
+                for h in 0..dims.n_heads {
+                    let first = which * d + h * dh;
+                    let grad_block = MatRef::row_major(&grad_qkv[dims.block(which, h)], rows, dh)?;
+                    matmul(&mut dst[first * d..(first + dh) * d], grad_block.t(), x_view, true)?;
+                }
+            }
+            Ok(())
+        })?;
+        accumulate_into(in_bias_grad, |dst| {
+            for which in 0..3 {
+                for h in 0..dims.n_heads {
+                    let first = which * d + h * dh;
+                    accumulate_column_sums(&grad_qkv[dims.block(which, h)], &mut dst[first..first + dh])?;
+                }
+            }
+            Ok(())
+        })?;
+        // d out_proj.weight [D, D] += dyᵀ [D, rows] · ctx [rows, D]
+        let grad_t = MatRef::row_major(&grad, rows, d)?.t();
+        accumulate_into(out_weight_grad, |dst| matmul(dst, grad_t, MatRef::row_major(ctx, rows, d)?, true))?;
+        accumulate_into(out_bias_grad, |dst| accumulate_column_sums(&grad, dst))
+    }
+
+    fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {
+        let output = self.output_shape(input_shapes)?;
+        let (t, d, h) = (output.dims()[0] as u64, self.embed_dim as u64, self.n_heads as u64);
+        // Projections: in_proj 2·T·D·3D (+ 3TD bias), out_proj 2·T·D·D (+ TD bias).
+        // Attention: q kᵀ and P v are 2·T²·D each over all heads; scale, mask and softmax ≈ 5 per score.
+        let projections = 8 * t * d * d + 4 * t * d;
+        let attention = 4 * t * t * d + 5 * h * t * t;
+        // Shared backward chain: dctx (2TD²), dP, dV, dQ, dK (2T²D each), softmax backward ≈ 4 per score.
+        let chain = 2 * t * d * d + 8 * t * t * d + 4 * h * t * t;
+        let param_count: usize = self.params.iter().map(|p| p.value.numel()).sum();
+        let numel = output.numel();
+        Ok(LayerCost {
+            forward_flops_per_sample: projections + attention,
+            backward_input_flops_per_sample: chain + 6 * t * d * d,
+            backward_weight_flops_per_sample: chain + 8 * t * d * d + 4 * t * d,
+            param_bytes: f32_bytes(param_count),
+            // input, q/k/v, probabilities [H, T, T] and the concatenated heads.
+            activation_bytes_per_sample: f32_bytes(5 * numel + (h * t * t) as usize),
+            output_bytes_per_sample: f32_bytes(numel),
+        })
+    }
+}
