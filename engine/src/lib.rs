@@ -7,6 +7,7 @@
 #![deny(missing_docs)]
 
 pub mod checkpoint;
+pub mod collective;
 pub mod cpu;
 pub mod device;
 mod dtype;

@@ -1,0 +1,479 @@
+//! The in-process group for CPU devices: one unbounded crossbeam channel per ordered pair of
+//! ranks, messages tagged with the collective and its sequence number, and a shared abort flag
+//! that ends every rank's wait when one rank fails.
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender};
+
+use super::{CollectiveOp, Communicator, Partition, Traffic};
+use crate::device::Reservation;
+use crate::{Device, Error, Result};
+
+/// How long a rank waits for a peer's message before the collective fails.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How often a waiting rank looks at the abort flag.
+const ABORT_POLL: Duration = Duration::from_millis(5);
+
+/// A message between two ranks. Data holds a reservation on the receiver's ledger from send to drop.
+#[derive(Debug)]
+enum Message {
+    Data { seq: u64, op: CollectiveOp, data: Vec<f32>, _reservation: Reservation },
+    Abort,
+}
+
+/// State shared by the ranks of one group.
+#[derive(Debug)]
+struct Shared {
+    n_ranks: usize,
+    timeout: Duration,
+    aborted: AtomicBool,
+    /// The first failure: (rank, message).
+    failure: Mutex<Option<(usize, String)>>,
+}
+
+impl Shared {
+    fn failure(&self) -> Option<(usize, String)> {
+        if !self.aborted.load(Ordering::Acquire) {
+            return None;
+        }
+        self.failure.lock().map(|f| f.clone()).unwrap_or_else(|poisoned| poisoned.into_inner().clone())
+    }
+}
+
+/// Builds in-process groups of CPU devices.
+///
+/// ```
+/// use conveyor_engine::Device;
+/// use conveyor_engine::collective::{Communicator, ProcessGroup};
+/// let handles = ProcessGroup::new(&[Device::cpu(0), Device::cpu(1)])?;
+/// assert_eq!((handles[1].rank(), handles[1].n_ranks()), (1, 2));
+/// # Ok::<(), conveyor_engine::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct ProcessGroup {
+    _private: (),
+}
+
+impl ProcessGroup {
+    /// One handle per device, rank `r` on `devices[r]`, waiting at most [`DEFAULT_TIMEOUT`] for a peer.
+    // A group is its handles: each goes to its own thread, so `new` hands them out rather than a
+    // `ProcessGroup` that would have to be taken apart.
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new(devices: &[Device]) -> Result<Vec<RankHandle>> {
+        ProcessGroup::with_timeout(devices, DEFAULT_TIMEOUT)
+    }
+
+    /// Like [`ProcessGroup::new`], with the longest wait for a peer's message (at least 1 ms).
+    pub fn with_timeout(devices: &[Device], timeout: Duration) -> Result<Vec<RankHandle>> {
+        if devices.is_empty() {
+            return Err(Error::invalid("ProcessGroup devices", "empty: a group needs at least one device"));
+        }
+        if timeout < Duration::from_millis(1) {
+            return Err(Error::invalid("ProcessGroup timeout", format!("{timeout:?}: give at least 1 ms")));
+        }
+        if let Some(cuda) = devices.iter().find(|d| matches!(d, Device::Cuda(_))) {
+            return Err(Error::invalid(
+                "ProcessGroup devices",
+                format!("{cuda}: the in-process group serves CPU devices; CUDA groups need a NCCL communicator"),
+            ));
+        }
+        let n_ranks = devices.len();
+        let shared = Arc::new(Shared { n_ranks, timeout, aborted: AtomicBool::new(false), failure: Mutex::new(None) });
+        // channels[src][dst]
+        let mut senders: Vec<Vec<Sender<Message>>> = (0..n_ranks).map(|_| Vec::with_capacity(n_ranks)).collect();
+        let mut receivers: Vec<Vec<Option<Receiver<Message>>>> =
+            (0..n_ranks).map(|_| (0..n_ranks).map(|_| None).collect()).collect();
+        for (src, src_senders) in senders.iter_mut().enumerate() {
+            for dst_receivers in receivers.iter_mut() {
+                let (tx, rx) = channel::unbounded();
+                src_senders.push(tx);
+                dst_receivers[src] = Some(rx);
+            }
+        }
+        Ok(senders
+            .into_iter()
+            .zip(receivers)
+            .enumerate()
+            .map(|(rank, (senders, receivers))| RankHandle {
+                rank,
+                device: devices[rank].clone(),
+                peers: devices.to_vec(),
+                senders,
+                receivers: receivers.into_iter().map(|r| r.expect("every pair has a channel")).collect(),
+                shared: Arc::clone(&shared),
+                seq: AtomicU64::new(0),
+                bytes_sent: AtomicU64::new(0),
+                messages_sent: AtomicU64::new(0),
+            })
+            .collect())
+    }
+
+    /// Makes a group usable again after a failed collective: drops every message in flight, clears
+    /// the abort and realigns the ranks' sequence numbers. Takes every handle of the group
+    /// mutably, so no rank can be inside a collective meanwhile.
+    pub fn recover(handles: &mut [RankHandle]) -> Result<()> {
+        let Some(first) = handles.first() else {
+            return Err(Error::invalid("ProcessGroup::recover handles", "empty: pass every handle of the group"));
+        };
+        let shared = Arc::clone(&first.shared);
+        let complete = handles.len() == shared.n_ranks
+            && handles.iter().enumerate().all(|(r, h)| h.rank == r && Arc::ptr_eq(&h.shared, &shared));
+        if !complete {
+            return Err(Error::invalid(
+                "ProcessGroup::recover handles",
+                format!("pass all {} handles of one group in rank order", shared.n_ranks),
+            ));
+        }
+        let seq = handles.iter().map(|h| h.seq.load(Ordering::Acquire)).max().unwrap_or(0);
+        for handle in handles.iter() {
+            for receiver in &handle.receivers {
+                while receiver.try_recv().is_ok() {}
+            }
+            handle.seq.store(seq, Ordering::Release);
+        }
+        *shared.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+        shared.aborted.store(false, Ordering::Release);
+        Ok(())
+    }
+}
+
+/// One rank of an in-process group: its device, a channel to and from every rank, and counters of
+/// what it sent. Use each handle from one thread at a time.
+#[derive(Debug)]
+pub struct RankHandle {
+    rank: usize,
+    device: Device,
+    peers: Vec<Device>,
+    /// To each rank (indexed by destination).
+    senders: Vec<Sender<Message>>,
+    /// From each rank (indexed by source).
+    receivers: Vec<Receiver<Message>>,
+    shared: Arc<Shared>,
+    seq: AtomicU64,
+    bytes_sent: AtomicU64,
+    messages_sent: AtomicU64,
+}
+
+/// One collective in progress on one rank.
+struct Call<'a> {
+    handle: &'a RankHandle,
+    op: CollectiveOp,
+    seq: u64,
+}
+
+impl Call<'_> {
+    fn failed(&self, reason: impl Into<String>) -> Error {
+        Error::CollectiveFailed {
+            op: self.op.name().into(),
+            rank: self.handle.rank,
+            n_ranks: self.handle.n_ranks(),
+            reason: reason.into(),
+        }
+    }
+
+    fn aborted(&self, (failed_rank, reason): (usize, String)) -> Error {
+        Error::CollectiveAborted { op: self.op.name().into(), rank: self.handle.rank, failed_rank, reason }
+    }
+
+    fn check_root(&self, root: usize) -> Result<()> {
+        if root >= self.handle.n_ranks() {
+            return Err(self.failed(format!("root {root} is not a rank of a group of {}", self.handle.n_ranks())));
+        }
+        Ok(())
+    }
+
+    fn check_len(&self, what: &str, expected: usize, got: usize) -> Result<()> {
+        if expected != got {
+            return Err(self.failed(format!("{what} has {got} elements, expected {expected}")));
+        }
+        Ok(())
+    }
+
+    /// Sends a copy of `data` to `dst`, reserving its bytes on `dst`'s ledger until it is consumed.
+    fn send(&self, dst: usize, data: &[f32]) -> Result<()> {
+        let bytes = std::mem::size_of_val(data) as u64;
+        let reservation = self.handle.peers[dst].reserve(bytes)?;
+        let message = Message::Data { seq: self.seq, op: self.op, data: data.to_vec(), _reservation: reservation };
+        self.handle.senders[dst]
+            .send(message)
+            .map_err(|_| self.failed(format!("rank {dst}'s handle was dropped (its thread ended)")))?;
+        self.handle.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
+        self.handle.messages_sent.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Waits for the next message from `src`, which must belong to this collective and hold
+    /// `expected_len` elements. The message's bytes stay counted on this rank's ledger from its
+    /// send until it is taken here; callers copy it into their buffer at once.
+    fn recv(&self, src: usize, expected_len: usize) -> Result<Vec<f32>> {
+        let deadline = Instant::now() + self.handle.shared.timeout;
+        loop {
+            if let Some(failure) = self.handle.shared.failure() {
+                return Err(self.aborted(failure));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(self.failed(format!(
+                    "no message from rank {src} within {:?}; did every rank call {}?",
+                    self.handle.shared.timeout, self.op
+                )));
+            }
+            match self.handle.receivers[src].recv_timeout(ABORT_POLL.min(deadline - now)) {
+                Ok(Message::Data { seq, op, data, _reservation }) => {
+                    if seq != self.seq || op != self.op {
+                        return Err(self.failed(format!(
+                            "rank {src} sent a message of its collective #{seq} ({op}) while this rank is in #{} ({})",
+                            self.seq, self.op
+                        )));
+                    }
+                    if data.len() != expected_len {
+                        return Err(self.failed(format!(
+                            "rank {src} sent {} elements where {expected_len} were expected; the ranks' lengths or partitions differ",
+                            data.len()
+                        )));
+                    }
+                    return Ok(data);
+                }
+                Ok(Message::Abort) => {
+                    let failure = self.handle.shared.failure().unwrap_or((src, "aborted".into()));
+                    return Err(self.aborted(failure));
+                }
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(self.failed(format!("rank {src}'s handle was dropped (its thread ended or panicked)")));
+                }
+            }
+        }
+    }
+}
+
+impl RankHandle {
+    /// Runs one collective: refuses to start on an aborted group, tags its messages, and on
+    /// failure aborts the group so that no peer waits for a message that will not come.
+    fn run(&self, op: CollectiveOp, body: impl FnOnce(&Call<'_>) -> Result<()>) -> Result<()> {
+        let seq = self.seq.fetch_add(1, Ordering::AcqRel);
+        let call = Call { handle: self, op, seq };
+        if let Some(failure) = self.shared.failure() {
+            return Err(call.aborted(failure));
+        }
+        let result = body(&call);
+        if let Err(error) = &result
+            && !matches!(error, Error::CollectiveAborted { .. })
+        {
+            self.abort(error.to_string());
+        }
+        result
+    }
+
+    /// Marks the group failed (the first failure wins) and wakes every peer.
+    fn abort(&self, reason: String) {
+        {
+            let mut failure = self.shared.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            if failure.is_none() {
+                *failure = Some((self.rank, reason));
+            }
+        }
+        self.shared.aborted.store(true, Ordering::Release);
+        for (dst, sender) in self.senders.iter().enumerate() {
+            if dst != self.rank {
+                let _ = sender.send(Message::Abort);
+            }
+        }
+    }
+
+    fn next(&self) -> usize {
+        (self.rank + 1) % self.n_ranks()
+    }
+
+    fn prev(&self) -> usize {
+        (self.rank + self.n_ranks() - 1) % self.n_ranks()
+    }
+
+    /// A scratch buffer of `len` f32, counted on this rank's device while it lives.
+    fn scratch(&self, len: usize) -> Result<(Vec<f32>, Reservation)> {
+        let reservation = self.device.reserve((len * std::mem::size_of::<f32>()) as u64)?;
+        Ok((vec![0.0; len], reservation))
+    }
+
+    /// Ring reduce-scatter in place: afterwards `buf[parts.range(rank)]` holds the sum over ranks.
+    /// At step `s` rank `r` sends chunk `r-1-s` to `r+1` and adds chunk `r-2-s` from `r-1`.
+    fn ring_reduce_scatter(&self, call: &Call<'_>, buf: &mut [f32], parts: &Partition) -> Result<()> {
+        let n = self.n_ranks();
+        for step in 0..n.saturating_sub(1) {
+            let send_chunk = (self.rank + 2 * n - 1 - step) % n;
+            let recv_chunk = (self.rank + 2 * n - 2 - step) % n;
+            call.send(self.next(), &buf[parts.range(send_chunk)])?;
+            let data = call.recv(self.prev(), parts.len(recv_chunk))?;
+            for (acc, x) in buf[parts.range(recv_chunk)].iter_mut().zip(&data) {
+                *acc += *x;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ring all-gather in place: rank `r` starts with `buf[parts.range(r)]` and ends with all of
+    /// `buf`. At step `s` rank `r` sends chunk `r-s` to `r+1` and stores chunk `r-1-s` from `r-1`.
+    fn ring_all_gather(&self, call: &Call<'_>, buf: &mut [f32], parts: &Partition) -> Result<()> {
+        let n = self.n_ranks();
+        for step in 0..n.saturating_sub(1) {
+            let send_chunk = (self.rank + n - step) % n;
+            let recv_chunk = (self.rank + 2 * n - 1 - step) % n;
+            call.send(self.next(), &buf[parts.range(send_chunk)])?;
+            let data = call.recv(self.prev(), parts.len(recv_chunk))?;
+            buf[parts.range(recv_chunk)].copy_from_slice(&data);
+        }
+        Ok(())
+    }
+}
+
+impl Communicator for RankHandle {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn n_ranks(&self) -> usize {
+        self.shared.n_ranks
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn traffic(&self) -> Traffic {
+        Traffic {
+            messages: self.messages_sent.load(Ordering::Relaxed),
+            bytes: self.bytes_sent.load(Ordering::Relaxed) as f64,
+        }
+    }
+
+    fn reset_traffic(&self) {
+        self.messages_sent.store(0, Ordering::Relaxed);
+        self.bytes_sent.store(0, Ordering::Relaxed);
+    }
+
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
+        self.run(CollectiveOp::Broadcast, |call| {
+            call.check_root(root)?;
+            if self.rank == root {
+                for dst in (0..self.n_ranks()).filter(|&d| d != root) {
+                    call.send(dst, buf)?;
+                }
+            } else {
+                buf.copy_from_slice(&call.recv(root, buf.len())?);
+            }
+            Ok(())
+        })
+    }
+
+    fn reduce(&self, buf: &mut [f32], root: usize) -> Result<()> {
+        self.run(CollectiveOp::Reduce, |call| {
+            call.check_root(root)?;
+            if self.rank != root {
+                return call.send(root, buf);
+            }
+            let (mut sum, _reservation) = self.scratch(buf.len())?;
+            for src in 0..self.n_ranks() {
+                let received;
+                let part: &[f32] = if src == root {
+                    buf
+                } else {
+                    received = call.recv(src, buf.len())?;
+                    &received
+                };
+                for (acc, x) in sum.iter_mut().zip(part) {
+                    *acc += *x;
+                }
+            }
+            buf.copy_from_slice(&sum);
+            Ok(())
+        })
+    }
+
+    fn all_reduce(&self, buf: &mut [f32]) -> Result<()> {
+        self.run(CollectiveOp::AllReduce, |call| {
+            let parts = Partition::even(buf.len(), self.n_ranks())?;
+            self.ring_reduce_scatter(call, buf, &parts)?;
+            self.ring_all_gather(call, buf, &parts)
+        })
+    }
+
+    fn scatter(&self, send: &[f32], recv: &mut [f32], root: usize, parts: &Partition) -> Result<()> {
+        self.run(CollectiveOp::Scatter, |call| {
+            call.check_root(root)?;
+            parts.check_ranks("scatter", self.n_ranks())?;
+            call.check_len("recv", parts.len(self.rank), recv.len())?;
+            if self.rank == root {
+                call.check_len("the root's send", parts.total(), send.len())?;
+                for dst in (0..self.n_ranks()).filter(|&d| d != root) {
+                    call.send(dst, &send[parts.range(dst)])?;
+                }
+                recv.copy_from_slice(&send[parts.range(root)]);
+            } else {
+                recv.copy_from_slice(&call.recv(root, recv.len())?);
+            }
+            Ok(())
+        })
+    }
+
+    fn gather(&self, send: &[f32], recv: &mut [f32], root: usize, parts: &Partition) -> Result<()> {
+        self.run(CollectiveOp::Gather, |call| {
+            call.check_root(root)?;
+            parts.check_ranks("gather", self.n_ranks())?;
+            call.check_len("send", parts.len(self.rank), send.len())?;
+            if self.rank != root {
+                return call.send(root, send);
+            }
+            call.check_len("the root's recv", parts.total(), recv.len())?;
+            recv[parts.range(root)].copy_from_slice(send);
+            for src in (0..self.n_ranks()).filter(|&s| s != root) {
+                recv[parts.range(src)].copy_from_slice(&call.recv(src, parts.len(src))?);
+            }
+            Ok(())
+        })
+    }
+
+    fn all_gather(&self, send: &[f32], recv: &mut [f32], parts: &Partition) -> Result<()> {
+        self.run(CollectiveOp::AllGather, |call| {
+            parts.check_ranks("all_gather", self.n_ranks())?;
+            call.check_len("send", parts.len(self.rank), send.len())?;
+            call.check_len("recv", parts.total(), recv.len())?;
+            recv[parts.range(self.rank)].copy_from_slice(send);
+            self.ring_all_gather(call, recv, parts)
+        })
+    }
+
+    fn reduce_scatter(&self, send: &[f32], recv: &mut [f32], parts: &Partition) -> Result<()> {
+        self.run(CollectiveOp::ReduceScatter, |call| {
+            parts.check_ranks("reduce_scatter", self.n_ranks())?;
+            call.check_len("send", parts.total(), send.len())?;
+            call.check_len("recv", parts.len(self.rank), recv.len())?;
+            let (mut work, _reservation) = self.scratch(send.len())?;
+            work.copy_from_slice(send);
+            self.ring_reduce_scatter(call, &mut work, parts)?;
+            recv.copy_from_slice(&work[parts.range(self.rank)]);
+            Ok(())
+        })
+    }
+
+    fn all_to_all(&self, send: &[f32], send_parts: &Partition, recv: &mut [f32], recv_parts: &Partition) -> Result<()> {
+        self.run(CollectiveOp::AllToAll, |call| {
+            send_parts.check_ranks("all_to_all send", self.n_ranks())?;
+            recv_parts.check_ranks("all_to_all recv", self.n_ranks())?;
+            call.check_len("send", send_parts.total(), send.len())?;
+            call.check_len("recv", recv_parts.total(), recv.len())?;
+            call.check_len("this rank's part for itself", send_parts.len(self.rank), recv_parts.len(self.rank))?;
+            // Channels are unbounded, so sending every part before receiving cannot block.
+            for dst in (0..self.n_ranks()).filter(|&d| d != self.rank) {
+                call.send(dst, &send[send_parts.range(dst)])?;
+            }
+            recv[recv_parts.range(self.rank)].copy_from_slice(&send[send_parts.range(self.rank)]);
+            for src in (0..self.n_ranks()).filter(|&s| s != self.rank) {
+                recv[recv_parts.range(src)].copy_from_slice(&call.recv(src, recv_parts.len(src))?);
+            }
+            Ok(())
+        })
+    }
+}

@@ -1,0 +1,248 @@
+//! `ColumnParallelLinear`: a `Linear` whose weight is split by output features (rows of
+//! `weight [out, in]`) over `k` devices; the output is all-gathered.
+use conveyor_engine::collective::{Communicator, Partition, Traffic};
+use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
+use rand::rngs::StdRng;
+
+use super::exchange::{all_gather_columns, broadcast_from_first, grads_per_rank, rows, scatter_columns};
+use super::group::ShardGroup;
+use super::layout::with_last;
+use super::{check_linear_input, check_saved_replicated, linear_cost, linear_shard, split_features, unsplit_rows};
+use crate::Linear;
+use crate::tensor_io::{check_grad_shape, check_param_grads, expect_inputs, expect_shapes};
+
+const KIND: &str = "ColumnParallelLinear";
+
+/// `y = x · weightᵀ + bias` with `weight` `[out, in]` split by rows: device `r` holds rows
+/// `parts.range(r)` of `weight` and `bias` (the first `out % k` devices one row more), computes
+/// `y_r = x · weight_rᵀ + bias_r`, and the blocks are all-gathered into `y`.
+///
+/// Exchanges per call (`x` `[rows, in]`, `y` `[rows, out]`): forward broadcasts `x` from the first
+/// device and all-gathers `y`; `backward_input` scatters `dy` by column blocks and all-reduces
+/// the partial `dx_r = dy_r · weight_r`; `backward_weight` scatters `dy` and adds
+/// `dweight_r += dy_rᵀ · x` locally.
+///
+/// `parameters()` is rank-major: for each device in order its `weight` shard, then its `bias`
+/// shard; each keeps PyTorch's name. [`ColumnParallelLinear::gather_parameters`] returns the
+/// unsplit tensors and [`ColumnParallelLinear::load_unsplit`] splits one in.
+#[derive(Debug)]
+pub struct ColumnParallelLinear {
+    in_features: usize,
+    out_features: usize,
+    parts: Partition,
+    has_bias: bool,
+    params: Vec<Parameter>,
+    group: ShardGroup,
+}
+
+impl ColumnParallelLinear {
+    /// A layer initialised exactly like `Linear::new(in_features, out_features, bias, rng)`, split over `devices`.
+    pub fn new(
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        devices: &[Device],
+        rng: &mut StdRng,
+    ) -> Result<Self> {
+        ColumnParallelLinear::from_linear(&Linear::new(in_features, out_features, bias, rng)?, devices)
+    }
+
+    /// `linear`'s parameters split over `devices` (each shard created on its device).
+    pub fn from_linear(linear: &Linear, devices: &[Device]) -> Result<Self> {
+        ColumnParallelLinear::from_parameters(linear.weight(), linear.bias(), devices)
+    }
+
+    /// The unsplit `weight` `[out, in]` and optional `bias` `[out]` split over `devices`.
+    pub fn from_parameters(weight: &Tensor, bias: Option<&Tensor>, devices: &[Device]) -> Result<Self> {
+        let group = ShardGroup::new(KIND, devices)?;
+        let (out_features, in_features) = super::check_linear_params(KIND, weight, bias)?;
+        let parts = split_features(KIND, "out_features", out_features, group.k())?;
+        let weight_values = weight.to_vec_f32();
+        let bias_values = bias.map(Tensor::to_vec_f32);
+        let mut params = Vec::new();
+        for (rank, device) in group.devices().iter().enumerate() {
+            let range = parts.range(rank);
+            let rows = parts.scaled(in_features).range(rank);
+            let value = Tensor::from_slice(&weight_values[rows], [range.len(), in_features], device)?;
+            params.push(Parameter { name: "weight".into(), value });
+            if let Some(bias) = &bias_values {
+                params.push(Parameter {
+                    name: "bias".into(),
+                    value: Tensor::from_slice(&bias[range.clone()], [range.len()], device)?,
+                });
+            }
+        }
+        Ok(ColumnParallelLinear { in_features, out_features, parts, has_bias: bias.is_some(), params, group })
+    }
+
+    /// Input features.
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    /// Output features (all shards together).
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    /// Output features per device.
+    pub fn partition(&self) -> &Partition {
+        &self.parts
+    }
+
+    /// The devices, shard `r` on `devices()[r]`; inputs arrive on and outputs leave from the first.
+    pub fn devices(&self) -> &[Device] {
+        self.group.devices()
+    }
+
+    /// Messages and bytes each device (in rank order) has sent in this layer's collectives since
+    /// construction or the last [`Self::reset_traffic`].
+    pub fn traffic(&self) -> Vec<Traffic> {
+        self.group.traffic()
+    }
+
+    /// Sets the sent-traffic counters to zero.
+    pub fn reset_traffic(&self) {
+        self.group.reset_traffic()
+    }
+
+    fn per_rank(&self) -> usize {
+        1 + usize::from(self.has_bias)
+    }
+
+    fn shard(&self, rank: usize) -> (&Tensor, Option<&Tensor>) {
+        let at = rank * self.per_rank();
+        (&self.params[at].value, self.has_bias.then(|| &self.params[at + 1].value))
+    }
+
+    /// The unsplit parameters on the host under PyTorch's names: `weight` `[out, in]`, `bias` `[out]`.
+    pub fn gather_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        let per_rank = self.per_rank();
+        let mut out = vec![(
+            "weight".to_string(),
+            unsplit_rows(self.params.iter().step_by(per_rank), [self.out_features, self.in_features])?,
+        )];
+        if self.has_bias {
+            out.push((
+                "bias".to_string(),
+                unsplit_rows(self.params.iter().skip(1).step_by(per_rank), [self.out_features])?,
+            ));
+        }
+        Ok(out)
+    }
+
+    /// Splits the unsplit tensor `name` (`weight` or `bias`) into the shards, in place.
+    pub fn load_unsplit(&mut self, name: &str, value: &Tensor) -> Result<()> {
+        let (offset, dims) = match name {
+            "weight" => (0, vec![self.out_features, self.in_features]),
+            "bias" if self.has_bias => (1, vec![self.out_features]),
+            _ => return Err(Error::invalid(format!("{KIND} parameter"), format!("`{name}`: expected weight or bias"))),
+        };
+        if value.dims() != dims {
+            return Err(Error::shape(format!("{KIND} {name}"), format!("{dims:?}"), value.shape().to_string()));
+        }
+        let values = value.to_vec_f32();
+        let per_row = if offset == 0 { self.in_features } else { 1 };
+        let per_rank = self.per_rank();
+        for rank in 0..self.group.k() {
+            let range = self.parts.scaled(per_row).range(rank);
+            self.params[rank * per_rank + offset].value.as_f32_mut()?.copy_from_slice(&values[range]);
+        }
+        Ok(())
+    }
+}
+
+impl Layer for ColumnParallelLinear {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape> {
+        let shape = &expect_shapes(KIND, input_shapes, 1)?[0];
+        match shape.dims().last() {
+            Some(&last) if last == self.in_features => Ok(Shape::new(with_last(shape, self.out_features))),
+            _ => Err(Error::shape(KIND, format!("a per-sample shape [..., {}]", self.in_features), shape.to_string())),
+        }
+    }
+
+    fn parameters(&self) -> &[Parameter] {
+        &self.params
+    }
+
+    fn parameters_mut(&mut self) -> &mut [Parameter] {
+        &mut self.params
+    }
+
+    fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
+        expect_inputs(KIND, inputs, 1)?;
+        let input = inputs[0];
+        check_linear_input(KIND, &self.group, input, self.in_features)?;
+        let (n_rows, out_dims) = (rows(input), with_last(input.shape(), self.out_features));
+        let results = self.group.run(vec![(); self.group.k()], |rank, comm, ()| {
+            let device = &self.group.devices()[rank];
+            let x = broadcast_from_first(comm, input, device)?;
+            let (weight, bias) = self.shard(rank);
+            let y_block = linear_shard::forward(&x, weight, bias)?;
+            let y = all_gather_columns(comm, &y_block, n_rows, &self.parts, out_dims.clone(), device)?;
+            Ok((x, (rank == 0).then_some(y)))
+        })?;
+        let mut tensors = Vec::with_capacity(results.len());
+        let mut output = None;
+        for (x, y) in results {
+            tensors.push(x);
+            output = output.or(y);
+        }
+        let output = output.ok_or_else(|| Error::invalid(KIND, "rank 0 returned no output"))?;
+        Ok((output, Saved { tensors }))
+    }
+
+    fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let input_shape = check_saved_replicated(KIND, saved, self.group.k(), self.in_features)?;
+        check_grad_shape(KIND, grad_output, &Shape::new(with_last(&input_shape, self.out_features)))?;
+        self.group.check_input(KIND, grad_output)?;
+        let n_rows = rows(grad_output);
+        let mut results = self.group.run(vec![(); self.group.k()], |rank, comm, ()| {
+            let device = &self.group.devices()[rank];
+            let dims = with_last(&input_shape, self.parts.len(rank));
+            let dy = scatter_columns(comm, grad_output, n_rows, &self.parts, dims, device)?;
+            let mut dx = linear_shard::input_grad(&dy, self.shard(rank).0, &input_shape)?;
+            drop(dy);
+            comm.all_reduce_tensor(&mut dx)?;
+            Ok((rank == 0).then_some(dx))
+        })?;
+        Ok(vec![results.swap_remove(0)])
+    }
+
+    fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()> {
+        check_param_grads(KIND, &self.params, param_grads)?;
+        let input_shape = check_saved_replicated(KIND, saved, self.group.k(), self.in_features)?;
+        check_grad_shape(KIND, grad_output, &Shape::new(with_last(&input_shape, self.out_features)))?;
+        self.group.check_input(KIND, grad_output)?;
+        let n_rows = rows(grad_output);
+        let grads = grads_per_rank(param_grads, &vec![self.per_rank(); self.group.k()])?;
+        self.group.run(grads, |rank, comm, grads| {
+            let device = &self.group.devices()[rank];
+            let dims = with_last(&input_shape, self.parts.len(rank));
+            let dy = scatter_columns(comm, grad_output, n_rows, &self.parts, dims, device)?;
+            let (weight_grad, bias_grad) = grads.split_at_mut(1);
+            linear_shard::weight_grad(&dy, &saved.tensors[rank], &mut weight_grad[0], bias_grad.first_mut())
+        })?;
+        Ok(())
+    }
+
+    fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {
+        let output = self.output_shape(input_shapes)?;
+        Ok(linear_cost(
+            &input_shapes[0],
+            &output,
+            self.in_features,
+            self.out_features,
+            self.has_bias,
+            self.group.k() * input_shapes[0].numel(),
+        ))
+    }
+
+    fn to_device(&mut self, device: &Device) -> Result<()> {
+        self.group.to_device(KIND, device)
+    }
+}

@@ -1,0 +1,398 @@
+//! `ParallelMlp`: Megatron's pairing of a column-split and a row-split Linear around an
+//! elementwise activation, inside one layer so the hidden activation never leaves its device.
+use conveyor_engine::collective::{Communicator, Partition, Traffic};
+use conveyor_engine::cpu::activation::{gelu_backward, gelu_forward, relu_backward, relu_forward};
+use conveyor_engine::{DType, Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
+use rand::rngs::StdRng;
+
+use super::exchange::{broadcast_from_first, grads_per_rank};
+use super::group::ShardGroup;
+use super::layout::{column_block, with_last};
+use super::{
+    check_linear_input, check_linear_params, linear_cost, linear_shard, split_features, unsplit_columns, unsplit_rows,
+};
+use crate::Linear;
+use crate::tensor_io::{check_grad_shape, check_param_grads, expect_inputs, expect_shapes, f32_bytes};
+
+const KIND: &str = "ParallelMlp";
+
+/// The elementwise function between the two Linears of a [`ParallelMlp`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MlpActivation {
+    /// None: `fc2(fc1(x))`.
+    Identity,
+    /// `max(h, 0)`.
+    Relu,
+    /// Exact GELU (PyTorch's `approximate='none'`), Megatron's choice.
+    #[default]
+    Gelu,
+}
+
+impl MlpActivation {
+    fn forward(self, hidden: &Tensor) -> Result<Tensor> {
+        let mut out = Tensor::zeros(hidden.shape().clone(), DType::F32, hidden.device())?;
+        match self {
+            MlpActivation::Identity => out.copy_from(hidden)?,
+            MlpActivation::Relu => relu_forward(hidden.as_f32()?, out.as_f32_mut()?)?,
+            MlpActivation::Gelu => gelu_forward(hidden.as_f32()?, out.as_f32_mut()?)?,
+        }
+        Ok(out)
+    }
+
+    /// `dh = act'(h) ⊙ da` (ReLU's mask `h > 0` equals `relu(h) > 0`).
+    fn backward(self, hidden: &Tensor, grad: &Tensor) -> Result<Tensor> {
+        let mut out = Tensor::zeros(hidden.shape().clone(), DType::F32, hidden.device())?;
+        match self {
+            MlpActivation::Identity => out.copy_from(grad)?,
+            MlpActivation::Relu => relu_backward(hidden.as_f32()?, grad.as_f32()?, out.as_f32_mut()?)?,
+            MlpActivation::Gelu => gelu_backward(hidden.as_f32()?, grad.as_f32()?, out.as_f32_mut()?)?,
+        }
+        Ok(out)
+    }
+}
+
+/// `y = fc2(act(fc1(x)))` with `fc1` split by output features and `fc2` by input features over the
+/// same partition of the hidden features, so device `r` computes `h_r = x · fc1.weight_rᵀ +
+/// fc1.bias_r`, `a_r = act(h_r)` and the partial `a_r · fc2.weight_rᵀ` with no exchange, and one
+/// all-reduce sums the partials (`fc2.bias` is added once, on the first device).
+///
+/// Exchanges per call: forward broadcasts `x` and all-reduces `y`; `backward_input` broadcasts
+/// `dy` and all-reduces the partial `dx_r = (act'(h_r) ⊙ dy · fc2.weight_r) · fc1.weight_r`;
+/// `backward_weight` broadcasts `dy` and recomputes `a_r` and the hidden gradient locally.
+///
+/// `parameters()` is rank-major: for each device its `fc1.weight` shard, `fc1.bias` shard,
+/// `fc2.weight` shard, and on the first device `fc2.bias` (unsplit) after its `fc2.weight`.
+#[derive(Debug)]
+pub struct ParallelMlp {
+    in_features: usize,
+    hidden_features: usize,
+    out_features: usize,
+    activation: MlpActivation,
+    parts: Partition,
+    fc1_bias: bool,
+    fc2_bias: bool,
+    params: Vec<Parameter>,
+    /// Index of rank r's first parameter.
+    offsets: Vec<usize>,
+    group: ShardGroup,
+}
+
+impl ParallelMlp {
+    /// Initialised exactly like `Linear::new(in, hidden, bias, rng)` then `Linear::new(hidden, out, bias, rng)`.
+    pub fn new(
+        in_features: usize,
+        hidden_features: usize,
+        out_features: usize,
+        bias: bool,
+        activation: MlpActivation,
+        devices: &[Device],
+        rng: &mut StdRng,
+    ) -> Result<Self> {
+        let fc1 = Linear::new(in_features, hidden_features, bias, rng)?;
+        let fc2 = Linear::new(hidden_features, out_features, bias, rng)?;
+        ParallelMlp::from_linears(&fc1, activation, &fc2, devices)
+    }
+
+    /// `fc2(act(fc1(x)))` from unsplit layers, split over `devices` by the hidden features.
+    pub fn from_linears(fc1: &Linear, activation: MlpActivation, fc2: &Linear, devices: &[Device]) -> Result<Self> {
+        let group = ShardGroup::new(KIND, devices)?;
+        let (hidden_features, in_features) = check_linear_params(KIND, fc1.weight(), fc1.bias())?;
+        let (out_features, fc2_in) = check_linear_params(KIND, fc2.weight(), fc2.bias())?;
+        if fc2_in != hidden_features {
+            return Err(Error::shape(
+                format!("{KIND} fc2"),
+                format!("{hidden_features} input features (fc1's outputs)"),
+                fc2_in.to_string(),
+            ));
+        }
+        let parts = split_features(KIND, "hidden_features", hidden_features, group.k())?;
+        let (w1, b1, w2, b2) = (
+            fc1.weight().to_vec_f32(),
+            fc1.bias().map(Tensor::to_vec_f32),
+            fc2.weight().to_vec_f32(),
+            fc2.bias().map(Tensor::to_vec_f32),
+        );
+        let mut params = Vec::new();
+        let mut offsets = Vec::new();
+        for (rank, device) in group.devices().iter().enumerate() {
+            offsets.push(params.len());
+            let hidden = parts.range(rank);
+            let w1_rows = &w1[parts.scaled(in_features).range(rank)];
+            params.push(Parameter {
+                name: "fc1.weight".into(),
+                value: Tensor::from_slice(w1_rows, [hidden.len(), in_features], device)?,
+            });
+            if let Some(b1) = &b1 {
+                params.push(Parameter {
+                    name: "fc1.bias".into(),
+                    value: Tensor::from_slice(&b1[hidden.clone()], [hidden.len()], device)?,
+                });
+            }
+            let w2_block = column_block(&w2, out_features, &parts, rank, vec![out_features, hidden.len()], device)?;
+            params.push(Parameter { name: "fc2.weight".into(), value: w2_block });
+            if rank == 0
+                && let Some(b2) = &b2
+            {
+                params.push(Parameter {
+                    name: "fc2.bias".into(),
+                    value: Tensor::from_slice(b2, [out_features], device)?,
+                });
+            }
+        }
+        Ok(ParallelMlp {
+            in_features,
+            hidden_features,
+            out_features,
+            activation,
+            parts,
+            fc1_bias: b1.is_some(),
+            fc2_bias: b2.is_some(),
+            params,
+            offsets,
+            group,
+        })
+    }
+
+    /// Hidden features per device.
+    pub fn partition(&self) -> &Partition {
+        &self.parts
+    }
+
+    /// The devices, shard `r` on `devices()[r]`; inputs arrive on and outputs leave from the first.
+    pub fn devices(&self) -> &[Device] {
+        self.group.devices()
+    }
+
+    /// Messages and bytes each device (in rank order) has sent in this layer's collectives since
+    /// construction or the last [`Self::reset_traffic`].
+    pub fn traffic(&self) -> Vec<Traffic> {
+        self.group.traffic()
+    }
+
+    /// Sets the sent-traffic counters to zero.
+    pub fn reset_traffic(&self) {
+        self.group.reset_traffic()
+    }
+
+    /// Indices of rank `r`'s (fc1.weight, fc1.bias, fc2.weight, fc2.bias) in `parameters()`.
+    fn slots(&self, rank: usize) -> (usize, Option<usize>, usize, Option<usize>) {
+        let at = self.offsets[rank];
+        let b1 = self.fc1_bias.then_some(at + 1);
+        let w2 = at + 1 + usize::from(self.fc1_bias);
+        let b2 = (rank == 0 && self.fc2_bias).then_some(w2 + 1);
+        (at, b1, w2, b2)
+    }
+
+    fn counts(&self) -> Vec<usize> {
+        (0..self.group.k())
+            .map(|r| self.offsets.get(r + 1).copied().unwrap_or(self.params.len()) - self.offsets[r])
+            .collect()
+    }
+
+    /// The unsplit parameters on the host under PyTorch's names: `fc1.weight`, `fc1.bias`,
+    /// `fc2.weight`, `fc2.bias`.
+    pub fn gather_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        let k = self.group.k();
+        let slots: Vec<_> = (0..k).map(|r| self.slots(r)).collect();
+        let mut out = vec![(
+            "fc1.weight".to_string(),
+            unsplit_rows(slots.iter().map(|s| &self.params[s.0]), [self.hidden_features, self.in_features])?,
+        )];
+        if self.fc1_bias {
+            out.push((
+                "fc1.bias".to_string(),
+                unsplit_rows(slots.iter().filter_map(|s| s.1).map(|i| &self.params[i]), [self.hidden_features])?,
+            ));
+        }
+        let w2: Vec<&Tensor> = slots.iter().map(|s| &self.params[s.2].value).collect();
+        out.push(("fc2.weight".to_string(), unsplit_columns(&w2, self.out_features, &self.parts)?));
+        if let Some(b2) = slots[0].3 {
+            out.push(("fc2.bias".to_string(), self.params[b2].value.to_device(&Device::host())?));
+        }
+        Ok(out)
+    }
+
+    /// Splits the unsplit tensor `name` (`fc1.weight`, `fc1.bias`, `fc2.weight`, `fc2.bias`) into the shards, in place.
+    pub fn load_unsplit(&mut self, name: &str, value: &Tensor) -> Result<()> {
+        let expected: Vec<usize> = match name {
+            "fc1.weight" => vec![self.hidden_features, self.in_features],
+            "fc1.bias" if self.fc1_bias => vec![self.hidden_features],
+            "fc2.weight" => vec![self.out_features, self.hidden_features],
+            "fc2.bias" if self.fc2_bias => vec![self.out_features],
+            _ => {
+                return Err(Error::invalid(
+                    format!("{KIND} parameter"),
+                    format!("`{name}`: expected fc1.weight, fc1.bias, fc2.weight or fc2.bias"),
+                ));
+            }
+        };
+        if value.dims() != expected {
+            return Err(Error::shape(format!("{KIND} {name}"), format!("{expected:?}"), value.shape().to_string()));
+        }
+        let values = value.to_vec_f32();
+        for rank in 0..self.group.k() {
+            let (w1, b1, w2, b2) = self.slots(rank);
+            let (index, block) = match name {
+                "fc1.weight" => (w1, values[self.parts.scaled(self.in_features).range(rank)].to_vec()),
+                "fc1.bias" => (b1.expect("checked fc1_bias"), values[self.parts.range(rank)].to_vec()),
+                "fc2.weight" => {
+                    let device = Device::host();
+                    let dims = vec![self.out_features, self.parts.len(rank)];
+                    (w2, column_block(&values, self.out_features, &self.parts, rank, dims, &device)?.to_vec_f32())
+                }
+                _ => match b2 {
+                    Some(b2) => (b2, values.clone()),
+                    None => continue,
+                },
+            };
+            self.params[index].value.as_f32_mut()?.copy_from_slice(&block);
+        }
+        Ok(())
+    }
+
+    fn check_saved(&self, saved: &Saved) -> Result<Shape> {
+        let k = self.group.k();
+        let bad = saved.tensors.len() != 2 * k
+            || (0..k).any(|r| {
+                saved.tensors[r].dims().last() != Some(&self.in_features)
+                    || saved.tensors[r].dims() != saved.tensors[0].dims()
+                    || saved.tensors[k + r].dims() != with_last(saved.tensors[0].shape(), self.parts.len(r))
+            });
+        if bad {
+            return Err(Error::invalid(
+                format!("{KIND} saved state"),
+                format!(
+                    "expected {k} input copies and {k} hidden blocks; pass the Saved returned by this layer's forward"
+                ),
+            ));
+        }
+        Ok(saved.tensors[0].shape().clone())
+    }
+}
+
+impl Layer for ParallelMlp {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape> {
+        let shape = &expect_shapes(KIND, input_shapes, 1)?[0];
+        match shape.dims().last() {
+            Some(&last) if last == self.in_features => Ok(Shape::new(with_last(shape, self.out_features))),
+            _ => Err(Error::shape(KIND, format!("a per-sample shape [..., {}]", self.in_features), shape.to_string())),
+        }
+    }
+
+    fn parameters(&self) -> &[Parameter] {
+        &self.params
+    }
+
+    fn parameters_mut(&mut self) -> &mut [Parameter] {
+        &mut self.params
+    }
+
+    fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
+        expect_inputs(KIND, inputs, 1)?;
+        let input = inputs[0];
+        check_linear_input(KIND, &self.group, input, self.in_features)?;
+        let results = self.group.run(vec![(); self.group.k()], |rank, comm, ()| {
+            let device = &self.group.devices()[rank];
+            let (w1, b1, w2, b2) = self.slots(rank);
+            let x = broadcast_from_first(comm, input, device)?;
+            let hidden = linear_shard::forward(&x, &self.params[w1].value, b1.map(|i| &self.params[i].value))?;
+            let activated = self.activation.forward(&hidden)?;
+            let mut y = linear_shard::forward(&activated, &self.params[w2].value, b2.map(|i| &self.params[i].value))?;
+            drop(activated);
+            comm.all_reduce_tensor(&mut y)?;
+            Ok((x, hidden, (rank == 0).then_some(y)))
+        })?;
+        let mut copies = Vec::with_capacity(2 * results.len());
+        let mut hiddens = Vec::with_capacity(results.len());
+        let mut output = None;
+        for (x, hidden, y) in results {
+            copies.push(x);
+            hiddens.push(hidden);
+            output = output.or(y);
+        }
+        copies.extend(hiddens);
+        let output = output.ok_or_else(|| Error::invalid(KIND, "rank 0 returned no output"))?;
+        Ok((output, Saved { tensors: copies }))
+    }
+
+    fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let input_shape = self.check_saved(saved)?;
+        check_grad_shape(KIND, grad_output, &Shape::new(with_last(&input_shape, self.out_features)))?;
+        self.group.check_input(KIND, grad_output)?;
+        let k = self.group.k();
+        let mut results = self.group.run(vec![(); k], |rank, comm, ()| {
+            let device = &self.group.devices()[rank];
+            let (w1, _, w2, _) = self.slots(rank);
+            let hidden = &saved.tensors[k + rank];
+            let dy = broadcast_from_first(comm, grad_output, device)?;
+            let grad_activated = linear_shard::input_grad(&dy, &self.params[w2].value, hidden.shape())?;
+            drop(dy);
+            let grad_hidden = self.activation.backward(hidden, &grad_activated)?;
+            drop(grad_activated);
+            let mut dx = linear_shard::input_grad(&grad_hidden, &self.params[w1].value, &input_shape)?;
+            comm.all_reduce_tensor(&mut dx)?;
+            Ok((comm.rank() == 0).then_some(dx))
+        })?;
+        Ok(vec![results.swap_remove(0)])
+    }
+
+    fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()> {
+        check_param_grads(KIND, &self.params, param_grads)?;
+        let input_shape = self.check_saved(saved)?;
+        check_grad_shape(KIND, grad_output, &Shape::new(with_last(&input_shape, self.out_features)))?;
+        self.group.check_input(KIND, grad_output)?;
+        let k = self.group.k();
+        let grads = grads_per_rank(param_grads, &self.counts())?;
+        self.group.run(grads, |rank, comm, grads| {
+            let device = &self.group.devices()[rank];
+            let (w1, b1, w2, b2) = self.slots(rank);
+            let at = self.offsets[rank];
+            let (x, hidden) = (&saved.tensors[rank], &saved.tensors[k + rank]);
+            let dy = broadcast_from_first(comm, grad_output, device)?;
+            // Local indices into this rank's run of gradients.
+            let (fc1_grads, fc2_grads) = grads.split_at_mut(w2 - at);
+            let (w2_grad, b2_grad) = fc2_grads.split_at_mut(1);
+            let activated = self.activation.forward(hidden)?;
+            linear_shard::weight_grad(&dy, &activated, &mut w2_grad[0], b2.and(b2_grad.first_mut()))?;
+            drop(activated);
+            let grad_activated = linear_shard::input_grad(&dy, &self.params[w2].value, hidden.shape())?;
+            let grad_hidden = self.activation.backward(hidden, &grad_activated)?;
+            let (w1_grad, b1_grad) = fc1_grads.split_at_mut(1);
+            debug_assert_eq!(w1, at);
+            linear_shard::weight_grad(&grad_hidden, x, &mut w1_grad[0], b1.and(b1_grad.first_mut()))
+        })?;
+        Ok(())
+    }
+
+    fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {
+        let output = self.output_shape(input_shapes)?;
+        let hidden = Shape::new(with_last(&input_shapes[0], self.hidden_features));
+        let k = self.group.k();
+        let fc1 = linear_cost(&input_shapes[0], &hidden, self.in_features, self.hidden_features, self.fc1_bias, 0);
+        let fc2 = linear_cost(&hidden, &output, self.hidden_features, self.out_features, self.fc2_bias, 0);
+        let activation_flops = hidden.numel() as u64;
+        Ok(LayerCost {
+            forward_flops_per_sample: fc1.forward_flops_per_sample + activation_flops + fc2.forward_flops_per_sample,
+            backward_input_flops_per_sample: fc1.backward_input_flops_per_sample
+                + activation_flops
+                + fc2.backward_input_flops_per_sample,
+            // backward_weight recomputes the activation and fc2's input gradient.
+            backward_weight_flops_per_sample: fc1.backward_weight_flops_per_sample
+                + fc2.backward_weight_flops_per_sample
+                + fc2.backward_input_flops_per_sample
+                + 2 * activation_flops,
+            param_bytes: fc1.param_bytes + fc2.param_bytes,
+            activation_bytes_per_sample: f32_bytes(k * input_shapes[0].numel() + hidden.numel()),
+            output_bytes_per_sample: fc2.output_bytes_per_sample,
+            workspace_bytes: 0,
+        })
+    }
+
+    fn to_device(&mut self, device: &Device) -> Result<()> {
+        self.group.to_device(KIND, device)
+    }
+}

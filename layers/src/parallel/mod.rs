@@ -1,0 +1,192 @@
+//! Tensor-parallel layers: one layer split over the `k` devices of a group, each device holding a
+//! shard of the weights and computing its share on its own thread, with the shards exchanging
+//! data through the engine's collectives (`conveyor_engine::collective`).
+//!
+//! # Design
+//!
+//! A split layer is one `Layer` object. The pipeline sees an ordinary layer on its stage's device
+//! (the group's first device): the input arrives there, the output and the input gradient leave
+//! from there. Inside each call the layer runs one closure per shard on `k` scoped threads (the
+//! first on the caller's thread), each on its own device, and the shards meet only in
+//! collectives. So a stage of tensor-parallel degree `k` uses `k` devices and the runtime needs no
+//! change. Shards, saved activations, messages and scratch buffers live on their shard's device and
+//! count against its budget, so a layer too large for one device is built and trained split.
+//!
+//! * [`ColumnParallelLinear`]: weight split by output features; output all-gathered.
+//! * [`RowParallelLinear`]: weight split by input features; partial outputs all-reduced.
+//! * [`ParallelMlp`]: Megatron's pairing, column then activation then row inside one layer, so
+//!   the hidden activation stays split: one all-reduce forward and one in `backward_input`.
+//! * [`ChannelParallelConv2d`]: AlexNet's split, each device computing its share of the output
+//!   filters; outputs gathered by concatenating channels.
+//!
+//! Features and channels not divisible by `k` are split like `torch.tensor_split`: the first
+//! `n % k` devices get one more.
+//!
+//! # Parameters
+//!
+//! `parameters()` returns the shards, rank-major, each under PyTorch's name (`weight`, `bias`;
+//! `fc1.weight` ... for the MLP), so optimizers and gradient buffers work per shard on the shard's
+//! device. Each layer documents its exact order. The unsplit tensors, under the unsplit names, come
+//! from `gather_parameters()` (on the host) and go back with `load_unsplit(name, tensor)`; that is
+//! the surface for checkpoints. We rejected shard names such as `weight.shard0`: checkpoints would
+//! then depend on `k`.
+//!
+//! # Exchanges at the edges
+//!
+//! Because the pipeline hands a layer one tensor on one device, a split layer's forward starts by
+//! broadcasting (or scattering) its input from the first device, and its backward passes start by
+//! broadcasting (or scattering) `dy`. Outputs are all-gathered or all-reduced as in Megatron, so
+//! every shard holds the full result, ready for a pipeline that one day passes replicated tensors
+//! between tensor-parallel stages; today only the first device's copy is returned. The Layer API's
+//! two backward calls cannot share state (`Saved` is immutable), so `backward_weight` repeats the
+//! exchange of `dy` that `backward_input` made (and the MLP recomputes its hidden gradient).
+//!
+//! The threads are spawned per call (`std::thread::scope`); the alternative, a persistent pool of
+//! `k - 1` threads per layer, saves the spawns (tens of microseconds per call, see the test
+//! `thread_overhead_on_a_small_layer`) at the price of parked threads per layer.
+mod column;
+mod conv;
+mod conv_shard;
+mod exchange;
+mod group;
+mod layout;
+mod linear_shard;
+mod mlp;
+mod row;
+
+pub use column::ColumnParallelLinear;
+pub use conv::ChannelParallelConv2d;
+pub use mlp::{MlpActivation, ParallelMlp};
+pub use row::RowParallelLinear;
+
+use conveyor_engine::collective::Partition;
+use conveyor_engine::{Device, Error, LayerCost, Parameter, Result, Saved, Shape, Tensor};
+
+use crate::tensor_io::f32_bytes;
+use group::ShardGroup;
+use layout::write_column_block;
+
+/// `features` split over `k` devices; an error when some device would get none.
+fn split_features(kind: &str, what: &str, features: usize, k: usize) -> Result<Partition> {
+    if k > features {
+        return Err(Error::invalid(
+            format!("{kind} devices"),
+            format!(
+                "{k} devices for {what}={features}: every device needs at least one; use at most {features} devices"
+            ),
+        ));
+    }
+    Partition::even(features, k)
+}
+
+/// Checks an unsplit Linear weight `[out, in]` and bias `[out]`; returns `(out, in)`.
+fn check_linear_params(kind: &str, weight: &Tensor, bias: Option<&Tensor>) -> Result<(usize, usize)> {
+    let &[out_features, in_features] = weight.dims() else {
+        return Err(Error::shape(format!("{kind} weight"), "[out_features, in_features]", weight.shape().to_string()));
+    };
+    if out_features == 0 || in_features == 0 {
+        return Err(Error::shape(format!("{kind} weight"), "both features at least 1", weight.shape().to_string()));
+    }
+    if let Some(bias) = bias
+        && bias.dims() != [out_features]
+    {
+        return Err(Error::shape(format!("{kind} bias"), format!("[{out_features}]"), bias.shape().to_string()));
+    }
+    Ok((out_features, in_features))
+}
+
+/// Checks a batched `[batch, ..., in_features]` f32 input on the group's first device.
+fn check_linear_input(kind: &str, group: &ShardGroup, input: &Tensor, in_features: usize) -> Result<()> {
+    match input.dims().split_last() {
+        Some((&last, leading)) if !leading.is_empty() && last == in_features => group.check_input(kind, input),
+        _ => Err(Error::shape(
+            kind,
+            format!("an input [batch, ..., {in_features}] of rank >= 2"),
+            input.shape().to_string(),
+        )),
+    }
+}
+
+fn bad_saved(kind: &str, why: String) -> Error {
+    Error::invalid(format!("{kind} saved state"), format!("{why}; pass the Saved returned by this layer's forward"))
+}
+
+/// Checks `k` saved copies of a `[.., features]` input; returns its shape.
+fn check_saved_replicated(kind: &str, saved: &Saved, k: usize, features: usize) -> Result<Shape> {
+    if saved.tensors.len() != k || saved.tensors.iter().any(|t| t.dims() != saved.tensors[0].dims()) {
+        return Err(bad_saved(kind, format!("expected {k} copies of the input, found {}", saved.tensors.len())));
+    }
+    let shape = saved.tensors[0].shape().clone();
+    if shape.dims().last() != Some(&features) {
+        return Err(bad_saved(kind, format!("the saved input {shape} does not end in {features} features")));
+    }
+    Ok(shape)
+}
+
+/// Checks `k` saved copies of one input (any shape); returns its shape.
+fn check_saved_replicated_dims(kind: &str, saved: &Saved, k: usize) -> Result<Shape> {
+    if saved.tensors.len() != k || saved.tensors.iter().any(|t| t.dims() != saved.tensors[0].dims()) {
+        return Err(bad_saved(kind, format!("expected {k} copies of the input, found {}", saved.tensors.len())));
+    }
+    Ok(saved.tensors[0].shape().clone())
+}
+
+/// Checks `k` saved feature blocks `[.., parts.len(r)]`; returns the unsplit input's dims.
+fn check_saved_inputs(kind: &str, saved: &Saved, parts: &Partition) -> Result<Vec<usize>> {
+    let k = parts.n_ranks();
+    if saved.tensors.len() != k {
+        return Err(bad_saved(kind, format!("expected {k} input blocks, found {}", saved.tensors.len())));
+    }
+    let leading = saved.tensors[0].dims().split_last().map(|(_, l)| l.to_vec()).unwrap_or_default();
+    for (rank, tensor) in saved.tensors.iter().enumerate() {
+        if tensor.dims().split_last() != Some((&parts.len(rank), leading.as_slice())) {
+            return Err(bad_saved(kind, format!("input block {rank} is {}", tensor.shape())));
+        }
+    }
+    let mut dims = leading;
+    dims.push(parts.total());
+    Ok(dims)
+}
+
+/// Concatenates shards along their first dimension into an unsplit host tensor of `dims`.
+fn unsplit_rows<'a>(shards: impl Iterator<Item = &'a Parameter>, dims: impl Into<Shape>) -> Result<Tensor> {
+    let mut values = Vec::new();
+    for shard in shards {
+        values.extend(shard.value.to_vec_f32());
+    }
+    Tensor::from_vec(values, dims, &Device::host())
+}
+
+/// Assembles column blocks `[outer, parts.len(r)]` into an unsplit host tensor `[outer, parts.total()]`.
+fn unsplit_columns(shards: &[&Tensor], outer: usize, parts: &Partition) -> Result<Tensor> {
+    let mut values = vec![0.0; outer * parts.total()];
+    for (rank, shard) in shards.iter().enumerate() {
+        write_column_block(&mut values, outer, parts, rank, &shard.to_vec_f32());
+    }
+    Tensor::from_vec(values, [outer, parts.total()], &Device::host())
+}
+
+/// The cost of a Linear `[.., in] → [.., out]`, all shards together (the FLOPs and parameters of
+/// the unsplit layer), saving `saved_numel` elements per sample over all devices.
+fn linear_cost(
+    input: &Shape,
+    output: &Shape,
+    in_features: usize,
+    out_features: usize,
+    bias: bool,
+    saved_numel: usize,
+) -> LayerCost {
+    let positions = (input.numel() / in_features) as u64;
+    let (n_in, n_out) = (in_features as u64, out_features as u64);
+    let bias_flops = if bias { positions * n_out } else { 0 };
+    let product = 2 * positions * n_in * n_out;
+    LayerCost {
+        forward_flops_per_sample: product + bias_flops,
+        backward_input_flops_per_sample: product,
+        backward_weight_flops_per_sample: product + bias_flops,
+        param_bytes: f32_bytes(in_features * out_features + if bias { out_features } else { 0 }),
+        activation_bytes_per_sample: f32_bytes(saved_numel),
+        output_bytes_per_sample: f32_bytes(output.numel()),
+        workspace_bytes: 0,
+    }
+}

@@ -1,0 +1,278 @@
+//! `RowParallelLinear`: a `Linear` whose weight is split by input features (columns of
+//! `weight [out, in]`) over `k` devices; the partial outputs are all-reduced.
+use conveyor_engine::collective::{Communicator, Partition, Traffic};
+use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
+use rand::rngs::StdRng;
+
+use super::exchange::{all_gather_columns, broadcast_from_first, grads_per_rank, rows, scatter_columns};
+use super::group::ShardGroup;
+use super::layout::{column_block, with_last};
+use super::{check_linear_input, check_saved_inputs, linear_cost, linear_shard, split_features, unsplit_columns};
+use crate::Linear;
+use crate::tensor_io::{check_grad_shape, check_param_grads, expect_inputs, expect_shapes};
+
+const KIND: &str = "RowParallelLinear";
+
+/// `y = x · weightᵀ + bias` with `weight` `[out, in]` split by columns: device `r` holds columns
+/// `parts.range(r)` (the first `in % k` devices one more), computes the partial product
+/// `x_r · weight_rᵀ` from its block `x_r` of the input features, and the partials are
+/// all-reduced. The unsplit `bias` lives on the first device and is added there once, before the
+/// all-reduce.
+///
+/// The input may arrive whole on the first device (the `Layer` path: forward scatters its feature
+/// blocks) or already split by a [`super::ColumnParallelLinear`]-style layer with the same
+/// partition, which is how [`super::ParallelMlp`] feeds it with no exchange in between.
+///
+/// Exchanges per call: forward scatters `x` and all-reduces `y`; `backward_input` broadcasts `dy`
+/// and all-gathers `dx_r = dy · weight_r`; `backward_weight` broadcasts `dy` and adds
+/// `dweight_r += dyᵀ · x_r` locally (and `dbias += Σ dy` on the first device).
+///
+/// `parameters()` is rank-major: the first device's `weight` shard, then `bias` (unsplit), then
+/// each other device's `weight` shard.
+#[derive(Debug)]
+pub struct RowParallelLinear {
+    in_features: usize,
+    out_features: usize,
+    parts: Partition,
+    has_bias: bool,
+    params: Vec<Parameter>,
+    group: ShardGroup,
+}
+
+impl RowParallelLinear {
+    /// A layer initialised exactly like `Linear::new(in_features, out_features, bias, rng)`, split over `devices`.
+    pub fn new(
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        devices: &[Device],
+        rng: &mut StdRng,
+    ) -> Result<Self> {
+        RowParallelLinear::from_linear(&Linear::new(in_features, out_features, bias, rng)?, devices)
+    }
+
+    /// `linear`'s parameters split over `devices` (each shard created on its device).
+    pub fn from_linear(linear: &Linear, devices: &[Device]) -> Result<Self> {
+        RowParallelLinear::from_parameters(linear.weight(), linear.bias(), devices)
+    }
+
+    /// The unsplit `weight` `[out, in]` and optional `bias` `[out]` split over `devices`.
+    pub fn from_parameters(weight: &Tensor, bias: Option<&Tensor>, devices: &[Device]) -> Result<Self> {
+        let group = ShardGroup::new(KIND, devices)?;
+        let (out_features, in_features) = super::check_linear_params(KIND, weight, bias)?;
+        let parts = split_features(KIND, "in_features", in_features, group.k())?;
+        let weight_values = weight.to_vec_f32();
+        let mut params = Vec::new();
+        for (rank, device) in group.devices().iter().enumerate() {
+            let value =
+                column_block(&weight_values, out_features, &parts, rank, vec![out_features, parts.len(rank)], device)?;
+            params.push(Parameter { name: "weight".into(), value });
+            if rank == 0
+                && let Some(bias) = bias
+            {
+                params.push(Parameter {
+                    name: "bias".into(),
+                    value: Tensor::from_slice(&bias.to_vec_f32(), [out_features], device)?,
+                });
+            }
+        }
+        Ok(RowParallelLinear { in_features, out_features, parts, has_bias: bias.is_some(), params, group })
+    }
+
+    /// Input features (all shards together).
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    /// Output features.
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    /// Input features per device.
+    pub fn partition(&self) -> &Partition {
+        &self.parts
+    }
+
+    /// The devices, shard `r` on `devices()[r]`; inputs arrive on and outputs leave from the first.
+    pub fn devices(&self) -> &[Device] {
+        self.group.devices()
+    }
+
+    /// Messages and bytes each device (in rank order) has sent in this layer's collectives since
+    /// construction or the last [`Self::reset_traffic`].
+    pub fn traffic(&self) -> Vec<Traffic> {
+        self.group.traffic()
+    }
+
+    /// Sets the sent-traffic counters to zero.
+    pub fn reset_traffic(&self) {
+        self.group.reset_traffic()
+    }
+
+    fn weight_index(&self, rank: usize) -> usize {
+        if rank == 0 { 0 } else { rank + usize::from(self.has_bias) }
+    }
+
+    fn weight(&self, rank: usize) -> &Tensor {
+        &self.params[self.weight_index(rank)].value
+    }
+
+    fn bias(&self) -> Option<&Tensor> {
+        self.has_bias.then(|| &self.params[1].value)
+    }
+
+    fn counts(&self) -> Vec<usize> {
+        (0..self.group.k()).map(|r| if r == 0 { 1 + usize::from(self.has_bias) } else { 1 }).collect()
+    }
+
+    /// The unsplit parameters on the host under PyTorch's names: `weight` `[out, in]`, `bias` `[out]`.
+    pub fn gather_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        let shards: Vec<&Tensor> = (0..self.group.k()).map(|r| self.weight(r)).collect();
+        let mut out = vec![("weight".to_string(), unsplit_columns(&shards, self.out_features, &self.parts)?)];
+        if let Some(bias) = self.bias() {
+            out.push(("bias".to_string(), bias.to_device(&Device::host())?));
+        }
+        Ok(out)
+    }
+
+    /// Splits the unsplit tensor `name` (`weight` or `bias`) into the shards, in place.
+    pub fn load_unsplit(&mut self, name: &str, value: &Tensor) -> Result<()> {
+        match name {
+            "weight" => {
+                let dims = [self.out_features, self.in_features];
+                if value.dims() != dims {
+                    return Err(Error::shape(format!("{KIND} weight"), format!("{dims:?}"), value.shape().to_string()));
+                }
+                let values = value.to_vec_f32();
+                for rank in 0..self.group.k() {
+                    let index = self.weight_index(rank);
+                    let device = self.params[index].value.device().clone();
+                    let block = column_block(
+                        &values,
+                        self.out_features,
+                        &self.parts,
+                        rank,
+                        vec![self.out_features, self.parts.len(rank)],
+                        &device,
+                    )?;
+                    self.params[index].value.copy_from(&block)?;
+                }
+                Ok(())
+            }
+            "bias" if self.has_bias => {
+                if value.dims() != [self.out_features] {
+                    return Err(Error::shape(
+                        format!("{KIND} bias"),
+                        format!("[{}]", self.out_features),
+                        value.shape().to_string(),
+                    ));
+                }
+                self.params[1].value.as_f32_mut()?.copy_from_slice(&value.to_vec_f32());
+                Ok(())
+            }
+            _ => Err(Error::invalid(format!("{KIND} parameter"), format!("`{name}`: expected weight or bias"))),
+        }
+    }
+}
+
+impl Layer for RowParallelLinear {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape> {
+        let shape = &expect_shapes(KIND, input_shapes, 1)?[0];
+        match shape.dims().last() {
+            Some(&last) if last == self.in_features => Ok(Shape::new(with_last(shape, self.out_features))),
+            _ => Err(Error::shape(KIND, format!("a per-sample shape [..., {}]", self.in_features), shape.to_string())),
+        }
+    }
+
+    fn parameters(&self) -> &[Parameter] {
+        &self.params
+    }
+
+    fn parameters_mut(&mut self) -> &mut [Parameter] {
+        &mut self.params
+    }
+
+    fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
+        expect_inputs(KIND, inputs, 1)?;
+        let input = inputs[0];
+        check_linear_input(KIND, &self.group, input, self.in_features)?;
+        let n_rows = rows(input);
+        let results = self.group.run(vec![(); self.group.k()], |rank, comm, ()| {
+            let device = &self.group.devices()[rank];
+            let x = scatter_columns(
+                comm,
+                input,
+                n_rows,
+                &self.parts,
+                with_last(input.shape(), self.parts.len(rank)),
+                device,
+            )?;
+            let bias = if rank == 0 { self.bias() } else { None };
+            let mut y = linear_shard::forward(&x, self.weight(rank), bias)?;
+            comm.all_reduce_tensor(&mut y)?;
+            Ok((x, (rank == 0).then_some(y)))
+        })?;
+        let mut tensors = Vec::with_capacity(results.len());
+        let mut output = None;
+        for (x, y) in results {
+            tensors.push(x);
+            output = output.or(y);
+        }
+        let output = output.ok_or_else(|| Error::invalid(KIND, "rank 0 returned no output"))?;
+        Ok((output, Saved { tensors }))
+    }
+
+    fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let input_dims = check_saved_inputs(KIND, saved, &self.parts)?;
+        let input_shape = Shape::new(input_dims);
+        check_grad_shape(KIND, grad_output, &Shape::new(with_last(&input_shape, self.out_features)))?;
+        self.group.check_input(KIND, grad_output)?;
+        let n_rows = rows(grad_output);
+        let mut results = self.group.run(vec![(); self.group.k()], |rank, comm, ()| {
+            let device = &self.group.devices()[rank];
+            let dy = broadcast_from_first(comm, grad_output, device)?;
+            let dx_block = linear_shard::input_grad(&dy, self.weight(rank), saved.tensors[rank].shape())?;
+            drop(dy);
+            let dx = all_gather_columns(comm, &dx_block, n_rows, &self.parts, input_shape.dims().to_vec(), device)?;
+            Ok((rank == 0).then_some(dx))
+        })?;
+        Ok(vec![results.swap_remove(0)])
+    }
+
+    fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()> {
+        check_param_grads(KIND, &self.params, param_grads)?;
+        let input_shape = Shape::new(check_saved_inputs(KIND, saved, &self.parts)?);
+        check_grad_shape(KIND, grad_output, &Shape::new(with_last(&input_shape, self.out_features)))?;
+        self.group.check_input(KIND, grad_output)?;
+        let grads = grads_per_rank(param_grads, &self.counts())?;
+        self.group.run(grads, |rank, comm, grads| {
+            let device = &self.group.devices()[rank];
+            let dy = broadcast_from_first(comm, grad_output, device)?;
+            let (weight_grad, bias_grad) = grads.split_at_mut(1);
+            let bias_grad = if comm.rank() == 0 { bias_grad.first_mut() } else { None };
+            linear_shard::weight_grad(&dy, &saved.tensors[rank], &mut weight_grad[0], bias_grad)
+        })?;
+        Ok(())
+    }
+
+    fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {
+        let output = self.output_shape(input_shapes)?;
+        Ok(linear_cost(
+            &input_shapes[0],
+            &output,
+            self.in_features,
+            self.out_features,
+            self.has_bias,
+            input_shapes[0].numel(),
+        ))
+    }
+
+    fn to_device(&mut self, device: &Device) -> Result<()> {
+        self.group.to_device(KIND, device)
+    }
+}
