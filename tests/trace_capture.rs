@@ -9,7 +9,15 @@ use conveyor::schedules::{OpKind, ScheduleKind};
 use conveyor::zoo::mlp;
 use tracing_subscriber::layer::SubscriberExt;
 
+// One test function: `tracing` caches per-callsite interest process-wide, so a second test running
+// trainers without a subscriber on another thread at the same time can race with the scoped
+// subscriber below. Programs install the subscriber globally (as `conveyor train` does).
 #[test]
+fn op_spans_are_captured_with_a_subscriber_and_not_without() {
+    every_op_of_every_worker_is_captured_as_a_span();
+    without_a_subscriber_nothing_is_recorded();
+}
+
 fn every_op_of_every_worker_is_captured_as_a_span() {
     let (recorder, layer) = TimelineRecorder::new();
     let subscriber = tracing_subscriber::registry().with(layer);
@@ -35,7 +43,6 @@ fn every_op_of_every_worker_is_captured_as_a_span() {
     assert!(captured.events.iter().all(|e| e.end_s >= e.start_s));
 }
 
-#[test]
 fn without_a_subscriber_nothing_is_recorded() {
     let (recorder, _layer) = TimelineRecorder::new();
     let mut t = trainer(mlp(&[8, 16, 4], 2).unwrap(), 2, ScheduleKind::OneFOneB, 1, 4, Recompute::Never);

@@ -65,6 +65,9 @@ pub struct LayerCost {
     pub activation_bytes_per_sample: u64,
     /// Bytes of the output, per sample.
     pub output_bytes_per_sample: u64,
+    /// Bytes the layer keeps beside its parameters, derived from them (e.g. Linear's transposed
+    /// weight for the fast GEMM layout), independent of the batch.
+    pub workspace_bytes: u64,
 }
 
 /// A differentiable layer. Shapes passed to [`Layer::output_shape`] and [`Layer::cost`] are per
@@ -100,12 +103,20 @@ pub trait Layer: Send + std::fmt::Debug {
     /// Cost estimates for per-sample input shapes.
     fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost>;
 
-    /// Moves the parameters onto `device` (counted against its budget).
+    /// Rebuilds state derived from the parameters (such as a transposed copy of a weight kept
+    /// for a faster GEMM layout). The runtime calls it after every optimizer step and parameter
+    /// load; a layer must stay correct without it (a layer whose parameters were handed out by
+    /// [`Layer::parameters_mut`] drops derived state until it is refreshed).
+    fn refresh(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Moves the parameters onto `device` (counted against its budget), then refreshes.
     fn to_device(&mut self, device: &Device) -> Result<()> {
         for param in self.parameters_mut() {
             param.value = param.value.to_device(device)?;
         }
-        Ok(())
+        self.refresh()
     }
 }
 

@@ -48,6 +48,7 @@ impl Layer for CostLayer {
     }
     fn cost(&self, _: &[Shape]) -> Result<LayerCost> {
         Ok(LayerCost {
+            workspace_bytes: 0,
             forward_flops_per_sample: self.flops,
             backward_input_flops_per_sample: self.flops,
             backward_weight_flops_per_sample: self.flops,

@@ -42,6 +42,7 @@ fn elementwise_backward(kind: &str, saved: &Saved, grad_output: &Tensor, kernel:
 fn elementwise_cost(kind: &str, input_shapes: &[Shape], flops_per_element: u64) -> Result<LayerCost> {
     let numel = expect_shapes(kind, input_shapes, 1)?[0].numel();
     Ok(LayerCost {
+            workspace_bytes: 0,
         forward_flops_per_sample: flops_per_element * numel as u64,
         backward_input_flops_per_sample: flops_per_element * numel as u64,
         backward_weight_flops_per_sample: 0,

@@ -441,6 +441,7 @@ impl Layer for MultiheadSelfAttention {
         let param_count: usize = self.params.iter().map(|p| p.value.numel()).sum();
         let numel = output.numel();
         Ok(LayerCost {
+            workspace_bytes: 0,
             forward_flops_per_sample: projections + attention,
             backward_input_flops_per_sample: chain + 6 * t * d * d,
             backward_weight_flops_per_sample: chain + 8 * t * d * d + 4 * t * d,

@@ -263,6 +263,7 @@ impl Layer for Conv2d {
         let bias_flops = if self.bias().is_some() { output.numel() as u64 } else { 0 };
         let param_count: usize = self.params.iter().map(|p| p.value.numel()).sum();
         Ok(LayerCost {
+            workspace_bytes: 0,
             forward_flops_per_sample: product_flops + bias_flops,
             backward_input_flops_per_sample: product_flops,
             backward_weight_flops_per_sample: product_flops + bias_flops,

@@ -101,6 +101,7 @@ impl Layer for Dropout {
     fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {
         let numel = expect_shapes("Dropout", input_shapes, 1)?[0].numel() as u64;
         Ok(LayerCost {
+            workspace_bytes: 0,
             forward_flops_per_sample: 2 * numel,
             backward_input_flops_per_sample: 2 * numel,
             backward_weight_flops_per_sample: 0,

@@ -137,6 +137,7 @@ impl Layer for Embedding {
     fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {
         let output = self.output_shape(input_shapes)?;
         Ok(LayerCost {
+            workspace_bytes: 0,
             forward_flops_per_sample: 0,
             backward_input_flops_per_sample: 0,
             backward_weight_flops_per_sample: output.numel() as u64,

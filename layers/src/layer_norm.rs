@@ -138,6 +138,7 @@ impl Layer for LayerNorm {
         let numel = output.numel() as u64;
         let rows = output.numel() / self.normalized_len;
         Ok(LayerCost {
+            workspace_bytes: 0,
             forward_flops_per_sample: 8 * numel,
             backward_input_flops_per_sample: 10 * numel,
             backward_weight_flops_per_sample: 4 * numel,

@@ -36,6 +36,13 @@ pub struct Linear {
     in_features: usize,
     out_features: usize,
     params: Vec<Parameter>,
+    /// `weightᵀ` row-major `[in, out]` (f32 weights only), rebuilt by [`Layer::refresh`]. The
+    /// forward product `x · weightᵀ` runs about 5x faster at 32 rows when the right operand is
+    /// row-major (the GEMM packs a transposed view of the whole weight on every call otherwise).
+    /// Stale (and unused) after `parameters_mut` hands the weight out, until the next refresh;
+    /// forward then computes from `weight` directly. The buffer is reused across refreshes.
+    weight_t: Option<Tensor>,
+    weight_t_fresh: bool,
 }
 
 impl Linear {
@@ -73,7 +80,9 @@ impl Linear {
             }
             params.push(Parameter { name: "bias".into(), value: bias });
         }
-        Ok(Linear { in_features, out_features, params })
+        let mut layer = Linear { in_features, out_features, params, weight_t: None, weight_t_fresh: false };
+        layer.refresh()?;
+        Ok(layer)
     }
 
     /// Input features (the last input dimension).
@@ -133,7 +142,31 @@ impl Layer for Linear {
     }
 
     fn parameters_mut(&mut self) -> &mut [Parameter] {
+        self.weight_t_fresh = false;
         &mut self.params
+    }
+
+    fn refresh(&mut self) -> Result<()> {
+        self.weight_t_fresh = false;
+        let weight = &self.params[0].value;
+        if weight.dtype() != conveyor_engine::DType::F32 {
+            self.weight_t = None;
+            return Ok(());
+        }
+        let reusable = self.weight_t.as_ref().is_some_and(|t| t.device().same_device(weight.device()));
+        if !reusable {
+            self.weight_t = None; // free the old buffer before reserving the new one
+            self.weight_t = Some(zeros_f32([self.in_features, self.out_features], weight.device())?);
+        }
+        let transposed = self.weight_t.as_mut().expect("allocated above");
+        conveyor_engine::cpu::transpose::transpose(
+            weight.as_f32()?,
+            self.out_features,
+            self.in_features,
+            transposed.as_f32_mut()?,
+        )?;
+        self.weight_t_fresh = true;
+        Ok(())
     }
 
     fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
@@ -154,8 +187,12 @@ impl Layer for Linear {
             None => false,
         };
         let x_view = MatRef::row_major(&x, rows, self.in_features)?;
-        let weight_t = MatRef::row_major(&weight, self.out_features, self.in_features)?.t();
-        matmul(dst, x_view, weight_t, has_bias)?;
+        match self.weight_t.as_ref().filter(|_| self.weight_t_fresh) {
+            Some(weight_t) => {
+                matmul(dst, x_view, MatRef::row_major(weight_t.as_f32()?, self.in_features, self.out_features)?, has_bias)?
+            }
+            None => matmul(dst, x_view, MatRef::row_major(&weight, self.out_features, self.in_features)?.t(), has_bias)?,
+        }
         let saved = Saved { tensors: vec![input.try_clone()?] };
         Ok((into_dtype(output, input.dtype())?, saved))
     }
@@ -202,6 +239,8 @@ impl Layer for Linear {
         let bias_flops = if self.bias().is_some() { positions * n_out } else { 0 };
         let param_count: usize = self.params.iter().map(|p| p.value.numel()).sum();
         Ok(LayerCost {
+            // The transposed weight copy (f32 weights; see the `weight_t` field).
+            workspace_bytes: if self.weight().dtype() == conveyor_engine::DType::F32 { 4 * n_in * n_out } else { 0 },
             forward_flops_per_sample: 2 * positions * n_in * n_out + bias_flops,
             backward_input_flops_per_sample: 2 * positions * n_in * n_out,
             backward_weight_flops_per_sample: 2 * positions * n_in * n_out + bias_flops,

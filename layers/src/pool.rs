@@ -133,6 +133,7 @@ impl Layer for MaxPool2d {
         let (output, window) = self.geometry.output_shape("MaxPool2d", input_shapes)?;
         let window_len = (window.kernel_height * window.kernel_width) as u64;
         Ok(LayerCost {
+            workspace_bytes: 0,
             forward_flops_per_sample: output.numel() as u64 * window_len,
             backward_input_flops_per_sample: output.numel() as u64,
             backward_weight_flops_per_sample: 0,
@@ -206,6 +207,7 @@ impl Layer for AvgPool2d {
         let (output, window) = self.geometry.output_shape("AvgPool2d", input_shapes)?;
         let window_len = (window.kernel_height * window.kernel_width) as u64;
         Ok(LayerCost {
+            workspace_bytes: 0,
             forward_flops_per_sample: output.numel() as u64 * window_len,
             backward_input_flops_per_sample: output.numel() as u64 * window_len,
             backward_weight_flops_per_sample: 0,
@@ -279,6 +281,7 @@ impl Layer for GlobalAvgPool2d {
         let output = self.output_shape(input_shapes)?;
         let numel = input_shapes[0].numel() as u64;
         Ok(LayerCost {
+            workspace_bytes: 0,
             forward_flops_per_sample: numel,
             backward_input_flops_per_sample: numel,
             backward_weight_flops_per_sample: 0,

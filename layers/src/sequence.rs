@@ -131,6 +131,7 @@ impl Layer for PositionalEmbedding {
     fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {
         let numel = self.output_shape(input_shapes)?.numel();
         Ok(LayerCost {
+            workspace_bytes: 0,
             forward_flops_per_sample: numel as u64,
             backward_input_flops_per_sample: 0,
             backward_weight_flops_per_sample: numel as u64,
@@ -230,6 +231,7 @@ impl Layer for MeanOverTokens {
         let output = self.output_shape(input_shapes)?;
         let numel = input_shapes[0].numel() as u64;
         Ok(LayerCost {
+            workspace_bytes: 0,
             forward_flops_per_sample: numel + output.numel() as u64,
             backward_input_flops_per_sample: numel,
             backward_weight_flops_per_sample: 0,

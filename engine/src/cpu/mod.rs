@@ -6,6 +6,7 @@ pub mod gemm;
 pub mod layer_norm;
 pub mod pool;
 pub mod softmax;
+pub mod transpose;
 pub mod window;
 
 pub use gemm::{MatRef, matmul};

@@ -100,6 +100,8 @@ impl PlanConfig {
 pub struct StageMemory {
     /// Parameters.
     pub params: u64,
+    /// Copies layers derive from their parameters (Linear's transposed weight).
+    pub workspace: u64,
     /// Gradients (same size as the parameters).
     pub grads: u64,
     /// Optimizer state.
@@ -111,7 +113,7 @@ pub struct StageMemory {
 impl StageMemory {
     /// Everything.
     pub fn total(&self) -> u64 {
-        self.params + self.grads + self.optimizer_state + self.activations
+        self.params + self.workspace + self.grads + self.optimizer_state + self.activations
     }
 }
 
@@ -128,6 +130,7 @@ pub struct NodeCosts {
     pub(crate) prefix_backward_weight_flops: Vec<f64>,
     prefix_param_bytes: Vec<u64>,
     prefix_saved_bytes: Vec<u64>,
+    prefix_workspace_bytes: Vec<u64>,
     /// Output bytes per sample of each node in `order`.
     output_bytes: Vec<u64>,
     /// For each node in `order`, the positions (in `order`) of layer nodes it feeds.
@@ -149,6 +152,7 @@ impl NodeCosts {
             prefix_backward_weight_flops: vec![0.0],
             prefix_param_bytes: vec![0],
             prefix_saved_bytes: vec![0],
+            prefix_workspace_bytes: vec![0],
             output_bytes: Vec::new(),
             consumers: Vec::new(),
             producers: Vec::new(),
@@ -162,6 +166,7 @@ impl NodeCosts {
             push_f(&mut costs.prefix_backward_weight_flops, c.backward_weight_flops_per_sample);
             costs.prefix_param_bytes.push(costs.prefix_param_bytes.last().unwrap() + c.param_bytes);
             costs.prefix_saved_bytes.push(costs.prefix_saved_bytes.last().unwrap() + c.activation_bytes_per_sample);
+            costs.prefix_workspace_bytes.push(costs.prefix_workspace_bytes.last().unwrap() + c.workspace_bytes);
             costs.output_bytes.push(c.output_bytes_per_sample);
             costs.names.push(graph.node(id)?.name.clone());
             costs.consumers.push(graph.successors(id).into_iter().filter_map(position).collect());
@@ -212,6 +217,7 @@ impl NodeCosts {
             prefix_backward_weight_flops: diff_f(&self.prefix_backward_weight_flops),
             prefix_param_bytes: diff_u(&self.prefix_param_bytes),
             prefix_saved_bytes: diff_u(&self.prefix_saved_bytes),
+            prefix_workspace_bytes: diff_u(&self.prefix_workspace_bytes),
             output_bytes: new_order.iter().map(|&o| self.output_bytes[o]).collect(),
             consumers: remap(&self.consumers),
             producers: remap(&self.producers),
@@ -255,8 +261,10 @@ impl NodeCosts {
         let (incoming, outgoing) = self.boundary_bytes(start, end);
         let saved = self.prefix_saved_bytes[end] - self.prefix_saved_bytes[start];
         let inflight = config.inflight(n_stages, stage_idx)?;
+        let workspace = self.prefix_workspace_bytes[end] - self.prefix_workspace_bytes[start];
         let memory = StageMemory {
             params,
+            workspace,
             grads: params,
             optimizer_state: params * config.optimizer.state_factor(),
             activations: inflight * config.micro_batch_rows as u64 * (saved + incoming),

@@ -375,7 +375,11 @@ impl Stage {
                 grad_refs.push(g);
             }
         }
-        self.optimizer.step(&mut params, &grad_refs)
+        self.optimizer.step(&mut params, &grad_refs)?;
+        for node in &mut self.nodes {
+            node.layer.refresh()?;
+        }
+        Ok(())
     }
 
     /// `(node.param, tensor)` for every parameter of the stage.

@@ -617,6 +617,7 @@ impl Trainer {
                             p.value.copy_from(&converted)?;
                         }
                     }
+                    node.layer.refresh()?;
                 }
             }
             Ok(())
