@@ -5,6 +5,7 @@ mod common;
 use common::{data, trainer};
 use conveyor::engine::runtime::Recompute;
 use conveyor::engine::trace::TimelineRecorder;
+use conveyor::schedules::export::{MemorySample, TraceOptions, chrome_trace};
 use conveyor::schedules::{OpKind, ScheduleKind};
 use conveyor::zoo::mlp;
 use tracing_subscriber::layer::SubscriberExt;
@@ -41,6 +42,35 @@ fn every_op_of_every_worker_is_captured_as_a_span() {
     }
     assert_eq!(captured.events.iter().filter(|e| e.op == OpKind::OptimizerStep).count(), n_devices);
     assert!(captured.events.iter().all(|e| e.end_s >= e.start_s));
+
+    // The Chrome trace of this measured 4-stage run: valid JSON with one complete (`X`) event for
+    // every forward and every input-gradient pass of every (micro-batch, stage).
+    let memory_samples = recorder
+        .memory()
+        .into_iter()
+        .map(|m| MemorySample { device_idx: m.device_idx, time_s: m.time_s, bytes: m.bytes })
+        .collect::<Vec<_>>();
+    assert!(!memory_samples.is_empty(), "memory samples are recorded after every op");
+    let options = TraceOptions { device_labels: (0..n_devices).map(|d| format!("cpu:{d}")).collect(), memory_samples };
+    let trace: serde_json::Value = serde_json::from_str(&chrome_trace(&captured, &options)).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    for op in ["forward", "backward_input"] {
+        for stage in 0..n_devices {
+            for micro_batch in 0..n_micro_batches {
+                let matching = events
+                    .iter()
+                    .filter(|e| {
+                        e["ph"] == "X"
+                            && e["args"]["op"] == op
+                            && e["args"]["stage"] == stage
+                            && e["args"]["micro_batch"] == micro_batch
+                    })
+                    .count();
+                assert_eq!(matching, 1, "{op} of micro-batch {micro_batch} on stage {stage}");
+            }
+        }
+    }
+    assert!(events.iter().any(|e| e["ph"] == "C"), "memory counters");
 }
 
 fn without_a_subscriber_nothing_is_recorded() {

@@ -445,7 +445,12 @@ fn measured_costs(timeline: &conveyor::schedules::Timeline, n_stages: usize) -> 
     use conveyor::schedules::OpKind;
     let mut sums = vec![[0.0f64; 4]; n_stages];
     let mut counts = vec![[0usize; 4]; n_stages];
+    let (mut optimizer_s, mut optimizer_n) = (0.0, 0usize);
     for event in &timeline.events {
+        if event.op == OpKind::OptimizerStep {
+            optimizer_s += event.duration_s();
+            optimizer_n += 1;
+        }
         let Some(stage) = event.stage_idx else { continue };
         let slot = match event.op {
             OpKind::Forward => 0,
@@ -469,5 +474,5 @@ fn measured_costs(timeline: &conveyor::schedules::Timeline, n_stages: usize) -> 
             StageCosts { forward_s: mean(s, 0), backward_input_s: b, backward_weight_s: w }
         })
         .collect();
-    CostModel::per_stage(stages)
+    CostModel::per_stage(stages).with_optimizer_step_s(if optimizer_n == 0 { 0.0 } else { optimizer_s / optimizer_n as f64 })
 }
