@@ -150,7 +150,7 @@ fn sixteen_uneven_layers_on_four_devices_within_five_percent_of_optimal() {
 fn model_four_times_one_budget_fits_on_four_devices_not_one() {
     // 16 layers of 1M parameters with Adam: 16 MiB x 4 (param, grad, two moments) = 256 MiB.
     let params = [1 << 20; 16];
-    let g = chain(&vec![1000; 16], &params);
+    let g = chain(&[1000; 16], &params);
     let budget = 72 << 20; // a quarter of 256 MiB plus room for activations
     let cfg = config(8, OptimizerMemory::Adam);
     let plan = place_automatically(&g, &devices(4, Some(budget)), &cfg).unwrap();

@@ -20,14 +20,14 @@ pub fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) -> Resu
         let tile_rows = TILE.min(rows - row_block);
         for col_block in (0..cols).step_by(TILE) {
             let tile_cols = TILE.min(cols - col_block);
-            for r in 0..tile_rows {
+            for (r, tile_row) in tile.iter_mut().enumerate().take(tile_rows) {
                 let start = (row_block + r) * cols + col_block;
-                tile[r][..tile_cols].copy_from_slice(&src[start..start + tile_cols]);
+                tile_row[..tile_cols].copy_from_slice(&src[start..start + tile_cols]);
             }
             for c in 0..tile_cols {
                 let start = (col_block + c) * rows + row_block;
-                for (r, out) in dst[start..start + tile_rows].iter_mut().enumerate() {
-                    *out = tile[r][c];
+                for (out, tile_row) in dst[start..start + tile_rows].iter_mut().zip(&tile) {
+                    *out = tile_row[c];
                 }
             }
         }
