@@ -1,14 +1,20 @@
 //! From a model, devices and a schedule to a running [`Trainer`]: automatic placement with the
 //! schedule's simulated in-flight counts, then stages on devices. Shared by the CLI and examples.
+//!
+//! With tensor parallelism ([`build_trainer_tensor_parallel`]) each stage holds a group of `k`
+//! consecutive devices: the planner sees each group as one device `k` times as fast and large,
+//! and the model is rebuilt with its wide layers split over the group of the stage they landed on.
 use std::sync::Arc;
 
 use conveyor_engine::graph::Graph;
 use conveyor_engine::optim::OptimizerConfig;
 use conveyor_engine::placement::{DeviceSpec, Link, OptimizerMemory, Plan, PlanConfig, place_automatically};
 use conveyor_engine::runtime::{Recompute, Trainer};
-use conveyor_engine::{Device, Result};
+use conveyor_engine::{Device, Error, Result};
 use conveyor_layers::CrossEntropyLoss;
 use conveyor_schedules::{CostModel, Schedule, ScheduleKind, StageCosts, simulate};
+
+use crate::zoo::{ModelSpec, TensorParallelSplits};
 
 /// Sustained single-core f32 throughput the planner assumes for a CPU device.
 pub const CPU_FLOPS_PER_S: f64 = 50e9;
@@ -33,7 +39,12 @@ pub struct PipelineConfig {
 }
 
 /// Peak micro-batches in flight per stage under `kind`, from the schedule simulator.
-pub fn simulated_inflight(kind: ScheduleKind, n_devices: usize, n_micro_batches: usize, n_chunks: usize) -> Result<Vec<usize>> {
+pub fn simulated_inflight(
+    kind: ScheduleKind,
+    n_devices: usize,
+    n_micro_batches: usize,
+    n_chunks: usize,
+) -> Result<Vec<usize>> {
     let schedule = Schedule::new(kind, n_devices, n_micro_batches, n_chunks)?;
     Ok(simulate(&schedule, &CostModel::uniform(StageCosts::UNIT))?.peak_inflight)
 }
@@ -99,6 +110,112 @@ pub fn build_trainer(graph: Graph, devices: Vec<Device>, config: &PipelineConfig
     let stages = plan.stages.iter().map(|s| s.nodes.clone()).collect();
     let trainer = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
         .devices(devices)
+        .stages(stages)
+        .schedule(config.schedule, config.n_chunks)
+        .micro_batches(config.n_micro_batches)
+        .optimizer(config.optimizer)
+        .recompute(config.recompute)
+        .seed(config.seed)
+        .build()?;
+    Ok((plan, trainer))
+}
+
+/// [`planner_inputs`] for a pipeline of tensor-parallel groups: `devices` in groups of
+/// `tensor_parallel` consecutive devices, each group one planner device ([`DeviceSpec::group`]:
+/// `k` times the speed, the sum of the budgets, each shared by the group's chunks).
+#[allow(clippy::too_many_arguments)]
+pub fn planner_inputs_tensor_parallel(
+    devices: &[Device],
+    tensor_parallel: usize,
+    schedule: ScheduleKind,
+    n_chunks: usize,
+    n_micro_batches: usize,
+    batch_rows: usize,
+    optimizer: OptimizerMemory,
+) -> Result<(Vec<DeviceSpec>, PlanConfig)> {
+    let groups = device_groups(devices, tensor_parallel)?;
+    let firsts: Vec<Device> = groups.iter().map(|g| g[0].clone()).collect();
+    let (_, plan_config) = planner_inputs(&firsts, schedule, n_chunks, n_micro_batches, batch_rows, optimizer)?;
+    let specs = (0..groups.len() * n_chunks)
+        .map(|s| {
+            let members: Vec<DeviceSpec> = groups[s % groups.len()]
+                .iter()
+                .map(|device| DeviceSpec {
+                    name: device.to_string(),
+                    flops_per_s: CPU_FLOPS_PER_S,
+                    budget_bytes: device.memory_budget().map(|b| b / n_chunks as u64),
+                })
+                .collect();
+            DeviceSpec::group(&members)
+        })
+        .collect();
+    Ok((specs, plan_config))
+}
+
+/// `devices` cut into groups of `tensor_parallel` consecutive devices, or an error saying how
+/// many devices the degree needs.
+pub fn device_groups(devices: &[Device], tensor_parallel: usize) -> Result<Vec<Vec<Device>>> {
+    if tensor_parallel == 0 || devices.is_empty() || !devices.len().is_multiple_of(tensor_parallel) {
+        return Err(Error::invalid(
+            "tensor parallelism",
+            format!(
+                "{} devices cannot form groups of {tensor_parallel}: give stages x {tensor_parallel} devices",
+                devices.len()
+            ),
+        ));
+    }
+    Ok(devices.chunks(tensor_parallel).map(<[Device]>::to_vec).collect())
+}
+
+/// Plans `spec` over groups of `tensor_parallel` devices and starts a trainer whose stages each
+/// hold one group: every Linear and Conv2d of a stage is split over the stage's group (Linears
+/// column- then row-parallel in turn, convolutions by output channels), so a layer too large for
+/// one device's budget fits its group. The graph is built from `seed`; with `tensor_parallel` 1
+/// this is [`build_trainer`] on `spec.build(seed)`.
+///
+/// Stages: `devices.len() / tensor_parallel` groups times `config.n_chunks`. Stage `s` runs on
+/// group `s % n_groups`, whose first device is its worker's device.
+pub fn build_trainer_tensor_parallel(
+    spec: &ModelSpec,
+    seed: u64,
+    devices: Vec<Device>,
+    tensor_parallel: usize,
+    config: &PipelineConfig,
+) -> Result<(Plan, Trainer)> {
+    let groups = device_groups(&devices, tensor_parallel)?;
+    let whole = spec.build(seed)?;
+    let (specs, plan_config) = planner_inputs_tensor_parallel(
+        &devices,
+        tensor_parallel,
+        config.schedule,
+        config.n_chunks,
+        config.n_micro_batches,
+        config.batch_rows,
+        optimizer_memory(&config.optimizer),
+    )?;
+    let plan = place_automatically(&whole, &specs, &plan_config)?;
+    let mut splits = TensorParallelSplits::new();
+    for stage in &plan.stages {
+        for name in &stage.node_names {
+            splits.insert(name.clone(), groups[stage.stage_idx % groups.len()].clone());
+        }
+    }
+    let graph = spec.build_split(seed, &splits)?;
+    // The split graph has the whole graph's nodes, so the plan's node ids carry over.
+    for stage in &plan.stages {
+        for (&id, name) in stage.nodes.iter().zip(&stage.node_names) {
+            if graph.node(id)?.name != *name {
+                return Err(Error::invalid(
+                    "tensor parallelism",
+                    format!("node `{name}` moved when its layers were split"),
+                ));
+            }
+        }
+    }
+    let stages = plan.stages.iter().map(|s| s.nodes.clone()).collect();
+    let trainer = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
+        .devices(devices)
+        .tensor_parallel(tensor_parallel)
         .stages(stages)
         .schedule(config.schedule, config.n_chunks)
         .micro_batches(config.n_micro_batches)

@@ -7,12 +7,26 @@
 //!
 //! `transformer:VOCAB,T,D,H,L,C` (or `transformer` for [`TransformerConfig::default`]) is a
 //! pre-norm encoder classifier over token ids; see [`transformer`].
+//!
+//! Tensor parallelism: [`ModelSpec::build_split`] builds the same graph (same nodes, same names,
+//! the same initial values drawn in the same order) with chosen Linear and Conv2d nodes split
+//! over groups of devices: Linears alternate column- and row-parallel along the model (Megatron's
+//! column-then-row pairs), convolutions split their output channels (AlexNet). Checkpoints of a
+//! split graph carry the unsplit tensors under the unsplit names.
+use std::collections::HashMap;
+
 use conveyor_engine::graph::Graph;
-use conveyor_engine::{Error, Result, init};
+use conveyor_engine::{Device, Error, Layer, Result, init};
 use conveyor_layers::{
-    Add, Conv2d, Conv2dOptions, Dropout, Embedding, Flatten, Gelu, LayerNorm, Linear, MaxPool2d, MeanOverTokens,
-    MultiheadSelfAttention, PositionalEmbedding, Relu,
+    Add, ChannelParallelConv2d, ColumnParallelLinear, Conv2d, Conv2dOptions, Dropout, Embedding, Flatten, Gelu,
+    LayerNorm, Linear, MaxPool2d, MeanOverTokens, MultiheadSelfAttention, PositionalEmbedding, Relu, RowParallelLinear,
 };
+use rand::rngs::StdRng;
+
+/// Which nodes to split and over which devices: node name → the devices of its stage's group
+/// (the group's first device is the stage's device). Nodes absent, groups of one device, and
+/// nodes that cannot be split (no parameters, or fewer features than devices) stay whole.
+pub type TensorParallelSplits = HashMap<String, Vec<Device>>;
 
 /// A parsed model spec.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -101,6 +115,22 @@ impl ModelSpec {
         }
     }
 
+    /// [`ModelSpec::build`] with the nodes named in `splits` split over their devices (see the
+    /// module docs). With no splits it is exactly [`ModelSpec::build`].
+    pub fn build_split(&self, seed: u64, splits: &TensorParallelSplits) -> Result<Graph> {
+        let mut splitter = Splitter::new(splits);
+        match self {
+            ModelSpec::Mlp(dims) => mlp_with(dims, seed, &mut splitter),
+            ModelSpec::Cnn => cnn_with(seed, &mut splitter),
+            ModelSpec::Resnet => resnet_with(seed, &mut splitter),
+            ModelSpec::Transformer(config) if splits.values().all(|g| g.len() <= 1) => transformer(config, seed),
+            ModelSpec::Transformer(_) => Err(Error::invalid(
+                "tensor parallelism",
+                "the transformer spec cannot be split yet; use mlp:..., cnn or resnet, or tensor-parallel degree 1",
+            )),
+        }
+    }
+
     /// The per-sample input shape the model takes (`[T]` token ids for a transformer).
     pub fn input_shape(&self) -> Vec<usize> {
         match self {
@@ -111,14 +141,77 @@ impl ModelSpec {
     }
 }
 
+/// Builds layers whole or split over a node's devices, drawing initial values exactly as the
+/// unsplit layer would.
+struct Splitter<'a> {
+    splits: &'a TensorParallelSplits,
+    /// The next split Linear is column-parallel (then row, then column, ...).
+    column_next: bool,
+}
+
+impl<'a> Splitter<'a> {
+    fn new(splits: &'a TensorParallelSplits) -> Self {
+        Splitter { splits, column_next: true }
+    }
+
+    fn group(&self, name: &str) -> Option<&'a [Device]> {
+        self.splits.get(name).map(Vec::as_slice).filter(|g| g.len() > 1)
+    }
+
+    /// `Linear(in, out)` with bias; split column-then-row alternately when `name` is split.
+    fn linear(
+        &mut self,
+        name: &str,
+        in_features: usize,
+        out_features: usize,
+        rng: &mut StdRng,
+    ) -> Result<Box<dyn Layer>> {
+        let linear = Linear::new(in_features, out_features, true, rng)?;
+        let Some(group) = self.group(name) else { return Ok(Box::new(linear)) };
+        let k = group.len();
+        let (column_ok, row_ok) = (out_features >= k, in_features >= k);
+        if column_ok && (self.column_next || !row_ok) {
+            self.column_next = false;
+            Ok(Box::new(ColumnParallelLinear::from_linear(&linear, group)?))
+        } else if row_ok {
+            self.column_next = true;
+            Ok(Box::new(RowParallelLinear::from_linear(&linear, group)?))
+        } else {
+            Ok(Box::new(linear))
+        }
+    }
+
+    /// `Conv2d(in, out, 3x3, padding 1)`; output channels split when `name` is split.
+    fn conv3x3(
+        &mut self,
+        name: &str,
+        in_channels: usize,
+        out_channels: usize,
+        rng: &mut StdRng,
+    ) -> Result<Box<dyn Layer>> {
+        let conv = conv3x3(in_channels, out_channels, rng)?;
+        match self.group(name) {
+            Some(group) if out_channels >= group.len() => {
+                Ok(Box::new(ChannelParallelConv2d::from_parameters(conv.weight(), conv.bias(), (1, 1), (1, 1), group)?))
+            }
+            _ => Ok(Box::new(conv)),
+        }
+    }
+}
+
 /// `nn.Sequential` of Linear and ReLU layers with PyTorch's child names.
 pub fn mlp(dims: &[usize], seed: u64) -> Result<Graph> {
+    mlp_with(dims, seed, &mut Splitter::new(&TensorParallelSplits::new()))
+}
+
+fn mlp_with(dims: &[usize], seed: u64, split: &mut Splitter<'_>) -> Result<Graph> {
     let mut rng = init::rng(seed);
     let mut g = Graph::new();
     let mut x = g.input("input", [dims[0]])?;
     let mut child = 0;
     for (i, pair) in dims.windows(2).enumerate() {
-        x = g.add(&child.to_string(), Linear::new(pair[0], pair[1], true, &mut rng)?, &[x])?;
+        let name = child.to_string();
+        x = g.add_boxed(&name, split.linear(&name, pair[0], pair[1], &mut rng)?, &[x])?;
         child += 1;
         if i + 2 < dims.len() {
             x = g.add(&child.to_string(), Relu::new(), &[x])?;
@@ -135,19 +228,23 @@ fn conv3x3(in_channels: usize, out_channels: usize, rng: &mut rand::rngs::StdRng
 
 /// LeNet-like for 8x8 digits: conv(1→16) relu → conv(16→32) relu pool → flatten → fc(512→64) relu dropout(0.3) → fc(64→10).
 pub fn cnn(seed: u64) -> Result<Graph> {
+    cnn_with(seed, &mut Splitter::new(&TensorParallelSplits::new()))
+}
+
+fn cnn_with(seed: u64, split: &mut Splitter<'_>) -> Result<Graph> {
     let mut rng = init::rng(seed);
     let mut g = Graph::new();
     let x = g.input("input", [1, 8, 8])?;
-    let x = g.add("conv1", conv3x3(1, 16, &mut rng)?, &[x])?;
+    let x = g.add_boxed("conv1", split.conv3x3("conv1", 1, 16, &mut rng)?, &[x])?;
     let x = g.add("relu1", Relu::new(), &[x])?;
-    let x = g.add("conv2", conv3x3(16, 32, &mut rng)?, &[x])?;
+    let x = g.add_boxed("conv2", split.conv3x3("conv2", 16, 32, &mut rng)?, &[x])?;
     let x = g.add("relu2", Relu::new(), &[x])?;
     let x = g.add("pool", MaxPool2d::new((2, 2), (2, 2))?, &[x])?;
     let x = g.add("flatten", Flatten::new(), &[x])?;
-    let x = g.add("fc1", Linear::new(32 * 4 * 4, 64, true, &mut rng)?, &[x])?;
+    let x = g.add_boxed("fc1", split.linear("fc1", 32 * 4 * 4, 64, &mut rng)?, &[x])?;
     let x = g.add("relu3", Relu::new(), &[x])?;
     let x = g.add("dropout", Dropout::new(0.3)?, &[x])?;
-    let x = g.add("fc2", Linear::new(64, 10, true, &mut rng)?, &[x])?;
+    let x = g.add_boxed("fc2", split.linear("fc2", 64, 10, &mut rng)?, &[x])?;
     g.set_output(x)?;
     Ok(g)
 }
@@ -155,21 +252,27 @@ pub fn cnn(seed: u64) -> Result<Graph> {
 /// A small residual network: a stem conv, two residual blocks (conv relu conv + skip), pooling
 /// and a classifier. The skip connections are graph edges that may cross stages.
 pub fn resnet(seed: u64) -> Result<Graph> {
+    resnet_with(seed, &mut Splitter::new(&TensorParallelSplits::new()))
+}
+
+fn resnet_with(seed: u64, split: &mut Splitter<'_>) -> Result<Graph> {
     let mut rng = init::rng(seed);
     let mut g = Graph::new();
     let x = g.input("input", [1, 8, 8])?;
-    let stem = g.add("stem", conv3x3(1, 8, &mut rng)?, &[x])?;
+    let stem = g.add_boxed("stem", split.conv3x3("stem", 1, 8, &mut rng)?, &[x])?;
     let mut x = g.add("stem_relu", Relu::new(), &[stem])?;
     for block in 1..=2 {
-        let a = g.add(&format!("block{block}.conv1"), conv3x3(8, 8, &mut rng)?, &[x])?;
+        let conv1 = format!("block{block}.conv1");
+        let a = g.add_boxed(&conv1, split.conv3x3(&conv1, 8, 8, &mut rng)?, &[x])?;
         let a = g.add(&format!("block{block}.relu1"), Relu::new(), &[a])?;
-        let a = g.add(&format!("block{block}.conv2"), conv3x3(8, 8, &mut rng)?, &[a])?;
+        let conv2 = format!("block{block}.conv2");
+        let a = g.add_boxed(&conv2, split.conv3x3(&conv2, 8, 8, &mut rng)?, &[a])?;
         let sum = g.add(&format!("block{block}.add"), Add::new(), &[a, x])?;
         x = g.add(&format!("block{block}.relu2"), Relu::new(), &[sum])?;
     }
     let x = g.add("pool", MaxPool2d::new((2, 2), (2, 2))?, &[x])?;
     let x = g.add("flatten", Flatten::new(), &[x])?;
-    let x = g.add("fc", Linear::new(8 * 4 * 4, 10, true, &mut rng)?, &[x])?;
+    let x = g.add_boxed("fc", split.linear("fc", 8 * 4 * 4, 10, &mut rng)?, &[x])?;
     g.set_output(x)?;
     Ok(g)
 }

@@ -112,11 +112,62 @@ pub trait Layer: Send + std::fmt::Debug {
     }
 
     /// Moves the parameters onto `device` (counted against its budget), then refreshes.
+    ///
+    /// A layer whose parameters live on several devices (a tensor-parallel layer) keeps them
+    /// there and accepts only the first device of its group, where its inputs arrive and its
+    /// outputs leave: that device is the device of the stage holding it.
     fn to_device(&mut self, device: &Device) -> Result<()> {
         for param in self.parameters_mut() {
             param.value = param.value.to_device(device)?;
         }
         self.refresh()
+    }
+
+    /// The names and shapes of the tensors [`Layer::export_parameters`] returns, in its order,
+    /// without copying anything (for checkpoints' name lists).
+    ///
+    /// Default: [`Layer::parameters`]. A layer whose [`Layer::parameters`] are shards of larger
+    /// tensors overrides this and the two methods below to give the unsplit tensors, so a
+    /// checkpoint does not depend on how the layer is split.
+    fn export_parameter_shapes(&self) -> Vec<(String, Shape)> {
+        self.parameters().iter().map(|p| (p.name.clone(), p.value.shape().clone())).collect()
+    }
+
+    /// The parameters as checkpoints store them, copied to the host under PyTorch's names.
+    ///
+    /// Default: every [`Layer::parameters`] entry copied to the host.
+    fn export_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        let host = Device::host();
+        self.parameters().iter().map(|p| Ok((p.name.clone(), p.value.to_device(&host)?))).collect()
+    }
+
+    /// Sets the parameter `name` (a name [`Layer::export_parameters`] gives) from `value`, which
+    /// may live on any device and is converted to the parameter's dtype. The caller refreshes.
+    ///
+    /// Default: copies into the [`Layer::parameters`] entry of that name (same shape required).
+    fn import_parameter(&mut self, name: &str, value: &Tensor) -> Result<()> {
+        let kind = self.kind();
+        let param = self.parameters_mut().iter_mut().find(|p| p.name == name).ok_or_else(|| {
+            crate::Error::invalid(
+                format!("{kind} parameter"),
+                format!("`{name}`: the layer has no parameter of that name"),
+            )
+        })?;
+        if value.shape() != param.value.shape() {
+            return Err(crate::Error::shape(
+                format!("parameter `{name}`"),
+                param.value.shape().to_string(),
+                value.shape().to_string(),
+            ));
+        }
+        let converted = value.to_dtype(param.value.dtype())?;
+        param.value.copy_from(&converted)
+    }
+
+    /// What each device of a split layer has sent in its collectives since the layer was built
+    /// (rank order); empty for a layer on one device (the default).
+    fn collective_traffic(&self) -> Vec<crate::collective::Traffic> {
+        Vec::new()
     }
 }
 

@@ -28,7 +28,9 @@ pub fn place_with_costs(costs: &NodeCosts, devices: &[DeviceSpec], config: &Plan
     if n_nodes < n_stages {
         return Err(Error::invalid(
             "stages",
-            format!("{n_stages} stages asked for but the model has only {n_nodes} layers; use at most {n_nodes} devices"),
+            format!(
+                "{n_stages} stages asked for but the model has only {n_nodes} layers; use at most {n_nodes} devices"
+            ),
         ));
     }
     let fits = |memory: u64, device: &DeviceSpec| device.budget_bytes.is_none_or(|b| memory <= b);

@@ -14,6 +14,24 @@ pub struct DeviceSpec {
     pub budget_bytes: Option<u64>,
 }
 
+impl DeviceSpec {
+    /// A tensor-parallel group of devices as one planner device: `name` joins the members' names
+    /// with `+`, the speed is their sum and the budget the sum of theirs (unlimited when any is).
+    ///
+    /// This treats a stage split `k` ways as `k` times faster and larger, which holds for the
+    /// split layers (their FLOPs and parameters divide evenly) but not for what stays whole: a
+    /// stage's unsplit layers, its activations and the copies of inputs that split layers keep on
+    /// every member all sit on the first device. Plans for groups are therefore optimistic for the
+    /// first device; the runtime's budgets still hold every device to its own.
+    pub fn group(members: &[DeviceSpec]) -> DeviceSpec {
+        DeviceSpec {
+            name: members.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join("+"),
+            flops_per_s: members.iter().map(|m| m.flops_per_s).sum(),
+            budget_bytes: members.iter().map(|m| m.budget_bytes).sum(),
+        }
+    }
+}
+
 /// The link between consecutive devices: a message of `b` bytes takes `latency_s + b / bandwidth`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Link {
@@ -91,7 +109,9 @@ impl PlanConfig {
             .get(n_stages.wrapping_sub(1))
             .and_then(|v| v.get(stage_idx))
             .map(|&n| n as u64)
-            .ok_or_else(|| Error::invalid("PlanConfig", format!("no in-flight count for stage {stage_idx} of {n_stages}")))
+            .ok_or_else(|| {
+                Error::invalid("PlanConfig", format!("no in-flight count for stage {stage_idx} of {n_stages}"))
+            })
     }
 }
 
@@ -143,7 +163,8 @@ impl NodeCosts {
     /// Collects the costs of every layer node of a validated graph.
     pub fn of_graph(graph: &Graph) -> Result<Self> {
         graph.validate()?;
-        let order: Vec<NodeId> = graph.topological_order()?.into_iter().filter(|&id| graph.layer(id).is_some()).collect();
+        let order: Vec<NodeId> =
+            graph.topological_order()?.into_iter().filter(|&id| graph.layer(id).is_some()).collect();
         let position = |id: NodeId| order.iter().position(|&o| o == id);
         let mut costs = NodeCosts {
             names: Vec::new(),
@@ -242,7 +263,8 @@ impl NodeCosts {
                 }
             }
         }
-        let outgoing = (start..end).filter(|&n| self.consumers[n].iter().any(|&c| c >= end)).map(|n| self.output_bytes[n]).sum();
+        let outgoing =
+            (start..end).filter(|&n| self.consumers[n].iter().any(|&c| c >= end)).map(|n| self.output_bytes[n]).sum();
         (incoming, outgoing)
     }
 

@@ -9,7 +9,12 @@ use crate::{Error, Result};
 /// node from `a` to `b` inclusive in topological order. Every layer node must be named exactly
 /// once, and no stage may consume from a later stage. Stages over budget are refused with
 /// [`Error::DoesNotFit`].
-pub fn place_manually(graph: &Graph, stages: &[Vec<String>], devices: &[DeviceSpec], config: &PlanConfig) -> Result<Plan> {
+pub fn place_manually(
+    graph: &Graph,
+    stages: &[Vec<String>],
+    devices: &[DeviceSpec],
+    config: &PlanConfig,
+) -> Result<Plan> {
     let costs = NodeCosts::of_graph(graph)?;
     if stages.len() != devices.len() {
         return Err(Error::invalid(
@@ -20,20 +25,29 @@ pub fn place_manually(graph: &Graph, stages: &[Vec<String>], devices: &[DeviceSp
     let position = |name: &str| -> Result<usize> {
         let id = graph.find(name)?;
         costs.order.iter().position(|&o| o == id).ok_or_else(|| {
-            Error::invalid("placement", format!("`{name}` is a graph input, not a layer; inputs are fed to the stage that uses them"))
+            Error::invalid(
+                "placement",
+                format!("`{name}` is a graph input, not a layer; inputs are fed to the stage that uses them"),
+            )
         })
     };
     let mut stage_of = vec![usize::MAX; costs.len()];
     for (stage_idx, names) in stages.iter().enumerate() {
         if names.is_empty() {
-            return Err(Error::invalid("placement", format!("stage {stage_idx} is empty; every stage needs at least one layer")));
+            return Err(Error::invalid(
+                "placement",
+                format!("stage {stage_idx} is empty; every stage needs at least one layer"),
+            ));
         }
         for entry in names {
             let members: Vec<usize> = match entry.split_once("..") {
                 Some((first, last)) => {
                     let (a, b) = (position(first.trim())?, position(last.trim())?);
                     if a > b {
-                        return Err(Error::invalid("placement", format!("range `{entry}` runs backwards in graph order")));
+                        return Err(Error::invalid(
+                            "placement",
+                            format!("range `{entry}` runs backwards in graph order"),
+                        ));
                     }
                     (a..=b).collect()
                 }
@@ -86,10 +100,16 @@ pub fn place_manually(graph: &Graph, stages: &[Vec<String>], devices: &[DeviceSp
         {
             return Err(Error::DoesNotFit {
                 n_stages: stages.len(),
-                smallest_need: format!("{} on stage {} ({})", format_bytes(stage.memory.total()), stage.stage_idx, device.name),
+                smallest_need: format!(
+                    "{} on stage {} ({})",
+                    format_bytes(stage.memory.total()),
+                    stage.stage_idx,
+                    device.name
+                ),
                 budgets: format_bytes(budget),
-                suggestion: "move layers to another stage, use automatic placement, recomputation or smaller micro-batches"
-                    .to_string(),
+                suggestion:
+                    "move layers to another stage, use automatic placement, recomputation or smaller micro-batches"
+                        .to_string(),
             });
         }
     }

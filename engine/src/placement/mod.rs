@@ -23,8 +23,8 @@ use crate::graph::NodeId;
 pub struct StagePlan {
     /// Position in the pipeline, 0 first.
     pub stage_idx: usize,
-    /// Index into the plan's devices (a group of devices for tensor parallelism is future work;
-    /// today every stage has exactly one).
+    /// Index into the plan's devices. A tensor-parallel group is one planner device
+    /// ([`DeviceSpec::group`]); the runtime maps it to its `k` devices.
     pub device_idx: usize,
     /// The layer nodes of the stage, in execution order.
     pub nodes: Vec<NodeId>,

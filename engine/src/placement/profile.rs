@@ -80,13 +80,19 @@ impl NodeCosts {
     /// Replaces the FLOP estimates with measured times. Times are converted to "equivalent
     /// FLOPs" at `profiled_flops_per_s`, so a [`super::DeviceSpec`] with that speed predicts
     /// exactly the measured times and a device twice as fast half of them.
-    pub fn with_measured_times(mut self, times: &[(NodeId, NodeTimes)], profiled_flops_per_s: f64) -> Result<NodeCosts> {
+    pub fn with_measured_times(
+        mut self,
+        times: &[(NodeId, NodeTimes)],
+        profiled_flops_per_s: f64,
+    ) -> Result<NodeCosts> {
         let mut prefixes = [vec![0.0], vec![0.0], vec![0.0]];
         for (position, id) in self.order.iter().enumerate() {
             let measured = times.iter().find(|(n, _)| n == id).map(|(_, t)| *t).ok_or_else(|| {
                 crate::Error::invalid("profile", format!("no measured time for node `{}`", self.names[position]))
             })?;
-            for (k, seconds) in [measured.forward_s, measured.backward_input_s, measured.backward_weight_s].into_iter().enumerate() {
+            for (k, seconds) in
+                [measured.forward_s, measured.backward_input_s, measured.backward_weight_s].into_iter().enumerate()
+            {
                 let last = *prefixes[k].last().unwrap();
                 prefixes[k].push(last + seconds * profiled_flops_per_s);
             }

@@ -11,6 +11,14 @@
 //! Why results equal one device's: each layer does the same arithmetic wherever it runs, the loss
 //! of every micro-batch is divided by the full batch size, and weight gradients are accumulated in
 //! micro-batch order on every stage whatever order the schedule computes them in.
+//!
+//! Tensor parallelism: with degree `k` ([`TrainerBuilder::tensor_parallel`]) a stage holds a group
+//! of `k` devices `[first..first + k)`. The runtime treats the group as one device, its first:
+//! the worker thread, messages, data and unsplit layers live there. Split layers spread their
+//! shards over the group and run them on their own threads inside each call; the runtime only
+//! allocates each gradient on its parameter's device, reports peak memory for every device of
+//! every group, and exports and imports parameters through [`crate::Layer::export_parameters`] and
+//! [`crate::Layer::import_parameter`], so checkpoints carry unsplit tensors under unsplit names.
 mod stage;
 mod trainer;
 mod worker;
@@ -63,7 +71,8 @@ pub struct FaultInjection {
 pub struct StepReport {
     /// The full-batch mean loss.
     pub loss: f64,
-    /// Peak bytes in use on each device during the step, device 0 first.
+    /// Peak bytes in use on each device during the step, device 0 first (every device of every
+    /// tensor-parallel group, in [`Trainer::devices`] order).
     pub peak_memory: Vec<u64>,
     /// Peak bytes of activations (saved tensors and kept inputs) per stage during the step.
     pub peak_activation_bytes: Vec<u64>,

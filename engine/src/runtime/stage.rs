@@ -147,7 +147,10 @@ impl Stage {
     fn micro_batch(&mut self, micro_batch_idx: usize) -> Result<&mut MicroBatchState> {
         let stage_idx = self.stage_idx;
         self.micro_batches.get_mut(micro_batch_idx).ok_or_else(|| {
-            Error::invalid("micro_batch_idx", format!("stage {stage_idx} has no micro-batch {micro_batch_idx} in this step"))
+            Error::invalid(
+                "micro_batch_idx",
+                format!("stage {stage_idx} has no micro-batch {micro_batch_idx} in this step"),
+            )
         })
     }
 
@@ -177,7 +180,10 @@ impl Stage {
                     None => inputs.iter().find(|(id, _)| id == input).map(|(_, t)| t),
                 };
                 args.push(tensor.ok_or_else(|| {
-                    Error::invalid("stage inputs", format!("node `{}` on stage {} lacks an input", node.name, self.stage_idx))
+                    Error::invalid(
+                        "stage inputs",
+                        format!("node `{}` on stage {} lacks an input", node.name, self.stage_idx),
+                    )
                 })?);
             }
             let fctx = ForwardCtx { training: ctx.training, seed: ctx.node_seed(micro_batch_idx, node.id) };
@@ -231,7 +237,8 @@ impl Stage {
             let mut payload = Payload::with_capacity(route.nodes.len());
             for id in &route.nodes {
                 let position = outputs.iter().position(|(o, _)| o == id).expect("routed outputs are kept");
-                let tensor = if last_route_for(*id) { outputs.remove(position).1 } else { outputs[position].1.try_clone()? };
+                let tensor =
+                    if last_route_for(*id) { outputs.remove(position).1 } else { outputs[position].1.try_clone()? };
                 payload.push((*id, tensor));
             }
             messages.push((route.peer_stage_idx, payload));
@@ -279,17 +286,24 @@ impl Stage {
         let n_nodes = self.nodes.len();
         let mut grad_out = std::mem::take(&mut self.micro_batch(micro_batch_idx)?.grad_out);
         if grad_out.len() != n_nodes {
-            return Err(Error::invalid("backward", format!("stage {stage_idx}: micro-batch {micro_batch_idx} has no forward")));
+            return Err(Error::invalid(
+                "backward",
+                format!("stage {stage_idx}: micro-batch {micro_batch_idx} has no forward"),
+            ));
         }
         for payload in received {
             for (id, grad) in payload {
                 let j = self.local_index(id).ok_or_else(|| {
-                    Error::invalid("gradient message", format!("stage {stage_idx} got a gradient for a node it does not hold"))
+                    Error::invalid(
+                        "gradient message",
+                        format!("stage {stage_idx} got a gradient for a node it does not hold"),
+                    )
                 })?;
                 accumulate(&mut grad_out[j], grad)?;
             }
         }
-        let mut outgoing: Vec<(usize, Payload)> = self.recv_from.iter().map(|r| (r.peer_stage_idx, Payload::new())).collect();
+        let mut outgoing: Vec<(usize, Payload)> =
+            self.recv_from.iter().map(|r| (r.peer_stage_idx, Payload::new())).collect();
         let saved = std::mem::take(&mut self.micro_batch(micro_batch_idx)?.saved);
         for j in (0..n_nodes).rev() {
             let node = &self.nodes[j];
@@ -336,10 +350,15 @@ impl Stage {
         while let Some(mb) = next {
             let state = std::mem::take(self.micro_batch(mb)?);
             for (j, node) in self.nodes.iter_mut().enumerate() {
-                let (Some(saved), Some(grad)) = (state.saved.get(j).and_then(Option::as_ref), state.grad_out.get(j).and_then(Option::as_ref)) else {
+                let (Some(saved), Some(grad)) =
+                    (state.saved.get(j).and_then(Option::as_ref), state.grad_out.get(j).and_then(Option::as_ref))
+                else {
                     return Err(Error::invalid(
                         "backward_weight",
-                        format!("stage {}: node `{}` has no input-gradient pass for micro-batch {mb}", self.stage_idx, node.name),
+                        format!(
+                            "stage {}: node `{}` has no input-gradient pass for micro-batch {mb}",
+                            self.stage_idx, node.name
+                        ),
                     ));
                 };
                 node.layer.backward_weight(saved, grad, &mut node.grads)?;
@@ -384,7 +403,9 @@ impl Stage {
 
     /// `(node.param, tensor)` for every parameter of the stage.
     pub fn named_parameters(&self) -> impl Iterator<Item = (String, &Tensor)> {
-        self.nodes.iter().flat_map(|n| n.layer.parameters().iter().map(move |p| (format!("{}.{}", n.name, p.name), &p.value)))
+        self.nodes
+            .iter()
+            .flat_map(|n| n.layer.parameters().iter().map(move |p| (format!("{}.{}", n.name, p.name), &p.value)))
     }
 }
 

@@ -23,6 +23,7 @@ pub struct TrainerBuilder {
     graph: Graph,
     loss: Arc<dyn Loss>,
     devices: Vec<Device>,
+    tensor_parallel: usize,
     stages: Option<Vec<Vec<NodeId>>>,
     schedule: ScheduleKind,
     n_chunks: usize,
@@ -36,8 +37,22 @@ pub struct TrainerBuilder {
 impl TrainerBuilder {
     /// Devices, device 0 first. Stage `s` runs on device `s % n_devices` (with chunks, Megatron's
     /// virtual-pipeline mapping; without, stage s on device s).
+    ///
+    /// With a tensor-parallel degree `k` ([`TrainerBuilder::tensor_parallel`]) the pipeline's
+    /// devices are groups of `k` consecutive devices: group `g` is `devices[g*k..(g+1)*k]`, stage
+    /// `s` runs on group `s % n_groups`, and the group's first device is the stage's device (its
+    /// worker thread, its inputs and outputs, its unsplit layers).
     pub fn devices(mut self, devices: Vec<Device>) -> Self {
         self.devices = devices;
+        self
+    }
+
+    /// Tensor-parallel degree `k` (default 1): each stage holds a group of `k` devices, and its
+    /// split layers (built on exactly those devices, e.g. `conveyor_layers::ColumnParallelLinear`)
+    /// keep their shards, gradients and optimizer state there. The number of devices must be a
+    /// multiple of `k`.
+    pub fn tensor_parallel(mut self, k: usize) -> Self {
+        self.tensor_parallel = k;
         self
     }
 
@@ -94,10 +109,22 @@ impl TrainerBuilder {
     pub fn build(mut self) -> Result<Trainer> {
         self.graph.validate()?;
         self.optimizer.validate()?;
-        let n_devices = self.devices.len();
-        if n_devices == 0 {
+        if self.devices.is_empty() {
             return Err(Error::invalid("devices", "no devices given; give at least one (e.g. cpu:0)"));
         }
+        let k = self.tensor_parallel;
+        if k == 0 || !self.devices.len().is_multiple_of(k) {
+            return Err(Error::invalid(
+                "tensor_parallel",
+                format!(
+                    "degree {k} with {} devices: the devices must be a whole number of groups of k",
+                    self.devices.len()
+                ),
+            ));
+        }
+        let groups: Vec<Vec<Device>> = self.devices.chunks(k).map(<[Device]>::to_vec).collect();
+        // The schedule's devices are the groups.
+        let n_devices = groups.len();
         let schedule = Schedule::new(self.schedule, n_devices, self.n_micro_batches, self.n_chunks)?;
         // Channels hold one message per micro-batch; prove the programs complete under that.
         conveyor_schedules::validate(&schedule, self.n_micro_batches)?;
@@ -107,12 +134,18 @@ impl TrainerBuilder {
         let stage_nodes = match self.stages.take() {
             Some(stages) => stages,
             None if n_stages == 1 => vec![layer_order.clone()],
-            None => return Err(Error::invalid("stages", format!("{n_stages} stages need a placement; call .stages(...)"))),
+            None => {
+                return Err(Error::invalid("stages", format!("{n_stages} stages need a placement; call .stages(...)")));
+            }
         };
         if stage_nodes.len() != n_stages {
             return Err(Error::invalid(
                 "stages",
-                format!("{} stages given but the schedule runs {n_stages} ({n_devices} devices x {} chunks)", stage_nodes.len(), self.n_chunks),
+                format!(
+                    "{} stages given but the schedule runs {n_stages} ({n_devices} devices x {} chunks)",
+                    stage_nodes.len(),
+                    self.n_chunks
+                ),
             ));
         }
         let mut stage_of: HashMap<NodeId, usize> = HashMap::new();
@@ -125,17 +158,33 @@ impl TrainerBuilder {
                     return Err(Error::invalid("stages", format!("node #{} is not a layer of this graph", id.index())));
                 }
                 if stage_of.insert(id, stage_idx).is_some() {
-                    return Err(Error::invalid("stages", format!("node `{}` is placed twice", self.graph.node(id)?.name)));
+                    return Err(Error::invalid(
+                        "stages",
+                        format!("node `{}` is placed twice", self.graph.node(id)?.name),
+                    ));
                 }
             }
         }
         if let Some(missing) = layer_order.iter().find(|id| !stage_of.contains_key(id)) {
-            return Err(Error::invalid("stages", format!("node `{}` is not placed on any stage", self.graph.node(*missing)?.name)));
+            return Err(Error::invalid(
+                "stages",
+                format!("node `{}` is not placed on any stage", self.graph.node(*missing)?.name),
+            ));
         }
         let output = self.graph.output()?;
-        let param_order = self.graph.parameter_names_in_order();
+        // Checkpoint names: the unsplit tensors' names, in node order.
+        let param_order: Vec<String> = self
+            .graph
+            .node_ids()
+            .into_iter()
+            .filter_map(|id| Some((self.graph.node(id).ok()?.name.clone(), self.graph.layer(id)?)))
+            .flat_map(|(node, layer)| {
+                layer.export_parameter_shapes().into_iter().map(move |(name, _)| format!("{node}.{name}"))
+            })
+            .collect();
         let data_inputs = self.graph.inputs();
-        let stage_devices: Vec<Device> = (0..n_stages).map(|s| self.devices[schedule.device_of_stage(s)].clone()).collect();
+        let stage_devices: Vec<Device> =
+            (0..n_stages).map(|s| groups[schedule.device_of_stage(s)][0].clone()).collect();
         let mut stages: Vec<Stage> = Vec::with_capacity(n_stages);
         let mut send_to: Vec<Vec<Route>> = vec![Vec::new(); n_stages];
         let mut recv_from: Vec<Vec<Route>> = vec![Vec::new(); n_stages];
@@ -170,15 +219,31 @@ impl TrainerBuilder {
         }
         for (stage_idx, nodes) in stage_nodes.iter().enumerate() {
             let device = &stage_devices[stage_idx];
+            let group = &groups[schedule.device_of_stage(stage_idx)];
             let mut execs = Vec::with_capacity(nodes.len());
             let mut n_params = 0;
             for &id in nodes {
                 let mut layer = self.graph.take_layer(id).expect("checked above");
                 layer.to_device(device)?;
+                if let Some(p) =
+                    layer.parameters().iter().find(|p| !group.iter().any(|d| d.same_device(p.value.device())))
+                {
+                    return Err(Error::invalid(
+                        "stages",
+                        format!(
+                            "node `{}` on stage {stage_idx} holds `{}` on {}, outside the stage's devices [{}]; build split layers on their stage's group",
+                            self.graph.node(id)?.name,
+                            p.name,
+                            p.value.device(),
+                            group.iter().map(Device::to_string).collect::<Vec<_>>().join(", ")
+                        ),
+                    ));
+                }
+                // Gradients live beside their parameters: on the shard's device for split layers.
                 let grads = layer
                     .parameters()
                     .iter()
-                    .map(|p| Tensor::zeros(p.value.shape().clone(), p.value.dtype(), device))
+                    .map(|p| Tensor::zeros(p.value.shape().clone(), p.value.dtype(), p.value.device()))
                     .collect::<Result<Vec<_>>>()?;
                 n_params += grads.len();
                 execs.push(NodeExec {
@@ -226,14 +291,17 @@ impl TrainerBuilder {
             let loss = Arc::clone(&self.loss);
             let dispatch = dispatch.clone();
             let handle = std::thread::Builder::new()
-                .name(format!("conveyor-{}", self.devices[device_idx]))
-                .spawn(move || tracing::dispatcher::with_default(&dispatch, || worker::run(device_idx, stages, loss, rx)))
+                .name(format!("conveyor-{}", groups[device_idx][0]))
+                .spawn(move || {
+                    tracing::dispatcher::with_default(&dispatch, || worker::run(device_idx, stages, loss, rx))
+                })
                 .map_err(|e| Error::invalid("worker thread", format!("could not start: {e}")))?;
             workers.push(WorkerHandle { commands: tx, thread: Some(handle) });
         }
         Ok(Trainer {
             workers,
             devices: self.devices,
+            tensor_parallel: k,
             stage_devices: Arc::new(stage_devices),
             stage_info,
             schedule,
@@ -271,11 +339,15 @@ struct StageInfo {
     holds_output: bool,
 }
 
-/// Trains a graph placed on devices with a pipeline schedule. One worker thread per device owns
-/// its stages' parameters, gradients and optimizer state.
+/// Trains a graph placed on devices with a pipeline schedule. One worker thread per device (per
+/// device group, with tensor parallelism) owns its stages' parameters, gradients and optimizer
+/// state; a split layer's shards, their gradients and optimizer state live on the group's devices.
 pub struct Trainer {
     workers: Vec<WorkerHandle>,
+    /// Every device, all groups (peak memory is reported for each).
     devices: Vec<Device>,
+    /// Devices per stage group.
+    tensor_parallel: usize,
     stage_devices: Arc<Vec<Device>>,
     stage_info: Vec<StageInfo>,
     schedule: Schedule,
@@ -296,6 +368,7 @@ impl Trainer {
             graph,
             loss,
             devices: vec![Device::cpu(0)],
+            tensor_parallel: 1,
             stages: None,
             schedule: ScheduleKind::OneFOneB,
             n_chunks: 1,
@@ -312,9 +385,20 @@ impl Trainer {
         &self.param_order
     }
 
-    /// The devices, device 0 first.
+    /// The devices, device 0 first (every device of every tensor-parallel group).
     pub fn devices(&self) -> &[Device] {
         &self.devices
+    }
+
+    /// The tensor-parallel degree `k`: devices per stage group.
+    pub fn tensor_parallel(&self) -> usize {
+        self.tensor_parallel
+    }
+
+    /// The pipeline's device groups, group 0 first: group `g` is `devices()[g*k..(g+1)*k]` and
+    /// runs stages `g, g + n_groups, ...`; its first device is those stages' device.
+    pub fn device_groups(&self) -> Vec<&[Device]> {
+        self.devices.chunks(self.tensor_parallel).collect()
     }
 
     /// The schedule every step runs.
@@ -344,7 +428,9 @@ impl Trainer {
         if rows < n {
             return Err(Error::invalid(
                 "batch",
-                format!("{rows} rows cannot make {n} micro-batches; use at most {rows} micro-batches or a larger batch"),
+                format!(
+                    "{rows} rows cannot make {n} micro-batches; use at most {rows} micro-batches or a larger batch"
+                ),
             ));
         }
         let (base, extra) = (rows / n, rows % n);
@@ -364,7 +450,11 @@ impl Trainer {
         if let Some(labels) = labels
             && labels.len() != rows
         {
-            return Err(Error::shape("train_step", format!("{rows} labels (one per input row)"), format!("{}", labels.len())));
+            return Err(Error::shape(
+                "train_step",
+                format!("{rows} labels (one per input row)"),
+                format!("{}", labels.len()),
+            ));
         }
         let input_nodes = self.graph.inputs();
         if input_nodes.len() != 1 {
@@ -373,11 +463,18 @@ impl Trainer {
         let input_id = input_nodes[0];
         let expected = self.graph.node(input_id)?.output_shape.clone();
         if inputs.dims().get(1..) != Some(expected.dims()) {
-            return Err(Error::shape("train_step", format!("inputs [batch, {}]", expected.dims().iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")), inputs.shape().to_string()));
+            return Err(Error::shape(
+                "train_step",
+                format!(
+                    "inputs [batch, {}]",
+                    expected.dims().iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")
+                ),
+                inputs.shape().to_string(),
+            ));
         }
         let splits = self.split(rows)?;
         let n_micro_batches = splits.len();
-        let n_devices = self.devices.len();
+        let n_devices = self.workers.len();
         for device in &self.devices {
             device.reset_peak_memory();
         }
@@ -422,14 +519,18 @@ impl Trainer {
                     let device = &self.stage_devices[info.stage_idx];
                     let per_mb = splits
                         .iter()
-                        .map(|&(start, len)| Ok(vec![(input_id, inputs.narrow_rows(start, len)?.move_to_device(device)?)]))
+                        .map(|&(start, len)| {
+                            Ok(vec![(input_id, inputs.narrow_rows(start, len)?.move_to_device(device)?)])
+                        })
                         .collect::<Result<Vec<Payload>>>()?;
                     data.insert(info.stage_idx, per_mb);
                 }
             }
             let holds_output = my_stages.iter().any(|s| s.holds_output);
             let mb_labels = match (labels, holds_output) {
-                (Some(labels), true) => splits.iter().map(|&(start, len)| labels[start..start + len].to_vec()).collect(),
+                (Some(labels), true) => {
+                    splits.iter().map(|&(start, len)| labels[start..start + len].to_vec()).collect()
+                }
                 _ => Vec::new(),
             };
             let (commit_tx, commit_rx) = channel::bounded(1);
@@ -468,7 +569,7 @@ impl Trainer {
         started: Instant,
         training: bool,
     ) -> Result<StepOutcome> {
-        let n_devices = self.devices.len();
+        let n_devices = self.workers.len();
         let mut abort = Some(abort);
         let mut failure: Option<Error> = None;
         let mut ready = vec![false; n_devices];
@@ -480,9 +581,9 @@ impl Trainer {
         let mut outputs = Vec::new();
         let mut committed = false;
         while finished.iter().any(|f| !f) {
-            let report = reports.recv_timeout(REPORT_TIMEOUT).map_err(|_| {
-                Error::invalid("step", "a worker stopped reporting; the step was abandoned")
-            })?;
+            let report = reports
+                .recv_timeout(REPORT_TIMEOUT)
+                .map_err(|_| Error::invalid("step", "a worker stopped reporting; the step was abandoned"))?;
             match report {
                 Report::Ready { device_idx, losses: l, sum_of_squares: s } => {
                     ready[device_idx] = true;
@@ -554,7 +655,10 @@ impl Trainer {
         Tensor::cat_rows(&parts.iter().collect::<Vec<_>>(), &host)
     }
 
-    fn on_every_worker<T: Send + 'static>(&self, f: impl Fn(&mut [Stage]) -> T + Send + Sync + 'static) -> Result<Vec<T>> {
+    fn on_every_worker<T: Send + 'static>(
+        &self,
+        f: impl Fn(&mut [Stage]) -> T + Send + Sync + 'static,
+    ) -> Result<Vec<T>> {
         let f = Arc::new(f);
         let mut answers = Vec::with_capacity(self.workers.len());
         for (device_idx, worker) in self.workers.iter().enumerate() {
@@ -571,29 +675,54 @@ impl Trainer {
         answers
             .into_iter()
             .enumerate()
-            .map(|(i, rx)| rx.recv().map_err(|_| Error::invalid("worker", format!("the worker of device {i} has stopped"))))
+            .map(|(i, rx)| {
+                rx.recv().map_err(|_| Error::invalid("worker", format!("the worker of device {i} has stopped")))
+            })
             .collect()
     }
 
     /// Every parameter gathered from all stages onto the host, as `(node.param, tensor)` in graph
-    /// order (PyTorch state-dict names when nodes are named like module children).
+    /// order (PyTorch state-dict names when nodes are named like module children). Split layers
+    /// give their unsplit tensors under the unsplit names ([`crate::Layer::export_parameters`]), so
+    /// the result does not depend on the tensor-parallel degree.
     pub fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
-        let host = Device::host();
-        let parts = self.on_every_worker(move |stages| {
+        let parts = self.on_every_worker(move |stages| -> Result<Vec<(String, Tensor)>> {
             let mut out = Vec::new();
             for stage in stages.iter() {
-                for (name, tensor) in stage.named_parameters() {
-                    out.push((name, tensor.to_device(&host)));
+                for node in &stage.nodes {
+                    for (name, tensor) in node.layer.export_parameters()? {
+                        out.push((format!("{}.{name}", node.name), tensor));
+                    }
+                }
+            }
+            Ok(out)
+        })?;
+        let mut gathered = Vec::new();
+        for part in parts {
+            gathered.extend(part?);
+        }
+        gathered.sort_by_key(|(name, _)| self.param_order.iter().position(|o| o == name).unwrap_or(usize::MAX));
+        Ok(gathered)
+    }
+
+    /// Bytes and messages each split layer's devices have sent in collectives since the layer was
+    /// built, as `(node, per-rank traffic)` for every node that has any, in stage order.
+    pub fn collective_traffic(&self) -> Result<Vec<(String, Vec<crate::collective::Traffic>)>> {
+        let parts = self.on_every_worker(|stages| {
+            let mut out = Vec::new();
+            for stage in stages.iter() {
+                for node in &stage.nodes {
+                    let traffic = node.layer.collective_traffic();
+                    if !traffic.is_empty() {
+                        out.push((stage.stage_idx, node.name.clone(), traffic));
+                    }
                 }
             }
             out
         })?;
-        let mut gathered = Vec::new();
-        for (name, tensor) in parts.into_iter().flatten() {
-            gathered.push((name, tensor?));
-        }
-        gathered.sort_by_key(|(name, _)| self.param_order.iter().position(|o| o == name).unwrap_or(usize::MAX));
-        Ok(gathered)
+        let mut all: Vec<_> = parts.into_iter().flatten().collect();
+        all.sort_by_key(|(stage_idx, _, _)| *stage_idx);
+        Ok(all.into_iter().map(|(_, name, traffic)| (name, traffic)).collect())
     }
 
     /// Sets parameters by name (shapes and dtypes must match; names not given stay as they are).
@@ -607,14 +736,17 @@ impl Trainer {
         let results = self.on_every_worker(move |stages| -> Result<()> {
             for stage in stages.iter_mut() {
                 for node in &mut stage.nodes {
-                    for p in node.layer.parameters_mut() {
-                        let full = format!("{}.{}", node.name, p.name);
+                    for (name, shape) in node.layer.export_parameter_shapes() {
+                        let full = format!("{}.{name}", node.name);
                         if let Some((_, t)) = tensors.iter().find(|(n, _)| *n == full) {
-                            if t.shape() != p.value.shape() {
-                                return Err(Error::shape(format!("parameter `{full}`"), p.value.shape().to_string(), t.shape().to_string()));
+                            if *t.shape() != shape {
+                                return Err(Error::shape(
+                                    format!("parameter `{full}`"),
+                                    shape.to_string(),
+                                    t.shape().to_string(),
+                                ));
                             }
-                            let converted = t.to_dtype(p.value.dtype())?;
-                            p.value.copy_from(&converted)?;
+                            node.layer.import_parameter(&name, t)?;
                         }
                     }
                     node.layer.refresh()?;
@@ -626,6 +758,8 @@ impl Trainer {
     }
 
     /// Runs `f` on every stage's optimizer on its worker (state export and import for checkpoints).
+    /// The names are those of [`crate::Layer::parameters`]: for split layers, one per shard (the
+    /// same name on each shard), so optimizer state of split layers is per shard.
     pub fn with_optimizers<T: Send + 'static>(
         &self,
         f: impl Fn(&mut Optimizer, &[String]) -> T + Send + Sync + 'static,
@@ -656,7 +790,9 @@ fn forward_only_programs(schedule: &Schedule, n_micro_batches: usize) -> Vec<Vec
         .map(|device_idx| {
             let stages: Vec<usize> = schedule.stages_of_device(device_idx).collect();
             (0..n_micro_batches)
-                .flat_map(|micro_batch_idx| stages.iter().map(move |&stage_idx| Instruction::Forward { micro_batch_idx, stage_idx }))
+                .flat_map(|micro_batch_idx| {
+                    stages.iter().map(move |&stage_idx| Instruction::Forward { micro_batch_idx, stage_idx })
+                })
                 .collect()
         })
         .collect()

@@ -58,7 +58,12 @@ pub(crate) enum Report {
     /// Every backward is done: losses per micro-batch, gradient sum of squares, activation peaks.
     Ready { device_idx: usize, losses: Vec<(usize, f64)>, sum_of_squares: f64 },
     /// The optimizer was applied (or the evaluation finished).
-    Done { device_idx: usize, events: Vec<TimelineEvent>, peak_activation_bytes: Vec<(usize, u64)>, outputs: Vec<(usize, Tensor)> },
+    Done {
+        device_idx: usize,
+        events: Vec<TimelineEvent>,
+        peak_activation_bytes: Vec<(usize, u64)>,
+        outputs: Vec<(usize, Tensor)>,
+    },
     /// The step failed here.
     Failed { device_idx: usize, error: Error },
     /// The step was aborted because of a failure elsewhere.
@@ -142,7 +147,9 @@ fn guarded<T>(
         })
     };
     let injected = fault.filter(|f| {
-        f.stage_idx == stage_idx && f.op == op && (op == OpKind::OptimizerStep || Some(f.micro_batch_idx) == micro_batch_idx)
+        f.stage_idx == stage_idx
+            && f.op == op
+            && (op == OpKind::OptimizerStep || Some(f.micro_batch_idx) == micro_batch_idx)
     });
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         if let Some(fault) = injected {
@@ -173,7 +180,13 @@ fn guarded_mut<T>(
     guarded(stage_idx, &device, op, Some(micro_batch_idx), fault, || f(stage))
 }
 
-fn run_step(device_idx: usize, stages: &mut [Stage], loss: &dyn Loss, job: &mut StepJob, reports: &Sender<Report>) -> Report {
+fn run_step(
+    device_idx: usize,
+    stages: &mut [Stage],
+    loss: &dyn Loss,
+    job: &mut StepJob,
+    reports: &Sender<Report>,
+) -> Report {
     let mut events = Vec::with_capacity(job.program.len() * 2);
     let mut outputs = Vec::new();
     match execute(device_idx, stages, loss, job, reports, &mut events, &mut outputs) {
@@ -252,7 +265,14 @@ fn execute(
                     })
                 })?;
             }
-            events.push(TimelineEvent { device_idx, stage_idx: None, op, micro_batch_idx: None, start_s: start, end_s: now() });
+            events.push(TimelineEvent {
+                device_idx,
+                stage_idx: None,
+                op,
+                micro_batch_idx: None,
+                start_s: start,
+                end_s: now(),
+            });
             drop(span);
             note_memory(device_idx, &device);
             continue;
@@ -260,7 +280,10 @@ fn execute(
         let stage_idx = instruction.stage_idx().expect("compute instructions have a stage");
         let micro_batch_idx = micro_batch_idx.expect("compute instructions have a micro-batch");
         let Some(s) = local(stages, stage_idx) else {
-            return Err(OpFailure::Failed(Error::invalid("program", format!("device {device_idx} does not hold stage {stage_idx}"))));
+            return Err(OpFailure::Failed(Error::invalid(
+                "program",
+                format!("device {device_idx} does not hold stage {stage_idx}"),
+            )));
         };
         match instruction {
             Instruction::Forward { .. } => {
@@ -289,8 +312,17 @@ fn execute(
                 let start = now();
                 let stage = &mut stages[s];
                 let (messages, loss_value, eval_output) =
-                    guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| Ok(stage.forward(&ctx, micro_batch_idx, inputs, labels)?))?;
-                events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: now() });
+                    guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
+                        Ok(stage.forward(&ctx, micro_batch_idx, inputs, labels)?)
+                    })?;
+                events.push(TimelineEvent {
+                    device_idx,
+                    stage_idx: Some(stage_idx),
+                    op,
+                    micro_batch_idx: Some(micro_batch_idx),
+                    start_s: start,
+                    end_s: now(),
+                });
                 drop(span);
                 note_memory(device_idx, &device);
                 if let Some(l) = loss_value {
@@ -308,7 +340,14 @@ fn execute(
                     guarded_mut(&mut stages[s], OpKind::Recompute, micro_batch_idx, job.fault, |stage| {
                         Ok(stage.recompute(&ctx, micro_batch_idx)?)
                     })?;
-                    events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op: OpKind::Recompute, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: now() });
+                    events.push(TimelineEvent {
+                        device_idx,
+                        stage_idx: Some(stage_idx),
+                        op: OpKind::Recompute,
+                        micro_batch_idx: Some(micro_batch_idx),
+                        start_s: start,
+                        end_s: now(),
+                    });
                     drop(span);
                     note_memory(device_idx, &device);
                 }
@@ -331,7 +370,14 @@ fn execute(
                 let messages = guarded_mut(&mut stages[s], op, micro_batch_idx, job.fault, |stage| {
                     Ok(stage.backward_input(micro_batch_idx, received, fused)?)
                 })?;
-                events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: now() });
+                events.push(TimelineEvent {
+                    device_idx,
+                    stage_idx: Some(stage_idx),
+                    op,
+                    micro_batch_idx: Some(micro_batch_idx),
+                    start_s: start,
+                    end_s: now(),
+                });
                 drop(span);
                 note_memory(device_idx, &device);
                 send_all(job, stage_idx, micro_batch_idx, messages, true)?;
@@ -339,8 +385,17 @@ fn execute(
             Instruction::BackwardWeight { .. } => {
                 let span = op_span(device_idx, Some(stage_idx), op, Some(micro_batch_idx));
                 let start = now();
-                guarded_mut(&mut stages[s], op, micro_batch_idx, job.fault, |stage| Ok(stage.backward_weight(micro_batch_idx)?))?;
-                events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: now() });
+                guarded_mut(&mut stages[s], op, micro_batch_idx, job.fault, |stage| {
+                    Ok(stage.backward_weight(micro_batch_idx)?)
+                })?;
+                events.push(TimelineEvent {
+                    device_idx,
+                    stage_idx: Some(stage_idx),
+                    op,
+                    micro_batch_idx: Some(micro_batch_idx),
+                    start_s: start,
+                    end_s: now(),
+                });
                 drop(span);
                 note_memory(device_idx, &device);
             }
@@ -354,7 +409,10 @@ fn check_order(stage: &Stage, got: usize, expected: usize) -> std::result::Resul
     if got != expected {
         return Err(OpFailure::Failed(Error::invalid(
             "schedule",
-            format!("stage {} expected micro-batch {expected} but received {got}; the schedule's channel order is broken", stage.stage_idx),
+            format!(
+                "stage {} expected micro-batch {expected} but received {got}; the schedule's channel order is broken",
+                stage.stage_idx
+            ),
         )));
     }
     Ok(())
@@ -367,7 +425,12 @@ fn note_memory(device_idx: usize, device: &Device) {
 
 /// Opens the `tracing` span of one op (see [`crate::trace`]); a disabled callsite when no
 /// subscriber listens to [`crate::trace::OP_TARGET`].
-fn op_span(device_idx: usize, stage_idx: Option<usize>, op: OpKind, micro_batch_idx: Option<usize>) -> tracing::span::EnteredSpan {
+fn op_span(
+    device_idx: usize,
+    stage_idx: Option<usize>,
+    op: OpKind,
+    micro_batch_idx: Option<usize>,
+) -> tracing::span::EnteredSpan {
     use crate::trace::{NONE_FIELD, OP_TARGET};
     tracing::info_span!(
         target: OP_TARGET,
@@ -380,17 +443,38 @@ fn op_span(device_idx: usize, stage_idx: Option<usize>, op: OpKind, micro_batch_
     .entered()
 }
 
-fn record_wait(events: &mut Vec<TimelineEvent>, device_idx: usize, stage_idx: usize, micro_batch_idx: usize, start: f64, end: f64) {
+fn record_wait(
+    events: &mut Vec<TimelineEvent>,
+    device_idx: usize,
+    stage_idx: usize,
+    micro_batch_idx: usize,
+    start: f64,
+    end: f64,
+) {
     // Waits shorter than a few microseconds are channel bookkeeping, not idling.
     if end - start > 5e-6 {
-        events.push(TimelineEvent { device_idx, stage_idx: Some(stage_idx), op: OpKind::Wait, micro_batch_idx: Some(micro_batch_idx), start_s: start, end_s: end });
+        events.push(TimelineEvent {
+            device_idx,
+            stage_idx: Some(stage_idx),
+            op: OpKind::Wait,
+            micro_batch_idx: Some(micro_batch_idx),
+            start_s: start,
+            end_s: end,
+        });
     }
 }
 
-fn send_all(job: &StepJob, from_stage: usize, micro_batch_idx: usize, messages: Vec<(usize, Payload)>, gradient: bool) -> std::result::Result<(), OpFailure> {
+fn send_all(
+    job: &StepJob,
+    from_stage: usize,
+    micro_batch_idx: usize,
+    messages: Vec<(usize, Payload)>,
+    gradient: bool,
+) -> std::result::Result<(), OpFailure> {
     for (to_stage, payload) in messages {
         let target = &job.stage_devices[to_stage];
-        let moved = payload.into_iter().map(|(id, t)| Ok((id, t.move_to_device(target)?))).collect::<Result<Payload>>()?;
+        let moved =
+            payload.into_iter().map(|(id, t)| Ok((id, t.move_to_device(target)?))).collect::<Result<Payload>>()?;
         let tx = &job.links.senders[&(from_stage, to_stage, gradient)];
         // Channels hold one message per micro-batch, so this never blocks; a closed channel means
         // the step was aborted.

@@ -275,4 +275,26 @@ impl Layer for RowParallelLinear {
     fn to_device(&mut self, device: &Device) -> Result<()> {
         self.group.to_device(KIND, device)
     }
+
+    fn export_parameter_shapes(&self) -> Vec<(String, Shape)> {
+        let mut out = vec![("weight".to_string(), Shape::new([self.out_features, self.in_features]))];
+        if self.has_bias {
+            out.push(("bias".to_string(), Shape::new([self.out_features])));
+        }
+        out
+    }
+
+    /// The unsplit tensors ([`Self::gather_parameters`]).
+    fn export_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        self.gather_parameters()
+    }
+
+    /// Splits an unsplit tensor into the shards ([`Self::load_unsplit`]).
+    fn import_parameter(&mut self, name: &str, value: &Tensor) -> Result<()> {
+        self.load_unsplit(name, value)
+    }
+
+    fn collective_traffic(&self) -> Vec<Traffic> {
+        self.group.traffic()
+    }
 }
