@@ -1,6 +1,10 @@
 //! Datasets for training: the built-in digits set (embedded in the binary), a seeded synthetic
-//! generator, train/test splits and shuffled batches.
+//! generator, safetensors data files, MNIST's IDX files, train/test splits and shuffled batches.
+//!
+//! Every reader checks what it reads (dtypes, shapes, label range, finite inputs) and returns an
+//! [`Error::InvalidArgument`] naming the file and what to fix; none panics on a bad file.
 use std::io::Read;
+use std::path::Path;
 
 use conveyor_engine::{Device, Error, Result, Tensor};
 use rand::seq::SliceRandom;
@@ -75,7 +79,11 @@ impl Dataset {
             }
         }
         let mean: Vec<f64> = mean.iter().map(|m| m / n).collect();
-        let std = sq.iter().zip(&mean).map(|(s, m)| (s / n - m * m).max(0.0).sqrt()).map(|s| if s < 1e-6 { 1.0 } else { s as f32 });
+        let std = sq
+            .iter()
+            .zip(&mean)
+            .map(|(s, m)| (s / n - m * m).max(0.0).sqrt())
+            .map(|s| if s < 1e-6 { 1.0 } else { s as f32 });
         (mean.iter().map(|&m| m as f32).collect(), std.collect())
     }
 
@@ -92,12 +100,19 @@ impl Dataset {
     /// Checks labels are in range and features are finite.
     pub fn validate(&self, source: &str) -> Result<()> {
         if let Some((row, label)) = self.labels.iter().enumerate().find(|(_, l)| **l >= self.n_classes) {
-            return Err(Error::invalid("labels", format!("{source}: row {row} has label {label}, outside 0..{}", self.n_classes)));
+            return Err(Error::invalid(
+                "labels",
+                format!("{source}: row {row} has label {label}, outside 0..{}", self.n_classes),
+            ));
         }
         if let Some(i) = self.features.iter().position(|v| !v.is_finite()) {
             return Err(Error::invalid(
                 "inputs",
-                format!("{source}: row {} has a non-finite value ({}); clean the data first", i / self.per_row().max(1), self.features[i]),
+                format!(
+                    "{source}: row {} has a non-finite value ({}); clean the data first",
+                    i / self.per_row().max(1),
+                    self.features[i]
+                ),
             ));
         }
         Ok(())
@@ -119,7 +134,10 @@ pub fn digits() -> Result<Dataset> {
             .collect::<std::result::Result<_, _>>()
             .map_err(|e| Error::invalid("digits data", format!("line {}: {e}", line_idx + 1)))?;
         if values.len() != 65 {
-            return Err(Error::invalid("digits data", format!("line {}: {} columns, expected 65", line_idx + 1, values.len())));
+            return Err(Error::invalid(
+                "digits data",
+                format!("line {}: {} columns, expected 65", line_idx + 1, values.len()),
+            ));
         }
         features.extend(values[..64].iter().map(|v| v / 16.0));
         labels.push(values[64] as usize);
@@ -133,7 +151,10 @@ pub fn digits() -> Result<Dataset> {
 /// centre, samples are centre plus noise, so the task is learnable. Seeded.
 pub fn synthetic(n_rows: usize, n_features: usize, n_classes: usize, seed: u64) -> Result<Dataset> {
     if n_rows == 0 || n_features == 0 || n_classes < 2 {
-        return Err(Error::invalid("synthetic data", "need N >= 1 rows, D >= 1 features and C >= 2 classes (synthetic:N,D,C)"));
+        return Err(Error::invalid(
+            "synthetic data",
+            "need N >= 1 rows, D >= 1 features and C >= 2 classes (synthetic:N,D,C)",
+        ));
     }
     let mut rng = conveyor_engine::init::rng(seed);
     let device = Device::host();
@@ -157,4 +178,193 @@ pub fn epoch_order(n_rows: usize, shuffle: bool, seed: u64, epoch: u64) -> Vec<u
         order.shuffle(&mut rng);
     }
     order
+}
+
+/// The tensor names a safetensors data file holds.
+pub const DATA_INPUTS: &str = "inputs";
+/// See [`DATA_INPUTS`].
+pub const DATA_LABELS: &str = "labels";
+
+/// Reads a safetensors data file: `inputs` f32 `[N, ...]` and `labels` i64 `[N]` (i32 is accepted
+/// too). Rows stay in file order. The class count is `n_classes` when given (a label at or above
+/// it is an error), otherwise the largest label plus one.
+pub fn from_safetensors(path: &Path, n_classes: Option<usize>) -> Result<Dataset> {
+    use safetensors::tensor::{Dtype, SafeTensors};
+    let source = path.display().to_string();
+    let bad = |reason: String| Error::invalid("data file", format!("{source}: {reason}"));
+    let buffer =
+        std::fs::read(path).map_err(|e| bad(format!("cannot read it ({e}); give an existing .safetensors file")))?;
+    let file = SafeTensors::deserialize(&buffer).map_err(|e| {
+        bad(format!("not a valid safetensors file ({e}; {} bytes); it is truncated or corrupt", buffer.len()))
+    })?;
+    let tensor = |name: &str| {
+        file.tensor(name).map_err(|_| {
+            let mut present = file.names();
+            present.sort();
+            bad(format!(
+                "no tensor `{name}` (found: {}); a data file holds `{DATA_INPUTS}` f32 [N, ...] and `{DATA_LABELS}` i64 [N]",
+                if present.is_empty() { "none".to_string() } else { present.join(", ") }
+            ))
+        })
+    };
+    let inputs = tensor(DATA_INPUTS)?;
+    let labels = tensor(DATA_LABELS)?;
+    if inputs.dtype() != Dtype::F32 {
+        return Err(bad(format!("`{DATA_INPUTS}` has dtype {:?}; save it as float32 (F32)", inputs.dtype())));
+    }
+    let &[n_rows, ref feature_shape @ ..] = inputs.shape() else {
+        return Err(bad(format!("`{DATA_INPUTS}` is a scalar; it must be [N, ...] with one row per sample")));
+    };
+    if feature_shape.is_empty() {
+        return Err(bad(format!("`{DATA_INPUTS}` has shape [{n_rows}]; it must be [N, features...], e.g. [N, 1]")));
+    }
+    if labels.shape() != [n_rows] {
+        return Err(bad(format!(
+            "`{DATA_LABELS}` has shape {:?} but `{DATA_INPUTS}` has {n_rows} rows; it must be [{n_rows}]",
+            labels.shape()
+        )));
+    }
+    if n_rows == 0 {
+        return Err(bad("the file holds no rows".to_string()));
+    }
+    let features: Vec<f32> =
+        inputs.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let raw_labels: Vec<i64> = match labels.dtype() {
+        Dtype::I64 => {
+            labels.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))).collect()
+        }
+        Dtype::I32 => {
+            labels.data().chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().expect("4 bytes")) as i64).collect()
+        }
+        other => return Err(bad(format!("`{DATA_LABELS}` has dtype {other:?}; save class indices as int64 (I64)"))),
+    };
+    if let Some((row, label)) = raw_labels.iter().enumerate().find(|(_, l)| **l < 0) {
+        return Err(bad(format!("row {row} has label {label}; labels are class indices 0..C")));
+    }
+    let labels: Vec<usize> = raw_labels.iter().map(|&l| l as usize).collect();
+    let largest = labels.iter().copied().max().unwrap_or(0);
+    let n_classes = n_classes.unwrap_or(largest + 1);
+    let dataset = Dataset { features, feature_shape: feature_shape.to_vec(), labels, n_classes };
+    dataset.validate(&source).map_err(|e| match e {
+        Error::InvalidArgument { reason, .. } => bad(format!("{reason} (the class count is {n_classes})")),
+        other => other,
+    })?;
+    Ok(dataset)
+}
+
+/// The IDX files of an MNIST-style directory (each uncompressed or with `.gz` added).
+pub const MNIST_FILES: [&str; 4] =
+    ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"];
+
+/// Reads an MNIST-style directory of IDX files ([`MNIST_FILES`]): the train and test splits,
+/// images as `[1, rows, cols]` scaled to [0, 1], 10 classes.
+pub fn mnist_idx(dir: &Path) -> Result<(Dataset, Dataset)> {
+    let train = mnist_split(dir, MNIST_FILES[0], MNIST_FILES[1])?;
+    let test = mnist_split(dir, MNIST_FILES[2], MNIST_FILES[3])?;
+    if test.feature_shape != train.feature_shape {
+        return Err(Error::invalid(
+            "MNIST data",
+            format!(
+                "{}: test images are {:?} but train images {:?}",
+                dir.display(),
+                test.feature_shape,
+                train.feature_shape
+            ),
+        ));
+    }
+    Ok((train, test))
+}
+
+fn mnist_split(dir: &Path, images_name: &str, labels_name: &str) -> Result<Dataset> {
+    let (images_path, images) = read_idx_file(dir, images_name)?;
+    let (labels_path, labels) = read_idx_file(dir, labels_name)?;
+    let bad = |path: &Path, reason: String| Error::invalid("MNIST data", format!("{}: {reason}", path.display()));
+    let (image_dims, pixels) = parse_idx(&images).map_err(|r| bad(&images_path, r))?;
+    let (label_dims, label_bytes) = parse_idx(&labels).map_err(|r| bad(&labels_path, r))?;
+    let &[n_images, rows, cols] = image_dims.as_slice() else {
+        return Err(bad(
+            &images_path,
+            format!("holds a {}-dimensional array; images need 3 (count, rows, columns)", image_dims.len()),
+        ));
+    };
+    let &[n_labels] = label_dims.as_slice() else {
+        return Err(bad(&labels_path, format!("holds a {}-dimensional array; labels need 1", label_dims.len())));
+    };
+    if n_images != n_labels {
+        return Err(bad(
+            &labels_path,
+            format!("{n_labels} labels for the {n_images} images of {}", images_path.display()),
+        ));
+    }
+    let dataset = Dataset {
+        features: pixels.iter().map(|&p| f32::from(p) / 255.0).collect(),
+        feature_shape: vec![1, rows, cols],
+        labels: label_bytes.iter().map(|&l| usize::from(l)).collect(),
+        n_classes: 10,
+    };
+    dataset.validate(&labels_path.display().to_string())?;
+    Ok(dataset)
+}
+
+/// Reads `dir/name`, or `dir/name.gz` decompressed.
+fn read_idx_file(dir: &Path, name: &str) -> Result<(std::path::PathBuf, Vec<u8>)> {
+    let plain = dir.join(name);
+    let gz = dir.join(format!("{name}.gz"));
+    let io = |path: &Path, e: std::io::Error| {
+        Error::invalid("MNIST data", format!("{}: cannot read it ({e})", path.display()))
+    };
+    if plain.is_file() {
+        return Ok((plain.clone(), std::fs::read(&plain).map_err(|e| io(&plain, e))?));
+    }
+    if gz.is_file() {
+        let compressed = std::fs::read(&gz).map_err(|e| io(&gz, e))?;
+        let mut bytes = Vec::new();
+        flate2::read::GzDecoder::new(compressed.as_slice()).read_to_end(&mut bytes).map_err(|e| io(&gz, e))?;
+        return Ok((gz, bytes));
+    }
+    Err(Error::invalid(
+        "MNIST data",
+        format!(
+            "{}: neither {name} nor {name}.gz is there; an MNIST directory holds {}",
+            dir.display(),
+            MNIST_FILES.join(", ")
+        ),
+    ))
+}
+
+/// An IDX file of unsigned bytes (type code 0x08): its dimensions and data.
+fn parse_idx(bytes: &[u8]) -> std::result::Result<(Vec<usize>, &[u8]), String> {
+    let [0, 0, kind, n_dims, ..] = *bytes else {
+        return Err("too short or not an IDX file (it must start with 0x00 0x00 TYPE DIMS)".to_string());
+    };
+    if kind != 0x08 {
+        return Err(format!("IDX type code 0x{kind:02x}; only unsigned bytes (0x08) are read"));
+    }
+    let header = 4 + 4 * usize::from(n_dims);
+    if bytes.len() < header {
+        return Err(format!("truncated header ({} bytes)", bytes.len()));
+    }
+    let dims: Vec<usize> =
+        bytes[4..header].chunks_exact(4).map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize).collect();
+    let expected = dims.iter().product::<usize>();
+    let data = &bytes[header..];
+    if data.len() != expected {
+        return Err(format!("dimensions {dims:?} need {expected} bytes of data but the file has {}", data.len()));
+    }
+    Ok((dims, data))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idx_header_is_checked() {
+        let mut bytes = vec![0, 0, 8, 1, 0, 0, 0, 3];
+        bytes.extend([1, 2, 3]);
+        assert_eq!(parse_idx(&bytes).unwrap(), (vec![3], &[1u8, 2, 3][..]));
+        assert!(parse_idx(&bytes[..10]).unwrap_err().contains("need 3 bytes"));
+        assert!(parse_idx(&[0, 0, 9, 1]).unwrap_err().contains("type code"));
+        assert!(parse_idx(&[1]).is_err());
+    }
 }

@@ -2,6 +2,7 @@
 use std::io::Write;
 use std::path::Path;
 
+pub mod placement_file;
 pub mod plan;
 pub mod simulate;
 pub mod train;

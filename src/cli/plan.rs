@@ -13,6 +13,7 @@ use conveyor::pipeline::planner_inputs;
 use conveyor::schedules::{CostModel, Schedule, ScheduleKind, SimulationReport, StageCosts, simulate};
 use conveyor::zoo::ModelSpec;
 
+use super::placement_file::read_placement_file;
 use super::train::{parse_devices, parse_optimizer, parse_size};
 use super::usage;
 
@@ -115,26 +116,6 @@ fn explain_memory(err: conveyor::engine::Error, args: &PlanArgs, budget: Option<
         "{} with {} does not fit the memory of --devices {} (--device-memory {budget} each)",
         args.model, args.optimizer, args.devices
     ))
-}
-
-/// Reads a placement file: one line per stage, node names or ranges `first..last` separated by
-/// whitespace; blank lines and `#` comments are skipped.
-fn read_placement_file(path: &Path) -> anyhow::Result<Vec<Vec<String>>> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| usage(format!("--placement {}: {e}; give `auto` or a readable placement file", path.display())))?;
-    let stages: Vec<Vec<String>> = text
-        .lines()
-        .map(|line| line.split('#').next().unwrap_or_default())
-        .filter(|line| !line.trim().is_empty())
-        .map(|line| line.split_whitespace().map(str::to_string).collect())
-        .collect();
-    if stages.is_empty() {
-        return Err(usage(format!(
-            "--placement {}: the file lists no stages; write one line per stage with its node names",
-            path.display()
-        )));
-    }
-    Ok(stages)
 }
 
 /// Runs the schedule simulator with each stage's predicted F, B and W. The planner already folds
@@ -323,18 +304,7 @@ fn format_seconds(s: f64) -> String {
 
 #[cfg(test)]
 mod tests {
-    use std::path::PathBuf;
-
     use super::*;
-
-    #[test]
-    fn placement_file_skips_comments_and_blank_lines() {
-        let path: PathBuf = std::env::temp_dir().join(format!("conveyor-plan-unit-{}.txt", std::process::id()));
-        std::fs::write(&path, "# two stages\n0..2  3\n\n4 # the head\n").unwrap();
-        let stages = read_placement_file(&path).unwrap();
-        std::fs::remove_file(&path).unwrap();
-        assert_eq!(stages, vec![vec!["0..2".to_string(), "3".to_string()], vec!["4".to_string()]]);
-    }
 
     #[test]
     fn compact_forms() {

@@ -1,0 +1,272 @@
+//! Training checkpoints (`--save`, `--checkpoint-every`, `--resume`) and `--init`.
+//!
+//! A checkpoint is one safetensors file written atomically by
+//! [`conveyor::engine::checkpoint::save_with_metadata`] (temporary file, fsync, rename), so a save
+//! that fails or is killed midway leaves the previous file whole. It holds:
+//!
+//! - the parameters under PyTorch's state-dict names (`0.weight`, `conv1.bias`, ...);
+//! - the optimizer state as `optimizer.<param>.<field>` (see `conveyor::engine::optim`);
+//! - metadata under `conveyor.train.*`: the step count, epoch and batch within the epoch (the data
+//!   position: a shuffled epoch's order is a function of the seed and the epoch), the seed, batch
+//!   size, shuffling, training rows, model spec, data, optimizer, learning rate and its schedule.
+//!
+//! Resuming restores the parameters, every stage's optimizer state, the trainer's step index
+//! (dropout masks derive from it) and the data position, so a resumed run continues bit for bit
+//! as the uninterrupted one would have.
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use conveyor::engine::checkpoint::{self, Checkpoint, TensorSpec};
+use conveyor::engine::optim::{OptimizerConfig, STEP, optimizer_state_name};
+use conveyor::engine::placement::Plan;
+use conveyor::engine::runtime::Trainer;
+use conveyor::engine::{DType, Device, Shape, Tensor};
+
+use crate::cli::usage;
+
+/// Prefix of this module's metadata keys.
+const KEY_PREFIX: &str = "conveyor.train.";
+
+/// Where a run stands and what it was run with: saved as checkpoint metadata.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunState {
+    /// Optimizer steps taken.
+    pub step: u64,
+    /// Batches per epoch (training rows / batch).
+    pub steps_per_epoch: u64,
+    /// Seed of initialisation, shuffling and dropout.
+    pub seed: u64,
+    /// Rows per batch.
+    pub batch: usize,
+    /// Whether epochs are shuffled.
+    pub shuffle: bool,
+    /// Training rows.
+    pub train_rows: usize,
+    /// The model spec.
+    pub model: String,
+    /// The `--data` flag.
+    pub data: String,
+    /// The `--optimizer` flag.
+    pub optimizer: String,
+    /// The base learning rate.
+    pub lr: f64,
+    /// The learning-rate schedule.
+    pub lr_schedule: String,
+    /// The run's total steps (the schedule's horizon).
+    pub total_steps: u64,
+}
+
+impl RunState {
+    fn to_metadata(&self) -> BTreeMap<String, String> {
+        let epoch = self.step / self.steps_per_epoch.max(1);
+        let batch_in_epoch = self.step % self.steps_per_epoch.max(1);
+        [
+            ("step", self.step.to_string()),
+            ("epoch", epoch.to_string()),
+            ("batch_in_epoch", batch_in_epoch.to_string()),
+            ("steps_per_epoch", self.steps_per_epoch.to_string()),
+            ("seed", self.seed.to_string()),
+            ("batch", self.batch.to_string()),
+            ("shuffle", self.shuffle.to_string()),
+            ("train_rows", self.train_rows.to_string()),
+            ("model", self.model.clone()),
+            ("data", self.data.clone()),
+            ("optimizer", self.optimizer.clone()),
+            ("lr", self.lr.to_string()),
+            ("lr_schedule", self.lr_schedule.clone()),
+            ("total_steps", self.total_steps.to_string()),
+        ]
+        .into_iter()
+        .map(|(key, value)| (format!("{KEY_PREFIX}{key}"), value))
+        .collect()
+    }
+
+    fn from_checkpoint(checkpoint: &Checkpoint) -> anyhow::Result<RunState> {
+        let get = |key: &str| -> anyhow::Result<String> {
+            checkpoint
+                .metadata_value::<String>(&format!("{KEY_PREFIX}{key}"))
+                .map_err(|e| usage(format!("--resume: {e}; resume from a checkpoint written by conveyor train --save")))
+        };
+        let number = |key: &str| -> anyhow::Result<u64> {
+            get(key)?.parse().map_err(|_| usage(format!("--resume: metadata `{KEY_PREFIX}{key}` is not a number")))
+        };
+        Ok(RunState {
+            step: number("step")?,
+            steps_per_epoch: number("steps_per_epoch")?,
+            seed: number("seed")?,
+            batch: number("batch")? as usize,
+            shuffle: get("shuffle")? == "true",
+            train_rows: number("train_rows")? as usize,
+            model: get("model")?,
+            data: get("data")?,
+            optimizer: get("optimizer")?,
+            lr: get("lr")?.parse().map_err(|_| usage("--resume: metadata `lr` is not a number"))?,
+            lr_schedule: get("lr_schedule")?,
+            total_steps: number("total_steps")?,
+        })
+    }
+}
+
+/// Reads just the model spec a checkpoint was saved with (to build the model before resuming).
+pub fn model_of(path: &Path) -> anyhow::Result<String> {
+    let checkpoint = load(path, "--resume")?;
+    Ok(RunState::from_checkpoint(&checkpoint)?.model)
+}
+
+fn load(path: &Path, flag: &str) -> anyhow::Result<Checkpoint> {
+    checkpoint::load(path, &Device::host()).map_err(|e| usage(format!("{flag} {}: {e}", path.display())))
+}
+
+/// Each parameter's shape and the device its stage runs on.
+pub struct ParamHomes(Arc<HashMap<String, (Shape, Device)>>);
+
+impl ParamHomes {
+    /// From the trainer's parameters and the plan that placed their nodes.
+    pub fn new(trainer: &Trainer, plan: &Plan) -> anyhow::Result<ParamHomes> {
+        let mut homes = HashMap::new();
+        for (name, tensor) in trainer.parameters()? {
+            // The node is the longest stage node name that prefixes `name` followed by a dot.
+            let home = plan
+                .stages
+                .iter()
+                .flat_map(|s| s.node_names.iter().map(move |n| (s.stage_idx, n)))
+                .filter(|(_, node)| name.strip_prefix(node.as_str()).is_some_and(|rest| rest.starts_with('.')))
+                .max_by_key(|(_, node)| node.len())
+                .map(|(stage_idx, _)| trainer.devices()[trainer.schedule().device_of_stage(stage_idx)].clone())
+                .ok_or_else(|| anyhow::anyhow!("parameter `{name}` belongs to no stage of the plan"))?;
+            homes.insert(name, (tensor.shape().clone(), home));
+        }
+        Ok(ParamHomes(Arc::new(homes)))
+    }
+
+    /// Zero tensors standing for the parameters `names` (shape and device), for the optimizer's
+    /// state export and import, which read only those.
+    fn stand_ins(
+        homes: &HashMap<String, (Shape, Device)>,
+        names: &[String],
+        on_host: bool,
+    ) -> conveyor::engine::Result<Vec<Tensor>> {
+        let host = Device::host();
+        names
+            .iter()
+            .map(|name| {
+                let (shape, device) = homes.get(name).ok_or_else(|| {
+                    conveyor::engine::Error::invalid("parameters", format!("no parameter `{name}` in the plan"))
+                })?;
+                Tensor::zeros(shape.clone(), DType::F32, if on_host { &host } else { device })
+            })
+            .collect()
+    }
+}
+
+/// Saves parameters, optimizer state (unless `weights_only`) and the run state to `path`, atomically.
+pub fn save(
+    path: &Path,
+    trainer: &Trainer,
+    homes: &ParamHomes,
+    state: &RunState,
+    weights_only: bool,
+) -> anyhow::Result<()> {
+    let mut tensors: Vec<(String, Tensor)> = trainer.parameters()?;
+    if !weights_only {
+        let homes = Arc::clone(&homes.0);
+        let exported = trainer.with_optimizers(move |optimizer, names| {
+            let stand_ins = ParamHomes::stand_ins(&homes, names, true)?;
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            optimizer.export_state(&names, &stand_ins.iter().collect::<Vec<_>>())
+        })?;
+        for stage_state in exported {
+            tensors.extend(stage_state?);
+        }
+    }
+    let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let bad_target = |why: String| usage(format!("--save {}: {why}", path.display()));
+    if path.is_dir() {
+        return Err(bad_target("it is a directory; give a file path inside it".to_string()));
+    }
+    checkpoint::save_with_metadata(path, &named, &state.to_metadata()).map_err(|e| match e {
+        conveyor::engine::Error::Io { .. } => bad_target(format!("{e}; the previous checkpoint there is unchanged")),
+        other => anyhow::Error::new(other),
+    })
+}
+
+/// Restores a checkpoint into `trainer`: checks its run state matches `expected` (model, data
+/// position, seed, shuffling), then loads parameters and every stage's optimizer state strictly
+/// and sets the step index. Returns the checkpoint's run state.
+pub fn resume(
+    path: &Path,
+    trainer: &mut Trainer,
+    homes: &ParamHomes,
+    optimizer: &OptimizerConfig,
+    expected: &RunState,
+) -> anyhow::Result<RunState> {
+    let mut checkpoint = load(path, "--resume")?;
+    let saved = RunState::from_checkpoint(&checkpoint)?;
+    let mismatches: Vec<String> = [
+        ("--model", saved.model.clone(), expected.model.clone()),
+        ("--batch", saved.batch.to_string(), expected.batch.to_string()),
+        ("--seed", saved.seed.to_string(), expected.seed.to_string()),
+        ("--no-shuffle", (!saved.shuffle).to_string(), (!expected.shuffle).to_string()),
+        ("--optimizer", saved.optimizer.clone(), expected.optimizer.clone()),
+        ("training rows", saved.train_rows.to_string(), expected.train_rows.to_string()),
+    ]
+    .into_iter()
+    .filter(|(_, a, b)| a != b)
+    .map(|(flag, a, b)| format!("{flag}: checkpoint {a}, this run {b}"))
+    .collect();
+    if !mismatches.is_empty() {
+        return Err(usage(format!(
+            "--resume {}: the checkpoint was saved by a different run ({}); give the same flags to continue it",
+            path.display(),
+            mismatches.join("; ")
+        )));
+    }
+    let mut expected_tensors: Vec<TensorSpec> = Vec::new();
+    let mut param_names: Vec<String> = homes.0.keys().cloned().collect();
+    param_names.sort();
+    for name in &param_names {
+        let shape = homes.0[name].0.clone();
+        expected_tensors.push(TensorSpec::new(name.clone(), shape.clone(), DType::F32));
+        expected_tensors.push(TensorSpec::new(optimizer_state_name(name, STEP), Shape::new(Vec::new()), DType::F32));
+        for field in optimizer.state_tensor_fields() {
+            expected_tensors.push(TensorSpec::new(optimizer_state_name(name, field), shape.clone(), DType::F32));
+        }
+    }
+    checkpoint.check_exact(&expected_tensors).map_err(|e| usage(format!("--resume: {e}")))?;
+    let params: Vec<(String, Tensor)> =
+        param_names.iter().filter_map(|name| checkpoint.take(name).map(|t| (name.clone(), t))).collect();
+    trainer.load_parameters(params)?;
+    let shared = Arc::new(Mutex::new(checkpoint));
+    let homes = Arc::clone(&homes.0);
+    let results = trainer.with_optimizers(move |optimizer, names| {
+        let stand_ins = ParamHomes::stand_ins(&homes, names, false)?;
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let mut checkpoint = shared.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        optimizer.import_state(&names, &stand_ins.iter().collect::<Vec<_>>(), &mut checkpoint)
+    })?;
+    for result in results {
+        result.map_err(|e| usage(format!("--resume: {e}")))?;
+    }
+    trainer.set_step_idx(saved.step);
+    Ok(saved)
+}
+
+/// `--init`: loads parameters with PyTorch names after checking the file holds exactly the model's
+/// parameters with their shapes (any float dtype; converted to the model's).
+pub fn init(path: &Path, trainer: &mut Trainer) -> anyhow::Result<usize> {
+    let checkpoint = load(path, "--init")?;
+    let expected: Vec<TensorSpec> = trainer
+        .parameters()?
+        .iter()
+        .map(|(name, tensor)| {
+            let dtype = checkpoint.get(name).map_or(DType::F32, Tensor::dtype);
+            TensorSpec::new(name.clone(), tensor.shape().clone(), dtype)
+        })
+        .collect();
+    checkpoint.check_exact(&expected).map_err(|e| usage(format!("--init: {e}")))?;
+    let tensors: Vec<(String, Tensor)> = checkpoint.into_tensors().into_iter().collect();
+    let n = tensors.len();
+    trainer.load_parameters(tensors)?;
+    Ok(n)
+}

@@ -1,0 +1,127 @@
+//! `--data`: turns the flag into a training split and an optional held-out split, and checks the
+//! data against the model (input shape, class count).
+use std::path::Path;
+
+use conveyor::data::{self, DIGITS_TRAIN_ROWS, Dataset};
+use conveyor::zoo::ModelSpec;
+
+use crate::cli::usage;
+
+/// The training rows and the held-out rows (if any) of `--data`.
+pub struct Splits {
+    /// Rows batches are drawn from.
+    pub train: Dataset,
+    /// Rows for accuracy (`--eval-every` and the final summary).
+    pub test: Option<Dataset>,
+}
+
+/// Reads `--data` (see [`super::TrainArgs::data`]); every problem is a usage error (exit code 2).
+pub fn load(spec: &str, seed: u64, test_fraction: Option<f64>, classes: Option<usize>) -> anyhow::Result<Splits> {
+    if let Some(fraction) = test_fraction
+        && !(0.0..1.0).contains(&fraction)
+    {
+        return Err(usage(format!("--test-fraction {fraction}: give a fraction from 0 up to (not including) 1")));
+    }
+    let own_split = |name: &str| -> anyhow::Result<()> {
+        match (test_fraction, classes) {
+            (Some(_), _) => Err(usage(format!("--test-fraction: {name} has its own test split; drop the flag"))),
+            (_, Some(_)) => Err(usage(format!("--classes: {name} has 10 classes; drop the flag"))),
+            _ => Ok(()),
+        }
+    };
+    if spec == "digits" {
+        own_split("digits")?;
+        let all = data::digits()?;
+        let (mut train, mut test) = (all.slice(0, DIGITS_TRAIN_ROWS), all.slice(DIGITS_TRAIN_ROWS, all.len()));
+        // Standardise each pixel with statistics of the training rows only.
+        let (mean, std) = train.feature_stats();
+        train.standardize(&mean, &std);
+        test.standardize(&mean, &std);
+        return Ok(Splits { train, test: Some(test) });
+    }
+    let all = if let Some(rest) = spec.strip_prefix("synthetic:") {
+        let parts: Vec<usize> = rest
+            .split(',')
+            .map(|p| p.trim().parse::<usize>())
+            .collect::<Result<_, _>>()
+            .map_err(|_| usage(format!("--data `{spec}`: use synthetic:N,D,C with positive integers")))?;
+        let [n, d, c] = parts[..] else {
+            return Err(usage(format!("--data `{spec}`: use synthetic:N,D,C (samples, features, classes)")));
+        };
+        if classes.is_some() {
+            return Err(usage("--classes: synthetic:N,D,C sets the classes; drop the flag"));
+        }
+        data::synthetic(n, d, c, seed).map_err(|e| usage(e.to_string()))?
+    } else {
+        let path = Path::new(spec);
+        if path.is_dir() {
+            own_split("an MNIST directory")?;
+            let (train, test) = data::mnist_idx(path).map_err(|e| usage(format!("--data {spec}: {e}")))?;
+            return Ok(Splits { train, test: Some(test) });
+        }
+        if !path.exists() {
+            return Err(usage(format!(
+                "--data `{spec}`: no such file or directory; use digits, synthetic:N,D,C, a FILE.safetensors or an MNIST directory"
+            )));
+        }
+        if classes == Some(0) {
+            return Err(usage("--classes must be at least 1"));
+        }
+        data::from_safetensors(path, classes).map_err(|e| usage(format!("--data: {e}")))?
+    };
+    let n_test = (all.len() as f64 * test_fraction.unwrap_or(0.0)).round() as usize;
+    if n_test == 0 {
+        return Ok(Splits { train: all, test: None });
+    }
+    if n_test >= all.len() {
+        return Err(usage(format!("--test-fraction leaves no training rows of the {}", all.len())));
+    }
+    let cut = all.len() - n_test;
+    Ok(Splits { train: all.slice(0, cut), test: Some(all.slice(cut, all.len())) })
+}
+
+/// Fits the data to the model: flattens images for an MLP whose input width is their size, checks
+/// the input shape, and sets the class count to the model's output width (labels must be below it).
+pub fn fit_to_model(
+    splits: &mut Splits,
+    spec: &ModelSpec,
+    model_text: &str,
+    n_outputs: usize,
+    classes_flag: Option<usize>,
+) -> anyhow::Result<()> {
+    let input_shape = spec.input_shape();
+    for dataset in std::iter::once(&mut splits.train).chain(splits.test.as_mut()) {
+        let numel: usize = dataset.feature_shape.iter().product();
+        if matches!(spec, ModelSpec::Mlp(_)) && input_shape == [numel] {
+            dataset.feature_shape = vec![numel];
+        }
+        if dataset.feature_shape != input_shape {
+            return Err(usage(format!(
+                "--model {model_text} takes inputs of shape {input_shape:?} but the data has {:?}",
+                dataset.feature_shape
+            )));
+        }
+    }
+    if let Some(classes) = classes_flag
+        && classes != n_outputs
+    {
+        return Err(usage(format!("--classes {classes} but --model {model_text} has {n_outputs} outputs")));
+    }
+    for dataset in std::iter::once(&mut splits.train).chain(splits.test.as_mut()) {
+        if let Some((row, label)) = dataset.labels.iter().enumerate().find(|(_, l)| **l >= n_outputs) {
+            return Err(usage(format!(
+                "labels out of range: row {row} has label {label} but --model {model_text} has {n_outputs} outputs (classes 0..{n_outputs})"
+            )));
+        }
+        dataset.n_classes = n_outputs;
+    }
+    Ok(())
+}
+
+/// The model a data set gets when `--model` is not given.
+pub fn default_model(train: &Dataset) -> String {
+    match train.feature_shape.as_slice() {
+        [1, 8, 8] => "cnn".to_string(),
+        shape => format!("mlp:{},128,128,{}", shape.iter().product::<usize>(), train.n_classes.max(2)),
+    }
+}

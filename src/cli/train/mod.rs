@@ -1,0 +1,415 @@
+//! `conveyor train`: trains a model from the zoo on a dataset across devices with a pipeline
+//! schedule, printing progress, accuracy, throughput and the bubble summary.
+//!
+//! Code map: `args.rs` holds the flags and their parsers (shared with `conveyor plan`);
+//! `data_source.rs` turns `--data` into splits and fits them to the model; `checkpointing.rs`
+//! holds `--save`, `--resume` and `--init`; `progress.rs` the progress bars; `summary.rs` the
+//! accuracy and bubble summary. This file wires them into one run.
+mod args;
+mod checkpointing;
+mod data_source;
+mod progress;
+mod summary;
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Instant;
+
+pub use args::{LrSchedule, TrainArgs, parse_devices, parse_optimizer, parse_size};
+use checkpointing::{ParamHomes, RunState};
+use conveyor::data;
+use conveyor::engine::Device;
+use conveyor::engine::placement::{Plan, place_manually};
+use conveyor::engine::runtime::{Recompute, Trainer};
+use conveyor::engine::trace::{TimelineRecorder, timeline_filter};
+use conveyor::layers::CrossEntropyLoss;
+use conveyor::pipeline::{PipelineConfig, build_trainer, optimizer_memory, planner_inputs, simulated_inflight};
+use conveyor::schedules::export::{MemorySample, SvgOptions, TraceOptions, chrome_trace, svg_gantt};
+use conveyor::schedules::{CostModel, Schedule, ScheduleKind, StageCosts, simulate};
+use conveyor::zoo::ModelSpec;
+use progress::Progress;
+
+use super::usage;
+
+/// Installs the process's `tracing` subscriber: logs to stderr filtered by `RUST_LOG` (default
+/// `warn`), and, when a trace or chart is asked for, the op-span recorder.
+fn install_subscriber(record_ops: bool) -> Option<TimelineRecorder> {
+    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::SubscriberExt;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+    let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(filter);
+    let (recorder, timeline) = if record_ops {
+        let (recorder, layer) = TimelineRecorder::new();
+        (Some(recorder), Some(layer.with_filter(timeline_filter())))
+    } else {
+        (None, None)
+    };
+    let subscriber = tracing_subscriber::registry().with(logs).with(timeline);
+    // Only the first call in a process installs; later ones (tests running `run` twice) keep it.
+    let _ = tracing::subscriber::set_global_default(subscriber);
+    recorder
+}
+
+/// `--devices list`: what this build and machine offer.
+fn list_devices() {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    println!("cpu: {cores} core(s) here; `--devices cpu:N` runs N CPU devices (one worker thread each)");
+    match Device::cuda(0, None) {
+        Ok(device) => println!("cuda: {device} is available; `--devices cuda:0,1` lists GPUs"),
+        Err(e) => println!("cuda: unavailable ({e})"),
+    }
+}
+
+/// Maps planning and building errors the user can fix (bad schedule, does not fit, bad
+/// placement) to usage errors.
+fn input_error(e: conveyor::engine::Error) -> anyhow::Error {
+    match e {
+        conveyor::engine::Error::Schedule(_)
+        | conveyor::engine::Error::DoesNotFit { .. }
+        | conveyor::engine::Error::InvalidArgument { .. } => usage(e.to_string()),
+        other => anyhow::Error::new(other),
+    }
+}
+
+/// Places the graph (automatically, or from a `--placement` file) and starts the trainer.
+fn place_and_build(
+    graph: conveyor::engine::graph::Graph,
+    devices: Vec<Device>,
+    config: &PipelineConfig,
+    placement: &str,
+) -> anyhow::Result<(Plan, Trainer)> {
+    if placement == "auto" {
+        return build_trainer(graph, devices, config).map_err(input_error);
+    }
+    let path = std::path::Path::new(placement);
+    let stages = super::placement_file::read_placement_file(path)?;
+    let (specs, plan_config) = planner_inputs(
+        &devices,
+        config.schedule,
+        config.n_chunks,
+        config.n_micro_batches,
+        config.batch_rows,
+        optimizer_memory(&config.optimizer),
+    )
+    .map_err(input_error)?;
+    let plan = place_manually(&graph, &stages, &specs, &plan_config)
+        .map_err(|e| usage(format!("--placement {}: {e}", path.display())))?;
+    let trainer = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
+        .devices(devices)
+        .stages(plan.stages.iter().map(|s| s.nodes.clone()).collect())
+        .schedule(config.schedule, config.n_chunks)
+        .micro_batches(config.n_micro_batches)
+        .optimizer(config.optimizer)
+        .recompute(config.recompute)
+        .seed(config.seed)
+        .build()
+        .map_err(input_error)?;
+    Ok((plan, trainer))
+}
+
+/// Sets every stage's learning rate.
+fn set_lr(trainer: &Trainer, lr: f64) -> anyhow::Result<()> {
+    for result in trainer.with_optimizers(move |optimizer, _| optimizer.set_lr(lr))? {
+        result?;
+    }
+    Ok(())
+}
+
+/// Runs `conveyor train`.
+pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    if args.devices == "list" {
+        list_devices();
+        return Ok(());
+    }
+    let recorder = install_subscriber(args.trace.is_some() || args.svg.is_some());
+    if args.init.is_some() && args.resume.is_some() {
+        return Err(usage("--init and --resume both set the parameters; give one"));
+    }
+    let mut splits = data_source::load(&args.data, args.seed, args.test_fraction, args.classes)?;
+    let model_text = match (&args.model, &args.resume) {
+        (Some(model), _) => model.clone(),
+        (None, Some(path)) => checkpointing::model_of(path)?,
+        (None, None) => data_source::default_model(&splits.train),
+    };
+    let spec: ModelSpec = model_text.parse().map_err(|e: conveyor::engine::Error| usage(e.to_string()))?;
+    let schedule: ScheduleKind = args.schedule.parse().map_err(|e| usage(format!("--schedule: {e}")))?;
+    if args.chunks == 0 {
+        return Err(usage("--chunks must be at least 1"));
+    }
+    if args.chunks > 1 && !schedule.supports_chunks() {
+        return Err(usage(format!("--chunks {} needs --schedule interleaved", args.chunks)));
+    }
+    let recompute: Recompute = args.recompute.parse().map_err(|e: conveyor::engine::Error| usage(e.to_string()))?;
+    let lr_schedule: LrSchedule = args.lr_schedule.parse()?;
+    let budget = args.device_memory.as_deref().map(parse_size).transpose()?;
+    let mut devices = parse_devices(&args.devices, budget)?;
+    if let Some(stages) = args.stages {
+        if stages == 0 || stages > devices.len() {
+            return Err(usage(format!(
+                "--stages {stages}: give between 1 and the {} devices of --devices",
+                devices.len()
+            )));
+        }
+        devices.truncate(stages);
+    }
+    if args.microbatches == 0 || args.batch == 0 {
+        return Err(usage("--batch and --microbatches must be at least 1"));
+    }
+    if args.microbatches > args.batch {
+        return Err(usage(format!(
+            "--microbatches {} is more than the {} rows of a batch; use at most --microbatches {}",
+            args.microbatches, args.batch, args.batch
+        )));
+    }
+    for (flag, value) in [("--eval-every", args.eval_every), ("--checkpoint-every", args.checkpoint_every)] {
+        if value == Some(0) {
+            return Err(usage(format!("{flag} must be at least 1")));
+        }
+    }
+    if args.checkpoint_every.is_some() && args.save.is_none() {
+        return Err(usage("--checkpoint-every needs --save FILE to write to"));
+    }
+    let optimizer = parse_optimizer(&args.optimizer, args.lr, args.momentum, args.weight_decay)?;
+    let base_lr = optimizer.lr();
+    let graph = spec.build(args.seed).map_err(|e| usage(e.to_string()))?;
+    let n_outputs = graph.node(graph.output()?)?.output_shape.dims().iter().product::<usize>();
+    data_source::fit_to_model(&mut splits, &spec, &model_text, n_outputs, args.classes)?;
+    let data_source::Splits { train, test } = splits;
+    if args.batch > train.len() {
+        return Err(usage(format!("--batch {} is larger than the {} training rows", args.batch, train.len())));
+    }
+    let config = PipelineConfig {
+        schedule,
+        n_chunks: args.chunks,
+        n_micro_batches: args.microbatches,
+        batch_rows: args.batch,
+        optimizer,
+        recompute,
+        seed: args.seed,
+    };
+    let n_devices = devices.len();
+    let (plan, mut trainer) = place_and_build(graph, devices, &config, &args.placement)?;
+    let steps_per_epoch = (train.len() / args.batch) as u64;
+    let total_steps = args.steps.unwrap_or(args.epochs * steps_per_epoch);
+    let mut state = RunState {
+        step: 0,
+        steps_per_epoch,
+        seed: args.seed,
+        batch: args.batch,
+        shuffle: !args.no_shuffle,
+        train_rows: train.len(),
+        model: model_text.clone(),
+        data: args.data.clone(),
+        optimizer: args.optimizer.clone(),
+        lr: base_lr,
+        lr_schedule: lr_schedule.to_string(),
+        total_steps,
+    };
+    let homes = ParamHomes::new(&trainer, &plan)?;
+    let mut resumed_note = None;
+    if let Some(path) = &args.init {
+        let n = checkpointing::init(path, &mut trainer)?;
+        resumed_note = Some(format!("initialised {n} parameter tensors from {}", path.display()));
+    }
+    if let Some(path) = &args.resume {
+        let saved = checkpointing::resume(path, &mut trainer, &homes, &optimizer, &state)?;
+        state.step = saved.step;
+        let mut note = format!("resumed from {} at step {}", path.display(), saved.step);
+        let horizon_matters = lr_schedule == LrSchedule::Cosine && saved.total_steps != total_steps;
+        if (saved.lr, &saved.lr_schedule) != (base_lr, &state.lr_schedule) || horizon_matters {
+            note.push_str(&format!(
+                " (it ran lr {} {} over {} steps; this run uses lr {base_lr} {} over {total_steps}, so it will not match an uninterrupted run)",
+                saved.lr, saved.lr_schedule, saved.total_steps, state.lr_schedule
+            ));
+        }
+        resumed_note = Some(note);
+    }
+    let first_step = state.step;
+    println!(
+        "conveyor train: {model_text} on {} ({} train rows{}), {n_devices} device(s), {schedule}{}, {} micro-batches of {} rows, {} lr {base_lr} ({lr_schedule})",
+        args.data,
+        train.len(),
+        test.as_ref().map(|t| format!(", {} test rows", t.len())).unwrap_or_default(),
+        if args.chunks > 1 { format!(" x{} chunks", args.chunks) } else { String::new() },
+        args.microbatches,
+        args.batch.div_ceil(args.microbatches),
+        optimizer.name(),
+    );
+    for stage in &plan.stages {
+        println!(
+            "  stage {} on {}: {} ({} parameters)",
+            stage.stage_idx,
+            trainer.devices()[trainer.schedule().device_of_stage(stage.stage_idx)],
+            stage.node_names.join(" "),
+            stage.n_params
+        );
+    }
+    if let Some(note) = resumed_note {
+        println!("{note}");
+    }
+    if first_step >= total_steps && args.resume.is_some() {
+        println!("the checkpoint is already at step {first_step} of --steps {total_steps}; nothing to train");
+    }
+    let mut metrics = match &args.metrics {
+        Some(path) => Some(std::io::BufWriter::new(
+            std::fs::File::create(path).map_err(|e| usage(format!("--metrics {}: {e}", path.display())))?,
+        )),
+        None => None,
+    };
+    let progress = Progress::new(first_step, total_steps, steps_per_epoch);
+    let started = Instant::now();
+    let mut last_report = None;
+    let mut samples = 0u64;
+    let mut compute_s = 0.0;
+    let mut order = Vec::new();
+    let mut order_epoch = None;
+    let mut current_lr = base_lr;
+    let (mut last_step_start_s, mut last_step_end_s) = (0.0, 0.0);
+    for step in first_step..total_steps {
+        if let Some(recorder) = &recorder {
+            last_step_start_s = recorder.now_s();
+        }
+        let epoch = step / steps_per_epoch.max(1);
+        let within = (step % steps_per_epoch.max(1)) as usize;
+        if order_epoch != Some(epoch) {
+            order = data::epoch_order(train.len(), !args.no_shuffle, args.seed, epoch);
+            order_epoch = Some(epoch);
+        }
+        let lr = lr_schedule.lr(base_lr, step, total_steps);
+        if lr != current_lr {
+            set_lr(&trainer, lr)?;
+            current_lr = lr;
+        }
+        let indices = &order[within * args.batch..(within + 1) * args.batch];
+        let (x, y) = train.batch(indices)?;
+        let report = trainer.train_step(&x, &y)?;
+        if let Some(recorder) = &recorder {
+            last_step_end_s = recorder.now_s();
+        }
+        state.step = step + 1;
+        samples += args.batch as u64;
+        compute_s += report.step_s;
+        progress.step_done(step + 1, steps_per_epoch, report.loss);
+        let eval_now = args.eval_every.is_some_and(|n| (step + 1) % n == 0);
+        let eval_accuracy = match (&test, eval_now) {
+            (Some(test), true) => Some(summary::accuracy(&mut trainer, test, args.batch, args.microbatches)?),
+            _ => None,
+        };
+        if let Some(out) = metrics.as_mut() {
+            let mut line = serde_json::json!({
+                "step": step + 1,
+                "epoch": epoch,
+                "loss": report.loss,
+                "lr": lr,
+                "step_s": report.step_s,
+                "samples_per_s": args.batch as f64 / report.step_s,
+                "grad_norm": report.grad_norm,
+                "bubble_fraction": report.timeline.bubble_fraction(),
+            });
+            if let Some(accuracy) = eval_accuracy {
+                line["test_accuracy"] = accuracy.into();
+            }
+            writeln!(out, "{line}")?;
+        }
+        let log_now = args.log_every > 0 && ((step + 1) % args.log_every == 0 || step + 1 == total_steps);
+        if log_now || eval_accuracy.is_some() {
+            let mut line = format!(
+                "step {:>5}/{total_steps}  epoch {epoch}  loss {:.4}  lr {lr:.2e}  {:.0} samples/s",
+                step + 1,
+                report.loss,
+                args.batch as f64 / report.step_s
+            );
+            if let Some(accuracy) = eval_accuracy {
+                line.push_str(&format!("  test accuracy {:.2}%", accuracy * 100.0));
+            }
+            progress.println(line);
+        }
+        if let (Some(path), Some(every)) = (&args.save, args.checkpoint_every)
+            && (step + 1) % every == 0
+            && step + 1 != total_steps
+        {
+            checkpointing::save(path, &trainer, &homes, &state, args.save_weights_only)?;
+            tracing::info!(step = step + 1, path = %path.display(), "checkpoint saved");
+        }
+        last_report = Some(report);
+    }
+    progress.finish();
+    let wall_s = started.elapsed().as_secs_f64();
+    let accuracy = match &test {
+        Some(test) => Some(summary::accuracy(&mut trainer, test, args.batch, args.microbatches)?),
+        None => None,
+    };
+    let steps_run = total_steps.saturating_sub(first_step);
+    println!(
+        "\ntrained {steps_run} steps in {wall_s:.2} s: {:.0} samples/s",
+        samples as f64 / compute_s.max(f64::MIN_POSITIVE)
+    );
+    if let Some(report) = &last_report {
+        println!("final loss {:.4}", report.loss);
+    }
+    if let Some(acc) = accuracy {
+        println!("test accuracy {:.2}% ({} rows)", acc * 100.0, test.as_ref().map_or(0, data::Dataset::len));
+    }
+    let sched = Schedule::new(schedule, n_devices, args.microbatches, args.chunks)?;
+    let mut bubble = None;
+    if let Some(report) = &last_report {
+        // Bubble summary: measured on the last step, against theory and the simulator fed the
+        // measured per-stage op costs.
+        let measured = report.timeline.bubble_fraction();
+        let theory = simulate(&sched, &CostModel::uniform(StageCosts::UNIT))?.bubble_fraction;
+        let predicted = simulate(&sched, &summary::measured_costs(&report.timeline, sched.n_stages()))?.bubble_fraction;
+        let inflight = simulated_inflight(schedule, n_devices, args.microbatches, args.chunks)?;
+        println!(
+            "bubble: measured {:.1}%, simulator with measured costs {:.1}%, schedule theory (equal costs) {:.1}%",
+            measured * 100.0,
+            predicted * 100.0,
+            theory * 100.0
+        );
+        summary::print_devices(report, trainer.devices(), &inflight, &|line| println!("{line}"));
+        bubble = Some((measured, predicted));
+    }
+    if let Some(out) = metrics.as_mut() {
+        writeln!(
+            out,
+            "{}",
+            serde_json::json!({
+                "summary": true,
+                "steps": state.step,
+                "final_loss": last_report.as_ref().map(|r| r.loss),
+                "test_accuracy": accuracy,
+                "peak_memory_bytes": last_report.as_ref().map(|r| r.peak_memory.clone()),
+                "bubble_fraction": bubble.map(|b| b.0),
+                "predicted_bubble_fraction": bubble.map(|b| b.1),
+                "samples_per_s": samples as f64 / compute_s.max(f64::MIN_POSITIVE),
+            })
+        )?;
+        out.flush()?;
+    }
+    if let Some(recorder) = &recorder {
+        let labels: Vec<String> = trainer.devices().iter().map(|d| d.to_string()).collect();
+        if let Some(path) = &args.svg {
+            let last_step = recorder.timeline_window(last_step_start_s, last_step_end_s, n_devices, sched.n_stages());
+            let title = format!("{schedule}, p={n_devices}, m={}, measured (last step)", args.microbatches);
+            let options = SvgOptions { title, device_labels: labels.clone(), ..SvgOptions::default() };
+            super::write_atomically(path, "--svg", &svg_gantt(&last_step, &options))?;
+            println!("wrote the last step's chart to {}", path.display());
+        }
+        if let Some(path) = &args.trace {
+            let memory_samples = recorder
+                .memory()
+                .into_iter()
+                .map(|m| MemorySample { device_idx: m.device_idx, time_s: m.time_s, bytes: m.bytes })
+                .collect();
+            let options = TraceOptions { device_labels: labels, memory_samples };
+            let whole_run = recorder.timeline(n_devices, sched.n_stages());
+            super::write_atomically(path, "--trace", &chrome_trace(&whole_run, &options))?;
+            println!("wrote a trace of {} ops to {}", whole_run.events.len(), path.display());
+        }
+    }
+    if let Some(path) = &args.save {
+        checkpointing::save(path, &trainer, &homes, &state, args.save_weights_only)?;
+        let what = if args.save_weights_only { "parameters" } else { "parameters and optimizer state" };
+        println!("saved the {what} at step {} to {}", state.step, path.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,107 @@
+//! The end-of-run summary of `conveyor train`: accuracy on the held-out rows, and the bubble
+//! summary (measured on the last step, against schedule theory and the simulator fed the measured
+//! per-stage costs).
+use conveyor::data::Dataset;
+use conveyor::engine::runtime::{StepReport, Trainer};
+use conveyor::engine::{Device, Tensor};
+use conveyor::schedules::{CostModel, StageCosts};
+
+/// Fraction of `test`'s rows the trainer classifies correctly. Evaluates in chunks of `chunk_rows`
+/// (the batch size the planner budgeted for); a chunk with fewer rows than the micro-batch count
+/// is padded with copies of its first row, whose outputs are dropped.
+pub fn accuracy(
+    trainer: &mut Trainer,
+    test: &Dataset,
+    chunk_rows: usize,
+    n_micro_batches: usize,
+) -> anyhow::Result<f64> {
+    let n_classes = test.n_classes;
+    let mut correct = 0usize;
+    let chunk_rows = chunk_rows.max(n_micro_batches).max(1);
+    for start in (0..test.len()).step_by(chunk_rows) {
+        let end = (start + chunk_rows).min(test.len());
+        let mut indices: Vec<usize> = (start..end).collect();
+        while indices.len() < n_micro_batches {
+            indices.push(start);
+        }
+        let (x, y) = test.batch(&indices)?;
+        let logits: Tensor = trainer.predict(&x)?;
+        let values = logits.to_vec_f32();
+        correct += y[..end - start]
+            .iter()
+            .enumerate()
+            .filter(|(row, label)| {
+                let row_values = &values[row * n_classes..(row + 1) * n_classes];
+                let best = row_values.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i);
+                best == Some(**label)
+            })
+            .count();
+    }
+    Ok(correct as f64 / test.len().max(1) as f64)
+}
+
+/// Prints each device's busy and idle time and peak memory in the last step.
+pub fn print_devices(report: &StepReport, devices: &[Device], inflight: &[usize], println: &dyn Fn(String)) {
+    let busy = report.timeline.busy_s();
+    let makespan = report.timeline.makespan_s();
+    for (device_idx, device) in devices.iter().enumerate() {
+        let waiting: f64 = report
+            .timeline
+            .events
+            .iter()
+            .filter(|e| e.device_idx == device_idx && e.op == conveyor::schedules::OpKind::Wait)
+            .map(|e| e.duration_s())
+            .sum::<f64>()
+            + 0.0; // an empty f64 sum is -0.0
+        println(format!(
+            "  {device}: busy {:.1} ms, idle {:.1} ms (waiting for messages {:.1} ms) of a {:.1} ms step, peak memory {} (micro-batches in flight on its first stage: {})",
+            busy[device_idx] * 1e3,
+            (makespan - busy[device_idx]) * 1e3,
+            waiting * 1e3,
+            makespan * 1e3,
+            conveyor::engine::placement::format_bytes(report.peak_memory[device_idx]),
+            inflight.get(device_idx).copied().unwrap_or(0),
+        ));
+    }
+}
+
+/// Per-stage mean op costs measured in a timeline, for the simulator.
+pub fn measured_costs(timeline: &conveyor::schedules::Timeline, n_stages: usize) -> CostModel {
+    use conveyor::schedules::OpKind;
+    let mut sums = vec![[0.0f64; 4]; n_stages];
+    let mut counts = vec![[0usize; 4]; n_stages];
+    let (mut optimizer_s, mut optimizer_n) = (0.0, 0usize);
+    for event in &timeline.events {
+        if event.op == OpKind::OptimizerStep {
+            optimizer_s += event.duration_s();
+            optimizer_n += 1;
+        }
+        let Some(stage) = event.stage_idx else { continue };
+        let slot = match event.op {
+            OpKind::Forward => 0,
+            OpKind::BackwardInput => 1,
+            OpKind::BackwardWeight => 2,
+            OpKind::Backward => 3,
+            _ => continue,
+        };
+        sums[stage][slot] += event.duration_s();
+        counts[stage][slot] += 1;
+    }
+    let mean = |s: usize, k: usize| if counts[s][k] == 0 { 0.0 } else { sums[s][k] / counts[s][k] as f64 };
+    let stages = (0..n_stages)
+        .map(|s| {
+            let (b, w) = if counts[s][3] > 0 {
+                // A fused backward: split it evenly so B + W equals the measured fused cost.
+                (mean(s, 3) / 2.0, mean(s, 3) / 2.0)
+            } else {
+                (mean(s, 1), mean(s, 2))
+            };
+            StageCosts { forward_s: mean(s, 0), backward_input_s: b, backward_weight_s: w }
+        })
+        .collect();
+    CostModel::per_stage(stages).with_optimizer_step_s(if optimizer_n == 0 {
+        0.0
+    } else {
+        optimizer_s / optimizer_n as f64
+    })
+}
