@@ -19,7 +19,7 @@ enum Command {
     /// Simulate a pipeline schedule and print its timeline, makespan and bubble fraction.
     Simulate(cli::simulate::SimulateArgs),
     /// Train a model across devices with a pipeline schedule (defaults: a CNN on the built-in digits, cpu:2, 1F1B).
-    Train(cli::train::TrainArgs),
+    Train(Box<cli::train::TrainArgs>),
     /// Place a model on devices under memory budgets and print each stage's layers, memory and
     /// predicted times, with the predicted step time and bubble fraction.
     Plan(cli::plan::PlanArgs),
@@ -29,7 +29,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Simulate(args) => cli::simulate::run(args),
-        Command::Train(args) => cli::train::run(args),
+        Command::Train(args) => cli::train::run(*args),
         Command::Plan(args) => cli::plan::run(args),
     };
     if let Err(err) = result {

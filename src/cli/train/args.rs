@@ -38,9 +38,14 @@ pub struct TrainArgs {
     /// Memory budget of each device, e.g. `512MiB` or `2GiB` (default: unlimited).
     #[arg(long, value_name = "SIZE")]
     pub device_memory: Option<String>,
-    /// Pipeline stages per chunk; default one per device. Uses the first P devices.
+    /// Pipeline stages per chunk; default one per device (per group of --tensor-parallel
+    /// devices). Uses the first P (x K) devices.
     #[arg(long)]
     pub stages: Option<usize>,
+    /// Split every Linear and Conv2d of each stage across a group of K devices (Megatron
+    /// column/row pairs, channel-split convolutions); stages x K must not exceed the devices.
+    #[arg(long, value_name = "K", default_value_t = 1)]
+    pub tensor_parallel: usize,
     /// Placement of layers on stages: `auto` (minimise the slowest stage under the budgets), or a
     /// file as `conveyor plan --placement` reads: one line per stage listing node names or ranges
     /// `first..last` separated by spaces (`#` starts a comment).

@@ -143,14 +143,33 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let lr_schedule: LrSchedule = args.lr_schedule.parse()?;
     let budget = args.device_memory.as_deref().map(parse_size).transpose()?;
     let mut devices = parse_devices(&args.devices, budget)?;
+    let k = args.tensor_parallel;
+    if k == 0 {
+        return Err(usage("--tensor-parallel must be at least 1"));
+    }
     if let Some(stages) = args.stages {
-        if stages == 0 || stages > devices.len() {
+        if stages == 0 || stages * k > devices.len() {
             return Err(usage(format!(
-                "--stages {stages}: give between 1 and the {} devices of --devices",
+                "--stages {stages} with --tensor-parallel {k} needs {} devices but --devices gives {}",
+                stages * k,
                 devices.len()
             )));
         }
-        devices.truncate(stages);
+        devices.truncate(stages * k);
+    }
+    if devices.len() % k != 0 {
+        return Err(usage(format!(
+            "--tensor-parallel {k}: the {} devices do not split into groups of {k}; give stages x {k} devices",
+            devices.len()
+        )));
+    }
+    if k > 1 && args.placement != "auto" {
+        return Err(usage("--placement FILE is not supported with --tensor-parallel yet; use --placement auto"));
+    }
+    if k > 1 && args.resume.is_some() {
+        return Err(usage(
+            "--resume is not supported with --tensor-parallel yet (optimizer state of split layers is kept per shard)",
+        ));
     }
     if args.microbatches == 0 || args.batch == 0 {
         return Err(usage("--batch and --microbatches must be at least 1"));
@@ -187,8 +206,20 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         recompute,
         seed: args.seed,
     };
-    let n_devices = devices.len();
-    let (plan, mut trainer) = place_and_build(graph, devices, &config, &args.placement)?;
+    // The pipeline's width: one worker per group of `k` devices.
+    let n_devices = devices.len() / k;
+    let (plan, mut trainer) = if k > 1 {
+        drop(graph);
+        conveyor::pipeline::build_trainer_tensor_parallel(&spec, args.seed, devices, k, &config).map_err(input_error)?
+    } else {
+        place_and_build(graph, devices, &config, &args.placement)?
+    };
+    // One label per worker: its device, or its group of devices joined with `+`.
+    let worker_labels: Vec<String> = trainer
+        .device_groups()
+        .iter()
+        .map(|group| group.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("+"))
+        .collect();
     let steps_per_epoch = (train.len() / args.batch) as u64;
     let total_steps = args.steps.unwrap_or(args.epochs * steps_per_epoch);
     let mut state = RunState {
@@ -239,7 +270,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         println!(
             "  stage {} on {}: {} ({} parameters)",
             stage.stage_idx,
-            trainer.devices()[trainer.schedule().device_of_stage(stage.stage_idx)],
+            worker_labels[trainer.schedule().device_of_stage(stage.stage_idx)],
             stage.node_names.join(" "),
             stage.n_params
         );
@@ -365,7 +396,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             predicted * 100.0,
             theory * 100.0
         );
-        summary::print_devices(report, trainer.devices(), &inflight, &|line| println!("{line}"));
+        summary::print_devices(report, &worker_labels, k, &inflight, &|line| println!("{line}"));
+        if k > 1 {
+            for (device, peak) in trainer.devices().iter().zip(&report.peak_memory) {
+                println!("  {device}: peak memory {}", conveyor::engine::placement::format_bytes(*peak));
+            }
+        }
         bubble = Some((measured, predicted));
     }
     if let Some(out) = metrics.as_mut() {
@@ -386,7 +422,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         out.flush()?;
     }
     if let Some(recorder) = &recorder {
-        let labels: Vec<String> = trainer.devices().iter().map(|d| d.to_string()).collect();
+        let labels = worker_labels.clone();
         if let Some(path) = &args.svg {
             let last_step = recorder.timeline_window(last_step_start_s, last_step_end_s, n_devices, sched.n_stages());
             let title = format!("{schedule}, p={n_devices}, m={}, measured (last step)", args.microbatches);
@@ -407,8 +443,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
     }
     if let Some(path) = &args.save {
-        checkpointing::save(path, &trainer, &homes, &state, args.save_weights_only)?;
-        let what = if args.save_weights_only { "parameters" } else { "parameters and optimizer state" };
+        // Split layers keep optimizer state per shard: with tensor parallelism only weights are saved.
+        let weights_only = args.save_weights_only || k > 1;
+        checkpointing::save(path, &trainer, &homes, &state, weights_only)?;
+        let what = if weights_only { "parameters" } else { "parameters and optimizer state" };
         println!("saved the {what} at step {} to {}", state.step, path.display());
     }
     Ok(())

@@ -3,7 +3,7 @@
 //! per-stage costs).
 use conveyor::data::Dataset;
 use conveyor::engine::runtime::{StepReport, Trainer};
-use conveyor::engine::{Device, Tensor};
+use conveyor::engine::Tensor;
 use conveyor::schedules::{CostModel, StageCosts};
 
 /// Fraction of `test`'s rows the trainer classifies correctly. Evaluates in chunks of `chunk_rows`
@@ -40,8 +40,15 @@ pub fn accuracy(
     Ok(correct as f64 / test.len().max(1) as f64)
 }
 
-/// Prints each device's busy and idle time and peak memory in the last step.
-pub fn print_devices(report: &StepReport, devices: &[Device], inflight: &[usize], println: &dyn Fn(String)) {
+/// Prints busy, idle and waiting time per worker (`devices` labels one per worker), with the
+/// highest peak memory among the worker's devices (`group_size` devices each).
+pub fn print_devices(
+    report: &StepReport,
+    devices: &[String],
+    group_size: usize,
+    inflight: &[usize],
+    println: &dyn Fn(String),
+) {
     let busy = report.timeline.busy_s();
     let makespan = report.timeline.makespan_s();
     for (device_idx, device) in devices.iter().enumerate() {
@@ -59,7 +66,9 @@ pub fn print_devices(report: &StepReport, devices: &[Device], inflight: &[usize]
             (makespan - busy[device_idx]) * 1e3,
             waiting * 1e3,
             makespan * 1e3,
-            conveyor::engine::placement::format_bytes(report.peak_memory[device_idx]),
+            conveyor::engine::placement::format_bytes(
+                report.peak_memory.iter().skip(device_idx * group_size).take(group_size).copied().max().unwrap_or(0)
+            ),
             inflight.get(device_idx).copied().unwrap_or(0),
         ));
     }
