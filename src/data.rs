@@ -170,6 +170,23 @@ pub fn synthetic(n_rows: usize, n_features: usize, n_classes: usize, seed: u64) 
     Ok(Dataset { features, feature_shape: vec![n_features], labels, n_classes })
 }
 
+/// `n_rows` sequences of `n_tokens` token ids in `0..vocab` (stored as integral f32, as the
+/// Embedding layer reads them), labelled by their first token modulo `n_classes`: a task a
+/// transformer learns only by attending to position 0. Seeded.
+pub fn synthetic_tokens(n_rows: usize, n_tokens: usize, vocab: usize, n_classes: usize, seed: u64) -> Result<Dataset> {
+    if n_rows == 0 || n_tokens == 0 || vocab < 2 || n_classes < 2 || n_classes > vocab {
+        return Err(Error::invalid(
+            "token data",
+            "need N >= 1 rows, T >= 1 tokens, VOCAB >= 2 and 2 <= C <= VOCAB classes (tokens:N,T,VOCAB,C)",
+        ));
+    }
+    let mut rng = conveyor_engine::init::rng(seed);
+    let ids = conveyor_engine::init::uniform([n_rows * n_tokens], 0.0, vocab as f32, &mut rng, &Device::host())?;
+    let features: Vec<f32> = ids.to_vec_f32().iter().map(|v| v.floor().min(vocab as f32 - 1.0)).collect();
+    let labels = (0..n_rows).map(|r| features[r * n_tokens] as usize % n_classes).collect();
+    Ok(Dataset { features, feature_shape: vec![n_tokens], labels, n_classes })
+}
+
 /// Row order for one epoch: shuffled with the epoch's seed, or in data order.
 pub fn epoch_order(n_rows: usize, shuffle: bool, seed: u64, epoch: u64) -> Vec<usize> {
     let mut order: Vec<usize> = (0..n_rows).collect();

@@ -17,7 +17,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub model: Option<String>,
     /// Data: `digits` (built in: 1,437 train and 360 test images), `synthetic:N,D,C` (N samples,
-    /// D features, C classes, seeded by --seed), a `FILE.safetensors` holding `inputs` f32 [N, ...]
+    /// D features, C classes, seeded by --seed), `tokens:N,T,VOCAB,C` (N sequences of T token ids,
+    /// labelled by their first token mod C; the default model is then a transformer), a `FILE.safetensors` holding `inputs` f32 [N, ...]
     /// and `labels` i64 [N], or an MNIST directory of IDX files (train-images-idx3-ubyte,
     /// train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, each optionally .gz;
     /// pixels scaled to [0, 1]).

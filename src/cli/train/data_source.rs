@@ -39,7 +39,20 @@ pub fn load(spec: &str, seed: u64, test_fraction: Option<f64>, classes: Option<u
         test.standardize(&mean, &std);
         return Ok(Splits { train, test: Some(test) });
     }
-    let all = if let Some(rest) = spec.strip_prefix("synthetic:") {
+    let all = if let Some(rest) = spec.strip_prefix("tokens:") {
+        let parts: Vec<usize> = rest
+            .split(',')
+            .map(|p| p.trim().parse::<usize>())
+            .collect::<Result<_, _>>()
+            .map_err(|_| usage(format!("--data `{spec}`: use tokens:N,T,VOCAB,C with positive integers")))?;
+        let [n, t, vocab, c] = parts[..] else {
+            return Err(usage(format!("--data `{spec}`: use tokens:N,T,VOCAB,C (sequences, tokens, vocabulary, classes)")));
+        };
+        if classes.is_some() {
+            return Err(usage("--classes: tokens:N,T,VOCAB,C sets the classes; drop the flag"));
+        }
+        data::synthetic_tokens(n, t, vocab, c, seed).map_err(|e| usage(e.to_string()))?
+    } else if let Some(rest) = spec.strip_prefix("synthetic:") {
         let parts: Vec<usize> = rest
             .split(',')
             .map(|p| p.trim().parse::<usize>())

@@ -129,7 +129,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let model_text = match (&args.model, &args.resume) {
         (Some(model), _) => model.clone(),
         (None, Some(path)) => checkpointing::model_of(path)?,
-        (None, None) => data_source::default_model(&splits.train),
+        (None, None) => match args.data.strip_prefix("tokens:").map(|r| r.split(',').collect::<Vec<_>>()) {
+            // Token data: a small transformer over its vocabulary and sequence length.
+            Some(p) if p.len() == 4 => format!("transformer:{},{},32,4,2,{}", p[2].trim(), p[1].trim(), p[3].trim()),
+            _ => data_source::default_model(&splits.train),
+        },
     };
     let spec: ModelSpec = model_text.parse().map_err(|e: conveyor::engine::Error| usage(e.to_string()))?;
     let schedule: ScheduleKind = args.schedule.parse().map_err(|e| usage(format!("--schedule: {e}")))?;
