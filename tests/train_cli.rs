@@ -33,8 +33,9 @@ fn metrics_and_checkpoint_are_written() {
     let dir = temp_dir("metrics");
     let metrics_path = dir.join("m.jsonl");
     let save = dir.join("model.safetensors");
+    let checkpoint = dir.join("checkpoint.safetensors");
     let mut args = SMALL.to_vec();
-    args.extend(["--metrics", arg(&metrics_path), "--save", arg(&save)]);
+    args.extend(["--metrics", arg(&metrics_path), "--save", arg(&save), "--checkpoint", arg(&checkpoint)]);
     let out = conveyor(&args);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -55,9 +56,14 @@ fn metrics_and_checkpoint_are_written() {
     assert_eq!(summary["summary"], true);
     assert_eq!(summary["peak_memory_bytes"].as_array().unwrap().len(), 2);
     assert!(summary["bubble_fraction"].as_f64().unwrap() > 0.0);
-    let names: Vec<String> = parameters(&save).into_keys().collect();
+    // --save writes exactly the state dict; --checkpoint adds the optimizer state for --resume.
+    let (saved, _) = read_checkpoint(&save);
+    let mut saved_names: Vec<&String> = saved.keys().collect();
+    saved_names.sort();
+    assert_eq!(saved_names, ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]);
+    let names: Vec<String> = parameters(&checkpoint).into_keys().collect();
     assert_eq!(names, ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]);
-    let (tensors, metadata) = read_checkpoint(&save);
+    let (tensors, metadata) = read_checkpoint(&checkpoint);
     assert_eq!(tensors["0.weight"].1, [16, 8]);
     assert_eq!(tensors["optimizer.0.weight.momentum_buffer"].1, [16, 8]);
     assert_eq!(metadata["conveyor.train.step"], "6");

@@ -14,13 +14,13 @@ fn resume_matches_uninterrupted(name: &str, run: &[&str]) {
     let stopped = dir.join("stopped.safetensors");
     let resumed = dir.join("resumed.safetensors");
     let base = [&["train", "--log-every", "0"], run].concat();
-    conveyor_ok(&[&base[..], &["--steps", "6", "--save", arg(&straight)]].concat());
-    conveyor_ok(&[&base[..], &["--steps", "3", "--save", arg(&stopped)]].concat());
+    conveyor_ok(&[&base[..], &["--steps", "6", "--checkpoint", arg(&straight)]].concat());
+    conveyor_ok(&[&base[..], &["--steps", "3", "--checkpoint", arg(&stopped)]].concat());
     let metrics_path = dir.join("m.jsonl");
     let stdout = conveyor_ok(
         &[
             &base[..],
-            &["--steps", "6", "--resume", arg(&stopped), "--save", arg(&resumed), "--metrics", arg(&metrics_path)],
+            &["--steps", "6", "--resume", arg(&stopped), "--checkpoint", arg(&resumed), "--metrics", arg(&metrics_path)],
         ]
         .concat(),
     );
@@ -104,8 +104,8 @@ fn resume_refuses_a_checkpoint_of_another_run() {
     let checkpoint = dir.join("ck.safetensors");
     let weights = dir.join("weights.safetensors");
     let run = ["train", "--model", "mlp:8,16,4", "--data", "synthetic:40,8,4", "--batch", "8", "--log-every", "0"];
-    conveyor_ok(&[&run[..], &["--steps", "2", "--save", arg(&checkpoint)]].concat());
-    conveyor_ok(&[&run[..], &["--steps", "2", "--save", arg(&weights), "--save-weights-only"]].concat());
+    conveyor_ok(&[&run[..], &["--steps", "2", "--checkpoint", arg(&checkpoint)]].concat());
+    conveyor_ok(&[&run[..], &["--steps", "2", "--save", arg(&weights)]].concat());
     let checkpoint_arg = arg(&checkpoint);
     let resume = |extra: &[&'static str]| -> Vec<&str> {
         [&run[..], &["--steps", "4", "--resume", checkpoint_arg], extra].concat()
@@ -128,13 +128,13 @@ fn a_failed_save_leaves_the_previous_checkpoint_loadable() {
     let dir = temp_dir("save-fails");
     let checkpoint = dir.join("ck.safetensors");
     let run = ["train", "--model", "mlp:8,16,4", "--data", "synthetic:40,8,4", "--batch", "8", "--log-every", "0"];
-    conveyor_ok(&[&run[..], &["--steps", "2", "--save", arg(&checkpoint)]].concat());
+    conveyor_ok(&[&run[..], &["--steps", "2", "--checkpoint", arg(&checkpoint)]].concat());
     let before = std::fs::read(&checkpoint).unwrap();
 
     // A target that is a directory: refused, nothing else touched.
     let as_dir = dir.join("a-directory.safetensors");
     std::fs::create_dir_all(&as_dir).unwrap();
-    assert_usage_error(&[&run[..], &["--steps", "1", "--save", arg(&as_dir)]].concat(), "it is a directory");
+    assert_usage_error(&[&run[..], &["--steps", "1", "--checkpoint", arg(&as_dir)]].concat(), "it is a directory");
 
     // A directory we cannot write into: the temporary file cannot be created, so the save fails
     // before the rename and the previous checkpoint stays as it was. (Skipped when running as a
@@ -147,7 +147,7 @@ fn a_failed_save_leaves_the_previous_checkpoint_loadable() {
         eprintln!("skipped the read-only directory case: this user can write to read-only directories");
     } else {
         let out =
-            conveyor(&[&run[..], &["--steps", "4", "--resume", arg(&checkpoint), "--save", arg(&checkpoint)]].concat());
+            conveyor(&[&run[..], &["--steps", "4", "--resume", arg(&checkpoint), "--checkpoint", arg(&checkpoint)]].concat());
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{stderr}");
         assert!(stderr.contains("the previous checkpoint there is unchanged"), "{stderr}");
@@ -158,7 +158,7 @@ fn a_failed_save_leaves_the_previous_checkpoint_loadable() {
     // A save killed midway: a process stopped by SIGKILL while it writes. The checkpoint was
     // replaced whole or not at all, so whatever is there loads.
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_conveyor"))
-        .args([&run[..], &["--steps", "400", "--checkpoint-every", "1", "--save", arg(&checkpoint)]].concat())
+        .args([&run[..], &["--steps", "400", "--checkpoint-every", "1", "--checkpoint", arg(&checkpoint)]].concat())
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();

@@ -13,7 +13,6 @@ fn conveyor(args: &[&str]) -> Output {
 const RUN: &[&str] = &[
     "train", "--model", "mlp:8,32,32,4", "--data", "synthetic:64,8,4", "--batch", "16", "--microbatches", "4",
     "--steps", "5", "--optimizer", "momentum", "--lr", "0.05", "--seed", "2", "--no-shuffle", "--log-every", "0",
-    "--save-weights-only",
 ];
 
 #[test]

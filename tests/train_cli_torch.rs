@@ -196,7 +196,6 @@ fn a_saved_mlp_checkpoint_loads_into_the_matching_torch_sequential() {
         "1",
         "--save",
         arg(&weights_only),
-        "--save-weights-only",
         "--log-every",
         "0",
     ]);

@@ -102,18 +102,19 @@ pub struct TrainArgs {
     /// model exactly.
     #[arg(long, value_name = "FILE")]
     pub init: Option<PathBuf>,
-    /// Continue from a checkpoint written by --save or --checkpoint-every, up to --steps total,
-    /// with the optimizer state, step count and data position restored.
+    /// Continue from a checkpoint written by --checkpoint, up to --steps total, with the
+    /// optimizer state, step count and data position restored.
     #[arg(long, value_name = "FILE")]
     pub resume: Option<PathBuf>,
-    /// Save a checkpoint here at the end (atomically): the parameters under PyTorch names, the
-    /// optimizer state as `optimizer.<param>.<field>`, and the run's position as metadata.
+    /// Save the trained model here at the end (atomically): exactly a PyTorch state dict, the
+    /// parameters under their PyTorch names (`model.load_state_dict(load_file(FILE))`).
     #[arg(long, value_name = "FILE")]
     pub save: Option<PathBuf>,
-    /// With --save: write the parameters only (for `model.load_state_dict(load_file(FILE))`).
-    #[arg(long)]
-    pub save_weights_only: bool,
-    /// Also save the --save checkpoint every N steps during the run.
+    /// Write a training checkpoint here at the end (atomically) for --resume: the parameters, the
+    /// optimizer state as `optimizer.<param>.<field>`, and the run's position as metadata.
+    #[arg(long, value_name = "FILE")]
+    pub checkpoint: Option<PathBuf>,
+    /// Also write the --checkpoint file every N steps during the run.
     #[arg(long, value_name = "N")]
     pub checkpoint_every: Option<u64>,
     /// Measure accuracy on the held-out split every N steps (printed and in the metrics file).

@@ -1,4 +1,5 @@
-//! Training checkpoints (`--save`, `--checkpoint-every`, `--resume`) and `--init`.
+//! Saved models (`--save`: a PyTorch state dict), training checkpoints (`--checkpoint`,
+//! `--checkpoint-every`, `--resume`) and `--init`.
 //!
 //! A checkpoint is one safetensors file written atomically by
 //! [`conveyor::engine::checkpoint::save_with_metadata`] (temporary file, fsync, rename), so a save
@@ -86,7 +87,7 @@ impl RunState {
         let get = |key: &str| -> anyhow::Result<String> {
             checkpoint
                 .metadata_value::<String>(&format!("{KEY_PREFIX}{key}"))
-                .map_err(|e| usage(format!("--resume: {e}; resume from a checkpoint written by conveyor train --save")))
+                .map_err(|e| usage(format!("--resume: {e}; resume from a checkpoint written by conveyor train --checkpoint")))
         };
         let number = |key: &str| -> anyhow::Result<u64> {
             get(key)?.parse().map_err(|_| usage(format!("--resume: metadata `{KEY_PREFIX}{key}` is not a number")))
@@ -160,13 +161,15 @@ impl ParamHomes {
     }
 }
 
-/// Saves parameters, optimizer state (unless `weights_only`) and the run state to `path`, atomically.
+/// Saves parameters, optimizer state (unless `weights_only`) and the run state to `path`,
+/// atomically; `flag` names the option in errors.
 pub fn save(
     path: &Path,
     trainer: &Trainer,
     homes: &ParamHomes,
     state: &RunState,
     weights_only: bool,
+    flag: &str,
 ) -> anyhow::Result<()> {
     let mut tensors: Vec<(String, Tensor)> = trainer.parameters()?;
     if !weights_only {
@@ -181,7 +184,7 @@ pub fn save(
         }
     }
     let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    let bad_target = |why: String| usage(format!("--save {}: {why}", path.display()));
+    let bad_target = |why: String| usage(format!("{flag} {}: {why}", path.display()));
     if path.is_dir() {
         return Err(bad_target("it is a directory; give a file path inside it".to_string()));
     }

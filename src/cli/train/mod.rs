@@ -170,6 +170,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if k > 1 && args.placement != "auto" {
         return Err(usage("--placement FILE is not supported with --tensor-parallel yet; use --placement auto"));
     }
+    if k > 1 && args.checkpoint.is_some() {
+        return Err(usage(
+            "--checkpoint is not supported with --tensor-parallel yet (optimizer state of split layers is kept per shard); use --save for the weights",
+        ));
+    }
     if k > 1 && args.resume.is_some() {
         return Err(usage(
             "--resume is not supported with --tensor-parallel yet (optimizer state of split layers is kept per shard)",
@@ -189,7 +194,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             return Err(usage(format!("{flag} must be at least 1")));
         }
     }
-    if args.checkpoint_every.is_some() && args.save.is_none() {
+    if args.checkpoint_every.is_some() && args.checkpoint.is_none() {
         return Err(usage("--checkpoint-every needs --save FILE to write to"));
     }
     let optimizer = parse_optimizer(&args.optimizer, args.lr, args.momentum, args.weight_decay)?;
@@ -359,11 +364,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             }
             progress.println(line);
         }
-        if let (Some(path), Some(every)) = (&args.save, args.checkpoint_every)
+        if let (Some(path), Some(every)) = (&args.checkpoint, args.checkpoint_every)
             && (step + 1) % every == 0
             && step + 1 != total_steps
         {
-            checkpointing::save(path, &trainer, &homes, &state, args.save_weights_only)?;
+            checkpointing::save(path, &trainer, &homes, &state, false, "--checkpoint")?;
             tracing::info!(step = step + 1, path = %path.display(), "checkpoint saved");
         }
         last_report = Some(report);
@@ -447,11 +452,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
     }
     if let Some(path) = &args.save {
-        // Split layers keep optimizer state per shard: with tensor parallelism only weights are saved.
-        let weights_only = args.save_weights_only || k > 1;
-        checkpointing::save(path, &trainer, &homes, &state, weights_only)?;
-        let what = if weights_only { "parameters" } else { "parameters and optimizer state" };
-        println!("saved the {what} at step {} to {}", state.step, path.display());
+        checkpointing::save(path, &trainer, &homes, &state, true, "--save")?;
+        println!("saved the parameters at step {} to {}", state.step, path.display());
+    }
+    if let Some(path) = &args.checkpoint {
+        checkpointing::save(path, &trainer, &homes, &state, false, "--checkpoint")?;
+        println!("saved a training checkpoint at step {} to {}", state.step, path.display());
     }
     Ok(())
 }
