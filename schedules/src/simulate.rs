@@ -135,7 +135,7 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationRepo
     }
 }
 
-fn op_cost(costs: &CostModel, instruction: Instruction) -> f64 {
+pub(crate) fn op_cost(costs: &CostModel, instruction: Instruction) -> f64 {
     let Some(stage_idx) = instruction.stage_idx() else {
         return costs.optimizer_step_s();
     };
@@ -149,7 +149,7 @@ fn op_cost(costs: &CostModel, instruction: Instruction) -> f64 {
     }
 }
 
-fn transfer_s(schedule: &Schedule, costs: &CostModel, message: Message) -> f64 {
+pub(crate) fn transfer_s(schedule: &Schedule, costs: &CostModel, message: Message) -> f64 {
     if schedule.device_of_stage(message.from_stage_idx) == schedule.device_of_stage(message.to_stage_idx) {
         return 0.0;
     }

@@ -82,4 +82,22 @@ pub struct StepReport {
     pub step_s: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
+    /// CPU time of every compute op on its worker thread: what the op costs with a core to
+    /// itself, even when more devices than cores share the machine.
+    pub op_cpu_times: Vec<OpCpuTime>,
+}
+
+/// The CPU time one op took on its worker thread.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OpCpuTime {
+    /// The worker (pipeline device or tensor-parallel group).
+    pub device_idx: usize,
+    /// The stage (none for the optimizer step).
+    pub stage_idx: Option<usize>,
+    /// The op.
+    pub op: OpKind,
+    /// The micro-batch, when the op has one.
+    pub micro_batch_idx: Option<usize>,
+    /// Thread CPU seconds.
+    pub cpu_s: f64,
 }

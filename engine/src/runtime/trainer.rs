@@ -577,6 +577,7 @@ impl Trainer {
         let mut losses = Vec::new();
         let mut sum_of_squares = 0.0;
         let mut events = Vec::new();
+        let mut op_cpu_times = Vec::new();
         let mut peak_activation_bytes = vec![0; self.stage_info.len()];
         let mut outputs = Vec::new();
         let mut committed = false;
@@ -590,9 +591,10 @@ impl Trainer {
                     losses.extend(l);
                     sum_of_squares += s;
                 }
-                Report::Done { device_idx, events: e, peak_activation_bytes: p, outputs: o } => {
+                Report::Done { device_idx, events: e, cpu_times: c, peak_activation_bytes: p, outputs: o } => {
                     finished[device_idx] = true;
                     events.extend(e);
+                    op_cpu_times.extend(c);
                     for (stage_idx, bytes) in p {
                         peak_activation_bytes[stage_idx] = bytes;
                     }
@@ -632,6 +634,7 @@ impl Trainer {
                 timeline,
                 step_s: started.elapsed().as_secs_f64(),
                 grad_norm: sum_of_squares.sqrt(),
+                op_cpu_times,
             },
             outputs: outputs.into_iter().map(|(_, t)| t).collect(),
         })

@@ -61,6 +61,7 @@ pub(crate) enum Report {
     Done {
         device_idx: usize,
         events: Vec<TimelineEvent>,
+        cpu_times: Vec<super::OpCpuTime>,
         peak_activation_bytes: Vec<(usize, u64)>,
         outputs: Vec<(usize, Tensor)>,
     },
@@ -188,11 +189,13 @@ fn run_step(
     reports: &Sender<Report>,
 ) -> Report {
     let mut events = Vec::with_capacity(job.program.len() * 2);
+    let mut cpu_times = Vec::with_capacity(job.program.len());
     let mut outputs = Vec::new();
-    match execute(device_idx, stages, loss, job, reports, &mut events, &mut outputs) {
+    match execute(device_idx, stages, loss, job, reports, &mut events, &mut cpu_times, &mut outputs) {
         Ok(()) => Report::Done {
             device_idx,
             events,
+            cpu_times,
             peak_activation_bytes: stages.iter().map(|s| (s.stage_idx, s.peak_activation_bytes)).collect(),
             outputs,
         },
@@ -209,6 +212,7 @@ fn execute(
     job: &mut StepJob,
     reports: &Sender<Report>,
     events: &mut Vec<TimelineEvent>,
+    cpu_times: &mut Vec<super::OpCpuTime>,
     outputs: &mut Vec<(usize, Tensor)>,
 ) -> std::result::Result<(), OpFailure> {
     let ctx = StepCtx {
@@ -253,6 +257,7 @@ fn execute(
             };
             let span = op_span(device_idx, None, op, None);
             let start = now();
+            let cpu_start = thread_cpu_s();
             for stage in stages.iter_mut() {
                 let stage_idx = stage.stage_idx;
                 stage.apply_optimizer(job.max_grad_norm, commit.global_norm).map_err(|error| {
@@ -274,6 +279,7 @@ fn execute(
                 end_s: now(),
             });
             drop(span);
+            cpu_times.push(cpu_time_of(events.last().expect("the op was just recorded"), thread_cpu_s() - cpu_start));
             note_memory(device_idx, &device);
             continue;
         }
@@ -310,6 +316,7 @@ fn execute(
                 };
                 let span = op_span(device_idx, Some(stage_idx), op, Some(micro_batch_idx));
                 let start = now();
+                let cpu_start = thread_cpu_s();
                 let stage = &mut stages[s];
                 let (messages, loss_value, eval_output) =
                     guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
@@ -324,6 +331,7 @@ fn execute(
                     end_s: now(),
                 });
                 drop(span);
+                cpu_times.push(cpu_time_of(events.last().expect("the op was just recorded"), thread_cpu_s() - cpu_start));
                 note_memory(device_idx, &device);
                 if let Some(l) = loss_value {
                     losses.push((micro_batch_idx, l));
@@ -337,6 +345,7 @@ fn execute(
                 if stages[s].needs_recompute(micro_batch_idx) {
                     let span = op_span(device_idx, Some(stage_idx), OpKind::Recompute, Some(micro_batch_idx));
                     let start = now();
+                    let cpu_start = thread_cpu_s();
                     guarded_mut(&mut stages[s], OpKind::Recompute, micro_batch_idx, job.fault, |stage| {
                         Ok(stage.recompute(&ctx, micro_batch_idx)?)
                     })?;
@@ -349,6 +358,7 @@ fn execute(
                         end_s: now(),
                     });
                     drop(span);
+                    cpu_times.push(cpu_time_of(events.last().expect("the op was just recorded"), thread_cpu_s() - cpu_start));
                     note_memory(device_idx, &device);
                 }
                 let wait_span = op_span(device_idx, Some(stage_idx), OpKind::Wait, Some(micro_batch_idx));
@@ -367,6 +377,7 @@ fn execute(
                 let fused = matches!(instruction, Instruction::Backward { .. });
                 let span = op_span(device_idx, Some(stage_idx), op, Some(micro_batch_idx));
                 let start = now();
+                let cpu_start = thread_cpu_s();
                 let messages = guarded_mut(&mut stages[s], op, micro_batch_idx, job.fault, |stage| {
                     Ok(stage.backward_input(micro_batch_idx, received, fused)?)
                 })?;
@@ -379,12 +390,14 @@ fn execute(
                     end_s: now(),
                 });
                 drop(span);
+                cpu_times.push(cpu_time_of(events.last().expect("the op was just recorded"), thread_cpu_s() - cpu_start));
                 note_memory(device_idx, &device);
                 send_all(job, stage_idx, micro_batch_idx, messages, true)?;
             }
             Instruction::BackwardWeight { .. } => {
                 let span = op_span(device_idx, Some(stage_idx), op, Some(micro_batch_idx));
                 let start = now();
+                let cpu_start = thread_cpu_s();
                 guarded_mut(&mut stages[s], op, micro_batch_idx, job.fault, |stage| {
                     Ok(stage.backward_weight(micro_batch_idx)?)
                 })?;
@@ -397,6 +410,7 @@ fn execute(
                     end_s: now(),
                 });
                 drop(span);
+                cpu_times.push(cpu_time_of(events.last().expect("the op was just recorded"), thread_cpu_s() - cpu_start));
                 note_memory(device_idx, &device);
             }
             Instruction::OptimizerStep => unreachable!("handled above"),
@@ -421,6 +435,24 @@ fn check_order(stage: &Stage, got: usize, expected: usize) -> std::result::Resul
 /// Reports the device's bytes in use as a `tracing` event (see [`crate::trace::MEMORY_TARGET`]).
 fn note_memory(device_idx: usize, device: &Device) {
     tracing::trace!(target: crate::trace::MEMORY_TARGET, device = device_idx as u64, bytes = device.memory_in_use());
+}
+
+/// CPU seconds the calling thread has run (`CLOCK_THREAD_CPUTIME_ID`).
+fn thread_cpu_s() -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec through a valid pointer and touches nothing else.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc == 0 { ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9 } else { 0.0 }
+}
+
+fn cpu_time_of(event: &TimelineEvent, cpu_s: f64) -> super::OpCpuTime {
+    super::OpCpuTime {
+        device_idx: event.device_idx,
+        stage_idx: event.stage_idx,
+        op: event.op,
+        micro_batch_idx: event.micro_batch_idx,
+        cpu_s,
+    }
 }
 
 /// Opens the `tracing` span of one op (see [`crate::trace`]); a disabled callsite when no

@@ -25,7 +25,7 @@ use conveyor::engine::trace::{TimelineRecorder, timeline_filter};
 use conveyor::layers::CrossEntropyLoss;
 use conveyor::pipeline::{PipelineConfig, build_trainer, optimizer_memory, planner_inputs, simulated_inflight};
 use conveyor::schedules::export::{MemorySample, SvgOptions, TraceOptions, chrome_trace, svg_gantt};
-use conveyor::schedules::{CostModel, Schedule, ScheduleKind, StageCosts, simulate};
+use conveyor::schedules::{CostModel, Schedule, ScheduleKind, StageCosts, simulate, simulate_on_cores};
 use conveyor::zoo::ModelSpec;
 use progress::Progress;
 
@@ -397,10 +397,18 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         // measured per-stage op costs.
         let measured = report.timeline.bubble_fraction();
         let theory = simulate(&sched, &CostModel::uniform(StageCosts::UNIT))?.bubble_fraction;
-        let predicted = simulate(&sched, &summary::measured_costs(&report.timeline, sched.n_stages()))?.bubble_fraction;
+        // With a core per worker, the measured wall durations are the op costs; with more workers
+        // than cores, each op's thread CPU time is its cost and the simulator shares the cores.
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let (predicted, cost_basis) = if n_devices > cores {
+            let costs = summary::cpu_costs(report, sched.n_stages());
+            (simulate_on_cores(&sched, &costs, cores)?.bubble_fraction, format!("op CPU times, {cores} cores shared"))
+        } else {
+            (simulate(&sched, &summary::measured_costs(&report.timeline, sched.n_stages()))?.bubble_fraction, "measured op times".to_string())
+        };
         let inflight = simulated_inflight(schedule, n_devices, args.microbatches, args.chunks)?;
         println!(
-            "bubble: measured {:.1}%, simulator with measured costs {:.1}%, schedule theory (equal costs) {:.1}%",
+            "bubble: measured {:.1}%, simulator with {cost_basis} {:.1}%, schedule theory (equal costs) {:.1}%",
             measured * 100.0,
             predicted * 100.0,
             theory * 100.0

@@ -74,26 +74,36 @@ pub fn print_devices(
     }
 }
 
-/// Per-stage mean op costs measured in a timeline, for the simulator.
+/// Per-stage mean op costs from the wall durations in a measured timeline, for the simulator.
 pub fn measured_costs(timeline: &conveyor::schedules::Timeline, n_stages: usize) -> CostModel {
+    mean_costs(timeline.events.iter().map(|e| (e.stage_idx, e.op, e.duration_s())), n_stages)
+}
+
+/// Per-stage mean op costs from the ops' thread CPU times: what each op costs with a core to
+/// itself, for simulating devices that share fewer cores.
+pub fn cpu_costs(report: &StepReport, n_stages: usize) -> CostModel {
+    mean_costs(report.op_cpu_times.iter().map(|t| (t.stage_idx, t.op, t.cpu_s)), n_stages)
+}
+
+fn mean_costs(samples: impl Iterator<Item = (Option<usize>, conveyor::schedules::OpKind, f64)>, n_stages: usize) -> CostModel {
     use conveyor::schedules::OpKind;
     let mut sums = vec![[0.0f64; 4]; n_stages];
     let mut counts = vec![[0usize; 4]; n_stages];
     let (mut optimizer_s, mut optimizer_n) = (0.0, 0usize);
-    for event in &timeline.events {
-        if event.op == OpKind::OptimizerStep {
-            optimizer_s += event.duration_s();
+    for (stage_idx, op, seconds) in samples {
+        if op == OpKind::OptimizerStep {
+            optimizer_s += seconds;
             optimizer_n += 1;
         }
-        let Some(stage) = event.stage_idx else { continue };
-        let slot = match event.op {
+        let Some(stage) = stage_idx else { continue };
+        let slot = match op {
             OpKind::Forward => 0,
             OpKind::BackwardInput => 1,
             OpKind::BackwardWeight => 2,
             OpKind::Backward => 3,
             _ => continue,
         };
-        sums[stage][slot] += event.duration_s();
+        sums[stage][slot] += seconds;
         counts[stage][slot] += 1;
     }
     let mean = |s: usize, k: usize| if counts[s][k] == 0 { 0.0 } else { sums[s][k] / counts[s][k] as f64 };

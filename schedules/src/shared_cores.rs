@@ -1,0 +1,145 @@
+//! Simulation when devices share fewer cores than there are devices (four CPU stages on a
+//! two-core machine): processor sharing, where the ops running at one moment progress at rate
+//! `min(1, n_cores / n_running)` each.
+//!
+//! Unlike [`crate::simulate`], an op's duration depends on what else runs meanwhile, so this is a
+//! true event loop: at each step it starts every op whose device is free and whose input has
+//! arrived, then advances time to the next op completion or message arrival. Op costs are the
+//! seconds an op needs with a core to itself (for a measured run: its thread's CPU time).
+use std::collections::HashMap;
+
+use crate::cost::CostModel;
+use crate::error::{BlockedDevice, ScheduleError, Wait};
+use crate::instruction::Message;
+use crate::schedule::Schedule;
+use crate::simulate::{SimulationReport, op_cost, transfer_s};
+use crate::timeline::{Timeline, TimelineEvent};
+
+/// Simulates `schedule` under `costs` with the devices sharing `n_cores` cores.
+///
+/// With `n_cores >= n_devices` this gives the same timeline as [`crate::simulate`] (less its
+/// `Wait` and `Send` events). Errors: an unusable cost model, zero cores, or programs that cannot
+/// finish.
+pub fn simulate_on_cores(schedule: &Schedule, costs: &CostModel, n_cores: usize) -> Result<SimulationReport, ScheduleError> {
+    if n_cores == 0 {
+        return Err(ScheduleError::ZeroParameter { parameter: "n_cores", noun: "core" });
+    }
+    let n_stages = schedule.n_stages();
+    costs.check(n_stages)?;
+    let programs = schedule.programs();
+    let n_devices = programs.len();
+    let mut timeline = Timeline::new(schedule.n_devices(), n_stages);
+    let mut arrivals: HashMap<Message, f64> = HashMap::new();
+    let mut positions = vec![0usize; n_devices];
+    // Per device: the op running, its start and the work (core-seconds) it still needs.
+    let mut running: Vec<Option<(usize, f64, f64)>> = vec![None; n_devices];
+    let mut now = 0.0f64;
+    const EPSILON: f64 = 1e-12;
+    loop {
+        // Start every op that can start now.
+        for device_idx in 0..n_devices {
+            if running[device_idx].is_some() {
+                continue;
+            }
+            let Some(&instruction) = programs[device_idx].get(positions[device_idx]) else { continue };
+            let ready = match instruction.recv_from(n_stages) {
+                Some(message) => arrivals.get(&message).is_some_and(|&arrival| arrival <= now + EPSILON),
+                None => true,
+            };
+            if ready {
+                running[device_idx] = Some((positions[device_idx], now, op_cost(costs, instruction)));
+            }
+        }
+        let n_running = running.iter().flatten().count();
+        if n_running == 0 {
+            if positions.iter().zip(programs).all(|(&p, program)| p == program.len()) {
+                return Ok(SimulationReport::from_timeline(timeline));
+            }
+            // Idle until the next message arrives, or stuck for good.
+            match arrivals.values().copied().filter(|&a| a > now + EPSILON).min_by(f64::total_cmp) {
+                Some(next) => {
+                    now = next;
+                    continue;
+                }
+                None => {
+                    let blocked = (0..n_devices)
+                        .filter_map(|device_idx| {
+                            let instruction_idx = positions[device_idx];
+                            let instruction = *programs[device_idx].get(instruction_idx)?;
+                            let message = instruction.recv_from(n_stages)?;
+                            Some(BlockedDevice { device_idx, instruction_idx, instruction, waiting_on: Wait::Receive(message) })
+                        })
+                        .collect();
+                    return Err(ScheduleError::Deadlock { channel_capacity: usize::MAX, blocked });
+                }
+            }
+        }
+        let rate = (n_cores as f64 / n_running as f64).min(1.0);
+        let to_finish = running.iter().flatten().map(|&(_, _, work)| work / rate).fold(f64::INFINITY, f64::min);
+        let to_arrival = arrivals.values().map(|&a| a - now).filter(|&dt| dt > EPSILON).fold(f64::INFINITY, f64::min);
+        let step = to_finish.min(to_arrival);
+        now += step;
+        for device_idx in 0..n_devices {
+            let Some((position, start_s, work)) = running[device_idx] else { continue };
+            let left = work - step * rate;
+            if left > EPSILON {
+                running[device_idx] = Some((position, start_s, left));
+                continue;
+            }
+            let instruction = programs[device_idx][position];
+            if let Some(message) = instruction.recv_from(n_stages) {
+                arrivals.remove(&message);
+            }
+            timeline.events.push(TimelineEvent {
+                device_idx,
+                stage_idx: instruction.stage_idx(),
+                op: instruction.op_kind(),
+                micro_batch_idx: instruction.micro_batch_idx(),
+                start_s,
+                end_s: now,
+            });
+            if let Some(message) = instruction.send_to(n_stages) {
+                arrivals.insert(message, now + transfer_s(schedule, costs, message));
+            }
+            positions[device_idx] += 1;
+            running[device_idx] = None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::StageCosts;
+    use crate::kind::ScheduleKind;
+    use crate::simulate::simulate;
+
+    #[test]
+    fn with_a_core_per_device_it_matches_the_plain_simulator() {
+        for kind in ScheduleKind::ALL {
+            let chunks = if kind.supports_chunks() { 2 } else { 1 };
+            let schedule = Schedule::new(kind, 4, 8, chunks).unwrap();
+            let costs = CostModel::per_stage(
+                (0..schedule.n_stages()).map(|s| StageCosts::new(1.0 + s as f64 * 0.1, 1.3, 0.7)).collect(),
+            );
+            let plain = simulate(&schedule, &costs).unwrap();
+            let shared = simulate_on_cores(&schedule, &costs, 4).unwrap();
+            assert!((plain.makespan_s - shared.makespan_s).abs() < 1e-9, "{kind}");
+            assert!((plain.bubble_fraction - shared.bubble_fraction).abs() < 1e-9, "{kind}");
+        }
+    }
+
+    #[test]
+    fn fewer_cores_stretch_overlapping_ops() {
+        // GPipe on 4 devices with F = B = 1: on one core nothing overlaps, so the makespan is the
+        // total work, 4 devices x 8 micro-batches x 2.
+        let schedule = Schedule::new(ScheduleKind::GPipe, 4, 8, 1).unwrap();
+        let costs = CostModel::uniform(StageCosts::new(1.0, 0.5, 0.5));
+        let one_core = simulate_on_cores(&schedule, &costs, 1).unwrap();
+        assert!((one_core.makespan_s - 64.0).abs() < 1e-9, "{}", one_core.makespan_s);
+        let two_cores = simulate_on_cores(&schedule, &costs, 2).unwrap();
+        let four_cores = simulate_on_cores(&schedule, &costs, 4).unwrap();
+        assert!(four_cores.makespan_s < two_cores.makespan_s && two_cores.makespan_s < one_core.makespan_s);
+        assert!(simulate_on_cores(&schedule, &costs, 0).is_err());
+    }
+}
