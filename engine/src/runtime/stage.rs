@@ -29,6 +29,10 @@ pub(crate) struct Route {
 /// Tensors of one message, each tagged with the node whose output (or output gradient) it is.
 pub(crate) type Payload = Vec<(NodeId, Tensor)>;
 
+/// What a forward pass produces: messages for consumer stages `(stage, payload)`, the
+/// micro-batch's loss when the output is here, and in evaluation mode the graph output.
+pub(crate) type ForwardOutcome = (Vec<(usize, Payload)>, Option<f64>, Option<Tensor>);
+
 #[derive(Debug, Default)]
 struct MicroBatchState {
     /// Stage inputs kept for recomputation.
@@ -212,7 +216,7 @@ impl Stage {
         micro_batch_idx: usize,
         inputs: Payload,
         labels: Vec<usize>,
-    ) -> Result<(Vec<(usize, Payload)>, Option<f64>, Option<Tensor>)> {
+    ) -> Result<ForwardOutcome> {
         let (saved, mut outputs) = self.run_layers(ctx, micro_batch_idx, &inputs)?;
         let mut loss_value = None;
         let mut eval_output = None;

@@ -71,11 +71,14 @@ pub(crate) enum Report {
     Aborted { device_idx: usize },
 }
 
+/// A closure run on a worker's stages.
+pub(crate) type StagesJob = Box<dyn FnOnce(&mut [Stage]) + Send>;
+
 /// Commands a worker thread takes.
 pub(crate) enum Command {
     Step(Box<StepJob>, Sender<Report>),
     /// Runs a closure on the worker's stages (parameter gather, load, state export).
-    With(Box<dyn FnOnce(&mut [Stage]) + Send>),
+    With(StagesJob),
     Shutdown,
 }
 
@@ -227,9 +230,8 @@ fn execute(
         stage.begin_step(job.n_micro_batches);
     }
     let device = stages.first().map(|s| s.device.clone()).expect("a worker holds at least one stage");
+    let mut rec = OpRecorder { device_idx, device, started: job.started, events, cpu_times };
     let mut losses = Vec::new();
-    let started = job.started;
-    let now = move || started.elapsed().as_secs_f64();
     let local = |stages: &[Stage], stage_idx: usize| stages.iter().position(|s| s.stage_idx == stage_idx);
     for instruction in &job.program {
         let op = instruction.op_kind();
@@ -255,32 +257,21 @@ fn execute(
                 recv(job.commit) -> c => c.map_err(|_| OpFailure::Aborted)?,
                 recv(job.abort) -> _ => return Err(OpFailure::Aborted),
             };
-            let span = op_span(device_idx, None, op, None);
-            let start = now();
-            let cpu_start = thread_cpu_s();
-            for stage in stages.iter_mut() {
-                let stage_idx = stage.stage_idx;
-                stage.apply_optimizer(job.max_grad_norm, commit.global_norm).map_err(|error| {
-                    OpFailure::Failed(Error::StageFailed {
-                        stage_idx,
-                        device: stage.device.to_string(),
-                        op: "optimizer_step".into(),
-                        micro_batch_idx: None,
-                        message: error.to_string(),
-                    })
-                })?;
-            }
-            events.push(TimelineEvent {
-                device_idx,
-                stage_idx: None,
-                op,
-                micro_batch_idx: None,
-                start_s: start,
-                end_s: now(),
-            });
-            drop(span);
-            cpu_times.push(cpu_time_of(events.last().expect("the op was just recorded"), thread_cpu_s() - cpu_start));
-            note_memory(device_idx, &device);
+            rec.record(None, op, None, || {
+                for stage in stages.iter_mut() {
+                    let stage_idx = stage.stage_idx;
+                    stage.apply_optimizer(job.max_grad_norm, commit.global_norm).map_err(|error| {
+                        OpFailure::Failed(Error::StageFailed {
+                            stage_idx,
+                            device: stage.device.to_string(),
+                            op: "optimizer_step".into(),
+                            micro_batch_idx: None,
+                            message: error.to_string(),
+                        })
+                    })?;
+                }
+                Ok(())
+            })?;
             continue;
         }
         let stage_idx = instruction.stage_idx().expect("compute instructions have a stage");
@@ -293,8 +284,7 @@ fn execute(
         };
         match instruction {
             Instruction::Forward { .. } => {
-                let wait_span = op_span(device_idx, Some(stage_idx), OpKind::Wait, Some(micro_batch_idx));
-                let wait_start = now();
+                let wait = rec.start_wait(stage_idx, micro_batch_idx);
                 let mut inputs: Payload = Vec::new();
                 for route in &stages[s].recv_from {
                     let rx = &job.links.receivers[&(route.peer_stage_idx, stage_idx, false)];
@@ -307,32 +297,18 @@ fn execute(
                 {
                     inputs.append(payload);
                 }
-                record_wait(events, device_idx, stage_idx, micro_batch_idx, wait_start, now());
-                drop(wait_span);
+                rec.end_wait(wait);
                 let labels = if stages[s].output_node.is_some() {
                     job.labels.get_mut(micro_batch_idx).map(std::mem::take).unwrap_or_default()
                 } else {
                     Vec::new()
                 };
-                let span = op_span(device_idx, Some(stage_idx), op, Some(micro_batch_idx));
-                let start = now();
-                let cpu_start = thread_cpu_s();
                 let stage = &mut stages[s];
-                let (messages, loss_value, eval_output) =
+                let (messages, loss_value, eval_output) = rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
                     guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
                         Ok(stage.forward(&ctx, micro_batch_idx, inputs, labels)?)
-                    })?;
-                events.push(TimelineEvent {
-                    device_idx,
-                    stage_idx: Some(stage_idx),
-                    op,
-                    micro_batch_idx: Some(micro_batch_idx),
-                    start_s: start,
-                    end_s: now(),
-                });
-                drop(span);
-                cpu_times.push(cpu_time_of(events.last().expect("the op was just recorded"), thread_cpu_s() - cpu_start));
-                note_memory(device_idx, &device);
+                    })
+                })?;
                 if let Some(l) = loss_value {
                     losses.push((micro_batch_idx, l));
                 }
@@ -343,26 +319,14 @@ fn execute(
             }
             Instruction::BackwardInput { .. } | Instruction::Backward { .. } => {
                 if stages[s].needs_recompute(micro_batch_idx) {
-                    let span = op_span(device_idx, Some(stage_idx), OpKind::Recompute, Some(micro_batch_idx));
-                    let start = now();
-                    let cpu_start = thread_cpu_s();
-                    guarded_mut(&mut stages[s], OpKind::Recompute, micro_batch_idx, job.fault, |stage| {
-                        Ok(stage.recompute(&ctx, micro_batch_idx)?)
+                    let stage = &mut stages[s];
+                    rec.record(Some(stage_idx), OpKind::Recompute, Some(micro_batch_idx), || {
+                        guarded_mut(stage, OpKind::Recompute, micro_batch_idx, job.fault, |stage| {
+                            Ok(stage.recompute(&ctx, micro_batch_idx)?)
+                        })
                     })?;
-                    events.push(TimelineEvent {
-                        device_idx,
-                        stage_idx: Some(stage_idx),
-                        op: OpKind::Recompute,
-                        micro_batch_idx: Some(micro_batch_idx),
-                        start_s: start,
-                        end_s: now(),
-                    });
-                    drop(span);
-                    cpu_times.push(cpu_time_of(events.last().expect("the op was just recorded"), thread_cpu_s() - cpu_start));
-                    note_memory(device_idx, &device);
                 }
-                let wait_span = op_span(device_idx, Some(stage_idx), OpKind::Wait, Some(micro_batch_idx));
-                let wait_start = now();
+                let wait = rec.start_wait(stage_idx, micro_batch_idx);
                 let mut received = Vec::new();
                 let mut peers: Vec<usize> = stages[s].send_to.iter().map(|r| r.peer_stage_idx).collect();
                 peers.sort_unstable_by(|a, b| b.cmp(a));
@@ -372,46 +336,21 @@ fn execute(
                     check_order(&stages[s], mb, micro_batch_idx)?;
                     received.push(payload);
                 }
-                record_wait(events, device_idx, stage_idx, micro_batch_idx, wait_start, now());
-                drop(wait_span);
+                rec.end_wait(wait);
                 let fused = matches!(instruction, Instruction::Backward { .. });
-                let span = op_span(device_idx, Some(stage_idx), op, Some(micro_batch_idx));
-                let start = now();
-                let cpu_start = thread_cpu_s();
-                let messages = guarded_mut(&mut stages[s], op, micro_batch_idx, job.fault, |stage| {
-                    Ok(stage.backward_input(micro_batch_idx, received, fused)?)
+                let stage = &mut stages[s];
+                let messages = rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
+                    guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
+                        Ok(stage.backward_input(micro_batch_idx, received, fused)?)
+                    })
                 })?;
-                events.push(TimelineEvent {
-                    device_idx,
-                    stage_idx: Some(stage_idx),
-                    op,
-                    micro_batch_idx: Some(micro_batch_idx),
-                    start_s: start,
-                    end_s: now(),
-                });
-                drop(span);
-                cpu_times.push(cpu_time_of(events.last().expect("the op was just recorded"), thread_cpu_s() - cpu_start));
-                note_memory(device_idx, &device);
                 send_all(job, stage_idx, micro_batch_idx, messages, true)?;
             }
             Instruction::BackwardWeight { .. } => {
-                let span = op_span(device_idx, Some(stage_idx), op, Some(micro_batch_idx));
-                let start = now();
-                let cpu_start = thread_cpu_s();
-                guarded_mut(&mut stages[s], op, micro_batch_idx, job.fault, |stage| {
-                    Ok(stage.backward_weight(micro_batch_idx)?)
+                let stage = &mut stages[s];
+                rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
+                    guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| Ok(stage.backward_weight(micro_batch_idx)?))
                 })?;
-                events.push(TimelineEvent {
-                    device_idx,
-                    stage_idx: Some(stage_idx),
-                    op,
-                    micro_batch_idx: Some(micro_batch_idx),
-                    start_s: start,
-                    end_s: now(),
-                });
-                drop(span);
-                cpu_times.push(cpu_time_of(events.last().expect("the op was just recorded"), thread_cpu_s() - cpu_start));
-                note_memory(device_idx, &device);
             }
             Instruction::OptimizerStep => unreachable!("handled above"),
         }
@@ -475,24 +414,67 @@ fn op_span(
     .entered()
 }
 
-fn record_wait(
-    events: &mut Vec<TimelineEvent>,
+/// Records what a worker does: each op's `tracing` span, timeline event and CPU time, a memory
+/// sample after it, and the waits for input between ops.
+struct OpRecorder<'a> {
     device_idx: usize,
+    device: Device,
+    started: Instant,
+    events: &'a mut Vec<TimelineEvent>,
+    cpu_times: &'a mut Vec<super::OpCpuTime>,
+}
+
+/// A wait for input in progress: its span and start.
+struct WaitInProgress {
+    span: tracing::span::EnteredSpan,
     stage_idx: usize,
     micro_batch_idx: usize,
-    start: f64,
-    end: f64,
-) {
-    // Waits shorter than a few microseconds are channel bookkeeping, not idling.
-    if end - start > 5e-6 {
-        events.push(TimelineEvent {
-            device_idx,
-            stage_idx: Some(stage_idx),
-            op: OpKind::Wait,
-            micro_batch_idx: Some(micro_batch_idx),
-            start_s: start,
-            end_s: end,
-        });
+    start_s: f64,
+}
+
+impl OpRecorder<'_> {
+    fn now(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    /// Runs one op and records it (only when it succeeds: a failed step reports its error instead).
+    fn record<T>(
+        &mut self,
+        stage_idx: Option<usize>,
+        op: OpKind,
+        micro_batch_idx: Option<usize>,
+        f: impl FnOnce() -> std::result::Result<T, OpFailure>,
+    ) -> std::result::Result<T, OpFailure> {
+        let span = op_span(self.device_idx, stage_idx, op, micro_batch_idx);
+        let (start_s, cpu_start) = (self.now(), thread_cpu_s());
+        let value = f()?;
+        let event = TimelineEvent { device_idx: self.device_idx, stage_idx, op, micro_batch_idx, start_s, end_s: self.now() };
+        self.cpu_times.push(cpu_time_of(&event, thread_cpu_s() - cpu_start));
+        self.events.push(event);
+        drop(span);
+        note_memory(self.device_idx, &self.device);
+        Ok(value)
+    }
+
+    fn start_wait(&self, stage_idx: usize, micro_batch_idx: usize) -> WaitInProgress {
+        let span = op_span(self.device_idx, Some(stage_idx), OpKind::Wait, Some(micro_batch_idx));
+        WaitInProgress { span, stage_idx, micro_batch_idx, start_s: self.now() }
+    }
+
+    fn end_wait(&mut self, wait: WaitInProgress) {
+        let end_s = self.now();
+        // Waits shorter than a few microseconds are channel bookkeeping, not idling.
+        if end_s - wait.start_s > 5e-6 {
+            self.events.push(TimelineEvent {
+                device_idx: self.device_idx,
+                stage_idx: Some(wait.stage_idx),
+                op: OpKind::Wait,
+                micro_batch_idx: Some(wait.micro_batch_idx),
+                start_s: wait.start_s,
+                end_s,
+            });
+        }
+        drop(wait.span);
     }
 }
 
