@@ -402,7 +402,18 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
         let (predicted, cost_basis) = if n_devices > cores {
             let costs = summary::cpu_costs(report, sched.n_stages());
-            (simulate_on_cores(&sched, &costs, cores)?.bubble_fraction, format!("op CPU times, {cores} cores shared"))
+            let simulated = simulate_on_cores(&sched, &costs, cores)?;
+            // With workers sharing cores, a device "idles" while its thread waits for a core too;
+            // compare the cores' idle time instead: 1 - CPU time of all ops / (cores x makespan).
+            let cpu_total: f64 = report.op_cpu_times.iter().map(|t| t.cpu_s).sum();
+            let measured_core_idle = 1.0 - cpu_total / (cores as f64 * report.timeline.makespan_s());
+            let simulated_core_idle = 1.0 - cpu_total / (cores as f64 * simulated.makespan_s);
+            println!(
+                "cores idle ({n_devices} workers on {cores} cores): measured {:.1}%, simulated with shared cores {:.1}%",
+                measured_core_idle * 100.0,
+                simulated_core_idle * 100.0
+            );
+            (simulated.bubble_fraction, format!("op CPU times, {cores} cores shared"))
         } else {
             (simulate(&sched, &summary::measured_costs(&report.timeline, sched.n_stages()))?.bubble_fraction, "measured op times".to_string())
         };
