@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use conveyor_engine::graph::Graph;
 use conveyor_engine::optim::OptimizerConfig;
-use conveyor_engine::placement::{DeviceSpec, Link, OptimizerMemory, Plan, PlanConfig, place_automatically};
+use conveyor_engine::placement::{
+    DeviceSpec, Link, NodeCosts, OptimizerMemory, Plan, PlanConfig, place_automatically, place_with_costs, profile_graph,
+};
 use conveyor_engine::runtime::{Recompute, Trainer};
 use conveyor_engine::{Device, Error, Result};
 use conveyor_layers::CrossEntropyLoss;
@@ -104,11 +106,34 @@ pub fn plan(graph: &Graph, devices: &[Device], config: &PipelineConfig) -> Resul
     place_automatically(graph, &specs, &plan_config)
 }
 
+/// Plans `graph` like [`plan`], but from layer times measured on this machine (torchgpipe's
+/// balance by time: [`profile_graph`] times every layer's forward, input-gradient and weight-gradient
+/// passes on micro-batches of the planned size) instead of FLOP estimates.
+pub fn plan_by_time(graph: &Graph, devices: &[Device], config: &PipelineConfig) -> Result<Plan> {
+    let (specs, plan_config) = planner_inputs(
+        devices,
+        config.schedule,
+        config.n_chunks,
+        config.n_micro_batches,
+        config.batch_rows,
+        optimizer_memory(&config.optimizer),
+    )?;
+    let times = profile_graph(graph, plan_config.micro_batch_rows, 5)?;
+    let costs = NodeCosts::of_graph(graph)?.with_measured_times(&times, CPU_FLOPS_PER_S)?;
+    place_with_costs(&costs, &specs, &plan_config)
+}
+
 /// Plans the graph and starts a trainer with that placement.
 pub fn build_trainer(graph: Graph, devices: Vec<Device>, config: &PipelineConfig) -> Result<(Plan, Trainer)> {
     let plan = plan(&graph, &devices, config)?;
+    let trainer = build_trainer_with_plan(graph, devices, &plan, config)?;
+    Ok((plan, trainer))
+}
+
+/// Starts a trainer for `graph` placed by `plan` (from [`plan`], [`plan_by_time`] or manual placement).
+pub fn build_trainer_with_plan(graph: Graph, devices: Vec<Device>, plan: &Plan, config: &PipelineConfig) -> Result<Trainer> {
     let stages = plan.stages.iter().map(|s| s.nodes.clone()).collect();
-    let trainer = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
+    Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
         .devices(devices)
         .stages(stages)
         .schedule(config.schedule, config.n_chunks)
@@ -116,8 +141,7 @@ pub fn build_trainer(graph: Graph, devices: Vec<Device>, config: &PipelineConfig
         .optimizer(config.optimizer)
         .recompute(config.recompute)
         .seed(config.seed)
-        .build()?;
-    Ok((plan, trainer))
+        .build()
 }
 
 /// [`planner_inputs`] for a pipeline of tensor-parallel groups: `devices` in groups of

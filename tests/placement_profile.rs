@@ -30,3 +30,15 @@ fn measured_times_follow_the_work_and_drive_placement() {
     let stage_of = |name: &str| plan.stages.iter().position(|s| s.node_names.iter().any(|n| n == name)).unwrap();
     assert_ne!(stage_of("2"), stage_of("4"), "{:?}", plan.stages.iter().map(|s| &s.node_names).collect::<Vec<_>>());
 }
+
+#[test]
+fn conveyor_train_places_by_measured_time() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_conveyor"))
+        .args(["train", "--model", "mlp:16,256,256,16,10", "--data", "synthetic:256,16,10", "--placement", "time"])
+        .args(["--steps", "4", "--batch", "32", "--log-every", "0"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("stage 0 on cpu:0") && stdout.contains("stage 1 on cpu:1"), "{stdout}");
+}

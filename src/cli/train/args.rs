@@ -47,10 +47,11 @@ pub struct TrainArgs {
     /// column/row pairs, channel-split convolutions); stages x K must not exceed the devices.
     #[arg(long, value_name = "K", default_value_t = 1)]
     pub tensor_parallel: usize,
-    /// Placement of layers on stages: `auto` (minimise the slowest stage under the budgets), or a
-    /// file as `conveyor plan --placement` reads: one line per stage listing node names or ranges
-    /// `first..last` separated by spaces (`#` starts a comment).
-    #[arg(long, value_name = "auto|FILE", default_value = "auto")]
+    /// Placement of layers on stages: `auto` (minimise the slowest stage under the budgets, from
+    /// FLOP estimates), `time` (the same from layer times measured on this machine first:
+    /// balance by time), or a file as `conveyor plan --placement` reads: one line per stage
+    /// listing node names or ranges `first..last` separated by spaces (`#` starts a comment).
+    #[arg(long, value_name = "auto|time|FILE", default_value = "auto")]
     pub placement: String,
     /// Schedule: gpipe, 1f1b, interleaved, zb-h1 or zb-h2.
     #[arg(long, default_value = "1f1b")]

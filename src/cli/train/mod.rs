@@ -12,7 +12,6 @@ mod progress;
 mod summary;
 
 use std::io::Write;
-use std::sync::Arc;
 use std::time::Instant;
 
 pub use args::{LrSchedule, TrainArgs, parse_devices, parse_optimizer, parse_size};
@@ -22,8 +21,9 @@ use conveyor::engine::Device;
 use conveyor::engine::placement::{Plan, place_manually};
 use conveyor::engine::runtime::{Recompute, Trainer};
 use conveyor::engine::trace::{TimelineRecorder, timeline_filter};
-use conveyor::layers::CrossEntropyLoss;
-use conveyor::pipeline::{PipelineConfig, build_trainer, optimizer_memory, planner_inputs, simulated_inflight};
+use conveyor::pipeline::{
+    PipelineConfig, build_trainer, build_trainer_with_plan, optimizer_memory, plan_by_time, planner_inputs, simulated_inflight,
+};
 use conveyor::schedules::export::{MemorySample, SvgOptions, TraceOptions, chrome_trace, svg_gantt};
 use conveyor::schedules::{CostModel, Schedule, ScheduleKind, StageCosts, simulate, simulate_on_cores};
 use conveyor::zoo::ModelSpec;
@@ -81,6 +81,11 @@ fn place_and_build(
     if placement == "auto" {
         return build_trainer(graph, devices, config).map_err(input_error);
     }
+    if placement == "time" {
+        let plan = plan_by_time(&graph, &devices, config).map_err(input_error)?;
+        let trainer = build_trainer_with_plan(graph, devices, &plan, config).map_err(input_error)?;
+        return Ok((plan, trainer));
+    }
     let path = std::path::Path::new(placement);
     let stages = super::placement_file::read_placement_file(path)?;
     let (specs, plan_config) = planner_inputs(
@@ -94,16 +99,7 @@ fn place_and_build(
     .map_err(input_error)?;
     let plan = place_manually(&graph, &stages, &specs, &plan_config)
         .map_err(|e| usage(format!("--placement {}: {e}", path.display())))?;
-    let trainer = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
-        .devices(devices)
-        .stages(plan.stages.iter().map(|s| s.nodes.clone()).collect())
-        .schedule(config.schedule, config.n_chunks)
-        .micro_batches(config.n_micro_batches)
-        .optimizer(config.optimizer)
-        .recompute(config.recompute)
-        .seed(config.seed)
-        .build()
-        .map_err(input_error)?;
+    let trainer = build_trainer_with_plan(graph, devices, &plan, config).map_err(input_error)?;
     Ok((plan, trainer))
 }
 
