@@ -91,7 +91,10 @@ pub use flatten::Flatten;
 pub use layer_norm::{LAYER_NORM_EPS, LayerNorm};
 pub use linear::Linear;
 pub use loss::CrossEntropyLoss;
-pub use parallel::{ChannelParallelConv2d, ColumnParallelLinear, MlpActivation, ParallelMlp, RowParallelLinear};
+pub use parallel::{
+    ChannelParallelConv2d, ChannelParallelConvStack, ColumnParallelLinear, ConvStackLayer, MlpActivation, ParallelMlp,
+    RowParallelLinear,
+};
 pub use pool::{AvgPool2d, GlobalAvgPool2d, MaxPool2d};
 pub use residual::Add;
 pub use sequence::{MeanOverTokens, PositionalEmbedding};

@@ -24,6 +24,7 @@ mod adam;
 mod clip;
 mod sgd;
 mod state;
+mod unsplit;
 
 pub use adam::AdamConfig;
 pub use clip::{

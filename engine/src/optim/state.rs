@@ -77,13 +77,13 @@ impl ParamState {
     }
 
     /// The allocated buffers with their field names.
-    fn buffers(&self) -> impl Iterator<Item = (&'static str, &Tensor)> {
+    pub(crate) fn buffers(&self) -> impl Iterator<Item = (&'static str, &Tensor)> {
         [(MOMENTUM_BUFFER, &self.momentum_buffer), (EXP_AVG, &self.exp_avg), (EXP_AVG_SQ, &self.exp_avg_sq)]
             .into_iter()
             .filter_map(|(field, tensor)| tensor.as_ref().map(|tensor| (field, tensor)))
     }
 
-    fn slot(&mut self, field: &str) -> Option<&mut Option<Tensor>> {
+    pub(crate) fn slot(&mut self, field: &str) -> Option<&mut Option<Tensor>> {
         match field {
             MOMENTUM_BUFFER => Some(&mut self.momentum_buffer),
             EXP_AVG => Some(&mut self.exp_avg),

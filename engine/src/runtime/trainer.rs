@@ -1,7 +1,7 @@
 //! `Trainer` (API Boundary): builds stages from a graph and a placement, starts one worker thread
 //! per device, and runs training steps, evaluation and parameter transfer through them.
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -11,6 +11,7 @@ use crossbeam::channel::{self, Receiver, Sender};
 use super::stage::{NodeExec, Payload, Route, Stage};
 use super::worker::{self, Command, Commit, Links, Report, StepJob};
 use super::{FaultInjection, Recompute, StepReport};
+use crate::checkpoint::Checkpoint;
 use crate::graph::{Graph, NodeId};
 use crate::optim::{Optimizer, OptimizerConfig};
 use crate::{Device, Error, Loss, Result, Tensor};
@@ -760,9 +761,57 @@ impl Trainer {
         results.into_iter().collect()
     }
 
+    /// Every stage's optimizer state on the host under the unsplit parameter names of
+    /// [`Trainer::parameters`] (`optimizer.<node>.<param>.<field>`, as
+    /// [`Optimizer::export_state`] names them): split layers' per-shard buffers are gathered the way
+    /// the layers gather their parameters ([`Optimizer::export_layer_state`]), so the result does
+    /// not depend on the tensor-parallel degree.
+    pub fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>> {
+        let parts = self.on_every_worker(|stages| -> Result<Vec<(String, Tensor)>> {
+            let mut out = Vec::new();
+            for stage in stages.iter_mut() {
+                let mut offset = 0;
+                for node in &mut stage.nodes {
+                    out.extend(stage.optimizer.export_layer_state(&node.name, node.layer.as_mut(), offset)?);
+                    offset += node.layer.parameters().len();
+                }
+            }
+            Ok(out)
+        })?;
+        let mut gathered = Vec::new();
+        for part in parts {
+            gathered.extend(part?);
+        }
+        Ok(gathered)
+    }
+
+    /// Loads every stage's optimizer state from `checkpoint` (names as [`Trainer::optimizer_state`]
+    /// gives them), splitting it over split layers' shards; takes the tensors it uses and leaves
+    /// the others.
+    pub fn load_optimizer_state(&mut self, checkpoint: Checkpoint) -> Result<Checkpoint> {
+        let shared = Arc::new(Mutex::new(checkpoint));
+        let on_workers = Arc::clone(&shared);
+        let results = self.on_every_worker(move |stages| -> Result<()> {
+            let mut checkpoint = on_workers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            for stage in stages.iter_mut() {
+                let mut offset = 0;
+                for node in &mut stage.nodes {
+                    stage.optimizer.import_layer_state(&node.name, node.layer.as_mut(), offset, &mut checkpoint)?;
+                    offset += node.layer.parameters().len();
+                }
+            }
+            Ok(())
+        })?;
+        results.into_iter().collect::<Result<()>>()?;
+        let mutex = Arc::try_unwrap(shared)
+            .map_err(|_| Error::invalid("optimizer state", "a worker still holds the checkpoint"))?;
+        Ok(mutex.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    }
+
     /// Runs `f` on every stage's optimizer on its worker (state export and import for checkpoints).
     /// The names are those of [`crate::Layer::parameters`]: for split layers, one per shard (the
-    /// same name on each shard), so optimizer state of split layers is per shard.
+    /// same name on each shard), so optimizer state of split layers is per shard here; checkpoints
+    /// use [`Trainer::optimizer_state`] and [`Trainer::load_optimizer_state`], which are not.
     pub fn with_optimizers<T: Send + 'static>(
         &self,
         f: impl Fn(&mut Optimizer, &[String]) -> T + Send + Sync + 'static,

@@ -76,3 +76,43 @@ pub(crate) fn grads_per_rank<'a>(mut grads: &'a mut [Tensor], counts: &[usize]) 
 pub(crate) fn rows(tensor: &Tensor) -> usize {
     tensor.numel() / tensor.dims().last().copied().unwrap_or(1).max(1)
 }
+
+/// Every rank's `block` `[outer, parts.len(r)]` assembled into `[outer, parts.total()]` (shaped
+/// `dims`) on rank 0 only (gather); other ranks get `None`.
+pub(crate) fn gather_columns(
+    comm: &impl Communicator,
+    block: &Tensor,
+    outer: usize,
+    parts: &Partition,
+    dims: Vec<usize>,
+    device: &Device,
+) -> Result<Option<Tensor>> {
+    let flat_parts = parts.scaled(outer);
+    if comm.rank() != 0 {
+        comm.gather(block.as_f32()?, &mut [], 0, &flat_parts)?;
+        return Ok(None);
+    }
+    let mut packed = Tensor::zeros([flat_parts.total()], DType::F32, device)?;
+    comm.gather(block.as_f32()?, packed.as_f32_mut()?, 0, &flat_parts)?;
+    let mut full = Tensor::zeros(dims, DType::F32, device)?;
+    unpack_columns(packed.as_f32()?, outer, parts, full.as_f32_mut()?)?;
+    Ok(Some(full))
+}
+
+/// Every rank's `full` `[outer, parts.total()]` summed over ranks, rank `r` keeping its column
+/// block `[outer, parts.len(r)]` (shaped `dims`) (reduce-scatter).
+pub(crate) fn reduce_scatter_columns(
+    comm: &impl Communicator,
+    full: &Tensor,
+    outer: usize,
+    parts: &Partition,
+    dims: Vec<usize>,
+    device: &Device,
+) -> Result<Tensor> {
+    let flat_parts = parts.scaled(outer);
+    let mut packed = Tensor::zeros([flat_parts.total()], DType::F32, device)?;
+    pack_columns(full.as_f32()?, outer, parts, packed.as_f32_mut()?)?;
+    let mut block = Tensor::zeros(dims, DType::F32, device)?;
+    comm.reduce_scatter(packed.as_f32()?, block.as_f32_mut()?, &flat_parts)?;
+    Ok(block)
+}

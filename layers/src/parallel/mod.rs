@@ -18,6 +18,9 @@
 //!   the hidden activation stays split: one all-reduce forward and one in `backward_input`.
 //! * [`ChannelParallelConv2d`]: AlexNet's split, each device computing its share of the output
 //!   filters; outputs gathered by concatenating channels.
+//! * [`ChannelParallelConvStack`]: AlexNet's stack of split convs as one layer, each conv either
+//!   exchanging its input (all-gather) or grouped (`nn.Conv2d(groups=k)`: no exchange), so
+//!   activations stay split between the exchange points.
 //!
 //! Features and channels not divisible by `k` are split like `torch.tensor_split`: the first
 //! `n % k` devices get one more.
@@ -47,6 +50,7 @@
 mod column;
 mod conv;
 mod conv_shard;
+mod conv_stack;
 mod exchange;
 mod group;
 mod layout;
@@ -56,6 +60,7 @@ mod row;
 
 pub use column::ColumnParallelLinear;
 pub use conv::ChannelParallelConv2d;
+pub use conv_stack::{ChannelParallelConvStack, ConvStackLayer};
 pub use mlp::{MlpActivation, ParallelMlp};
 pub use row::RowParallelLinear;
 

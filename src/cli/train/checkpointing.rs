@@ -16,7 +16,7 @@
 //! as the uninterrupted one would have.
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use conveyor::engine::checkpoint::{self, Checkpoint, TensorSpec};
 use conveyor::engine::optim::{OptimizerConfig, STEP, optimizer_state_name};
@@ -140,25 +140,6 @@ impl ParamHomes {
         }
         Ok(ParamHomes(Arc::new(homes)))
     }
-
-    /// Zero tensors standing for the parameters `names` (shape and device), for the optimizer's
-    /// state export and import, which read only those.
-    fn stand_ins(
-        homes: &HashMap<String, (Shape, Device)>,
-        names: &[String],
-        on_host: bool,
-    ) -> conveyor::engine::Result<Vec<Tensor>> {
-        let host = Device::host();
-        names
-            .iter()
-            .map(|name| {
-                let (shape, device) = homes.get(name).ok_or_else(|| {
-                    conveyor::engine::Error::invalid("parameters", format!("no parameter `{name}` in the plan"))
-                })?;
-                Tensor::zeros(shape.clone(), DType::F32, if on_host { &host } else { device })
-            })
-            .collect()
-    }
 }
 
 /// Saves parameters, optimizer state (unless `weights_only`) and the run state to `path`,
@@ -166,22 +147,14 @@ impl ParamHomes {
 pub fn save(
     path: &Path,
     trainer: &Trainer,
-    homes: &ParamHomes,
     state: &RunState,
     weights_only: bool,
     flag: &str,
 ) -> anyhow::Result<()> {
     let mut tensors: Vec<(String, Tensor)> = trainer.parameters()?;
     if !weights_only {
-        let homes = Arc::clone(&homes.0);
-        let exported = trainer.with_optimizers(move |optimizer, names| {
-            let stand_ins = ParamHomes::stand_ins(&homes, names, true)?;
-            let names: Vec<&str> = names.iter().map(String::as_str).collect();
-            optimizer.export_state(&names, &stand_ins.iter().collect::<Vec<_>>())
-        })?;
-        for stage_state in exported {
-            tensors.extend(stage_state?);
-        }
+        // Under the unsplit names, so the file does not depend on --tensor-parallel.
+        tensors.extend(trainer.optimizer_state()?);
     }
     let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let bad_target = |why: String| usage(format!("{flag} {}: {why}", path.display()));
@@ -240,17 +213,7 @@ pub fn resume(
     let params: Vec<(String, Tensor)> =
         param_names.iter().filter_map(|name| checkpoint.take(name).map(|t| (name.clone(), t))).collect();
     trainer.load_parameters(params)?;
-    let shared = Arc::new(Mutex::new(checkpoint));
-    let homes = Arc::clone(&homes.0);
-    let results = trainer.with_optimizers(move |optimizer, names| {
-        let stand_ins = ParamHomes::stand_ins(&homes, names, false)?;
-        let names: Vec<&str> = names.iter().map(String::as_str).collect();
-        let mut checkpoint = shared.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        optimizer.import_state(&names, &stand_ins.iter().collect::<Vec<_>>(), &mut checkpoint)
-    })?;
-    for result in results {
-        result.map_err(|e| usage(format!("--resume: {e}")))?;
-    }
+    trainer.load_optimizer_state(checkpoint).map_err(|e| usage(format!("--resume: {e}")))?;
     trainer.set_step_idx(saved.step);
     Ok(saved)
 }

@@ -166,16 +166,6 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if k > 1 && args.placement != "auto" {
         return Err(usage("--placement FILE is not supported with --tensor-parallel yet; use --placement auto"));
     }
-    if k > 1 && args.checkpoint.is_some() {
-        return Err(usage(
-            "--checkpoint is not supported with --tensor-parallel yet (optimizer state of split layers is kept per shard); use --save for the weights",
-        ));
-    }
-    if k > 1 && args.resume.is_some() {
-        return Err(usage(
-            "--resume is not supported with --tensor-parallel yet (optimizer state of split layers is kept per shard)",
-        ));
-    }
     if args.microbatches == 0 || args.batch == 0 {
         return Err(usage("--batch and --microbatches must be at least 1"));
     }
@@ -364,7 +354,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             && (step + 1) % every == 0
             && step + 1 != total_steps
         {
-            checkpointing::save(path, &trainer, &homes, &state, false, "--checkpoint")?;
+            checkpointing::save(path, &trainer, &state, false, "--checkpoint")?;
             tracing::info!(step = step + 1, path = %path.display(), "checkpoint saved");
         }
         last_report = Some(report);
@@ -467,11 +457,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
     }
     if let Some(path) = &args.save {
-        checkpointing::save(path, &trainer, &homes, &state, true, "--save")?;
+        checkpointing::save(path, &trainer, &state, true, "--save")?;
         println!("saved the parameters at step {} to {}", state.step, path.display());
     }
     if let Some(path) = &args.checkpoint {
-        checkpointing::save(path, &trainer, &homes, &state, false, "--checkpoint")?;
+        checkpointing::save(path, &trainer, &state, false, "--checkpoint")?;
         println!("saved a training checkpoint at step {} to {}", state.step, path.display());
     }
     Ok(())
