@@ -3,6 +3,7 @@
 //! A CPU device is one core: its kernels are single-threaded (`gemm` with `Parallelism::None`), so
 //! N CPU devices driven by N worker threads use N cores. The CUDA variant always exists; whether it
 //! can be constructed is decided in exactly one place, the `cuda` module chosen below.
+pub mod kernels;
 mod memory;
 
 #[cfg_attr(feature = "cuda", path = "cuda_enabled.rs")]

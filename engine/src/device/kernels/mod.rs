@@ -1,0 +1,12 @@
+//! CUDA kernel sources kept in the repository and compiled at run time by NVRTC (plain strings
+//! here, so every build carries them and a test can compile them to PTX without a GPU).
+//! GEMMs go through cuBLAS, not these kernels.
+
+/// Every kernel source, by file name.
+pub const SOURCES: [(&str, &str); 5] = [
+    ("elementwise.cu", include_str!("elementwise.cu")),
+    ("reduce.cu", include_str!("reduce.cu")),
+    ("softmax.cu", include_str!("softmax.cu")),
+    ("conv.cu", include_str!("conv.cu")),
+    ("optim.cu", include_str!("optim.cu")),
+];
