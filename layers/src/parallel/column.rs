@@ -9,7 +9,7 @@ use super::group::ShardGroup;
 use super::layout::with_last;
 use super::{check_linear_input, check_saved_replicated, linear_cost, linear_shard, split_features, unsplit_rows};
 use crate::Linear;
-use crate::tensor_io::{check_grad_shape, check_param_grads, expect_inputs, expect_shapes};
+use crate::tensor_io::{check_grad_shape, check_param_grads, expect_inputs};
 
 const KIND: &str = "ColumnParallelLinear";
 
@@ -158,11 +158,7 @@ impl Layer for ColumnParallelLinear {
     }
 
     fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape> {
-        let shape = &expect_shapes(KIND, input_shapes, 1)?[0];
-        match shape.dims().last() {
-            Some(&last) if last == self.in_features => Ok(Shape::new(with_last(shape, self.out_features))),
-            _ => Err(Error::shape(KIND, format!("a per-sample shape [..., {}]", self.in_features), shape.to_string())),
-        }
+        super::linear_output_shape(KIND, input_shapes, self.in_features, self.out_features)
     }
 
     fn parameters(&self) -> &[Parameter] {

@@ -12,7 +12,7 @@ use super::{
     check_linear_input, check_linear_params, linear_cost, linear_shard, split_features, unsplit_columns, unsplit_rows,
 };
 use crate::Linear;
-use crate::tensor_io::{check_grad_shape, check_param_grads, expect_inputs, expect_shapes, f32_bytes};
+use crate::tensor_io::{check_grad_shape, check_param_grads, expect_inputs, f32_bytes};
 
 const KIND: &str = "ParallelMlp";
 
@@ -276,11 +276,7 @@ impl Layer for ParallelMlp {
     }
 
     fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape> {
-        let shape = &expect_shapes(KIND, input_shapes, 1)?[0];
-        match shape.dims().last() {
-            Some(&last) if last == self.in_features => Ok(Shape::new(with_last(shape, self.out_features))),
-            _ => Err(Error::shape(KIND, format!("a per-sample shape [..., {}]", self.in_features), shape.to_string())),
-        }
+        super::linear_output_shape(KIND, input_shapes, self.in_features, self.out_features)
     }
 
     fn parameters(&self) -> &[Parameter] {

@@ -100,6 +100,15 @@ fn check_linear_params(kind: &str, weight: &Tensor, bias: Option<&Tensor>) -> Re
     Ok((out_features, in_features))
 }
 
+/// The per-sample output shape of a Linear-shaped layer: `[..., in_features]` -> `[..., out_features]`.
+fn linear_output_shape(kind: &str, input_shapes: &[Shape], in_features: usize, out_features: usize) -> Result<Shape> {
+    let shape = &crate::tensor_io::expect_shapes(kind, input_shapes, 1)?[0];
+    match shape.dims().last() {
+        Some(&last) if last == in_features => Ok(Shape::new(layout::with_last(shape, out_features))),
+        _ => Err(Error::shape(kind, format!("a per-sample shape [..., {in_features}]"), shape.to_string())),
+    }
+}
+
 /// Checks a batched `[batch, ..., in_features]` f32 input on the group's first device.
 fn check_linear_input(kind: &str, group: &ShardGroup, input: &Tensor, in_features: usize) -> Result<()> {
     match input.dims().split_last() {
