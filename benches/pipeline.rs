@@ -82,6 +82,7 @@ fn main() {
                 optimizer: OptimizerConfig::sgd(0.01),
                 recompute: Recompute::Never,
                 seed: 0,
+                core_slots: Default::default(),
             };
             let devices = vec![Device::cpu(0), Device::cpu(1)];
             let (plan, mut trainer) = build_trainer(support::wide_mlp(), devices, &config).unwrap();

@@ -26,6 +26,7 @@ fn trainer() -> Trainer {
         optimizer: OptimizerConfig::sgd(0.01),
         recompute: Recompute::Never,
         seed: 0,
+        core_slots: Default::default(),
     };
     build_trainer(support::wide_mlp(), vec![Device::cpu(0), Device::cpu(1)], &config).unwrap().1
 }

@@ -45,6 +45,7 @@ fn main() -> anyhow::Result<()> {
         optimizer: OptimizerConfig::sgd(0.01),
         recompute: Recompute::Never,
         seed: 0,
+        core_slots: Default::default(),
     };
     let devices = vec![Device::cpu(0), Device::cpu(1)];
     let (_, mut trainer) = build_trainer(mlp(&[256, 1024, 1024, 1024, 1024, 1024, 10], 0)?, devices, &config)?;

@@ -28,6 +28,7 @@ fn main() -> anyhow::Result<()> {
         optimizer: OptimizerConfig::adam(1e-3),
         recompute: Recompute::Never,
         seed: 0,
+        core_slots: Default::default(),
     };
 
     let one = vec![Device::cpu_with_budget(0, Some(budget))];

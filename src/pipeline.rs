@@ -11,7 +11,7 @@ use conveyor_engine::optim::OptimizerConfig;
 use conveyor_engine::placement::{
     DeviceSpec, Link, NodeCosts, OptimizerMemory, Plan, PlanConfig, place_automatically, place_with_costs, profile_graph,
 };
-use conveyor_engine::runtime::{Recompute, Trainer};
+use conveyor_engine::runtime::{CoreSlotPolicy, Recompute, Trainer};
 use conveyor_engine::{Device, Error, Result};
 use conveyor_layers::CrossEntropyLoss;
 use conveyor_schedules::{CostModel, Schedule, ScheduleKind, StageCosts, simulate};
@@ -38,6 +38,8 @@ pub struct PipelineConfig {
     pub recompute: Recompute,
     /// Seed for dropout.
     pub seed: u64,
+    /// Core slots for CPU workers ([`conveyor_engine::runtime::CoreSlotPolicy`]).
+    pub core_slots: CoreSlotPolicy,
 }
 
 /// Peak micro-batches in flight per stage under `kind`, from the schedule simulator.
@@ -141,6 +143,7 @@ pub fn build_trainer_with_plan(graph: Graph, devices: Vec<Device>, plan: &Plan, 
         .optimizer(config.optimizer)
         .recompute(config.recompute)
         .seed(config.seed)
+        .core_slots(config.core_slots)
         .build()
 }
 
@@ -246,6 +249,7 @@ pub fn build_trainer_tensor_parallel(
         .optimizer(config.optimizer)
         .recompute(config.recompute)
         .seed(config.seed)
+        .core_slots(config.core_slots)
         .build()?;
     Ok((plan, trainer))
 }

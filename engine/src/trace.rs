@@ -45,6 +45,7 @@ pub fn op_name(op: OpKind) -> &'static str {
         OpKind::Send => "send",
         OpKind::Recv => "recv",
         OpKind::Wait => "wait",
+        OpKind::CoreWait => "core_wait",
     }
 }
 
@@ -59,6 +60,7 @@ fn op_from_name(name: &str) -> Option<OpKind> {
         "send" => OpKind::Send,
         "recv" => OpKind::Recv,
         "wait" => OpKind::Wait,
+        "core_wait" => OpKind::CoreWait,
         _ => return None,
     })
 }

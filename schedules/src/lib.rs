@@ -51,7 +51,7 @@ pub use instruction::{ChannelId, Direction, Instruction, Message};
 pub use kind::ScheduleKind;
 pub use render::{render_timeline, render_timeline_with_cell};
 pub use schedule::Schedule;
-pub use shared_cores::simulate_on_cores;
+pub use shared_cores::{simulate_on_cores, simulate_with_core_slots};
 pub use simulate::{SimulationReport, simulate};
 pub use timeline::{OpKind, Timeline, TimelineEvent};
 pub use validate::validate;

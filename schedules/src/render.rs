@@ -54,7 +54,7 @@ pub fn render_timeline_with_cell(timeline: &Timeline, cell_s: f64) -> String {
             OpKind::BackwardWeight => "W",
             OpKind::OptimizerStep => "O",
             OpKind::Recompute => "R",
-            OpKind::Send | OpKind::Recv | OpKind::Wait => continue,
+            OpKind::Send | OpKind::Recv | OpKind::Wait | OpKind::CoreWait => continue,
         };
         let mut label = letter.to_owned();
         if let Some(micro_batch_idx) = event.micro_batch_idx {

@@ -1,6 +1,10 @@
 //! Simulation when devices share fewer cores than there are devices (four CPU stages on a
-//! two-core machine): processor sharing, where the ops running at one moment progress at rate
-//! `min(1, n_cores / n_running)` each.
+//! two-core machine), under two models:
+//! - [`simulate_on_cores`]: processor sharing, where the ops running at one moment progress at
+//!   rate `min(1, n_cores / n_running)` each (threads left to the operating system);
+//! - [`simulate_with_core_slots`]: core slots, where an op that is ready queues for one of
+//!   `n_cores` slots, first come first served, and then runs at full speed to its end (the
+//!   runtime's core slots, `TrainerBuilder::core_slots`).
 //!
 //! Unlike [`crate::simulate`], an op's duration depends on what else runs meanwhile, so this is a
 //! true event loop: at each step it starts every op whose device is free and whose input has
@@ -107,12 +111,136 @@ pub fn simulate_on_cores(schedule: &Schedule, costs: &CostModel, n_cores: usize)
     }
 }
 
+/// Simulates `schedule` under `costs` with ops taking one of `n_cores` core slots to run: an op
+/// whose device is free and whose input has arrived joins a FIFO queue (ties in device order),
+/// and the oldest queued op starts whenever a slot is free, running for its full cost.
+///
+/// The timeline holds the ops, a `Wait` event for each interval a device waited for an input,
+/// and a `CoreWait` event for each interval a ready op queued for a core. With `n_cores >= n_devices` it equals
+/// [`crate::simulate`] (less `Send` events). Errors: an unusable cost model, zero cores, or
+/// programs that cannot finish.
+pub fn simulate_with_core_slots(
+    schedule: &Schedule,
+    costs: &CostModel,
+    n_cores: usize,
+) -> Result<SimulationReport, ScheduleError> {
+    if n_cores == 0 {
+        return Err(ScheduleError::ZeroParameter { parameter: "n_cores", noun: "core" });
+    }
+    let n_stages = schedule.n_stages();
+    costs.check(n_stages)?;
+    let programs = schedule.programs();
+    let n_devices = programs.len();
+    let mut timeline = Timeline::new(schedule.n_devices(), n_stages);
+    let mut arrivals: HashMap<Message, f64> = HashMap::new();
+    let mut positions = vec![0usize; n_devices];
+    // When each device's previous op ended (its input wait starts there).
+    let mut free_since = vec![0.0f64; n_devices];
+    // When each queued device joined the queue.
+    let mut queued_at: Vec<Option<f64>> = vec![None; n_devices];
+    let mut queue: std::collections::VecDeque<usize> = std::collections::VecDeque::new();
+    // Per device: the running op's start and end.
+    let mut running: Vec<Option<(f64, f64)>> = vec![None; n_devices];
+    let mut free_slots = n_cores;
+    let mut now = 0.0f64;
+    const EPSILON: f64 = 1e-12;
+    loop {
+        // Queue every op that became ready, in device order.
+        for device_idx in 0..n_devices {
+            if running[device_idx].is_some() || queued_at[device_idx].is_some() {
+                continue;
+            }
+            let Some(&instruction) = programs[device_idx].get(positions[device_idx]) else { continue };
+            let ready_at = match instruction.recv_from(n_stages) {
+                Some(message) => match arrivals.get(&message) {
+                    Some(&arrival) if arrival <= now + EPSILON => arrival,
+                    _ => continue,
+                },
+                None => free_since[device_idx],
+            };
+            if ready_at > free_since[device_idx] + EPSILON {
+                timeline.events.push(TimelineEvent {
+                    device_idx,
+                    stage_idx: instruction.stage_idx(),
+                    op: crate::timeline::OpKind::Wait,
+                    micro_batch_idx: instruction.micro_batch_idx(),
+                    start_s: free_since[device_idx],
+                    end_s: ready_at,
+                });
+            }
+            queued_at[device_idx] = Some(now);
+            queue.push_back(device_idx);
+        }
+        while free_slots > 0 {
+            let Some(device_idx) = queue.pop_front() else { break };
+            let since = queued_at[device_idx].take().expect("queued devices have a time");
+            free_slots -= 1;
+            let instruction = programs[device_idx][positions[device_idx]];
+            if now > since + EPSILON {
+                timeline.events.push(TimelineEvent {
+                    device_idx,
+                    stage_idx: instruction.stage_idx(),
+                    op: crate::timeline::OpKind::CoreWait,
+                    micro_batch_idx: instruction.micro_batch_idx(),
+                    start_s: since,
+                    end_s: now,
+                });
+            }
+            running[device_idx] = Some((now, now + op_cost(costs, instruction)));
+        }
+        let next_end = running.iter().flatten().map(|&(_, end)| end).fold(f64::INFINITY, f64::min);
+        let next_arrival = arrivals.values().copied().filter(|&a| a > now + EPSILON).fold(f64::INFINITY, f64::min);
+        let next = next_end.min(next_arrival);
+        if !next.is_finite() {
+            if positions.iter().zip(programs).all(|(&p, program)| p == program.len()) {
+                return Ok(SimulationReport::from_timeline(timeline));
+            }
+            let blocked = (0..n_devices)
+                .filter_map(|device_idx| {
+                    let instruction_idx = positions[device_idx];
+                    let instruction = *programs[device_idx].get(instruction_idx)?;
+                    let message = instruction.recv_from(n_stages)?;
+                    Some(BlockedDevice { device_idx, instruction_idx, instruction, waiting_on: Wait::Receive(message) })
+                })
+                .collect();
+            return Err(ScheduleError::Deadlock { channel_capacity: usize::MAX, blocked });
+        }
+        now = next;
+        for device_idx in 0..n_devices {
+            let Some((start_s, end_s)) = running[device_idx] else { continue };
+            if end_s > now + EPSILON {
+                continue;
+            }
+            let instruction = programs[device_idx][positions[device_idx]];
+            if let Some(message) = instruction.recv_from(n_stages) {
+                arrivals.remove(&message);
+            }
+            timeline.events.push(TimelineEvent {
+                device_idx,
+                stage_idx: instruction.stage_idx(),
+                op: instruction.op_kind(),
+                micro_batch_idx: instruction.micro_batch_idx(),
+                start_s,
+                end_s,
+            });
+            if let Some(message) = instruction.send_to(n_stages) {
+                arrivals.insert(message, end_s + transfer_s(schedule, costs, message));
+            }
+            positions[device_idx] += 1;
+            running[device_idx] = None;
+            free_since[device_idx] = end_s;
+            free_slots += 1;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cost::StageCosts;
     use crate::kind::ScheduleKind;
     use crate::simulate::simulate;
+    use crate::timeline::OpKind;
 
     #[test]
     fn with_a_core_per_device_it_matches_the_plain_simulator() {
@@ -127,6 +255,43 @@ mod tests {
             assert!((plain.makespan_s - shared.makespan_s).abs() < 1e-9, "{kind}");
             assert!((plain.bubble_fraction - shared.bubble_fraction).abs() < 1e-9, "{kind}");
         }
+    }
+
+    #[test]
+    fn with_a_slot_per_device_slots_match_the_plain_simulator() {
+        for kind in ScheduleKind::ALL {
+            let chunks = if kind.supports_chunks() { 2 } else { 1 };
+            let schedule = Schedule::new(kind, 4, 8, chunks).unwrap();
+            let costs = CostModel::per_stage(
+                (0..schedule.n_stages()).map(|s| StageCosts::new(1.0 + s as f64 * 0.1, 1.3, 0.7)).collect(),
+            );
+            let plain = simulate(&schedule, &costs).unwrap();
+            let slots = simulate_with_core_slots(&schedule, &costs, 4).unwrap();
+            assert!((plain.makespan_s - slots.makespan_s).abs() < 1e-9, "{kind}");
+            assert!((plain.bubble_fraction - slots.bubble_fraction).abs() < 1e-9, "{kind}");
+        }
+    }
+
+    #[test]
+    fn slots_run_ops_whole_and_in_arrival_order() {
+        // GPipe, 2 devices on 1 core, F = 1, B = 2: nothing overlaps, so the makespan is the
+        // total work 2 x 2 x 3 = 12; ops never overlap in time.
+        let schedule = Schedule::new(ScheduleKind::GPipe, 2, 2, 1).unwrap();
+        let costs = CostModel::uniform(StageCosts::new(1.0, 1.0, 1.0));
+        let one = simulate_with_core_slots(&schedule, &costs, 1).unwrap();
+        assert!((one.makespan_s - 12.0).abs() < 1e-9, "{}", one.makespan_s);
+        let mut ops: Vec<_> =
+            one.timeline.events.iter().filter(|e| matches!(e.op, OpKind::Forward | OpKind::Backward)).collect();
+        ops.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
+        for pair in ops.windows(2) {
+            assert!(pair[1].start_s >= pair[0].end_s - 1e-9, "{pair:?}");
+            assert!((pair[0].duration_s() - if pair[0].op == OpKind::Forward { 1.0 } else { 2.0 }).abs() < 1e-9);
+        }
+        // Device 0's F0 [0,1]; then device 0's F1 and device 1's F0 are both ready at 1: device
+        // order breaks the tie, so F1 on device 0 runs [1,2] and F0 on device 1 runs [2,3].
+        let f0_dev1 = ops.iter().find(|e| e.device_idx == 1 && e.op == OpKind::Forward).unwrap();
+        assert_eq!((f0_dev1.start_s, f0_dev1.end_s), (2.0, 3.0));
+        assert!(simulate_with_core_slots(&schedule, &costs, 0).is_err());
     }
 
     #[test]

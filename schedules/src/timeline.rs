@@ -25,6 +25,9 @@ pub enum OpKind {
     Recv,
     /// The device idled waiting for an input (not compute).
     Wait,
+    /// The device's op was ready but waited for a core slot, with more workers than cores (not
+    /// compute).
+    CoreWait,
     /// Recomputing a forward for activation checkpointing (compute).
     Recompute,
 }

@@ -19,6 +19,7 @@
 //! allocates each gradient on its parameter's device, reports peak memory for every device of
 //! every group, and exports and imports parameters through [`crate::Layer::export_parameters`] and
 //! [`crate::Layer::import_parameter`], so checkpoints carry unsplit tensors under unsplit names.
+mod core_slots;
 mod stage;
 mod trainer;
 mod worker;
@@ -48,6 +49,36 @@ impl std::str::FromStr for Recompute {
             "except-last" | "except_last" => Ok(Recompute::ExceptLast),
             "always" => Ok(Recompute::Always),
             other => Err(crate::Error::invalid("recompute", format!("`{other}`: use never, except-last or always"))),
+        }
+    }
+}
+
+/// Whether compute ops on CPU workers take core slots ([`TrainerBuilder::core_slots`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CoreSlotPolicy {
+    /// One slot per core when the CPU workers outnumber the machine's cores (and there is no
+    /// tensor parallelism); otherwise none.
+    #[default]
+    Auto,
+    /// No slots: every worker computes whenever it can, and the operating system shares the cores.
+    Off,
+    /// This many slots (at least 1).
+    Slots(usize),
+}
+
+impl std::str::FromStr for CoreSlotPolicy {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> crate::Result<Self> {
+        match s {
+            "auto" => Ok(CoreSlotPolicy::Auto),
+            "off" => Ok(CoreSlotPolicy::Off),
+            n => match n.parse::<usize>() {
+                Ok(n) if n > 0 => Ok(CoreSlotPolicy::Slots(n)),
+                _ => Err(crate::Error::invalid(
+                    "core slots",
+                    format!("`{s}`: use auto, off or a number of slots of at least 1"),
+                )),
+            },
         }
     }
 }

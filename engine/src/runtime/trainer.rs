@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 use conveyor_schedules::{Instruction, Schedule, ScheduleKind, Timeline};
 use crossbeam::channel::{self, Receiver, Sender};
 
+use super::core_slots::CoreSlots;
 use super::stage::{NodeExec, Payload, Route, Stage};
 use super::worker::{self, Command, Commit, Links, Report, StepJob};
-use super::{FaultInjection, Recompute, StepReport};
+use super::{CoreSlotPolicy, FaultInjection, Recompute, StepReport};
 use crate::checkpoint::Checkpoint;
 use crate::graph::{Graph, NodeId};
 use crate::optim::{Optimizer, OptimizerConfig};
@@ -33,6 +34,7 @@ pub struct TrainerBuilder {
     recompute: Vec<Recompute>,
     seed: u64,
     max_grad_norm: Option<f64>,
+    core_slots: CoreSlotPolicy,
 }
 
 impl TrainerBuilder {
@@ -103,6 +105,20 @@ impl TrainerBuilder {
     /// Clip gradients to this global L2 norm (torch's `clip_grad_norm_`), across all stages.
     pub fn max_grad_norm(mut self, max_norm: Option<f64>) -> Self {
         self.max_grad_norm = max_norm;
+        self
+    }
+
+    /// How many compute ops may run at once across the workers: with `n` slots each op takes one,
+    /// first come first served, for as long as it computes. [`CoreSlotPolicy::Auto`] (the
+    /// default) gives one slot per core when CPU workers outnumber the machine's cores (and there
+    /// is no tensor parallelism, whose shards compute on threads of their own), otherwise none.
+    ///
+    /// Why: with four stages on two cores, time-slicing makes an op's wall time depend on what
+    /// else runs, and the measured timeline stops matching any schedule prediction; with slots
+    /// an op runs on a core of its own and the wait for a core is a FIFO queue that
+    /// [`conveyor_schedules::simulate_with_core_slots`] reproduces.
+    pub fn core_slots(mut self, policy: CoreSlotPolicy) -> Self {
+        self.core_slots = policy;
         self
     }
 
@@ -284,6 +300,16 @@ impl TrainerBuilder {
             }
         }
         stage_info.sort_by_key(|s| s.stage_idx);
+        let n_slots = match self.core_slots {
+            CoreSlotPolicy::Slots(n) => Some(n.max(1)),
+            CoreSlotPolicy::Off => None,
+            CoreSlotPolicy::Auto => {
+                let cores = std::thread::available_parallelism().map_or(1, usize::from);
+                let all_cpu = groups.iter().all(|g| matches!(g[0], Device::Cpu(_)));
+                (k == 1 && all_cpu && n_devices > cores).then_some(cores)
+            }
+        };
+        let slots = n_slots.map(|n| Arc::new(CoreSlots::new(n)));
         let mut workers = Vec::with_capacity(n_devices);
         // Workers report op spans to the subscriber of the thread that built the trainer.
         let dispatch = tracing::dispatcher::get_default(|d| d.clone());
@@ -291,10 +317,11 @@ impl TrainerBuilder {
             let (tx, rx) = channel::unbounded();
             let loss = Arc::clone(&self.loss);
             let dispatch = dispatch.clone();
+            let slots = slots.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("conveyor-{}", groups[device_idx][0]))
                 .spawn(move || {
-                    tracing::dispatcher::with_default(&dispatch, || worker::run(device_idx, stages, loss, rx))
+                    tracing::dispatcher::with_default(&dispatch, || worker::run(device_idx, stages, loss, rx, slots))
                 })
                 .map_err(|e| Error::invalid("worker thread", format!("could not start: {e}")))?;
             workers.push(WorkerHandle { commands: tx, thread: Some(handle) });
@@ -308,6 +335,7 @@ impl TrainerBuilder {
             schedule,
             seed: self.seed,
             max_grad_norm: self.max_grad_norm,
+            core_slots: n_slots,
             step_idx: 0,
             fault: None,
             graph: self.graph,
@@ -354,6 +382,7 @@ pub struct Trainer {
     schedule: Schedule,
     seed: u64,
     max_grad_norm: Option<f64>,
+    core_slots: Option<usize>,
     step_idx: u64,
     fault: Option<FaultInjection>,
     /// The graph's structure (its layers live on the workers).
@@ -378,7 +407,13 @@ impl Trainer {
             recompute: vec![Recompute::Never],
             seed: 0,
             max_grad_norm: None,
+            core_slots: CoreSlotPolicy::Auto,
         }
+    }
+
+    /// The number of core slots compute ops share, if any ([`TrainerBuilder::core_slots`]).
+    pub fn core_slots(&self) -> Option<usize> {
+        self.core_slots
     }
 
     /// Full parameter names (`node.param`) in graph order.

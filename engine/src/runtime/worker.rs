@@ -10,6 +10,7 @@ use conveyor_schedules::{Instruction, OpKind, TimelineEvent};
 use crossbeam::channel::{Receiver, Sender, select};
 
 use super::FaultInjection;
+use super::core_slots::{CoreSlots, SlotGuard};
 use super::stage::{Payload, Stage, StepCtx};
 use crate::{Device, Error, Loss, Result, Tensor};
 
@@ -109,11 +110,17 @@ fn recv(rx: &Receiver<Message>, abort: &Receiver<()>) -> std::result::Result<Mes
 }
 
 /// The worker thread's loop: runs commands until `Shutdown` or the command channel closes.
-pub(crate) fn run(device_idx: usize, mut stages: Vec<Stage>, loss: Arc<dyn Loss>, commands: Receiver<Command>) {
+pub(crate) fn run(
+    device_idx: usize,
+    mut stages: Vec<Stage>,
+    loss: Arc<dyn Loss>,
+    commands: Receiver<Command>,
+    core_slots: Option<Arc<CoreSlots>>,
+) {
     while let Ok(command) = commands.recv() {
         match command {
             Command::Step(mut job, reports) => {
-                let report = run_step(device_idx, &mut stages, loss.as_ref(), &mut job, &reports);
+                let report = run_step(device_idx, &mut stages, loss.as_ref(), &mut job, &reports, core_slots.as_deref());
                 stages.iter_mut().for_each(Stage::end_step);
                 // The coordinator may have given up on us; nothing else to do then.
                 let _ = reports.send(report);
@@ -190,11 +197,12 @@ fn run_step(
     loss: &dyn Loss,
     job: &mut StepJob,
     reports: &Sender<Report>,
+    core_slots: Option<&CoreSlots>,
 ) -> Report {
     let mut events = Vec::with_capacity(job.program.len() * 2);
     let mut cpu_times = Vec::with_capacity(job.program.len());
     let mut outputs = Vec::new();
-    match execute(device_idx, stages, loss, job, reports, &mut events, &mut cpu_times, &mut outputs) {
+    match execute(device_idx, stages, loss, job, reports, core_slots, &mut events, &mut cpu_times, &mut outputs) {
         Ok(()) => Report::Done {
             device_idx,
             events,
@@ -214,6 +222,7 @@ fn execute(
     loss: &dyn Loss,
     job: &mut StepJob,
     reports: &Sender<Report>,
+    core_slots: Option<&CoreSlots>,
     events: &mut Vec<TimelineEvent>,
     cpu_times: &mut Vec<super::OpCpuTime>,
     outputs: &mut Vec<(usize, Tensor)>,
@@ -257,6 +266,7 @@ fn execute(
                 recv(job.commit) -> c => c.map_err(|_| OpFailure::Aborted)?,
                 recv(job.abort) -> _ => return Err(OpFailure::Aborted),
             };
+            let _slot = rec.take_core(core_slots, None, None);
             rec.record(None, op, None, || {
                 for stage in stages.iter_mut() {
                     let stage_idx = stage.stage_idx;
@@ -304,11 +314,13 @@ fn execute(
                     Vec::new()
                 };
                 let stage = &mut stages[s];
+                let slot = rec.take_core(core_slots, Some(stage_idx), Some(micro_batch_idx));
                 let (messages, loss_value, eval_output) = rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
                     guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
                         Ok(stage.forward(&ctx, micro_batch_idx, inputs, labels)?)
                     })
                 })?;
+                drop(slot);
                 if let Some(l) = loss_value {
                     losses.push((micro_batch_idx, l));
                 }
@@ -320,6 +332,7 @@ fn execute(
             Instruction::BackwardInput { .. } | Instruction::Backward { .. } => {
                 if stages[s].needs_recompute(micro_batch_idx) {
                     let stage = &mut stages[s];
+                    let _slot = rec.take_core(core_slots, Some(stage_idx), Some(micro_batch_idx));
                     rec.record(Some(stage_idx), OpKind::Recompute, Some(micro_batch_idx), || {
                         guarded_mut(stage, OpKind::Recompute, micro_batch_idx, job.fault, |stage| {
                             Ok(stage.recompute(&ctx, micro_batch_idx)?)
@@ -339,15 +352,18 @@ fn execute(
                 rec.end_wait(wait);
                 let fused = matches!(instruction, Instruction::Backward { .. });
                 let stage = &mut stages[s];
+                let slot = rec.take_core(core_slots, Some(stage_idx), Some(micro_batch_idx));
                 let messages = rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
                     guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
                         Ok(stage.backward_input(micro_batch_idx, received, fused)?)
                     })
                 })?;
+                drop(slot);
                 send_all(job, stage_idx, micro_batch_idx, messages, true)?;
             }
             Instruction::BackwardWeight { .. } => {
                 let stage = &mut stages[s];
+                let _slot = rec.take_core(core_slots, Some(stage_idx), Some(micro_batch_idx));
                 rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
                     guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| Ok(stage.backward_weight(micro_batch_idx)?))
                 })?;
@@ -454,6 +470,33 @@ impl OpRecorder<'_> {
         drop(span);
         note_memory(self.device_idx, &self.device);
         Ok(value)
+    }
+
+    /// Takes a core slot when the worker has slots, recording the time spent queued for it as a
+    /// `CoreWait` event.
+    fn take_core<'s>(
+        &mut self,
+        core_slots: Option<&'s CoreSlots>,
+        stage_idx: Option<usize>,
+        micro_batch_idx: Option<usize>,
+    ) -> Option<SlotGuard<'s>> {
+        let slots = core_slots?;
+        let span = op_span(self.device_idx, stage_idx, OpKind::CoreWait, micro_batch_idx);
+        let start_s = self.now();
+        let guard = slots.acquire();
+        let end_s = self.now();
+        if end_s - start_s > 5e-6 {
+            self.events.push(TimelineEvent {
+                device_idx: self.device_idx,
+                stage_idx,
+                op: OpKind::CoreWait,
+                micro_batch_idx,
+                start_s,
+                end_s,
+            });
+        }
+        drop(span);
+        Some(guard)
     }
 
     fn start_wait(&self, stage_idx: usize, micro_batch_idx: usize) -> WaitInProgress {

@@ -42,7 +42,7 @@ pub use terminal::terminal_chart;
 use crate::timeline::{OpKind, TimelineEvent};
 
 /// Every op kind, in the order legends list them.
-const ALL_KINDS: [OpKind; 9] = [
+const ALL_KINDS: [OpKind; 10] = [
     OpKind::Forward,
     OpKind::Backward,
     OpKind::BackwardInput,
@@ -50,6 +50,7 @@ const ALL_KINDS: [OpKind; 9] = [
     OpKind::OptimizerStep,
     OpKind::Recompute,
     OpKind::Wait,
+    OpKind::CoreWait,
     OpKind::Send,
     OpKind::Recv,
 ];
@@ -65,6 +66,7 @@ fn kind_name(kind: OpKind) -> &'static str {
         OpKind::Send => "send",
         OpKind::Recv => "recv",
         OpKind::Wait => "wait",
+        OpKind::CoreWait => "core_wait",
         OpKind::Recompute => "recompute",
     }
 }
@@ -82,6 +84,7 @@ fn event_name(event: &TimelineEvent) -> String {
         OpKind::Send => "send ",
         OpKind::Recv => "recv ",
         OpKind::Wait => "wait ",
+        OpKind::CoreWait => "core ",
     };
     match event.micro_batch_idx {
         Some(micro_batch_idx) => format!("{letter}{micro_batch_idx}"),

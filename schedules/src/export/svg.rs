@@ -54,6 +54,7 @@ fn colours(kind: OpKind) -> (&'static str, &'static str) {
         OpKind::OptimizerStep => ("#5f5f5f", "#ffffff"),
         OpKind::Recompute => ("#76b7b2", "#000000"),
         OpKind::Wait => ("#a8a8a8", "#000000"),
+        OpKind::CoreWait => ("#ff9da7", "#000000"),
         OpKind::Send => ("#9c755f", "#ffffff"),
         OpKind::Recv => ("#b07aa1", "#ffffff"),
     }
@@ -68,6 +69,7 @@ fn legend_text(kind: OpKind) -> &'static str {
         OpKind::OptimizerStep => "optimizer step",
         OpKind::Recompute => "R recompute",
         OpKind::Wait => "wait for input",
+        OpKind::CoreWait => "wait for a core",
         OpKind::Send => "send",
         OpKind::Recv => "receive",
     }

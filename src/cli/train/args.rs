@@ -92,6 +92,11 @@ pub struct TrainArgs {
     /// Activation recomputation: never, except-last or always.
     #[arg(long, default_value = "never")]
     pub recompute: String,
+    /// Core slots for CPU workers: auto (one per core when workers outnumber cores), off (let the
+    /// OS share the cores), or a number (at most that many ops compute at once, first come first
+    /// served).
+    #[arg(long, default_value = "auto")]
+    pub core_slots: String,
     /// Seed for initialisation, shuffling, synthetic data and dropout.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

@@ -25,7 +25,9 @@ use conveyor::pipeline::{
     PipelineConfig, build_trainer, build_trainer_with_plan, optimizer_memory, plan_by_time, planner_inputs, simulated_inflight,
 };
 use conveyor::schedules::export::{MemorySample, SvgOptions, TraceOptions, chrome_trace, svg_gantt};
-use conveyor::schedules::{CostModel, Schedule, ScheduleKind, StageCosts, simulate, simulate_on_cores};
+use conveyor::schedules::{
+    CostModel, Schedule, ScheduleKind, StageCosts, simulate, simulate_on_cores, simulate_with_core_slots,
+};
 use conveyor::zoo::ModelSpec;
 use progress::Progress;
 
@@ -140,6 +142,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         return Err(usage(format!("--chunks {} needs --schedule interleaved", args.chunks)));
     }
     let recompute: Recompute = args.recompute.parse().map_err(|e: conveyor::engine::Error| usage(e.to_string()))?;
+    let core_slots: conveyor::engine::runtime::CoreSlotPolicy =
+        args.core_slots.parse().map_err(|e: conveyor::engine::Error| usage(format!("--core-slots: {e}")))?;
     let lr_schedule: LrSchedule = args.lr_schedule.parse()?;
     let budget = args.device_memory.as_deref().map(parse_size).transpose()?;
     let mut devices = parse_devices(&args.devices, budget)?;
@@ -200,6 +204,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         optimizer,
         recompute,
         seed: args.seed,
+        core_slots,
     };
     // The pipeline's width: one worker per group of `k` devices.
     let n_devices = devices.len() / k;
@@ -383,10 +388,17 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         // measured per-stage op costs.
         let measured = report.timeline.bubble_fraction();
         let theory = simulate(&sched, &CostModel::uniform(StageCosts::UNIT))?.bubble_fraction;
-        // With a core per worker, the measured wall durations are the op costs; with more workers
-        // than cores, each op's thread CPU time is its cost and the simulator shares the cores.
+        // With a core per worker, the measured wall durations are the op costs. With more workers
+        // than cores the trainer gives compute ops core slots (first come first served), so an op
+        // still runs on a core of its own and the simulator queues ops for the same slots.
+        // Without slots (disabled), each op's thread CPU time is its cost and the simulator shares
+        // the cores between running ops.
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        let (predicted, cost_basis) = if n_devices > cores {
+        let (predicted, cost_basis) = if let Some(slots) = trainer.core_slots() {
+            let costs = summary::measured_costs(&report.timeline, sched.n_stages());
+            let simulated = simulate_with_core_slots(&sched, &costs, slots)?;
+            (simulated.bubble_fraction, format!("measured op times, {slots} core slots"))
+        } else if n_devices > cores {
             let costs = summary::cpu_costs(report, sched.n_stages());
             let simulated = simulate_on_cores(&sched, &costs, cores)?;
             // With workers sharing cores, a device "idles" while its thread waits for a core too;

@@ -52,16 +52,15 @@ pub fn print_devices(
     let busy = report.timeline.busy_s();
     let makespan = report.timeline.makespan_s();
     for (device_idx, device) in devices.iter().enumerate() {
-        let waiting: f64 = report
-            .timeline
-            .events
-            .iter()
-            .filter(|e| e.device_idx == device_idx && e.op == conveyor::schedules::OpKind::Wait)
-            .map(|e| e.duration_s())
-            .sum::<f64>()
-            + 0.0; // an empty f64 sum is -0.0
+        let time_in = |op: conveyor::schedules::OpKind| {
+            report.timeline.events.iter().filter(|e| e.device_idx == device_idx && e.op == op).map(|e| e.duration_s()).sum::<f64>()
+                + 0.0 // an empty f64 sum is -0.0
+        };
+        let waiting = time_in(conveyor::schedules::OpKind::Wait);
+        let core_wait = time_in(conveyor::schedules::OpKind::CoreWait);
+        let core_part = if core_wait > 0.0 { format!(", for a core {:.1} ms", core_wait * 1e3) } else { String::new() };
         println(format!(
-            "  {device}: busy {:.1} ms, idle {:.1} ms (waiting for messages {:.1} ms) of a {:.1} ms step, peak memory {} (micro-batches in flight on its first stage: {})",
+            "  {device}: busy {:.1} ms, idle {:.1} ms (waiting for messages {:.1} ms{core_part}) of a {:.1} ms step, peak memory {} (micro-batches in flight on its first stage: {})",
             busy[device_idx] * 1e3,
             (makespan - busy[device_idx]) * 1e3,
             waiting * 1e3,
