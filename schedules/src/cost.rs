@@ -1,8 +1,14 @@
-//! The cost model the simulator times a schedule with: per-stage compute costs, one link model
-//! and per-stage message sizes.
+//! The cost model the simulator times a schedule with: per-stage compute costs (optionally
+//! overridden op by op, as a measured run gives them), one link model and per-stage message sizes.
+use std::collections::HashMap;
+
 use serde::Serialize;
 
 use crate::error::ScheduleError;
+use crate::timeline::OpKind;
+
+/// One compute op of one step: `(stage_idx, op, micro_batch_idx)`.
+pub type OpKey = (usize, OpKind, usize);
 
 /// Seconds one micro-batch spends in each compute op of one stage. A fused `Backward` costs
 /// `backward_input_s + backward_weight_s`.
@@ -69,6 +75,9 @@ pub struct CostModel {
     link: Link,
     message_bytes: Vec<MessageBytes>,
     optimizer_step_s: f64,
+    /// Seconds of individual ops, overriding `stage_costs` for those ops.
+    #[serde(skip)]
+    op_costs: HashMap<OpKey, f64>,
 }
 
 impl Default for CostModel {
@@ -85,7 +94,13 @@ impl CostModel {
 
     /// One entry per stage (or a single entry for all), free communication.
     pub fn per_stage(stage_costs: Vec<StageCosts>) -> CostModel {
-        CostModel { stage_costs, link: Link::FREE, message_bytes: vec![MessageBytes::default()], optimizer_step_s: 0.0 }
+        CostModel {
+            stage_costs,
+            link: Link::FREE,
+            message_bytes: vec![MessageBytes::default()],
+            optimizer_step_s: 0.0,
+            op_costs: HashMap::new(),
+        }
     }
 
     /// Uses `link` for every message between devices.
@@ -109,6 +124,19 @@ impl CostModel {
     pub fn with_optimizer_step_s(mut self, optimizer_step_s: f64) -> CostModel {
         self.optimizer_step_s = optimizer_step_s;
         self
+    }
+
+    /// Gives individual ops their own costs (a measured run's op durations): `(stage, op,
+    /// micro-batch)` with `op` one of `Forward`, `BackwardInput`, `BackwardWeight`, `Backward`.
+    /// Ops without an entry keep their stage's cost.
+    pub fn with_op_costs(mut self, op_costs: impl IntoIterator<Item = (OpKey, f64)>) -> CostModel {
+        self.op_costs.extend(op_costs);
+        self
+    }
+
+    /// The cost given to one op by [`CostModel::with_op_costs`], if any.
+    pub fn op_cost(&self, key: OpKey) -> Option<f64> {
+        self.op_costs.get(&key).copied()
     }
 
     /// The link.
@@ -145,6 +173,9 @@ impl CostModel {
             non_negative(format!("forward_s of stage {stage_idx}"), costs.forward_s)?;
             non_negative(format!("backward_input_s of stage {stage_idx}"), costs.backward_input_s)?;
             non_negative(format!("backward_weight_s of stage {stage_idx}"), costs.backward_weight_s)?;
+        }
+        for (&(stage_idx, op, micro_batch_idx), &seconds) in &self.op_costs {
+            non_negative(format!("{op:?} of stage {stage_idx}, micro-batch {micro_batch_idx}"), seconds)?;
         }
         non_negative("latency_s".into(), self.link.latency_s)?;
         non_negative("optimizer_step_s".into(), self.optimizer_step_s)?;

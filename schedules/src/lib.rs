@@ -45,7 +45,7 @@ mod timeline;
 mod validate;
 mod zero_bubble;
 
-pub use cost::{CostModel, Link, MessageBytes, StageCosts};
+pub use cost::{CostModel, Link, MessageBytes, OpKey, StageCosts};
 pub use error::{BlockedDevice, ScheduleError, Wait};
 pub use instruction::{ChannelId, Direction, Instruction, Message};
 pub use kind::ScheduleKind;

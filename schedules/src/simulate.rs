@@ -139,6 +139,11 @@ pub(crate) fn op_cost(costs: &CostModel, instruction: Instruction) -> f64 {
     let Some(stage_idx) = instruction.stage_idx() else {
         return costs.optimizer_step_s();
     };
+    if let Some(micro_batch_idx) = instruction.micro_batch_idx()
+        && let Some(seconds) = costs.op_cost((stage_idx, instruction.op_kind(), micro_batch_idx))
+    {
+        return seconds;
+    }
     let stage = costs.stage_costs(stage_idx);
     match instruction {
         Instruction::Forward { .. } => stage.forward_s,
@@ -179,6 +184,20 @@ mod tests {
         assert_eq!(report.makespan_s, 9.0);
         let sends: Vec<_> = report.timeline.events.iter().filter(|e| e.op == OpKind::Send).collect();
         assert_eq!(sends.len(), 2);
+    }
+
+    #[test]
+    fn op_costs_override_stage_costs() {
+        use crate::timeline::OpKind;
+        // GPipe, 2 stages, 1 micro-batch, F = B = 1 except stage 1's forward, measured at 3.
+        let schedule = Schedule::new(ScheduleKind::GPipe, 2, 1, 1).unwrap();
+        let costs = CostModel::uniform(StageCosts::new(1.0, 0.5, 0.5)).with_op_costs([((1, OpKind::Forward, 0), 3.0)]);
+        assert_eq!(costs.op_cost((1, OpKind::Forward, 0)), Some(3.0));
+        assert_eq!(costs.op_cost((0, OpKind::Forward, 0)), None);
+        // F0 on stage 0 [0,1], F0 on stage 1 [1,4], B on stage 1 [4,5], B on stage 0 [5,6].
+        assert_eq!(simulate(&schedule, &costs).unwrap().makespan_s, 6.0);
+        let negative = CostModel::default().with_op_costs([((0, OpKind::Forward, 0), -1.0)]);
+        assert!(matches!(simulate(&schedule, &negative), Err(ScheduleError::InvalidCost { .. })));
     }
 
     #[test]

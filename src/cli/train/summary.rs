@@ -73,9 +73,30 @@ pub fn print_devices(
     }
 }
 
-/// Per-stage mean op costs from the wall durations in a measured timeline, for the simulator.
+/// Op costs from the wall durations in a measured timeline, for the simulator: per-stage means,
+/// with each measured op given its own duration.
 pub fn measured_costs(timeline: &conveyor::schedules::Timeline, n_stages: usize) -> CostModel {
-    mean_costs(timeline.events.iter().map(|e| (e.stage_idx, e.op, e.duration_s())), n_stages)
+    use conveyor::schedules::OpKind;
+    // Every op also gets its own measured duration; a recomputation runs right before its
+    // micro-batch's backward, so it counts toward that op.
+    let mut op_costs: std::collections::HashMap<conveyor::schedules::OpKey, f64> = Default::default();
+    let recomputes: Vec<_> = timeline.events.iter().filter(|e| e.op == OpKind::Recompute).collect();
+    for e in &timeline.events {
+        let (Some(stage_idx), Some(micro_batch_idx)) = (e.stage_idx, e.micro_batch_idx) else { continue };
+        if matches!(e.op, OpKind::Forward | OpKind::BackwardInput | OpKind::BackwardWeight | OpKind::Backward) {
+            let recompute_s: f64 = if matches!(e.op, OpKind::BackwardInput | OpKind::Backward) {
+                recomputes
+                    .iter()
+                    .filter(|r| r.stage_idx == e.stage_idx && r.micro_batch_idx == e.micro_batch_idx)
+                    .map(|r| r.duration_s())
+                    .sum()
+            } else {
+                0.0
+            };
+            *op_costs.entry((stage_idx, e.op, micro_batch_idx)).or_default() += e.duration_s() + recompute_s;
+        }
+    }
+    mean_costs(timeline.events.iter().map(|e| (e.stage_idx, e.op, e.duration_s())), n_stages).with_op_costs(op_costs)
 }
 
 /// Per-stage mean op costs from the ops' thread CPU times: what each op costs with a core to
