@@ -76,8 +76,8 @@ fn config(kind: ScheduleKind) -> PipelineConfig {
         optimizer: optimizer(),
         recompute: Recompute::Never,
         seed: 11,
-    },
         core_slots: Default::default(),
+    }
 }
 
 /// `--stages 2 --tensor-parallel 2` on cpu:4, by hand-cut stages and through the planner.
