@@ -1,23 +1,49 @@
-//! The CUDA device when Conveyor is built without the `cuda` feature: same signatures, and a
-//! constructor that returns a clear error. This file and `cuda_enabled.rs` are the one CUDA switch point.
+//! The CUDA backend when Conveyor is built without the `cuda` feature: the same names and
+//! signatures as `cuda_enabled.rs` (and `device/cuda/`), so code and tests written against the
+//! backend compile in every build. The constructors return `Error::CudaUnavailable`; no value of
+//! the device, stream or buffer types can exist, so every method is statically unreachable. This
+//! file and `cuda_enabled.rs` are the one CUDA switch point.
+use std::convert::Infallible;
+use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
+use half::{bf16, f16};
+
 use super::MemoryAccount;
-use crate::{Error, Result};
+use crate::collective::Communicator;
+use crate::cpu::Window2d;
+use crate::optim::{AdamConfig, SgdConfig};
+use crate::{DType, Device, Error, Result};
+
+/// The error every constructor returns in this build.
+fn not_compiled(what: &str) -> Error {
+    Error::CudaUnavailable(format!(
+        "{what} requested, but Conveyor was built without the `cuda` feature; \
+         rebuild with `cargo build --release --features cuda` or use cpu devices"
+    ))
+}
 
 /// A CUDA device. Without the `cuda` feature no value of this type can exist.
 #[derive(Clone, Debug)]
 pub struct CudaDevice {
-    never: std::convert::Infallible,
+    never: Infallible,
 }
 
 impl CudaDevice {
     /// Always fails: this build has no CUDA support.
     pub fn new(ordinal: usize, _budget_bytes: Option<u64>) -> Result<Self> {
-        Err(Error::CudaUnavailable(format!(
-            "cuda:{ordinal} requested, but Conveyor was built without the `cuda` feature; \
-             rebuild with `cargo build --release --features cuda` or use cpu devices"
-        )))
+        Err(not_compiled(&format!("cuda:{ordinal}")))
+    }
+
+    /// Always fails: this build has no CUDA support.
+    pub fn count() -> Result<usize> {
+        Err(not_compiled("CUDA GPUs"))
+    }
+
+    /// Always fails: this build has no CUDA support.
+    pub fn nccl_group(devices: &[Device]) -> Result<Vec<Box<dyn Communicator>>> {
+        Err(not_compiled(&format!("an NCCL group of {} device(s)", devices.len())))
     }
 
     /// The GPU ordinal.
@@ -27,6 +53,348 @@ impl CudaDevice {
 
     /// The device's memory ledger.
     pub fn memory(&self) -> &Arc<MemoryAccount> {
+        match self.never {}
+    }
+
+    /// The GPU's name.
+    pub fn name(&self) -> &str {
+        match self.never {}
+    }
+
+    /// The compute capability `(major, minor)`.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        match self.never {}
+    }
+
+    /// The GPU's physical memory in bytes.
+    pub fn total_memory(&self) -> u64 {
+        match self.never {}
+    }
+
+    /// A new stream on this GPU, for one worker thread.
+    pub fn new_stream(&self) -> Result<CudaStream> {
+        match self.never {}
+    }
+
+    /// True when this GPU can access `other`'s memory directly.
+    pub fn can_access_peer(&self, _other: &CudaDevice) -> Result<bool> {
+        match self.never {}
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// An element type a [`CudaBuffer`] can hold.
+pub trait CudaElement: Copy + Default + Send + Sync + fmt::Debug + sealed::Sealed + 'static {
+    /// The C name of the type, for messages.
+    const NAME: &'static str;
+}
+
+/// An element type cuBLAS multiplies with f32 accumulation into an f32 result.
+pub trait GemmElement: CudaElement {
+    /// The tensor dtype.
+    const DTYPE: DType;
+}
+
+macro_rules! element {
+    ($t:ty, $name:literal) => {
+        impl sealed::Sealed for $t {}
+        impl CudaElement for $t {
+            const NAME: &'static str = $name;
+        }
+    };
+}
+element!(f32, "float");
+element!(f16, "half");
+element!(bf16, "bfloat16");
+element!(f64, "double");
+element!(i32, "int");
+element!(i64, "long long");
+
+impl GemmElement for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl GemmElement for f16 {
+    const DTYPE: DType = DType::F16;
+}
+impl GemmElement for bf16 {
+    const DTYPE: DType = DType::BF16;
+}
+
+/// Elements on a GPU. Without the `cuda` feature no value of this type can exist.
+#[derive(Debug)]
+pub struct CudaBuffer<T> {
+    never: Infallible,
+    _marker: PhantomData<T>,
+}
+
+impl<T: CudaElement> CudaBuffer<T> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self.never {}
+    }
+
+    /// True when the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        match self.never {}
+    }
+
+    /// Bytes reserved on the device's ledger.
+    pub fn size_in_bytes(&self) -> u64 {
+        match self.never {}
+    }
+
+    /// The GPU the buffer lives on.
+    pub fn device(&self) -> &CudaDevice {
+        match self.never {}
+    }
+}
+
+/// A strided matrix view of a [`CudaBuffer`]. Without the `cuda` feature no value can exist.
+#[derive(Debug)]
+pub struct DeviceMatRef<'a, T> {
+    never: Infallible,
+    _marker: PhantomData<&'a T>,
+}
+
+impl<T> Clone for DeviceMatRef<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for DeviceMatRef<'_, T> {}
+
+impl<'a, T: CudaElement> DeviceMatRef<'a, T> {
+    /// `buffer` as a row-major `rows x cols` matrix.
+    pub fn row_major(buffer: &'a CudaBuffer<T>, _rows: usize, _cols: usize) -> Result<Self> {
+        match buffer.never {}
+    }
+
+    /// A row-major matrix at `offset` with rows `row_stride` elements apart.
+    pub fn row_major_at(
+        buffer: &'a CudaBuffer<T>,
+        _offset: usize,
+        _rows: usize,
+        _cols: usize,
+        _row_stride: usize,
+    ) -> Result<Self> {
+        match buffer.never {}
+    }
+
+    /// The transposed view.
+    pub fn t(self) -> Self {
+        match self.never {}
+    }
+
+    /// The same view with a batch stride.
+    pub fn with_batch_stride(self, _batch_stride: usize) -> Self {
+        match self.never {}
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        match self.never {}
+    }
+
+    /// Number of columns.
+    pub fn cols(&self) -> usize {
+        match self.never {}
+    }
+}
+
+/// A stream on a GPU. Without the `cuda` feature no value of this type can exist.
+#[derive(Debug)]
+pub struct CudaStream {
+    never: Infallible,
+}
+
+type Buf<T> = CudaBuffer<T>;
+
+// Each method is documented on the `cuda` build's `CudaStream` (device/cuda/); here none can be
+// called, since no `CudaStream` exists.
+#[allow(missing_docs, clippy::too_many_arguments)]
+impl CudaStream {
+    pub fn device(&self) -> &CudaDevice {
+        match self.never {}
+    }
+    pub fn synchronize(&self) -> Result<()> {
+        match self.never {}
+    }
+    pub fn alloc_zeros<T: CudaElement>(&self, _len: usize) -> Result<Buf<T>> {
+        match self.never {}
+    }
+    pub fn upload<T: CudaElement>(&self, _host: &[T]) -> Result<Buf<T>> {
+        match self.never {}
+    }
+    pub fn upload_into<T: CudaElement>(&self, _host: &[T], _dst: &mut Buf<T>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn download<T: CudaElement>(&self, _src: &Buf<T>) -> Result<Vec<T>> {
+        match self.never {}
+    }
+    pub fn download_into<T: CudaElement>(&self, _src: &Buf<T>, _host: &mut [T]) -> Result<()> {
+        match self.never {}
+    }
+    pub fn copy_from<T: CudaElement>(&self, _src: &Buf<T>) -> Result<Buf<T>> {
+        match self.never {}
+    }
+    pub fn copy_into<T: CudaElement>(&self, _src: &Buf<T>, _dst: &mut Buf<T>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn matmul<T: GemmElement>(
+        &self,
+        _dst: &mut Buf<f32>,
+        _lhs: DeviceMatRef<'_, T>,
+        _rhs: DeviceMatRef<'_, T>,
+        _accumulate: bool,
+    ) -> Result<()> {
+        match self.never {}
+    }
+    pub fn matmul_batched<T: GemmElement>(
+        &self,
+        _dst: &mut Buf<f32>,
+        _lhs: DeviceMatRef<'_, T>,
+        _rhs: DeviceMatRef<'_, T>,
+        _batch: usize,
+        _accumulate: bool,
+    ) -> Result<()> {
+        match self.never {}
+    }
+    pub fn add(&self, _lhs: &Buf<f32>, _rhs: &Buf<f32>, _output: &mut Buf<f32>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn add_assign(&self, _dst: &mut Buf<f32>, _src: &Buf<f32>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn scale(&self, _x: &mut Buf<f32>, _factor: f32) -> Result<()> {
+        match self.never {}
+    }
+    pub fn relu_forward(&self, _input: &Buf<f32>, _output: &mut Buf<f32>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn relu_backward(&self, _output: &Buf<f32>, _grad_output: &Buf<f32>, _input_grad: &mut Buf<f32>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn gelu_forward(&self, _input: &Buf<f32>, _output: &mut Buf<f32>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn gelu_backward(&self, _input: &Buf<f32>, _grad_output: &Buf<f32>, _input_grad: &mut Buf<f32>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn tanh_forward(&self, _input: &Buf<f32>, _output: &mut Buf<f32>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn tanh_backward(&self, _output: &Buf<f32>, _grad_output: &Buf<f32>, _input_grad: &mut Buf<f32>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn dropout_apply(
+        &self,
+        _input: &Buf<f32>,
+        _mask: &Buf<f32>,
+        _scale: f32,
+        _output: &mut Buf<f32>,
+    ) -> Result<()> {
+        match self.never {}
+    }
+    pub fn accumulate_column_sums(&self, _matrix: &Buf<f32>, _column_sums: &mut Buf<f32>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn accumulate_row_sums(&self, _matrix: &Buf<f32>, _row_sums: &mut Buf<f32>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn broadcast_rows(&self, _row: &Buf<f32>, _dst: &mut Buf<f32>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn sum_of_squares(&self, _x: &Buf<f32>) -> Result<f64> {
+        match self.never {}
+    }
+    pub fn log_softmax_rows(&self, _input: &Buf<f32>, _cols: usize, _output: &mut Buf<f32>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn cross_entropy(
+        &self,
+        _logits: &Buf<f32>,
+        _labels: &Buf<i64>,
+        _cols: usize,
+        _normalizer: f32,
+        _loss: &mut Buf<f32>,
+        _grad: &mut Buf<f32>,
+    ) -> Result<()> {
+        match self.never {}
+    }
+    pub fn im2col(&self, _input: &Buf<f32>, _batch: usize, _window: &Window2d, _cols: &mut Buf<f32>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn col2im(
+        &self,
+        _cols: &Buf<f32>,
+        _batch: usize,
+        _window: &Window2d,
+        _input_grad: &mut Buf<f32>,
+    ) -> Result<()> {
+        match self.never {}
+    }
+    pub fn max_pool_forward(
+        &self,
+        _input: &Buf<f32>,
+        _n_planes: usize,
+        _window: &Window2d,
+        _output: &mut Buf<f32>,
+        _argmax: &mut Buf<i32>,
+    ) -> Result<()> {
+        match self.never {}
+    }
+    pub fn max_pool_backward(
+        &self,
+        _grad_output: &Buf<f32>,
+        _argmax: &Buf<i32>,
+        _n_planes: usize,
+        _window: &Window2d,
+        _input_grad: &mut Buf<f32>,
+    ) -> Result<()> {
+        match self.never {}
+    }
+    pub fn avg_pool_forward(
+        &self,
+        _input: &Buf<f32>,
+        _n_planes: usize,
+        _window: &Window2d,
+        _output: &mut Buf<f32>,
+    ) -> Result<()> {
+        match self.never {}
+    }
+    pub fn avg_pool_backward(
+        &self,
+        _grad_output: &Buf<f32>,
+        _n_planes: usize,
+        _window: &Window2d,
+        _input_grad: &mut Buf<f32>,
+    ) -> Result<()> {
+        match self.never {}
+    }
+    pub fn sgd_step(
+        &self,
+        _param: &mut Buf<f32>,
+        _grad: &Buf<f32>,
+        _momentum_buffer: Option<&mut Buf<f32>>,
+        _config: &SgdConfig,
+        _first_step: bool,
+    ) -> Result<()> {
+        match self.never {}
+    }
+    pub fn adam_step(
+        &self,
+        _param: &mut Buf<f32>,
+        _grad: &Buf<f32>,
+        _exp_avg: &mut Buf<f32>,
+        _exp_avg_sq: &mut Buf<f32>,
+        _config: &AdamConfig,
+        _decoupled: bool,
+        _step: u64,
+    ) -> Result<()> {
         match self.never {}
     }
 }

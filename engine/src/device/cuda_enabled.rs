@@ -1,49 +1,38 @@
-//! The CUDA device when Conveyor is built with the `cuda` feature: a cudarc context per GPU ordinal,
-//! created only after checking that the driver library is present (cudarc panics otherwise).
-use std::sync::Arc;
+//! The CUDA backend when Conveyor is built with the `cuda` feature. With `cuda_disabled.rs`, this
+//! file is the one CUDA switch point: it wires the backend in `device/cuda/` and, behind the `nccl`
+//! feature, the NCCL communicator. Everything the rest of the engine may name is re-exported here,
+//! and `cuda_disabled.rs` declares the same names with the same signatures.
+#[path = "cuda/mod.rs"]
+mod backend;
 
-use cudarc::driver::CudaContext;
+#[cfg(feature = "nccl")]
+#[path = "cuda/nccl.rs"]
+mod nccl;
 
-use super::MemoryAccount;
-use crate::{Error, Result};
+pub use backend::{CudaBuffer, CudaDevice, CudaElement, CudaStream, DeviceMatRef, GemmElement};
 
-/// A CUDA GPU with its context and memory ledger.
-#[derive(Clone, Debug)]
-pub struct CudaDevice {
-    ordinal: usize,
-    context: Arc<CudaContext>,
-    memory: Arc<MemoryAccount>,
-}
+use crate::collective::Communicator;
+use crate::{Device, Result};
 
 impl CudaDevice {
-    /// Opens GPU `ordinal`; a clear error when no CUDA driver is installed or the GPU does not exist.
-    pub fn new(ordinal: usize, budget_bytes: Option<u64>) -> Result<Self> {
-        // SAFETY: `is_culib_present` only tries to dlopen the driver library and reports whether
-        // it loaded; it touches no CUDA state.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            return Err(Error::CudaUnavailable(format!(
-                "cuda:{ordinal} requested, but no CUDA driver (libcuda) was found on this machine; \
-                 install the NVIDIA driver or use cpu devices"
-            )));
-        }
-        let context = CudaContext::new(ordinal)
-            .map_err(|err| Error::CudaUnavailable(format!("cuda:{ordinal} could not be opened: {err}")))?;
-        let memory = Arc::new(MemoryAccount::new(format!("cuda:{ordinal}"), budget_bytes));
-        Ok(CudaDevice { ordinal, context, memory })
+    /// One NCCL communicator per device (rank `r` on `devices[r]`, every device a different GPU),
+    /// each to be used from its own thread; an error when built without the `nccl` feature, when
+    /// libnccl is missing, or when a device is not a CUDA device.
+    pub fn nccl_group(devices: &[Device]) -> Result<Vec<Box<dyn Communicator>>> {
+        nccl_group(devices)
     }
+}
 
-    /// The GPU ordinal.
-    pub fn ordinal(&self) -> usize {
-        self.ordinal
-    }
+#[cfg(feature = "nccl")]
+fn nccl_group(devices: &[Device]) -> Result<Vec<Box<dyn Communicator>>> {
+    nccl::group(devices)
+}
 
-    /// The device's memory ledger.
-    pub fn memory(&self) -> &Arc<MemoryAccount> {
-        &self.memory
-    }
-
-    /// The cudarc context.
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.context
-    }
+#[cfg(not(feature = "nccl"))]
+fn nccl_group(devices: &[Device]) -> Result<Vec<Box<dyn Communicator>>> {
+    Err(crate::Error::CudaUnavailable(format!(
+        "an NCCL group of {} device(s) was requested, but Conveyor was built without the `nccl` feature; \
+         rebuild with `--features nccl` (libnccl must be installed at run time)",
+        devices.len()
+    )))
 }

@@ -13,7 +13,7 @@ mod cuda;
 use std::fmt;
 use std::sync::Arc;
 
-pub use cuda::CudaDevice;
+pub use cuda::{CudaBuffer, CudaDevice, CudaElement, CudaStream, DeviceMatRef, GemmElement};
 pub use memory::{MemoryAccount, Reservation};
 
 use crate::{Error, Result};

@@ -1,64 +1,124 @@
-// im2col / col2im and pooling for CUDA devices, NCHW, one sample per launch row of the grid.
+// im2col / col2im and pooling for CUDA devices, NCHW, the same layouts and padding rules as
+// engine/src/cpu/conv.rs and engine/src/cpu/pool.rs (Window2d). Grid-stride loops over 64-bit
+// indices; col2im and the average-pooling gradient gather (one thread per input element, no
+// atomics, so they are deterministic).
 
-// cols[(c*kh + i)*kw + j, oy*ow + ox] = x[c, oy*sh + i - ph, ox*sw + j - pw] (0 outside).
-extern "C" __global__ void im2col_f32(const float* x, float* cols, int channels, int h, int w, int kh, int kw,
+// cols[n][(c*kh + i)*kw + j][oy*ow + ox] = x[n][c][oy*sh + i - ph][ox*sw + j - pw] (0 in the padding):
+// `batch` samples, each with its own col matrix of (channels*kh*kw) x (oh*ow), one after another.
+extern "C" __global__ void im2col_f32(const float* x, float* cols, int batch, int channels, int h, int w, int kh, int kw,
                                       int sh, int sw, int ph, int pw, int oh, int ow) {
-    long long total = (long long)channels * kh * kw * oh * ow;
+    long long total = (long long)batch * channels * kh * kw * oh * ow;
     for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total; idx += (long long)blockDim.x * gridDim.x) {
-        int ox = idx % ow; long long t = idx / ow;
+        long long t = idx;
+        int ox = t % ow; t /= ow;
         int oy = t % oh; t /= oh;
         int j = t % kw; t /= kw;
-        int i = t % kh; int c = t / kh;
+        int i = t % kh; t /= kh;
+        long long plane = t; // n * channels + c
         int y = oy * sh + i - ph, xx = ox * sw + j - pw;
-        cols[idx] = (y >= 0 && y < h && xx >= 0 && xx < w) ? x[((long long)c * h + y) * w + xx] : 0.0f;
+        cols[idx] = (y >= 0 && y < h && xx >= 0 && xx < w) ? x[(plane * h + y) * w + xx] : 0.0f;
     }
 }
 
-// The adjoint of im2col: dx[c, y, x] += every column entry that read it (atomic adds).
-extern "C" __global__ void col2im_f32(const float* cols, float* dx, int channels, int h, int w, int kh, int kw,
+// The adjoint of im2col, accumulated: dx[n][c][y][x] += every column entry that read it.
+extern "C" __global__ void col2im_f32(const float* cols, float* dx, int batch, int channels, int h, int w, int kh, int kw,
                                       int sh, int sw, int ph, int pw, int oh, int ow) {
-    long long total = (long long)channels * kh * kw * oh * ow;
+    long long total = (long long)batch * channels * h * w;
     for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total; idx += (long long)blockDim.x * gridDim.x) {
-        int ox = idx % ow; long long t = idx / ow;
-        int oy = t % oh; t /= oh;
-        int j = t % kw; t /= kw;
-        int i = t % kh; int c = t / kh;
-        int y = oy * sh + i - ph, xx = ox * sw + j - pw;
-        if (y >= 0 && y < h && xx >= 0 && xx < w) atomicAdd(&dx[((long long)c * h + y) * w + xx], cols[idx]);
+        int x = idx % w; long long t = idx / w;
+        int y = t % h; long long plane = t / h; // n * channels + c
+        const float* col = cols + plane * kh * kw * (long long)oh * ow;
+        float sum = 0.0f;
+        for (int i = 0; i < kh; ++i) {
+            int ty = y + ph - i;
+            if (ty < 0 || ty % sh != 0 || ty / sh >= oh) continue;
+            int oy = ty / sh;
+            for (int j = 0; j < kw; ++j) {
+                int tx = x + pw - j;
+                if (tx < 0 || tx % sw != 0 || tx / sw >= ow) continue;
+                sum += col[((long long)(i * kw + j) * oh + oy) * ow + tx / sw];
+            }
+        }
+        dx[idx] += sum;
     }
 }
 
-// Max pooling forward: y and the flat input index of each maximum (for the backward pass).
-extern "C" __global__ void max_pool_forward_f32(const float* x, float* y, int* argmax, int planes, int h, int w,
-                                                int kh, int kw, int sh, int sw, int oh, int ow) {
-    long long total = (long long)planes * oh * ow;
+// Max pooling forward over `planes` planes: y, and the winning position within the input plane
+// (y0 * w + x0; -1 when the window lies entirely in the padding). Padding acts as -inf, the first
+// maximum wins ties and NaN propagates, as on the CPU.
+extern "C" __global__ void max_pool_forward_f32(const float* x, float* y, int* argmax, long long planes, int h, int w,
+                                                int kh, int kw, int sh, int sw, int ph, int pw, int oh, int ow) {
+    long long total = planes * oh * ow;
     for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total; idx += (long long)blockDim.x * gridDim.x) {
         int ox = idx % ow; int oy = (idx / ow) % oh; long long p = idx / ((long long)oh * ow);
+        const float* plane = x + p * h * (long long)w;
         float best = __int_as_float(0xff800000) /* -inf */; int best_at = -1;
-        for (int i = 0; i < kh; ++i) for (int j = 0; j < kw; ++j) {
-            int y0 = oy * sh + i, x0 = ox * sw + j;
-            if (y0 < h && x0 < w) {
-                int at = (int)((p * h + y0) * w + x0);
-                if (x[at] > best) { best = x[at]; best_at = at; }
+        for (int i = 0; i < kh; ++i) {
+            int y0 = oy * sh + i - ph;
+            if (y0 < 0 || y0 >= h) continue;
+            for (int j = 0; j < kw; ++j) {
+                int x0 = ox * sw + j - pw;
+                if (x0 < 0 || x0 >= w) continue;
+                int at = y0 * w + x0;
+                float v = plane[at];
+                if (best_at < 0 || v > best || (isnan(v) && !isnan(best))) { best = v; best_at = at; }
             }
         }
         y[idx] = best; argmax[idx] = best_at;
     }
 }
 
-extern "C" __global__ void max_pool_backward_f32(const float* dy, const int* argmax, float* dx, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
-        if (argmax[i] >= 0) atomicAdd(&dx[argmax[i]], dy[i]);
+// Max pooling backward, accumulated: dx[p][argmax] += dy (atomic: overlapping windows may share a winner).
+extern "C" __global__ void max_pool_backward_f32(const float* dy, const int* argmax, float* dx, long long planes,
+                                                 long long in_plane, long long out_plane) {
+    long long total = planes * out_plane;
+    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total; idx += (long long)blockDim.x * gridDim.x) {
+        int at = argmax[idx];
+        if (at >= 0 && at < in_plane) atomicAdd(&dx[(idx / out_plane) * in_plane + at], dy[idx]);
     }
 }
 
-extern "C" __global__ void avg_pool_forward_f32(const float* x, float* y, int planes, int h, int w,
-                                                int kh, int kw, int sh, int sw, int oh, int ow) {
-    long long total = (long long)planes * oh * ow;
+// Average pooling forward: the window's sum over kh*kw (padding counted in the divisor, PyTorch's
+// count_include_pad=True).
+extern "C" __global__ void avg_pool_forward_f32(const float* x, float* y, long long planes, int h, int w,
+                                                int kh, int kw, int sh, int sw, int ph, int pw, int oh, int ow) {
+    long long total = planes * oh * ow;
+    float scale = 1.0f / (float)(kh * kw);
     for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total; idx += (long long)blockDim.x * gridDim.x) {
         int ox = idx % ow; int oy = (idx / ow) % oh; long long p = idx / ((long long)oh * ow);
+        const float* plane = x + p * h * (long long)w;
         float s = 0.0f;
-        for (int i = 0; i < kh; ++i) for (int j = 0; j < kw; ++j) s += x[(p * h + oy * sh + i) * w + ox * sw + j];
-        y[idx] = s / (float)(kh * kw);
+        for (int i = 0; i < kh; ++i) {
+            int y0 = oy * sh + i - ph;
+            if (y0 < 0 || y0 >= h) continue;
+            for (int j = 0; j < kw; ++j) {
+                int x0 = ox * sw + j - pw;
+                if (x0 >= 0 && x0 < w) s += plane[y0 * w + x0];
+            }
+        }
+        y[idx] = s * scale;
+    }
+}
+
+// Average pooling backward, accumulated: dx[p][y][x] += sum of dy / (kh*kw) over the windows that hold it.
+extern "C" __global__ void avg_pool_backward_f32(const float* dy, float* dx, long long planes, int h, int w,
+                                                 int kh, int kw, int sh, int sw, int ph, int pw, int oh, int ow) {
+    long long total = planes * h * w;
+    float scale = 1.0f / (float)(kh * kw);
+    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total; idx += (long long)blockDim.x * gridDim.x) {
+        int x = idx % w; long long t = idx / w;
+        int y = t % h; long long p = t / h;
+        const float* g = dy + p * oh * (long long)ow;
+        float sum = 0.0f;
+        for (int i = 0; i < kh; ++i) {
+            int ty = y + ph - i;
+            if (ty < 0 || ty % sh != 0 || ty / sh >= oh) continue;
+            for (int j = 0; j < kw; ++j) {
+                int tx = x + pw - j;
+                if (tx < 0 || tx % sw != 0 || tx / sw >= ow) continue;
+                sum += g[(ty / sh) * ow + tx / sw] * scale;
+            }
+        }
+        dx[idx] += sum;
     }
 }

@@ -1,4 +1,4 @@
-// Elementwise kernels for CUDA devices: add, scale, activations and their gradients.
+// Elementwise kernels for CUDA devices: add, scale, activations and their gradients, dropout.
 // One thread per element; grid-stride loops so any launch size covers any length.
 #define GRID_STRIDE(i, n) for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n); i += (size_t)blockDim.x * gridDim.x)
 
@@ -18,18 +18,20 @@ extern "C" __global__ void relu_forward_f32(const float* x, float* y, size_t n) 
     GRID_STRIDE(i, n) { y[i] = x[i] > 0.0f ? x[i] : 0.0f; }
 }
 
+// `x` may be the forward input or output: x > 0 exactly where relu(x) > 0.
 extern "C" __global__ void relu_backward_f32(const float* x, const float* dy, float* dx, size_t n) {
     GRID_STRIDE(i, n) { dx[i] = x[i] > 0.0f ? dy[i] : 0.0f; }
 }
 
-// GELU, exact erf form (PyTorch's approximate='none').
+// GELU, exact form (PyTorch's approximate='none'): x * Phi(x) with Phi(x) = erfc(-x / sqrt 2) / 2,
+// which stays accurate in the lower tail where 1 + erf(x / sqrt 2) would cancel.
 extern "C" __global__ void gelu_forward_f32(const float* x, float* y, size_t n) {
-    GRID_STRIDE(i, n) { y[i] = 0.5f * x[i] * (1.0f + erff(x[i] * 0.70710678118654752f)); }
+    GRID_STRIDE(i, n) { y[i] = 0.5f * x[i] * erfcf(-x[i] * 0.70710678118654752f); }
 }
 
 extern "C" __global__ void gelu_backward_f32(const float* x, const float* dy, float* dx, size_t n) {
     GRID_STRIDE(i, n) {
-        float cdf = 0.5f * (1.0f + erff(x[i] * 0.70710678118654752f));
+        float cdf = 0.5f * erfcf(-x[i] * 0.70710678118654752f);
         float pdf = 0.39894228040143268f * expf(-0.5f * x[i] * x[i]);
         dx[i] = dy[i] * (cdf + x[i] * pdf);
     }

@@ -1,6 +1,9 @@
 //! CUDA kernel sources kept in the repository and compiled at run time by NVRTC (plain strings
-//! here, so every build carries them and a test can compile them to PTX without a GPU).
-//! GEMMs go through cuBLAS, not these kernels.
+//! here, so every build carries them and a test can compile them to PTX without a GPU), and the
+//! public names of the CUDA backend that launches them. GEMMs go through cuBLAS, not these kernels.
+//!
+//! Each `__global__` kernel has one typed launch wrapper on [`CudaStream`] (the table in
+//! `device/cuda/compile.rs` lists them and a unit test holds it to these sources).
 
 /// Every kernel source, by file name.
 pub const SOURCES: [(&str, &str); 5] = [
