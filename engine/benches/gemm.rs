@@ -7,10 +7,13 @@
 //!
 //! - `x_wt`: `x · Wᵀ` with `W` `[out, in]` viewed transposed (Linear's forward, PyTorch's layout);
 //! - `x_w`: `x · W` with `W` `[in, out]` row-major (the backward's `dy · W`);
-//! - `dyt_x`: `dyᵀ · x` accumulated into a `[1024, 1024]` gradient (the weight gradient).
+//! - `dyt_x`: `dyᵀ · x` accumulated into a `[1024, 1024]` gradient (the weight gradient);
+//! - `transpose_weight`: the 1024x1024 transpose Linear's `refresh` runs after every optimizer
+//!   step (bytes read plus bytes written counted, so the column reads as memory bandwidth).
+use conveyor_engine::cpu::transpose::transpose;
 use conveyor_engine::cpu::{MatRef, matmul};
 use divan::Bencher;
-use divan::counter::ItemsCount;
+use divan::counter::{BytesCount, ItemsCount};
 
 const ROWS: [usize; 3] = [32, 64, 256];
 const IN: usize = 1024;
@@ -63,5 +66,28 @@ fn dyt_x(bencher: Bencher, rows: usize) {
         let dy_t = MatRef::row_major(&dy, rows, OUT).unwrap().t();
         let x_view = MatRef::row_major(&x, rows, IN).unwrap();
         matmul(divan::black_box(&mut dw), dy_t, x_view, true).unwrap();
+    });
+}
+
+/// `Wᵀ` `[in, out]` from `W` `[out, in]`: Linear's transposed weight copy, rebuilt every step.
+#[divan::bench]
+fn transpose_weight(bencher: Bencher) {
+    let (_, w, _) = operands(0);
+    let mut w_t = vec![0.0; IN * OUT];
+    bencher.counter(BytesCount::new(2 * 4 * IN * OUT)).bench_local(|| {
+        transpose(divan::black_box(&w), OUT, IN, &mut w_t).unwrap();
+    });
+}
+
+/// The same transpose over nine distinct weights in turn (36 MiB, as a step refreshes nine
+/// 1024x1024 Linears), so the operands come from memory rather than cache.
+#[divan::bench]
+fn transpose_nine_weights(bencher: Bencher) {
+    let weights: Vec<Vec<f32>> = (0..9).map(|_| operands(0).1).collect();
+    let mut outputs = vec![vec![0.0; IN * OUT]; 9];
+    bencher.counter(BytesCount::new(9 * 2 * 4 * IN * OUT)).bench_local(|| {
+        for (w, w_t) in weights.iter().zip(&mut outputs) {
+            transpose(divan::black_box(w), OUT, IN, w_t).unwrap();
+        }
     });
 }

@@ -1,9 +1,11 @@
 //! Elementwise activation layers: `Relu`, `Gelu` (exact erf form) and `Tanh`. Each keeps one
-//! tensor for backward: ReLU and tanh their output, GELU its input.
-use conveyor_engine::cpu::activation::{gelu_backward, gelu_forward, relu_backward, relu_forward, tanh_backward, tanh_forward};
+//! tensor for backward, as a share (no copy): ReLU and tanh their output, GELU its input. A
+//! ReLU's output is usually also the next Linear's saved input, one buffer on the ledger.
+use conveyor_engine::cpu::activation::{gelu, gelu_grad, relu, relu_grad, tanh, tanh_grad};
+use conveyor_engine::cpu::uninit;
 use conveyor_engine::{ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 
-use crate::tensor_io::{check_grad_shape, expect_inputs, expect_shapes, f32_bytes, into_dtype, saved_tensor, values, zeros_f32};
+use crate::tensor_io::{check_grad_shape, expect_inputs, expect_shapes, f32_bytes, into_dtype, saved_tensor, values};
 
 /// Which tensor an activation keeps for its backward pass.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -12,29 +14,40 @@ enum Keep {
     Output,
 }
 
-type ForwardKernel = fn(&[f32], &mut [f32]) -> Result<()>;
-type BackwardKernel = fn(&[f32], &[f32], &mut [f32]) -> Result<()>;
-
-/// Runs an elementwise forward kernel and saves what backward needs.
-fn elementwise_forward(kind: &str, inputs: &[&Tensor], kernel: ForwardKernel, keep: Keep) -> Result<(Tensor, Saved)> {
+/// Runs an elementwise forward kernel (the activation of one element, statically dispatched so
+/// the loop vectorises) and saves what backward needs: a share of the kept tensor, no copy.
+fn elementwise_forward(
+    kind: &str,
+    inputs: &[&Tensor],
+    kernel: impl Fn(f32) -> f32,
+    keep: Keep,
+) -> Result<(Tensor, Saved)> {
     expect_inputs(kind, inputs, 1)?;
     let input = inputs[0];
-    let mut output = zeros_f32(input.shape().clone(), input.device())?;
-    kernel(&values(input), output.as_f32_mut()?)?;
+    let x = values(input);
+    let output = Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| uninit::map(dst, &x, kernel))?;
     let output = into_dtype(output, input.dtype())?;
     let kept = match keep {
-        Keep::Input => input.try_clone()?,
-        Keep::Output => output.try_clone()?,
+        Keep::Input => input.share(),
+        Keep::Output => output.share(),
     };
     Ok((output, Saved { tensors: vec![kept] }))
 }
 
 /// Runs an elementwise backward kernel on the saved tensor and `grad_output`.
-fn elementwise_backward(kind: &str, saved: &Saved, grad_output: &Tensor, kernel: BackwardKernel) -> Result<Vec<Option<Tensor>>> {
+/// `kernel` maps the kept element (input or output) and its output gradient to the input gradient.
+fn elementwise_backward(
+    kind: &str,
+    saved: &Saved,
+    grad_output: &Tensor,
+    kernel: impl Fn(f32, f32) -> f32,
+) -> Result<Vec<Option<Tensor>>> {
     let kept = saved_tensor(kind, saved, 0)?;
     check_grad_shape(kind, grad_output, kept.shape())?;
-    let mut grad_input = zeros_f32(kept.shape().clone(), grad_output.device())?;
-    kernel(&values(kept), &values(grad_output), grad_input.as_f32_mut()?)?;
+    let (kept_values, grad) = (values(kept), values(grad_output));
+    let grad_input = Tensor::from_f32_init(kept.shape().clone(), grad_output.device(), |dst| {
+        uninit::map2(dst, &kept_values, &grad, kernel)
+    })?;
     Ok(vec![Some(into_dtype(grad_input, kept.dtype())?)])
 }
 
@@ -42,7 +55,7 @@ fn elementwise_backward(kind: &str, saved: &Saved, grad_output: &Tensor, kernel:
 fn elementwise_cost(kind: &str, input_shapes: &[Shape], flops_per_element: u64) -> Result<LayerCost> {
     let numel = expect_shapes(kind, input_shapes, 1)?[0].numel();
     Ok(LayerCost {
-            workspace_bytes: 0,
+        workspace_bytes: 0,
         forward_flops_per_sample: flops_per_element * numel as u64,
         backward_input_flops_per_sample: flops_per_element * numel as u64,
         backward_weight_flops_per_sample: 0,
@@ -105,8 +118,8 @@ activation_layer!(
     Relu,
     "ReLU",
     "`y = max(x, 0)` (PyTorch's `nn.ReLU`); the derivative at 0 is 0. Saves its output.",
-    relu_forward,
-    relu_backward,
+    relu,
+    relu_grad,
     Keep::Output,
     1
 );
@@ -116,8 +129,8 @@ activation_layer!(
     "GELU",
     "`y = x · Φ(x) = x/2 · (1 + erf(x/√2))`, the exact form (PyTorch's `nn.GELU()` with \
      `approximate='none'`); `dy/dx = Φ(x) + x·φ(x)`. Saves its input.",
-    gelu_forward,
-    gelu_backward,
+    gelu,
+    gelu_grad,
     Keep::Input,
     20
 );
@@ -126,8 +139,8 @@ activation_layer!(
     Tanh,
     "Tanh",
     "`y = tanh(x)`; `dy/dx = 1 - y²`. Saves its output.",
-    tanh_forward,
-    tanh_backward,
+    tanh,
+    tanh_grad,
     Keep::Output,
     10
 );

@@ -18,9 +18,9 @@
 //! chain `dctx → dP, dV → dS → dQ, dK` is the bulk of `backward_input`. `Saved` is immutable and
 //! the two calls may run in either order, so `backward_weight` recomputes that chain rather than
 //! caching it; [`LayerCost`] counts it in both.
-use conveyor_engine::cpu::elementwise::{accumulate_column_sums, broadcast_rows};
+use conveyor_engine::cpu::elementwise::accumulate_column_sums;
 use conveyor_engine::cpu::softmax::softmax_rows;
-use conveyor_engine::cpu::{MatRef, matmul};
+use conveyor_engine::cpu::{MatRef, matmul, matmul_uninit, uninit};
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
 use rand::rngs::StdRng;
 
@@ -317,19 +317,16 @@ impl Layer for MultiheadSelfAttention {
         let in_bias = values(&self.params[1].value);
 
         // q, k, v head-major: block (w, h) [rows, dh] = x · W[w·D + h·dh ..]ᵀ + b[w·D + h·dh ..].
-        let mut qkv = zeros_f32([3, dims.n_heads, dims.batch, t, dh], device)?;
-        {
-            let qkv = qkv.as_f32_mut()?;
-            for which in 0..3 {
-                for h in 0..dims.n_heads {
-                    let first = which * d + h * dh;
-                    let dst = &mut qkv[dims.block(which, h)];
-                    broadcast_rows(&in_bias[first..first + dh], dst)?;
-                    let weight = MatRef::row_major(&in_weight[first * d..(first + dh) * d], dh, d)?;
-                    matmul(dst, x_view, weight.t(), true)?;
-                }
-            }
-        }
+        // The blocks tile the buffer in (w, h) order, each written in full: no zero-fill.
+        let qkv = Tensor::from_f32_init([3, dims.n_heads, dims.batch, t, dh], device, |qkv| {
+            uninit::chunks(qkv, dims.block_len(), |block, dst| {
+                let first = (block / dims.n_heads) * d + (block % dims.n_heads) * dh;
+                let dst = uninit::broadcast_rows(&in_bias[first..first + dh], dst)?;
+                let weight = MatRef::row_major(&in_weight[first * d..(first + dh) * d], dh, d)?;
+                matmul(dst, x_view, weight.t(), true)?;
+                Ok(dst)
+            })
+        })?;
 
         // P = softmax(q kᵀ · scale + mask) and ctx = concat_h(P v) per (head, sample).
         let mut probs = zeros_f32([dims.n_heads, dims.batch, t, t], device)?;
@@ -360,14 +357,14 @@ impl Layer for MultiheadSelfAttention {
         }
 
         // y = ctx · out_proj.weightᵀ + out_proj.bias
-        let mut output = zeros_f32(input.shape().clone(), device)?;
-        {
-            let dst = output.as_f32_mut()?;
-            broadcast_rows(&values(&self.params[3].value), dst)?;
-            let out_weight = values(&self.params[2].value);
-            matmul(dst, MatRef::row_major(ctx.as_f32()?, rows, d)?, MatRef::row_major(&out_weight, d, d)?.t(), true)?;
-        }
-        let saved = Saved { tensors: vec![input.try_clone()?, qkv, probs, ctx] };
+        let (out_weight, out_bias) = (values(&self.params[2].value), values(&self.params[3].value));
+        let ctx_view = MatRef::row_major(ctx.as_f32()?, rows, d)?;
+        let output = Tensor::from_f32_init(input.shape().clone(), device, |dst| {
+            let dst = uninit::broadcast_rows(&out_bias, dst)?;
+            matmul(dst, ctx_view, MatRef::row_major(&out_weight, d, d)?.t(), true)?;
+            Ok(dst)
+        })?;
+        let saved = Saved { tensors: vec![input.share(), qkv, probs, ctx] };
         Ok((into_dtype(output, input.dtype())?, saved))
     }
 
@@ -378,16 +375,25 @@ impl Layer for MultiheadSelfAttention {
         let (rows, d, dh) = (dims.rows(), dims.embed_dim, dims.head_dim);
         let in_weight = values(&self.params[0].value);
         // dx [rows, D] = Σ_(w, h) dqkv_(w, h) [rows, dh] · W[w·D + h·dh ..] [dh, D]
-        let mut grad_input = zeros_f32(input.shape().clone(), input.device())?;
-        let dst = grad_input.as_f32_mut()?;
-        for which in 0..3 {
-            for h in 0..dims.n_heads {
-                let first = which * d + h * dh;
-                let grad_block = MatRef::row_major(&grad_qkv[dims.block(which, h)], rows, dh)?;
-                let weight = MatRef::row_major(&in_weight[first * d..(first + dh) * d], dh, d)?;
-                matmul(dst, grad_block, weight, which + h > 0)?;
+        // The first product writes every element (no zero-fill); the others accumulate onto it.
+        let term = |which: usize, h: usize| -> Result<(MatRef<'_>, MatRef<'_>)> {
+            let first = which * d + h * dh;
+            let grad_block = MatRef::row_major(&grad_qkv[dims.block(which, h)], rows, dh)?;
+            Ok((grad_block, MatRef::row_major(&in_weight[first * d..(first + dh) * d], dh, d)?))
+        };
+        let grad_input = Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
+            let (grad_block, weight) = term(0, 0)?;
+            let dst = matmul_uninit(dst, grad_block, weight)?;
+            for which in 0..3 {
+                for h in 0..dims.n_heads {
+                    if which + h > 0 {
+                        let (grad_block, weight) = term(which, h)?;
+                        matmul(dst, grad_block, weight, true)?;
+                    }
+                }
             }
-        }
+            Ok(dst)
+        })?;
         Ok(vec![Some(into_dtype(grad_input, input.dtype())?)])
     }
 

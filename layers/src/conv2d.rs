@@ -2,7 +2,7 @@
 //! gradient by a product and col2im, with PyTorch's names, layout and default initialisation.
 use conveyor_engine::cpu::conv::{col2im, im2col};
 use conveyor_engine::cpu::elementwise::accumulate_row_sums;
-use conveyor_engine::cpu::{MatRef, Window2d, matmul};
+use conveyor_engine::cpu::{MatRef, Window2d, matmul, matmul_uninit, uninit};
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
 use rand::rngs::StdRng;
 
@@ -176,23 +176,31 @@ impl Layer for Conv2d {
         let (col_rows, out_plane) = (window.col_rows(), window.out_plane_len());
         let weight_view = MatRef::row_major(&weight, self.out_channels, col_rows)?;
         let mut col = if window.is_pointwise() { Vec::new() } else { vec![0.0; col_rows * out_plane] };
-        let mut output = zeros_f32(self.output_dims(batch, &window), input.device())?;
-        let sample_outputs = output.as_f32_mut()?.chunks_exact_mut(self.out_channels * out_plane);
-        for (x_sample, y_sample) in x.chunks_exact(window.input_len()).zip(sample_outputs) {
-            if let Some(bias) = &bias {
-                for (y_channel, &b) in y_sample.chunks_exact_mut(out_plane).zip(bias.iter()) {
-                    y_channel.fill(b);
+        let sample_len = self.out_channels * out_plane;
+        let mut x_samples = x.chunks_exact(window.input_len());
+        // Each sample's output is written in full: the per-channel bias pre-fill that the product
+        // accumulates onto, or the product alone. No zero-fill first.
+        let output = Tensor::from_f32_init(self.output_dims(batch, &window), input.device(), |dst| {
+            uninit::chunks(dst, sample_len, |_, y_sample| {
+                let x_sample =
+                    x_samples.next().ok_or_else(|| Error::invalid("Conv2d", "fewer input samples than outputs"))?;
+                let col_view = if window.is_pointwise() {
+                    MatRef::row_major(x_sample, col_rows, out_plane)?
+                } else {
+                    im2col(x_sample, &window, &mut col)?;
+                    MatRef::row_major(&col, col_rows, out_plane)?
+                };
+                match &bias {
+                    Some(bias) => {
+                        let y_sample = uninit::fill_planes(bias, out_plane, y_sample)?;
+                        matmul(y_sample, weight_view, col_view, true)?;
+                        Ok(y_sample)
+                    }
+                    None => matmul_uninit(y_sample, weight_view, col_view),
                 }
-            }
-            let col_view = if window.is_pointwise() {
-                MatRef::row_major(x_sample, col_rows, out_plane)?
-            } else {
-                im2col(x_sample, &window, &mut col)?;
-                MatRef::row_major(&col, col_rows, out_plane)?
-            };
-            matmul(y_sample, weight_view, col_view, bias.is_some())?;
-        }
-        let saved = Saved { tensors: vec![input.try_clone()?] };
+            })
+        })?;
+        let saved = Saved { tensors: vec![input.share()] };
         Ok((into_dtype(output, input.dtype())?, saved))
     }
 
@@ -204,19 +212,28 @@ impl Layer for Conv2d {
         let weight = values(self.weight());
         let (col_rows, out_plane) = (window.col_rows(), window.out_plane_len());
         let weight_t = MatRef::row_major(&weight, self.out_channels, col_rows)?.t();
-        let mut grad_input = zeros_f32(input.shape().clone(), input.device())?;
-        let mut col = if window.is_pointwise() { Vec::new() } else { vec![0.0; col_rows * out_plane] };
         let sample_grads = grad.chunks_exact(self.out_channels * out_plane);
-        for (dy_sample, dx_sample) in sample_grads.zip(grad_input.as_f32_mut()?.chunks_exact_mut(window.input_len())) {
-            let dy_view = MatRef::row_major(dy_sample, self.out_channels, out_plane)?;
-            if window.is_pointwise() {
-                matmul(dx_sample, weight_t, dy_view, false)?;
-            } else {
-                // dcol [in·kh·kw, out_plane] = weightᵀ · dy, then scatter-add onto the input positions.
-                matmul(&mut col, weight_t, dy_view, false)?;
+        let grad_input = if window.is_pointwise() {
+            // dx = weightᵀ · dy writes every element of each sample: no zero-fill.
+            let mut dy_samples = sample_grads;
+            Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
+                uninit::chunks(dst, window.input_len(), |_, dx_sample| {
+                    let dy_sample =
+                        dy_samples.next().ok_or_else(|| Error::invalid("Conv2d", "fewer output gradients than inputs"))?;
+                    matmul_uninit(dx_sample, weight_t, MatRef::row_major(dy_sample, self.out_channels, out_plane)?)
+                })
+            })?
+        } else {
+            // dcol [in·kh·kw, out_plane] = weightᵀ · dy, then scatter-add onto the (zeroed) input positions.
+            let mut grad_input = zeros_f32(input.shape().clone(), input.device())?;
+            let mut col = vec![0.0; col_rows * out_plane];
+            let dx_samples = grad_input.as_f32_mut()?.chunks_exact_mut(window.input_len());
+            for (dy_sample, dx_sample) in sample_grads.zip(dx_samples) {
+                matmul(&mut col, weight_t, MatRef::row_major(dy_sample, self.out_channels, out_plane)?, false)?;
                 col2im(&col, &window, dx_sample)?;
             }
-        }
+            grad_input
+        };
         Ok(vec![Some(into_dtype(grad_input, input.dtype())?)])
     }
 

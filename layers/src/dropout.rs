@@ -1,12 +1,13 @@
 //! `Dropout`: in training, zeroes each element with probability p and scales the rest by
 //! 1/(1-p) (PyTorch's inverted dropout); the identity in evaluation. The mask is drawn from a
 //! generator seeded with `ForwardCtx::seed`, so recomputing a forward pass reproduces it exactly.
+use conveyor_engine::cpu::uninit;
 use conveyor_engine::{Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 use half::f16;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
-use crate::tensor_io::{check_grad_shape, expect_inputs, expect_shapes, into_dtype, saved_tensor, values, zeros_f32};
+use crate::tensor_io::{check_grad_shape, expect_inputs, expect_shapes, into_dtype, saved_tensor, values};
 
 /// Inverted dropout with drop probability `p`.
 ///
@@ -67,14 +68,14 @@ impl Layer for Dropout {
         expect_inputs("Dropout", inputs, 1)?;
         let input = inputs[0];
         if !ctx.training || self.p == 0.0 {
-            return Ok((input.try_clone()?, Saved::default()));
+            return Ok((input.share(), Saved::default()));
         }
         let mask = self.mask(input.numel(), ctx.seed);
         let scale = self.scale();
-        let mut output = zeros_f32(input.shape().clone(), input.device())?;
-        for ((y, &x), &keep) in output.as_f32_mut()?.iter_mut().zip(values(input).iter()).zip(&mask) {
-            *y = x * keep * scale;
-        }
+        let x = values(input);
+        let output = Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
+            uninit::map2(dst, &x, &mask, |x, keep| x * keep * scale)
+        })?;
         let mask = Tensor::from_f16_vec(mask.into_iter().map(f16::from_f32).collect(), input.shape().clone(), input.device())?;
         Ok((into_dtype(output, input.dtype())?, Saved { tensors: vec![mask] }))
     }
@@ -82,15 +83,15 @@ impl Layer for Dropout {
     fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
         if saved.tensors.is_empty() {
             // Evaluation mode or p = 0: the identity.
-            return Ok(vec![Some(grad_output.try_clone()?)]);
+            return Ok(vec![Some(grad_output.share())]);
         }
         let mask = saved_tensor("Dropout", saved, 0)?;
         check_grad_shape("Dropout", grad_output, mask.shape())?;
         let scale = self.scale();
-        let mut grad_input = zeros_f32(mask.shape().clone(), grad_output.device())?;
-        for ((dx, &dy), keep) in grad_input.as_f32_mut()?.iter_mut().zip(values(grad_output).iter()).zip(mask.to_vec_f32()) {
-            *dx = dy * keep * scale;
-        }
+        let (dy, keep) = (values(grad_output), mask.to_vec_f32());
+        let grad_input = Tensor::from_f32_init(mask.shape().clone(), grad_output.device(), |dst| {
+            uninit::map2(dst, &dy, &keep, |dy, keep| dy * keep * scale)
+        })?;
         Ok(vec![Some(into_dtype(grad_input, grad_output.dtype())?)])
     }
 

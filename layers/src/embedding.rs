@@ -113,7 +113,7 @@ impl Layer for Embedding {
             output.extend_from_slice(&table[index * self.dim..(index + 1) * self.dim]);
         }
         let output = tensor_from_f32(output, self.output_dims(ids.shape()), weight.dtype(), ids.device())?;
-        Ok((output, Saved { tensors: vec![ids.try_clone()?] }))
+        Ok((output, Saved { tensors: vec![ids.share()] }))
     }
 
     fn backward_input(&self, _saved: &Saved, _grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {

@@ -39,7 +39,7 @@ impl Layer for Flatten {
             return Err(Error::shape("Flatten", "an input with a batch dimension [batch, ...]", input.shape().to_string()));
         }
         let batch = input.shape().leading();
-        let output = input.try_clone()?.reshape([batch, input.shape().trailing_numel()])?;
+        let output = input.share().reshape([batch, input.shape().trailing_numel()])?;
         Ok((output, Saved { tensors: vec![shape_marker(input.shape(), input.device())?] }))
     }
 
@@ -49,7 +49,7 @@ impl Layer for Flatten {
         if grad_output.shape() != &expected {
             return Err(Error::shape("Flatten backward (grad_output)", expected.to_string(), grad_output.shape().to_string()));
         }
-        Ok(vec![Some(grad_output.try_clone()?.reshape(input_shape)?)])
+        Ok(vec![Some(grad_output.share().reshape(input_shape)?)])
     }
 
     fn backward_weight(&self, _saved: &Saved, _grad_output: &Tensor, _param_grads: &mut [Tensor]) -> Result<()> {

@@ -100,7 +100,7 @@ impl Layer for LayerNorm {
             mean.as_f32_mut()?,
             rstd.as_f32_mut()?,
         )?;
-        let saved = Saved { tensors: vec![input.try_clone()?, mean, rstd] };
+        let saved = Saved { tensors: vec![input.share(), mean, rstd] };
         Ok((into_dtype(output, input.dtype())?, saved))
     }
 

@@ -1,7 +1,7 @@
 //! `Linear`: `y = x · weightᵀ + bias` over the last dimension, with PyTorch's names, layout and
 //! default initialisation.
-use conveyor_engine::cpu::elementwise::{accumulate_column_sums, broadcast_rows};
-use conveyor_engine::cpu::{MatRef, matmul};
+use conveyor_engine::cpu::elementwise::accumulate_column_sums;
+use conveyor_engine::cpu::{MatRef, matmul, matmul_uninit, uninit};
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
 use rand::rngs::StdRng;
 
@@ -176,24 +176,23 @@ impl Layer for Linear {
         check_same_device("Linear", input, self.weight())?;
         let x = values(input);
         let weight = values(self.weight());
-        let mut output = zeros_f32(self.output_dims(input.shape()), input.device())?;
-        let dst = output.as_f32_mut()?;
-        // Pre-fill with the bias so the product accumulates onto it: no second pass over y.
-        let has_bias = match self.bias() {
-            Some(bias) => {
-                broadcast_rows(&values(bias), dst)?;
-                true
-            }
-            None => false,
-        };
+        let bias = self.bias().map(values);
         let x_view = MatRef::row_major(&x, rows, self.in_features)?;
-        match self.weight_t.as_ref().filter(|_| self.weight_t_fresh) {
-            Some(weight_t) => {
-                matmul(dst, x_view, MatRef::row_major(weight_t.as_f32()?, self.in_features, self.out_features)?, has_bias)?
+        let weight_t = match self.weight_t.as_ref().filter(|_| self.weight_t_fresh) {
+            Some(weight_t) => MatRef::row_major(weight_t.as_f32()?, self.in_features, self.out_features)?,
+            None => MatRef::row_major(&weight, self.out_features, self.in_features)?.t(),
+        };
+        // Every element is written: the bias pre-fill (which the product then accumulates onto,
+        // so there is no second pass over y) or the product alone. No zero-fill first.
+        let output = Tensor::from_f32_init(self.output_dims(input.shape()), input.device(), |dst| match &bias {
+            Some(bias) => {
+                let dst = uninit::broadcast_rows(bias, dst)?;
+                matmul(dst, x_view, weight_t, true)?;
+                Ok(dst)
             }
-            None => matmul(dst, x_view, MatRef::row_major(&weight, self.out_features, self.in_features)?.t(), has_bias)?,
-        }
-        let saved = Saved { tensors: vec![input.try_clone()?] };
+            None => matmul_uninit(dst, x_view, weight_t),
+        })?;
+        let saved = Saved { tensors: vec![input.share()] };
         Ok((into_dtype(output, input.dtype())?, saved))
     }
 
@@ -204,13 +203,11 @@ impl Layer for Linear {
         let grad = values(grad_output);
         let weight = values(self.weight());
         // dx [rows, in] = dy [rows, out] · weight [out, in]
-        let mut grad_input = zeros_f32(input.shape().clone(), input.device())?;
-        matmul(
-            grad_input.as_f32_mut()?,
-            MatRef::row_major(&grad, rows, self.out_features)?,
-            MatRef::row_major(&weight, self.out_features, self.in_features)?,
-            false,
-        )?;
+        let grad_view = MatRef::row_major(&grad, rows, self.out_features)?;
+        let weight_view = MatRef::row_major(&weight, self.out_features, self.in_features)?;
+        let grad_input = Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
+            matmul_uninit(dst, grad_view, weight_view)
+        })?;
         Ok(vec![Some(into_dtype(grad_input, input.dtype())?)])
     }
 

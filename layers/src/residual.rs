@@ -1,11 +1,11 @@
 //! `Add`: the residual join `y = a + b` of two tensors of one shape (`n_inputs() == 2`).
-use conveyor_engine::cpu::elementwise::add;
+use conveyor_engine::cpu::uninit;
 use conveyor_engine::{Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 
-use crate::tensor_io::{expect_inputs, expect_shapes, f32_bytes, into_dtype, values, zeros_f32};
+use crate::tensor_io::{expect_inputs, expect_shapes, f32_bytes, into_dtype, values};
 
-/// Elementwise sum of two inputs of the same shape; both get the output gradient unchanged. Saves
-/// nothing.
+/// Elementwise sum of two inputs of the same shape; both get the output gradient unchanged (two
+/// shares of it, no copies). Saves nothing.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Add;
 
@@ -50,13 +50,14 @@ impl Layer for Add {
         if !lhs.device().same_device(rhs.device()) {
             return Err(Error::DeviceMismatch { op: "Add".into(), lhs: lhs.device().to_string(), rhs: rhs.device().to_string() });
         }
-        let mut output = zeros_f32(lhs.shape().clone(), lhs.device())?;
-        add(&values(lhs), &values(rhs), output.as_f32_mut()?)?;
+        let (a, b) = (values(lhs), values(rhs));
+        let output =
+            Tensor::from_f32_init(lhs.shape().clone(), lhs.device(), |dst| uninit::map2(dst, &a, &b, |a, b| a + b))?;
         Ok((into_dtype(output, lhs.dtype())?, Saved::default()))
     }
 
     fn backward_input(&self, _saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
-        Ok(vec![Some(grad_output.try_clone()?), Some(grad_output.try_clone()?)])
+        Ok(vec![Some(grad_output.share()), Some(grad_output.share())])
     }
 
     fn backward_weight(&self, _saved: &Saved, _grad_output: &Tensor, _param_grads: &mut [Tensor]) -> Result<()> {

@@ -2,6 +2,7 @@
 //! `PositionalEmbedding`, which tells tokens apart by position (attention alone is
 //! permutation-equivariant), and `MeanOverTokens`, the pooling a sequence classifier puts before
 //! its head.
+use conveyor_engine::cpu::uninit;
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
 use rand::rngs::StdRng;
 
@@ -98,11 +99,12 @@ impl Layer for PositionalEmbedding {
         check_same_device("PositionalEmbedding", input, &self.params[0].value)?;
         let table = values(&self.params[0].value);
         let table = &table[..tokens * self.dim];
-        let mut output = zeros_f32(input.shape().clone(), input.device())?;
-        let dst = output.as_f32_mut()?;
-        for (out, x) in dst.chunks_exact_mut(tokens * self.dim).zip(values(input).chunks_exact(tokens * self.dim)) {
-            out.iter_mut().zip(x).zip(table).for_each(|((o, &x), &p)| *o = x + p);
-        }
+        let (x, len) = (values(input), tokens * self.dim);
+        let output = Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
+            uninit::chunks(dst, len, |sample, out| {
+                uninit::map2(out, &x[sample * len..(sample + 1) * len], table, |x, p| x + p)
+            })
+        })?;
         let saved = Saved { tensors: vec![shape_marker(input.shape(), input.device())?] };
         Ok((into_dtype(output, input.dtype())?, saved))
     }
@@ -110,7 +112,7 @@ impl Layer for PositionalEmbedding {
     fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let input_shape = read_shape_marker("PositionalEmbedding", saved_tensor("PositionalEmbedding", saved, 0)?)?;
         check_grad_shape("PositionalEmbedding", grad_output, &input_shape)?;
-        Ok(vec![Some(grad_output.try_clone()?)])
+        Ok(vec![Some(grad_output.share())])
     }
 
     fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()> {
@@ -211,15 +213,17 @@ impl Layer for MeanOverTokens {
         check_grad_shape(KIND, grad_output, &Shape::new(vec![batch, features]))?;
         let grad = values(grad_output);
         let inv = 1.0 / tokens as f32;
-        let mut grad_input = zeros_f32(input_shape, grad_output.device())?;
-        let dst = grad_input.as_f32_mut()?;
-        if features > 0 {
-            for (sample, g) in dst.chunks_exact_mut(tokens * features).zip(grad.chunks_exact(features)) {
-                for row in sample.chunks_exact_mut(features) {
-                    row.iter_mut().zip(g).for_each(|(d, &g)| *d = g * inv);
-                }
-            }
-        }
+        // Every token row of sample b is dy[b] / T: written in full, no zero-fill.
+        let grad_input = if features == 0 {
+            zeros_f32(input_shape, grad_output.device())?
+        } else {
+            Tensor::from_f32_init(input_shape, grad_output.device(), |dst| {
+                uninit::chunks(dst, features, |row, out| {
+                    let b = row / tokens;
+                    uninit::map(out, &grad[b * features..(b + 1) * features], |g| g * inv)
+                })
+            })?
+        };
         Ok(vec![Some(into_dtype(grad_input, grad_output.dtype())?)])
     }
 

@@ -3,14 +3,30 @@
 //!
 //! Backward kernels take whichever forward tensor determines the derivative most cheaply: ReLU and
 //! tanh the output (`y > 0`, `1 - y²`), GELU the input.
+//!
+//! Each function is also given per element (`relu`, `relu_grad`, ...), for `cpu::uninit::map`
+//! and `map2` into outputs that need no zero-fill; the slice kernels apply the same functions,
+//! so both give bit-identical results.
 use super::window::check_len;
 use crate::Result;
+
+/// `max(x, 0)`.
+#[inline]
+pub fn relu(x: f32) -> f32 {
+    if x > 0.0 { x } else { 0.0 }
+}
+
+/// ReLU's input gradient from its output `y` and the output gradient `dy`: `dy · [y > 0]`.
+#[inline]
+pub fn relu_grad(y: f32, dy: f32) -> f32 {
+    if y > 0.0 { dy } else { 0.0 }
+}
 
 /// `output = max(input, 0)`.
 pub fn relu_forward(input: &[f32], output: &mut [f32]) -> Result<()> {
     check_len("relu", "output", input.len(), output.len())?;
     for (y, &x) in output.iter_mut().zip(input) {
-        *y = if x > 0.0 { x } else { 0.0 };
+        *y = relu(x);
     }
     Ok(())
 }
@@ -20,7 +36,7 @@ pub fn relu_backward(output: &[f32], grad_output: &[f32], input_grad: &mut [f32]
     check_len("relu_backward", "grad_output", output.len(), grad_output.len())?;
     check_len("relu_backward", "input_grad", output.len(), input_grad.len())?;
     for ((dx, &y), &dy) in input_grad.iter_mut().zip(output).zip(grad_output) {
-        *dx = if y > 0.0 { dy } else { 0.0 };
+        *dx = relu_grad(y, dy);
     }
     Ok(())
 }
@@ -49,12 +65,39 @@ pub fn normal_cdf(x: f64) -> f64 {
 
 const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 
+/// `x · Φ(x)` (exact GELU), evaluated in f64.
+#[inline]
+pub fn gelu(x: f32) -> f32 {
+    let x = x as f64;
+    (x * normal_cdf(x)) as f32
+}
+
+/// GELU's input gradient from its input `x` and the output gradient `dy`:
+/// `dy · (Φ(x) + x·φ(x))` with `φ(x) = exp(-x²/2) / √(2π)`.
+#[inline]
+pub fn gelu_grad(x: f32, dy: f32) -> f32 {
+    let x = x as f64;
+    let derivative = normal_cdf(x) + x * FRAC_1_SQRT_2PI * (-0.5 * x * x).exp();
+    (dy as f64 * derivative) as f32
+}
+
+/// `tanh(x)`.
+#[inline]
+pub fn tanh(x: f32) -> f32 {
+    x.tanh()
+}
+
+/// tanh's input gradient from its output `y` and the output gradient `dy`: `dy · (1 - y²)`.
+#[inline]
+pub fn tanh_grad(y: f32, dy: f32) -> f32 {
+    dy * (1.0 - y * y)
+}
+
 /// `output = x · Φ(x)` (exact GELU).
 pub fn gelu_forward(input: &[f32], output: &mut [f32]) -> Result<()> {
     check_len("gelu", "output", input.len(), output.len())?;
     for (y, &x) in output.iter_mut().zip(input) {
-        let x = x as f64;
-        *y = (x * normal_cdf(x)) as f32;
+        *y = gelu(x);
     }
     Ok(())
 }
@@ -64,9 +107,7 @@ pub fn gelu_backward(input: &[f32], grad_output: &[f32], input_grad: &mut [f32])
     check_len("gelu_backward", "grad_output", input.len(), grad_output.len())?;
     check_len("gelu_backward", "input_grad", input.len(), input_grad.len())?;
     for ((dx, &x), &dy) in input_grad.iter_mut().zip(input).zip(grad_output) {
-        let x = x as f64;
-        let derivative = normal_cdf(x) + x * FRAC_1_SQRT_2PI * (-0.5 * x * x).exp();
-        *dx = (dy as f64 * derivative) as f32;
+        *dx = gelu_grad(x, dy);
     }
     Ok(())
 }
@@ -75,7 +116,7 @@ pub fn gelu_backward(input: &[f32], grad_output: &[f32], input_grad: &mut [f32])
 pub fn tanh_forward(input: &[f32], output: &mut [f32]) -> Result<()> {
     check_len("tanh", "output", input.len(), output.len())?;
     for (y, &x) in output.iter_mut().zip(input) {
-        *y = x.tanh();
+        *y = tanh(x);
     }
     Ok(())
 }
@@ -85,7 +126,7 @@ pub fn tanh_backward(output: &[f32], grad_output: &[f32], input_grad: &mut [f32]
     check_len("tanh_backward", "grad_output", output.len(), grad_output.len())?;
     check_len("tanh_backward", "input_grad", output.len(), input_grad.len())?;
     for ((dx, &y), &dy) in input_grad.iter_mut().zip(output).zip(grad_output) {
-        *dx = dy * (1.0 - y * y);
+        *dx = tanh_grad(y, dy);
     }
     Ok(())
 }

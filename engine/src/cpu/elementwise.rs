@@ -17,7 +17,11 @@ pub fn add(lhs: &[f32], rhs: &[f32], output: &mut [f32]) -> Result<()> {
 /// matrix product then accumulates onto.
 pub fn broadcast_rows(row: &[f32], dst: &mut [f32]) -> Result<()> {
     if row.is_empty() || !dst.len().is_multiple_of(row.len()) {
-        return Err(Error::shape("broadcast_rows", format!("rows of {} elements", row.len()), format!("{} elements", dst.len())));
+        return Err(Error::shape(
+            "broadcast_rows",
+            format!("rows of {} elements", row.len()),
+            format!("{} elements", dst.len()),
+        ));
     }
     for chunk in dst.chunks_exact_mut(row.len()) {
         chunk.copy_from_slice(row);

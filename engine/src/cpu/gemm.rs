@@ -1,5 +1,7 @@
 //! Matrix products on one core through the `gemm` crate (`Parallelism::None`), over strided f32
 //! views so either operand may be transposed without a copy.
+use std::mem::MaybeUninit;
+
 use gemm::Parallelism;
 
 use crate::{Error, Result};
@@ -18,14 +20,24 @@ impl<'a> MatRef<'a> {
     /// `data` as a row-major `rows x cols` matrix.
     pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Result<Self> {
         if data.len() < rows * cols {
-            return Err(Error::shape("MatRef::row_major", format!("{} elements for {rows}x{cols}", rows * cols), format!("{}", data.len())));
+            return Err(Error::shape(
+                "MatRef::row_major",
+                format!("{} elements for {rows}x{cols}", rows * cols),
+                format!("{}", data.len()),
+            ));
         }
         Ok(MatRef { data, rows, cols, row_stride: cols, col_stride: 1 })
     }
 
     /// The transposed view (no copy).
     pub fn t(self) -> Self {
-        MatRef { data: self.data, rows: self.cols, cols: self.rows, row_stride: self.col_stride, col_stride: self.row_stride }
+        MatRef {
+            data: self.data,
+            rows: self.cols,
+            cols: self.rows,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
+        }
     }
 
     /// Number of rows.
@@ -37,34 +49,81 @@ impl<'a> MatRef<'a> {
     pub fn cols(&self) -> usize {
         self.cols
     }
+
+    /// `(row_stride, col_stride)` in elements.
+    pub fn strides(&self) -> (usize, usize) {
+        (self.row_stride, self.col_stride)
+    }
+
+    /// The underlying elements.
+    pub fn data(&self) -> &'a [f32] {
+        self.data
+    }
 }
 
 /// `dst = lhs · rhs` (or `dst += lhs · rhs` when `accumulate`), `dst` row-major `lhs.rows x rhs.cols`.
 pub fn matmul(dst: &mut [f32], lhs: MatRef<'_>, rhs: MatRef<'_>, accumulate: bool) -> Result<()> {
+    check_dims(dst.len(), lhs, rhs)?;
+    // SAFETY: `dst` holds `lhs.rows x rhs.cols` initialised elements (checked above), so reading
+    // them to accumulate is sound.
+    unsafe { product(dst.as_mut_ptr(), lhs, rhs, accumulate) };
+    Ok(())
+}
+
+/// `dst = lhs · rhs` into an uninitialised `dst` (row-major `lhs.rows x rhs.cols`), which it
+/// writes in full (the GEMM does not read its output when not accumulating) and returns as
+/// `&mut [f32]`: for tensors made by `Tensor::from_f32_init` without a zero-fill.
+pub fn matmul_uninit<'a>(dst: &'a mut [MaybeUninit<f32>], lhs: MatRef<'_>, rhs: MatRef<'_>) -> Result<&'a mut [f32]> {
+    check_dims(dst.len(), lhs, rhs)?;
+    // SAFETY: `dst` holds `lhs.rows x rhs.cols` elements (checked above); without accumulation
+    // `product` writes each of them and reads none (see its contract).
+    unsafe {
+        product(dst.as_mut_ptr().cast::<f32>(), lhs, rhs, false);
+        Ok(super::uninit::assume_init(dst))
+    }
+}
+
+fn check_dims(dst_len: usize, lhs: MatRef<'_>, rhs: MatRef<'_>) -> Result<()> {
     let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
     if rhs.rows != k {
         return Err(Error::shape("matmul", format!("rhs with {k} rows"), format!("{}x{}", rhs.rows, rhs.cols)));
     }
-    if dst.len() != m * n {
-        return Err(Error::shape("matmul", format!("dst of {m}x{n} = {} elements", m * n), format!("{}", dst.len())));
+    if dst_len != m * n {
+        return Err(Error::shape("matmul", format!("dst of {m}x{n} = {} elements", m * n), format!("{dst_len}")));
     }
+    Ok(())
+}
+
+/// `dst = lhs · rhs`, or `dst += lhs · rhs` when `accumulate`. Without `accumulate` every
+/// element of `dst` is written and none is read: the `gemm` crate zeroes its `alpha` when told
+/// not to read the destination, and each of its paths (the k = 0 fill, gevv, gemv, the packed
+/// micro-kernels with `alpha_status == 0`) then stores without loading.
+///
+/// # Safety
+/// `dst` must be valid for writes of `lhs.rows x rhs.cols` row-major elements (and initialised
+/// when `accumulate`); the views must have been checked with [`check_dims`].
+unsafe fn product(dst: *mut f32, lhs: MatRef<'_>, rhs: MatRef<'_>, accumulate: bool) {
+    let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
     if m == 0 || n == 0 {
-        return Ok(());
+        return;
     }
     if k == 0 {
         if !accumulate {
-            dst.fill(0.0);
+            for i in 0..m * n {
+                // SAFETY: `dst` is valid for `m x n` writes.
+                unsafe { dst.add(i).write(0.0) };
+            }
         }
-        return Ok(());
+        return;
     }
-    // SAFETY: the views were checked to cover rows x cols elements with their strides (row_major
-    // checks the length; t() only swaps strides), and dst holds m x n row-major elements.
+    // SAFETY: the views cover rows x cols elements with their strides (row_major checks the
+    // length; t() only swaps strides), and dst holds m x n row-major elements.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst,
             1,
             n as isize,
             accumulate,
@@ -82,7 +141,6 @@ pub fn matmul(dst: &mut [f32], lhs: MatRef<'_>, rhs: MatRef<'_>, accumulate: boo
             Parallelism::None,
         );
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -120,6 +178,8 @@ mod tests {
                 for (d, e) in dst.iter().zip(&expected) {
                     assert!((d - e).abs() < 1e-5);
                 }
+                let mut fresh: Vec<MaybeUninit<f32>> = (0..m * n).map(|_| MaybeUninit::uninit()).collect();
+                assert_eq!(matmul_uninit(&mut fresh, lhs, rhs).unwrap(), &dst[..], "bit-identical to matmul");
             }
         }
     }
@@ -127,7 +187,8 @@ mod tests {
     #[test]
     fn rejects_mismatched_inner_dimension() {
         let a = vec![0.0; 6];
-        let err = matmul(&mut [0.0; 4], MatRef::row_major(&a, 2, 3).unwrap(), MatRef::row_major(&a, 2, 3).unwrap(), false);
+        let err =
+            matmul(&mut [0.0; 4], MatRef::row_major(&a, 2, 3).unwrap(), MatRef::row_major(&a, 2, 3).unwrap(), false);
         assert!(matches!(err, Err(Error::ShapeMismatch { .. })));
     }
 }

@@ -30,7 +30,9 @@ pub fn layer_norm_forward(
     check_len("layer_norm", "output", input.len(), output.len())?;
     check_len("layer_norm", "mean", rows, mean.len())?;
     check_len("layer_norm", "rstd", rows, rstd.len())?;
-    for (((x, y), m), r) in input.chunks_exact(dim).zip(output.chunks_exact_mut(dim)).zip(mean.iter_mut()).zip(rstd.iter_mut()) {
+    for (((x, y), m), r) in
+        input.chunks_exact(dim).zip(output.chunks_exact_mut(dim)).zip(mean.iter_mut()).zip(rstd.iter_mut())
+    {
         let row_mean = x.iter().map(|&v| v as f64).sum::<f64>() / dim as f64;
         let var = x.iter().map(|&v| (v as f64 - row_mean).powi(2)).sum::<f64>() / dim as f64;
         let row_rstd = 1.0 / (var + eps as f64).sqrt();
@@ -103,7 +105,8 @@ pub fn layer_norm_backward_weight(
     }
     if let Some(weight_grad) = weight_grad {
         check_len("layer_norm_backward_weight", "weight_grad", dim, weight_grad.len())?;
-        for ((x, dy), (&m, &r)) in input.chunks_exact(dim).zip(grad_output.chunks_exact(dim)).zip(mean.iter().zip(rstd)) {
+        for ((x, dy), (&m, &r)) in input.chunks_exact(dim).zip(grad_output.chunks_exact(dim)).zip(mean.iter().zip(rstd))
+        {
             for ((g, &xv), &d) in weight_grad.iter_mut().zip(x).zip(dy) {
                 *g += d * (xv - m) * r;
             }

@@ -4,10 +4,12 @@ pub mod conv;
 pub mod elementwise;
 pub mod gemm;
 pub mod layer_norm;
+pub mod packed;
 pub mod pool;
 pub mod softmax;
 pub mod transpose;
+pub mod uninit;
 pub mod window;
 
-pub use gemm::{MatRef, matmul};
+pub use gemm::{MatRef, matmul, matmul_uninit};
 pub use window::Window2d;

@@ -35,7 +35,11 @@ pub fn packed_len(k: usize, n: usize) -> usize {
 pub fn pack_rhs(src: MatRef<'_>, dst: &mut [f32]) -> Result<()> {
     let (k, n) = (src.rows(), src.cols());
     if dst.len() != packed_len(k, n) {
-        return Err(Error::shape("pack_rhs", format!("{} elements for {k}x{n}", packed_len(k, n)), dst.len().to_string()));
+        return Err(Error::shape(
+            "pack_rhs",
+            format!("{} elements for {k}x{n}", packed_len(k, n)),
+            dst.len().to_string(),
+        ));
     }
     let (rs, cs) = src.strides();
     let data = src.data();
@@ -103,10 +107,18 @@ pub fn matmul_packed_uninit<'a>(
 
 fn check(dst_len: usize, lhs: MatRef<'_>, packed: &[f32], k: usize, n: usize) -> Result<()> {
     if lhs.cols() != k {
-        return Err(Error::shape("matmul_packed", format!("lhs with {k} columns"), format!("{}x{}", lhs.rows(), lhs.cols())));
+        return Err(Error::shape(
+            "matmul_packed",
+            format!("lhs with {k} columns"),
+            format!("{}x{}", lhs.rows(), lhs.cols()),
+        ));
     }
     if packed.len() != packed_len(k, n) {
-        return Err(Error::shape("matmul_packed", format!("a packed {k}x{n} operand"), format!("{} elements", packed.len())));
+        return Err(Error::shape(
+            "matmul_packed",
+            format!("a packed {k}x{n} operand"),
+            format!("{} elements", packed.len()),
+        ));
     }
     let m = lhs.rows();
     if dst_len != m * n {

@@ -73,8 +73,10 @@ pub fn max_pool2d_backward(
     check_len("max_pool2d_backward", "argmax", n_planes * out_plane, argmax.len())?;
     check_len("max_pool2d_backward", "input_grad", n_planes * window.in_plane_len(), input_grad.len())?;
     let in_plane = window.in_plane_len();
-    for ((g, arg), dst) in
-        grad_output.chunks_exact(out_plane).zip(argmax.chunks_exact(out_plane)).zip(input_grad.chunks_exact_mut(in_plane.max(1)))
+    for ((g, arg), dst) in grad_output
+        .chunks_exact(out_plane)
+        .zip(argmax.chunks_exact(out_plane))
+        .zip(input_grad.chunks_exact_mut(in_plane.max(1)))
     {
         for (gv, &a) in g.iter().zip(arg) {
             if a >= 0.0 && (a as usize) < in_plane {
@@ -112,12 +114,19 @@ pub fn avg_pool2d_forward(input: &[f32], n_planes: usize, window: &Window2d, out
 }
 
 /// Average pooling's input gradient: `input_grad += grad_output / (kh * kw)` spread over each window.
-pub fn avg_pool2d_backward(grad_output: &[f32], n_planes: usize, window: &Window2d, input_grad: &mut [f32]) -> Result<()> {
+pub fn avg_pool2d_backward(
+    grad_output: &[f32],
+    n_planes: usize,
+    window: &Window2d,
+    input_grad: &mut [f32],
+) -> Result<()> {
     let (out_h, out_w) = (window.out_height(), window.out_width());
     check_len("avg_pool2d_backward", "grad_output", n_planes * out_h * out_w, grad_output.len())?;
     check_len("avg_pool2d_backward", "input_grad", n_planes * window.in_plane_len(), input_grad.len())?;
     let scale = 1.0 / (window.kernel_height * window.kernel_width) as f32;
-    for (g, plane) in grad_output.chunks_exact(out_h * out_w).zip(input_grad.chunks_exact_mut(window.in_plane_len().max(1))) {
+    for (g, plane) in
+        grad_output.chunks_exact(out_h * out_w).zip(input_grad.chunks_exact_mut(window.in_plane_len().max(1)))
+    {
         for out_row in 0..out_h {
             for out_col in 0..out_w {
                 let share = g[out_row * out_w + out_col] * scale;
@@ -139,7 +148,10 @@ pub fn avg_pool2d_backward(grad_output: &[f32], n_planes: usize, window: &Window
 pub fn global_avg_pool_forward(input: &[f32], plane_len: usize, output: &mut [f32]) -> Result<()> {
     check_len("global_avg_pool", "input", output.len() * plane_len, input.len())?;
     if plane_len == 0 {
-        return Err(Error::invalid("global average pooling input", "planes are empty (height or width 0); nothing to average"));
+        return Err(Error::invalid(
+            "global average pooling input",
+            "planes are empty (height or width 0); nothing to average",
+        ));
     }
     let scale = 1.0 / plane_len as f32;
     for (plane, out) in input.chunks_exact(plane_len).zip(output.iter_mut()) {

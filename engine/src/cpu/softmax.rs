@@ -5,7 +5,11 @@ use crate::{Error, Result};
 
 fn check_rows(op: &str, input: &[f32], cols: usize, output: &[f32]) -> Result<()> {
     if cols == 0 || !input.len().is_multiple_of(cols) {
-        return Err(Error::shape(op, format!("rows of {cols} elements (cols > 0)"), format!("{} elements", input.len())));
+        return Err(Error::shape(
+            op,
+            format!("rows of {cols} elements (cols > 0)"),
+            format!("{} elements", input.len()),
+        ));
     }
     check_len(op, "output", input.len(), output.len())
 }

@@ -38,10 +38,16 @@ impl Window2d {
         (pad_height, pad_width): (usize, usize),
     ) -> Result<Window2d> {
         if kernel_height == 0 || kernel_width == 0 {
-            return Err(Error::invalid("kernel size", format!("{kernel_height}x{kernel_width}: both sides must be at least 1")));
+            return Err(Error::invalid(
+                "kernel size",
+                format!("{kernel_height}x{kernel_width}: both sides must be at least 1"),
+            ));
         }
         if stride_height == 0 || stride_width == 0 {
-            return Err(Error::invalid("stride", format!("{stride_height}x{stride_width}: both strides must be at least 1")));
+            return Err(Error::invalid(
+                "stride",
+                format!("{stride_height}x{stride_width}: both strides must be at least 1"),
+            ));
         }
         if in_height + 2 * pad_height < kernel_height || in_width + 2 * pad_width < kernel_width {
             return Err(Error::shape(

@@ -63,6 +63,15 @@ impl MemoryAccount {
             }
         }
     }
+
+    /// Reserves `bytes` even past the budget: for the few operations that cannot fail (such as
+    /// `Tensor::fill_zero` on a tensor whose elements another handle shares) and must still
+    /// count what they hold. The peak records the overrun.
+    pub fn reserve_past_budget(self: &Arc<Self>, bytes: u64) -> Reservation {
+        let next = self.in_use.fetch_add(bytes, Ordering::AcqRel).saturating_add(bytes);
+        self.peak.fetch_max(next, Ordering::AcqRel);
+        Reservation { account: Arc::clone(self), bytes }
+    }
 }
 
 /// Bytes held against a [`MemoryAccount`]; released when dropped.

@@ -485,7 +485,7 @@ impl Layer for ChannelParallelConvStack {
                 y = conv_shard::forward(&x, self.weight(rank, i), self.bias(rank, i), &windows[i])?;
                 if conv.spec.relu {
                     y.as_f32_mut()?.iter_mut().for_each(|v| *v = v.max(0.0));
-                    activations.push(y.try_clone()?);
+                    activations.push(y.share());
                 }
                 conv_inputs.push(std::mem::replace(&mut x, Tensor::zeros([0], conveyor_engine::DType::F32, device)?));
             }
@@ -534,7 +534,7 @@ impl Layer for ChannelParallelConvStack {
         let [channels, height, width] = chw(KIND, &input_shapes[0])?;
         let (_, windows) = self.windows(&Shape::new([1, channels, height, width]))?;
         let (mut product_flops, mut bias_flops, mut saved_numel) = (0u64, 0u64, 0usize);
-        for (conv, window) in self.convs.iter().zip(&windows) {
+        for (i, (conv, window)) in self.convs.iter().zip(&windows).enumerate() {
             let out_numel = conv.spec.out_channels * window.out_plane_len();
             product_flops += 2 * (conv.spec.out_channels * window.col_rows() * window.out_plane_len()) as u64;
             if conv.spec.options.bias {
@@ -542,7 +542,10 @@ impl Layer for ChannelParallelConvStack {
             }
             let in_numel = window.in_height * window.in_width * conv.spec.in_channels;
             saved_numel += if conv.spec.exchange { self.group.k() * in_numel } else { in_numel };
-            if conv.spec.relu {
+            // A kept activation that the next conv takes without an exchange is that conv's
+            // saved input too, one shared buffer counted above.
+            let next_takes_it_as_is = self.convs.get(i + 1).is_some_and(|next| !next.spec.exchange);
+            if conv.spec.relu && !next_takes_it_as_is {
                 saved_numel += out_numel;
             }
         }

@@ -1,9 +1,9 @@
 //! The arithmetic of one shard of a split linear layer, on the shard's device: `y = x · wᵀ + b`,
 //! `dx = dy · w`, `dw += dyᵀ · x`, `db += Σ dy` for `x` `[.., in]`, `w` `[out, in]`, `dy` `[.., out]`.
 //! The same products as `Linear`, on the shard's part of the weight.
-use conveyor_engine::cpu::elementwise::{accumulate_column_sums, broadcast_rows};
-use conveyor_engine::cpu::{MatRef, matmul};
-use conveyor_engine::{DType, Result, Shape, Tensor};
+use conveyor_engine::cpu::elementwise::accumulate_column_sums;
+use conveyor_engine::cpu::{MatRef, matmul, matmul_uninit, uninit};
+use conveyor_engine::{Result, Shape, Tensor};
 
 use super::layout::with_last;
 
@@ -20,29 +20,29 @@ fn out_in(weight: &Tensor) -> (usize, usize) {
 pub(crate) fn forward(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let (out_features, in_features) = out_in(weight);
     let rows = rows_of(x);
-    let mut y = Tensor::zeros(with_last(x.shape(), out_features), DType::F32, weight.device())?;
-    let dst = y.as_f32_mut()?;
-    if let Some(bias) = bias {
-        broadcast_rows(bias.as_f32()?, dst)?;
-    }
     let x_view = MatRef::row_major(x.as_f32()?, rows, in_features)?;
     let weight_t = MatRef::row_major(weight.as_f32()?, out_features, in_features)?.t();
-    matmul(dst, x_view, weight_t, bias.is_some())?;
-    Ok(y)
+    let bias = bias.map(Tensor::as_f32).transpose()?;
+    // Written in full (bias pre-fill, then the product onto it; or the product alone): no zero-fill.
+    Tensor::from_f32_init(with_last(x.shape(), out_features), weight.device(), |dst| match bias {
+        Some(bias) => {
+            let dst = uninit::broadcast_rows(bias, dst)?;
+            matmul(dst, x_view, weight_t, true)?;
+            Ok(dst)
+        }
+        None => matmul_uninit(dst, x_view, weight_t),
+    })
 }
 
 /// `dx = dy · w`, shaped like `x_shape`, on the weight's device.
 pub(crate) fn input_grad(grad_output: &Tensor, weight: &Tensor, x_shape: &Shape) -> Result<Tensor> {
     let (out_features, in_features) = out_in(weight);
     let rows = rows_of(grad_output);
-    let mut dx = Tensor::zeros(with_last(x_shape, in_features), DType::F32, weight.device())?;
-    matmul(
-        dx.as_f32_mut()?,
-        MatRef::row_major(grad_output.as_f32()?, rows, out_features)?,
-        MatRef::row_major(weight.as_f32()?, out_features, in_features)?,
-        false,
-    )?;
-    Ok(dx)
+    let dy_view = MatRef::row_major(grad_output.as_f32()?, rows, out_features)?;
+    let weight_view = MatRef::row_major(weight.as_f32()?, out_features, in_features)?;
+    Tensor::from_f32_init(with_last(x_shape, in_features), weight.device(), |dst| {
+        matmul_uninit(dst, dy_view, weight_view)
+    })
 }
 
 /// `dw += dyᵀ · x` and `db += Σ_rows dy`.

@@ -1,8 +1,9 @@
 //! `ParallelMlp`: Megatron's pairing of a column-split and a row-split Linear around an
 //! elementwise activation, inside one layer so the hidden activation never leaves its device.
 use conveyor_engine::collective::{Communicator, Partition, Traffic};
-use conveyor_engine::cpu::activation::{gelu_backward, gelu_forward, relu_backward, relu_forward};
-use conveyor_engine::{DType, Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
+use conveyor_engine::cpu::activation::{gelu, gelu_grad, relu, relu_grad};
+use conveyor_engine::cpu::uninit;
+use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 use rand::rngs::StdRng;
 
 use super::exchange::{broadcast_from_first, grads_per_rank};
@@ -29,25 +30,33 @@ pub enum MlpActivation {
 }
 
 impl MlpActivation {
+    /// `act(h)`, written without a zero-fill (the identity is a share of `h`, no copy).
     fn forward(self, hidden: &Tensor) -> Result<Tensor> {
-        let mut out = Tensor::zeros(hidden.shape().clone(), DType::F32, hidden.device())?;
+        let h = hidden.as_f32()?;
         match self {
-            MlpActivation::Identity => out.copy_from(hidden)?,
-            MlpActivation::Relu => relu_forward(hidden.as_f32()?, out.as_f32_mut()?)?,
-            MlpActivation::Gelu => gelu_forward(hidden.as_f32()?, out.as_f32_mut()?)?,
+            MlpActivation::Identity => Ok(hidden.share()),
+            MlpActivation::Relu => {
+                Tensor::from_f32_init(hidden.shape().clone(), hidden.device(), |dst| uninit::map(dst, h, relu))
+            }
+            MlpActivation::Gelu => {
+                Tensor::from_f32_init(hidden.shape().clone(), hidden.device(), |dst| uninit::map(dst, h, gelu))
+            }
         }
-        Ok(out)
     }
 
     /// `dh = act'(h) ⊙ da` (ReLU's mask `h > 0` equals `relu(h) > 0`).
     fn backward(self, hidden: &Tensor, grad: &Tensor) -> Result<Tensor> {
-        let mut out = Tensor::zeros(hidden.shape().clone(), DType::F32, hidden.device())?;
+        let (h, da) = (hidden.as_f32()?, grad.as_f32()?);
+        let device = hidden.device();
         match self {
-            MlpActivation::Identity => out.copy_from(grad)?,
-            MlpActivation::Relu => relu_backward(hidden.as_f32()?, grad.as_f32()?, out.as_f32_mut()?)?,
-            MlpActivation::Gelu => gelu_backward(hidden.as_f32()?, grad.as_f32()?, out.as_f32_mut()?)?,
+            MlpActivation::Identity => Ok(grad.share()),
+            MlpActivation::Relu => {
+                Tensor::from_f32_init(hidden.shape().clone(), device, |dst| uninit::map2(dst, h, da, relu_grad))
+            }
+            MlpActivation::Gelu => {
+                Tensor::from_f32_init(hidden.shape().clone(), device, |dst| uninit::map2(dst, h, da, gelu_grad))
+            }
         }
-        Ok(out)
     }
 }
 
