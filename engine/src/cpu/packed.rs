@@ -52,17 +52,20 @@ pub fn pack_rhs(src: MatRef<'_>, dst: &mut [f32]) -> Result<()> {
                 let start = row * rs + col0;
                 out.copy_from_slice(&data[start..start + width]);
             }
+        } else if rs == 1 && cs >= k {
+            // A transposed view of a row-major matrix (a Linear weight `[out, in]` seen as
+            // `[in, out]`): the panel is the transpose of `width` consecutive source rows.
+            let start = col0 * cs;
+            if cs == k {
+                super::transpose::transpose(&data[start..start + width * k], width, k, panel)?;
+            } else {
+                let block: Vec<f32> = (0..width).flat_map(|j| data[start + j * cs..start + j * cs + k].iter().copied()).collect();
+                super::transpose::transpose(&block, width, k, panel)?;
+            }
         } else {
-            // Column-strided source (a transposed view): go in square tiles so both sides stay in
-            // cache.
-            const TILE: usize = 64;
-            for row0 in (0..k).step_by(TILE) {
-                let rows = TILE.min(k - row0);
-                for j in 0..width {
-                    let base = (col0 + j) * cs;
-                    for r in row0..row0 + rows {
-                        panel[r * width + j] = data[base + r * rs];
-                    }
+            for (row, out) in panel.chunks_exact_mut(width).enumerate() {
+                for (j, value) in out.iter_mut().enumerate() {
+                    *value = data[row * rs + (col0 + j) * cs];
                 }
             }
         }

@@ -187,6 +187,19 @@ impl Optimizer {
     /// device). Checks every operand and allocates any missing state before updating anything, so
     /// an error leaves all parameters and state as they were.
     pub fn step(&mut self, params: &mut [&mut Tensor], grads: &[&Tensor]) -> Result<()> {
+        let views: Vec<&Tensor> = params.iter().map(|p| &**p).collect();
+        self.prepare_all(&views, grads)?;
+        for (param_idx, (param, grad)) in params.iter_mut().zip(grads).enumerate() {
+            self.apply(param_idx, param, grad)?;
+        }
+        Ok(())
+    }
+
+    /// The first half of [`Optimizer::step`]: checks every parameter and gradient and allocates
+    /// all state, changing nothing on error (state allocated by this call is freed again). Then
+    /// [`Optimizer::apply_prepared`] updates the parameters one at a time, so a caller can do
+    /// per-parameter work in between (a layer's refresh while its weight is still in cache).
+    pub fn prepare_all(&mut self, params: &[&Tensor], grads: &[&Tensor]) -> Result<()> {
         if params.len() != self.states.len() || grads.len() != self.states.len() {
             return Err(Error::invalid(
                 "params",
@@ -211,10 +224,18 @@ impl Optimizer {
                 return Err(error);
             }
         }
-        for (param_idx, (param, grad)) in params.iter_mut().zip(grads).enumerate() {
-            self.apply(param_idx, param, grad)?;
-        }
         Ok(())
+    }
+
+    /// Updates parameter `param_idx` after [`Optimizer::prepare_all`] checked the same operands.
+    pub fn apply_prepared(&mut self, param_idx: usize, param: &mut Tensor, grad: &Tensor) -> Result<()> {
+        if param_idx >= self.states.len() {
+            return Err(Error::invalid(
+                "param_idx",
+                format!("{param_idx} is out of range: the optimizer was built for {} parameter tensors", self.states.len()),
+            ));
+        }
+        self.apply(param_idx, param, grad)
     }
 
     /// Updates one parameter (index `param_idx` in the optimizer's list) from its gradient. For a

@@ -386,18 +386,21 @@ impl Stage {
         if let Some(max_norm) = max_norm {
             crate::optim::clip_grads_with_norm(&mut grads, max_norm, global_norm)?;
         }
-        let mut params: Vec<&mut Tensor> = Vec::new();
-        let mut grad_refs: Vec<&Tensor> = Vec::new();
+        {
+            let params: Vec<&Tensor> = self.nodes.iter().flat_map(|n| n.layer.parameters().iter().map(|p| &p.value)).collect();
+            let grad_refs: Vec<&Tensor> = self.nodes.iter().flat_map(|n| n.grads.iter()).collect();
+            self.optimizer.prepare_all(&params, &grad_refs)?;
+        }
+        // Each layer refreshes its derived copies right after its own update, while its weight
+        // is still in cache.
+        let mut param_idx = 0;
         for node in &mut self.nodes {
             let NodeExec { layer, grads, .. } = node;
             for (p, g) in layer.parameters_mut().iter_mut().zip(grads.iter()) {
-                params.push(&mut p.value);
-                grad_refs.push(g);
+                self.optimizer.apply_prepared(param_idx, &mut p.value, g)?;
+                param_idx += 1;
             }
-        }
-        self.optimizer.step(&mut params, &grad_refs)?;
-        for node in &mut self.nodes {
-            node.layer.refresh()?;
+            layer.refresh()?;
         }
         Ok(())
     }
