@@ -162,7 +162,9 @@ pub fn planner_inputs_tensor_parallel(
 ) -> Result<(Vec<DeviceSpec>, PlanConfig)> {
     let groups = device_groups(devices, tensor_parallel)?;
     let firsts: Vec<Device> = groups.iter().map(|g| g[0].clone()).collect();
-    let (_, plan_config) = planner_inputs(&firsts, schedule, n_chunks, n_micro_batches, batch_rows, optimizer)?;
+    let (_, mut plan_config) = planner_inputs(&firsts, schedule, n_chunks, n_micro_batches, batch_rows, optimizer)?;
+    // Split layers keep no packed weight copies.
+    plan_config.count_workspace = tensor_parallel <= 1;
     let specs = (0..groups.len() * n_chunks)
         .map(|s| {
             let members: Vec<DeviceSpec> = groups[s % groups.len()]

@@ -6,8 +6,8 @@ use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Re
 use rand::rngs::StdRng;
 
 use crate::tensor_io::{
-    accumulate_into, check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes, into_dtype,
-    saved_tensor, values, zeros_f32,
+    accumulate_into, check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes,
+    into_dtype, saved_tensor, values, zeros_f32,
 };
 
 /// A fully connected layer: `y = x · weightᵀ + bias`, applied to the last dimension of an input of
@@ -89,7 +89,11 @@ impl Linear {
         let mut params = vec![Parameter { name: "weight".into(), value: weight }];
         if let Some(bias) = bias {
             if bias.dims() != [out_features] {
-                return Err(Error::shape("Linear bias", format!("[{out_features}] (out_features)"), bias.shape().to_string()));
+                return Err(Error::shape(
+                    "Linear bias",
+                    format!("[{out_features}] (out_features)"),
+                    bias.shape().to_string(),
+                ));
             }
             params.push(Parameter { name: "bias".into(), value: bias });
         }
@@ -146,7 +150,11 @@ impl Layer for Linear {
         let shape = &expect_shapes("Linear", input_shapes, 1)?[0];
         match shape.dims().last() {
             Some(&last) if last == self.in_features => Ok(Shape::new(self.output_dims(shape))),
-            _ => Err(Error::shape("Linear", format!("a per-sample shape [..., {}]", self.in_features), shape.to_string())),
+            _ => Err(Error::shape(
+                "Linear",
+                format!("a per-sample shape [..., {}]", self.in_features),
+                shape.to_string(),
+            )),
         }
     }
 
@@ -267,7 +275,11 @@ impl Layer for Linear {
         let param_count: usize = self.params.iter().map(|p| p.value.numel()).sum();
         Ok(LayerCost {
             // The two packed weight copies (f32 weights; see the `packed` field).
-            workspace_bytes: if self.weight().dtype() == conveyor_engine::DType::F32 { 2 * 4 * n_in * n_out } else { 0 },
+            workspace_bytes: if self.weight().dtype() == conveyor_engine::DType::F32 {
+                2 * 4 * n_in * n_out
+            } else {
+                0
+            },
             forward_flops_per_sample: 2 * positions * n_in * n_out + bias_flops,
             backward_input_flops_per_sample: 2 * positions * n_in * n_out,
             backward_weight_flops_per_sample: 2 * positions * n_in * n_out + bias_flops,

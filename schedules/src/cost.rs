@@ -78,6 +78,9 @@ pub struct CostModel {
     /// Seconds of individual ops, overriding `stage_costs` for those ops.
     #[serde(skip)]
     op_costs: HashMap<OpKey, f64>,
+    /// When each device can start its program (empty: all at 0).
+    #[serde(skip)]
+    device_start_s: Vec<f64>,
 }
 
 impl Default for CostModel {
@@ -100,6 +103,7 @@ impl CostModel {
             message_bytes: vec![MessageBytes::default()],
             optimizer_step_s: 0.0,
             op_costs: HashMap::new(),
+            device_start_s: Vec::new(),
         }
     }
 
@@ -132,6 +136,18 @@ impl CostModel {
     pub fn with_op_costs(mut self, op_costs: impl IntoIterator<Item = (OpKey, f64)>) -> CostModel {
         self.op_costs.extend(op_costs);
         self
+    }
+
+    /// When each device starts its program (a measured run's: the worker's first event), so the
+    /// simulator does not assume every device starts at once. Devices past the list start at 0.
+    pub fn with_device_start_s(mut self, device_start_s: Vec<f64>) -> CostModel {
+        self.device_start_s = device_start_s;
+        self
+    }
+
+    /// When `device_idx` can start its program.
+    pub fn device_start_s(&self, device_idx: usize) -> f64 {
+        self.device_start_s.get(device_idx).copied().unwrap_or(0.0)
     }
 
     /// The cost given to one op by [`CostModel::with_op_costs`], if any.
@@ -176,6 +192,9 @@ impl CostModel {
         }
         for (&(stage_idx, op, micro_batch_idx), &seconds) in &self.op_costs {
             non_negative(format!("{op:?} of stage {stage_idx}, micro-batch {micro_batch_idx}"), seconds)?;
+        }
+        for (device_idx, &start_s) in self.device_start_s.iter().enumerate() {
+            non_negative(format!("start of device {device_idx}"), start_s)?;
         }
         non_negative("latency_s".into(), self.link.latency_s)?;
         non_negative("optimizer_step_s".into(), self.optimizer_step_s)?;

@@ -24,7 +24,11 @@ use crate::timeline::{Timeline, TimelineEvent};
 /// With `n_cores >= n_devices` this gives the same timeline as [`crate::simulate`] (less its
 /// `Wait` and `Send` events). Errors: an unusable cost model, zero cores, or programs that cannot
 /// finish.
-pub fn simulate_on_cores(schedule: &Schedule, costs: &CostModel, n_cores: usize) -> Result<SimulationReport, ScheduleError> {
+pub fn simulate_on_cores(
+    schedule: &Schedule,
+    costs: &CostModel,
+    n_cores: usize,
+) -> Result<SimulationReport, ScheduleError> {
     if n_cores == 0 {
         return Err(ScheduleError::ZeroParameter { parameter: "n_cores", noun: "core" });
     }
@@ -71,7 +75,12 @@ pub fn simulate_on_cores(schedule: &Schedule, costs: &CostModel, n_cores: usize)
                             let instruction_idx = positions[device_idx];
                             let instruction = *programs[device_idx].get(instruction_idx)?;
                             let message = instruction.recv_from(n_stages)?;
-                            Some(BlockedDevice { device_idx, instruction_idx, instruction, waiting_on: Wait::Receive(message) })
+                            Some(BlockedDevice {
+                                device_idx,
+                                instruction_idx,
+                                instruction,
+                                waiting_on: Wait::Receive(message),
+                            })
                         })
                         .collect();
                     return Err(ScheduleError::Deadlock { channel_capacity: usize::MAX, blocked });
@@ -111,9 +120,13 @@ pub fn simulate_on_cores(schedule: &Schedule, costs: &CostModel, n_cores: usize)
     }
 }
 
-/// Simulates `schedule` under `costs` with ops taking one of `n_cores` core slots to run: an op
-/// whose device is free and whose input has arrived joins a FIFO queue (ties in device order),
-/// and the oldest queued op starts whenever a slot is free, running for its full cost.
+/// Simulates `schedule` under `costs` the way the runtime shares `n_cores` core slots: a device
+/// holds a slot while it runs, keeps it for its next op when that op's input is already there,
+/// and gives it up when it would block; a device whose input arrives then queues for a slot,
+/// first come first served (ties in device order). The optimizer step starts once every device
+/// has finished its other ops (the runtime's commit barrier). A device that slept (it held no
+/// slot) starts `wake_latency_s` after its slot is handed to it: the time the operating system
+/// takes to run a sleeping thread, measured by the runtime (`StepReport::core_wake_latency_s`).
 ///
 /// The timeline holds the ops, a `Wait` event for each interval a device waited for an input,
 /// and a `CoreWait` event for each interval a ready op queued for a core. With `n_cores >= n_devices` it equals
@@ -123,9 +136,13 @@ pub fn simulate_with_core_slots(
     schedule: &Schedule,
     costs: &CostModel,
     n_cores: usize,
+    wake_latency_s: f64,
 ) -> Result<SimulationReport, ScheduleError> {
     if n_cores == 0 {
         return Err(ScheduleError::ZeroParameter { parameter: "n_cores", noun: "core" });
+    }
+    if !(wake_latency_s.is_finite() && wake_latency_s >= 0.0) {
+        return Err(ScheduleError::InvalidCost { what: "wake_latency_s".into(), value: wake_latency_s });
     }
     let n_stages = schedule.n_stages();
     costs.check(n_stages)?;
@@ -135,29 +152,60 @@ pub fn simulate_with_core_slots(
     let mut arrivals: HashMap<Message, f64> = HashMap::new();
     let mut positions = vec![0usize; n_devices];
     // When each device's previous op ended (its input wait starts there).
-    let mut free_since = vec![0.0f64; n_devices];
+    let mut free_since: Vec<f64> = (0..n_devices).map(|d| costs.device_start_s(d)).collect();
     // When each queued device joined the queue.
     let mut queued_at: Vec<Option<f64>> = vec![None; n_devices];
     let mut queue: std::collections::VecDeque<usize> = std::collections::VecDeque::new();
     // Per device: the running op's start and end.
     let mut running: Vec<Option<(f64, f64)>> = vec![None; n_devices];
+    // Devices that hold a slot between ops (they keep it while their next op is ready).
+    let mut holding = vec![false; n_devices];
     let mut free_slots = n_cores;
     let mut now = 0.0f64;
     const EPSILON: f64 = 1e-12;
     loop {
-        // Queue every op that became ready, in device order.
+        // The optimizer step waits for every device to finish its ops (the commit barrier).
+        let barrier_met = (0..n_devices).all(|d| {
+            programs[d].get(positions[d]).is_none_or(|i| matches!(i, crate::instruction::Instruction::OptimizerStep))
+        });
+        // When each idle device's next op is ready, if it is.
+        let ready_at = |device_idx: usize, arrivals: &HashMap<Message, f64>| -> Option<f64> {
+            let instruction = *programs[device_idx].get(positions[device_idx])?;
+            if matches!(instruction, crate::instruction::Instruction::OptimizerStep) && !barrier_met {
+                return None;
+            }
+            // A device that has not started its program yet.
+            if free_since[device_idx] > now + EPSILON {
+                return None;
+            }
+            match instruction.recv_from(n_stages) {
+                Some(message) => arrivals.get(&message).copied().filter(|&arrival| arrival <= now + EPSILON),
+                None => Some(free_since[device_idx]),
+            }
+        };
+        // A device holding a slot goes on with its next op if it is ready and gives the slot up
+        // otherwise (to block); then every other device whose op is ready queues, in device order.
+        for device_idx in 0..n_devices {
+            if running[device_idx].is_some() || !holding[device_idx] {
+                continue;
+            }
+            match ready_at(device_idx, &arrivals) {
+                Some(_) => {
+                    let instruction = programs[device_idx][positions[device_idx]];
+                    running[device_idx] = Some((now, now + op_cost(costs, instruction)));
+                }
+                None => {
+                    holding[device_idx] = false;
+                    free_slots += 1;
+                }
+            }
+        }
         for device_idx in 0..n_devices {
             if running[device_idx].is_some() || queued_at[device_idx].is_some() {
                 continue;
             }
-            let Some(&instruction) = programs[device_idx].get(positions[device_idx]) else { continue };
-            let ready_at = match instruction.recv_from(n_stages) {
-                Some(message) => match arrivals.get(&message) {
-                    Some(&arrival) if arrival <= now + EPSILON => arrival,
-                    _ => continue,
-                },
-                None => free_since[device_idx],
-            };
+            let Some(ready_at) = ready_at(device_idx, &arrivals) else { continue };
+            let instruction = programs[device_idx][positions[device_idx]];
             if ready_at > free_since[device_idx] + EPSILON {
                 timeline.events.push(TimelineEvent {
                     device_idx,
@@ -176,21 +224,25 @@ pub fn simulate_with_core_slots(
             let since = queued_at[device_idx].take().expect("queued devices have a time");
             free_slots -= 1;
             let instruction = programs[device_idx][positions[device_idx]];
-            if now > since + EPSILON {
+            // The device was asleep: it runs once the operating system has woken it.
+            let start_s = now + wake_latency_s;
+            if start_s > since + EPSILON {
                 timeline.events.push(TimelineEvent {
                     device_idx,
                     stage_idx: instruction.stage_idx(),
                     op: crate::timeline::OpKind::CoreWait,
                     micro_batch_idx: instruction.micro_batch_idx(),
                     start_s: since,
-                    end_s: now,
+                    end_s: start_s,
                 });
             }
-            running[device_idx] = Some((now, now + op_cost(costs, instruction)));
+            running[device_idx] = Some((start_s, start_s + op_cost(costs, instruction)));
+            holding[device_idx] = true;
         }
         let next_end = running.iter().flatten().map(|&(_, end)| end).fold(f64::INFINITY, f64::min);
         let next_arrival = arrivals.values().copied().filter(|&a| a > now + EPSILON).fold(f64::INFINITY, f64::min);
-        let next = next_end.min(next_arrival);
+        let next_start = free_since.iter().copied().filter(|&t| t > now + EPSILON).fold(f64::INFINITY, f64::min);
+        let next = next_end.min(next_arrival).min(next_start);
         if !next.is_finite() {
             if positions.iter().zip(programs).all(|(&p, program)| p == program.len()) {
                 return Ok(SimulationReport::from_timeline(timeline));
@@ -229,7 +281,6 @@ pub fn simulate_with_core_slots(
             positions[device_idx] += 1;
             running[device_idx] = None;
             free_since[device_idx] = end_s;
-            free_slots += 1;
         }
     }
 }
@@ -266,7 +317,7 @@ mod tests {
                 (0..schedule.n_stages()).map(|s| StageCosts::new(1.0 + s as f64 * 0.1, 1.3, 0.7)).collect(),
             );
             let plain = simulate(&schedule, &costs).unwrap();
-            let slots = simulate_with_core_slots(&schedule, &costs, 4).unwrap();
+            let slots = simulate_with_core_slots(&schedule, &costs, 4, 0.0).unwrap();
             assert!((plain.makespan_s - slots.makespan_s).abs() < 1e-9, "{kind}");
             assert!((plain.bubble_fraction - slots.bubble_fraction).abs() < 1e-9, "{kind}");
         }
@@ -278,7 +329,7 @@ mod tests {
         // total work 2 x 2 x 3 = 12; ops never overlap in time.
         let schedule = Schedule::new(ScheduleKind::GPipe, 2, 2, 1).unwrap();
         let costs = CostModel::uniform(StageCosts::new(1.0, 1.0, 1.0));
-        let one = simulate_with_core_slots(&schedule, &costs, 1).unwrap();
+        let one = simulate_with_core_slots(&schedule, &costs, 1, 0.0).unwrap();
         assert!((one.makespan_s - 12.0).abs() < 1e-9, "{}", one.makespan_s);
         let mut ops: Vec<_> =
             one.timeline.events.iter().filter(|e| matches!(e.op, OpKind::Forward | OpKind::Backward)).collect();
@@ -291,7 +342,7 @@ mod tests {
         // order breaks the tie, so F1 on device 0 runs [1,2] and F0 on device 1 runs [2,3].
         let f0_dev1 = ops.iter().find(|e| e.device_idx == 1 && e.op == OpKind::Forward).unwrap();
         assert_eq!((f0_dev1.start_s, f0_dev1.end_s), (2.0, 3.0));
-        assert!(simulate_with_core_slots(&schedule, &costs, 0).is_err());
+        assert!(simulate_with_core_slots(&schedule, &costs, 0, 0.0).is_err());
     }
 
     #[test]

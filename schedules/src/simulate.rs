@@ -65,7 +65,7 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationRepo
     let mut timeline = Timeline::new(schedule.n_devices(), n_stages);
     let mut arrivals: HashMap<Message, f64> = HashMap::new();
     let mut positions = vec![0usize; programs.len()];
-    let mut free_at = vec![0.0f64; programs.len()];
+    let mut free_at: Vec<f64> = (0..programs.len()).map(|d| costs.device_start_s(d)).collect();
     loop {
         let mut progressed = false;
         for (device_idx, program) in programs.iter().enumerate() {

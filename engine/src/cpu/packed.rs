@@ -59,7 +59,8 @@ pub fn pack_rhs(src: MatRef<'_>, dst: &mut [f32]) -> Result<()> {
             if cs == k {
                 super::transpose::transpose(&data[start..start + width * k], width, k, panel)?;
             } else {
-                let block: Vec<f32> = (0..width).flat_map(|j| data[start + j * cs..start + j * cs + k].iter().copied()).collect();
+                let block: Vec<f32> =
+                    (0..width).flat_map(|j| data[start + j * cs..start + j * cs + k].iter().copied()).collect();
                 super::transpose::transpose(&block, width, k, panel)?;
             }
         } else {

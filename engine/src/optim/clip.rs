@@ -58,7 +58,6 @@ fn sum_of_squares(values: &[f32]) -> f64 {
     total
 }
 
-
 /// Phase 2: the global L2 norm from the per-stage sums of squares.
 pub fn total_norm_from_sums_of_squares(sums_of_squares: &[f64]) -> f64 {
     sums_of_squares.iter().sum::<f64>().sqrt()

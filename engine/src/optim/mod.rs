@@ -232,7 +232,10 @@ impl Optimizer {
         if param_idx >= self.states.len() {
             return Err(Error::invalid(
                 "param_idx",
-                format!("{param_idx} is out of range: the optimizer was built for {} parameter tensors", self.states.len()),
+                format!(
+                    "{param_idx} is out of range: the optimizer was built for {} parameter tensors",
+                    self.states.len()
+                ),
             ));
         }
         self.apply(param_idx, param, grad)

@@ -90,6 +90,10 @@ pub struct PlanConfig {
     pub optimizer: OptimizerMemory,
     /// The link between devices.
     pub link: Link,
+    /// Count the copies layers derive from their parameters (`LayerCost::workspace_bytes`, such
+    /// as Linear's packed weights). True by default; false when every Linear and Conv will be
+    /// split over a tensor-parallel group, whose shards keep no such copies.
+    pub count_workspace: bool,
 }
 
 impl PlanConfig {
@@ -101,7 +105,13 @@ impl PlanConfig {
         optimizer: OptimizerMemory,
         link: Link,
     ) -> Self {
-        PlanConfig { micro_batch_rows, inflight_by_n_stages: (1..=max_stages).map(inflight).collect(), optimizer, link }
+        PlanConfig {
+            micro_batch_rows,
+            inflight_by_n_stages: (1..=max_stages).map(inflight).collect(),
+            optimizer,
+            link,
+            count_workspace: true,
+        }
     }
 
     pub(crate) fn inflight(&self, n_stages: usize, stage_idx: usize) -> Result<u64> {
@@ -283,7 +293,11 @@ impl NodeCosts {
         let (incoming, outgoing) = self.boundary_bytes(start, end);
         let saved = self.prefix_saved_bytes[end] - self.prefix_saved_bytes[start];
         let inflight = config.inflight(n_stages, stage_idx)?;
-        let workspace = self.prefix_workspace_bytes[end] - self.prefix_workspace_bytes[start];
+        let workspace = if config.count_workspace {
+            self.prefix_workspace_bytes[end] - self.prefix_workspace_bytes[start]
+        } else {
+            0
+        };
         let memory = StageMemory {
             params,
             workspace,

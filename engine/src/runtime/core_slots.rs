@@ -1,14 +1,25 @@
 //! Core slots: when more CPU workers than cores share a machine (four pipeline stages on two
-//! cores), each compute op first takes one of `n_cores` slots, first come first served, and holds
-//! it until the op ends. At most `n_cores` ops compute at once, each with a core to itself, so the
-//! operating system never time-slices two ops on one core: an op's wall time stays its cost, and
-//! the wait for a core is a queue that [`conveyor_schedules::simulate_with_core_slots`] models
-//! exactly (the same FIFO), which is what makes measured and predicted bubbles comparable.
+//! cores), the workers schedule themselves onto `n_cores` slots instead of leaving it to the
+//! operating system. A worker holds a slot while it runs (its ops and the bookkeeping between
+//! them) and gives it up only to block: waiting for a message, it registers the channel it waits
+//! on and sleeps; the sender of that message (sending under the same lock, so no notice can go
+//! stale) puts it in the slot queue; a free slot goes to the
+//! oldest queued worker, which is woken already holding it. So no more workers are runnable than
+//! there are cores, an op's wall time stays its cost, and the order in which waiting workers get a
+//! core is first come first served, exactly what
+//! [`conveyor_schedules::simulate_with_core_slots`] models; that is what makes measured and
+//! predicted bubbles comparable on an oversubscribed machine.
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-/// A first-come-first-served counting semaphore of `n_slots` slots.
+use super::worker::ChannelKey;
+
+/// How often a worker blocked for a message or a slot checks whether the step was aborted.
+const ABORT_POLL: Duration = Duration::from_millis(50);
+
+/// The slots and the queue for them, shared by all workers of a trainer.
 #[derive(Debug)]
 pub(crate) struct CoreSlots {
     state: Mutex<SlotState>,
@@ -18,51 +29,159 @@ pub(crate) struct CoreSlots {
 #[derive(Debug)]
 struct SlotState {
     free: usize,
-    next_ticket: u64,
-    /// Tickets waiting, oldest first.
-    queue: VecDeque<u64>,
+    /// Workers waiting for a slot, oldest first.
+    queue: VecDeque<usize>,
+    /// Per worker: a slot was handed to it and it has not taken it up yet.
+    granted: Vec<bool>,
+    /// Per worker: the channel it sleeps on until a message arrives.
+    awaiting: Vec<Option<ChannelKey>>,
+    /// Per worker: when its awaited message was sent and it joined the queue.
+    queued_at: Vec<Option<Instant>>,
+    /// Per worker: when a slot was handed to it.
+    granted_at: Vec<Option<Instant>>,
+    /// Seconds from a grant to the sleeping worker taking it up, since the last
+    /// [`CoreSlots::take_wake_latencies`].
+    wake_latencies: Vec<f64>,
 }
 
-/// A held slot; dropping it (also while unwinding from a panicking op) frees the slot.
-pub(crate) struct SlotGuard<'a> {
-    slots: &'a CoreSlots,
+impl SlotState {
+    /// Hands free slots to the oldest queued workers; true when any was handed out.
+    fn dispatch(&mut self) -> bool {
+        let mut any = false;
+        while self.free > 0 {
+            let Some(worker) = self.queue.pop_front() else { break };
+            self.free -= 1;
+            self.granted[worker] = true;
+            self.granted_at[worker] = Some(Instant::now());
+            any = true;
+        }
+        any
+    }
+
+    /// Undoes a worker's place in the queue, or its grant, after an abort.
+    fn withdraw(&mut self, worker: usize) {
+        self.awaiting[worker] = None;
+        self.queued_at[worker] = None;
+        if std::mem::take(&mut self.granted[worker]) {
+            self.free += 1;
+            self.dispatch();
+        } else {
+            self.queue.retain(|&w| w != worker);
+        }
+    }
 }
 
 impl CoreSlots {
-    /// `n_slots` slots (at least 1).
-    pub(crate) fn new(n_slots: usize) -> CoreSlots {
-        let n_slots = n_slots.max(1);
+    /// `n_slots` slots (at least 1) for `n_workers` workers.
+    pub(crate) fn new(n_slots: usize, n_workers: usize) -> CoreSlots {
         CoreSlots {
-            state: Mutex::new(SlotState { free: n_slots, next_ticket: 0, queue: VecDeque::new() }),
+            state: Mutex::new(SlotState {
+                free: n_slots.max(1),
+                queue: VecDeque::new(),
+                granted: vec![false; n_workers],
+                awaiting: vec![None; n_workers],
+                queued_at: vec![None; n_workers],
+                granted_at: vec![None; n_workers],
+                wake_latencies: Vec::new(),
+            }),
             changed: Condvar::new(),
         }
     }
 
-    /// Waits until this caller is the oldest waiter and a slot is free, then takes it.
-    pub(crate) fn acquire(&self) -> SlotGuard<'_> {
+    /// Waits in line for a slot. Returns false (holding none) if `aborted` turns true first.
+    pub(crate) fn acquire(&self, worker: usize, aborted: &dyn Fn() -> bool) -> bool {
         let mut state = self.state.lock();
-        let ticket = state.next_ticket;
-        state.next_ticket += 1;
-        state.queue.push_back(ticket);
-        while !(state.free > 0 && state.queue.front() == Some(&ticket)) {
-            self.changed.wait(&mut state);
-        }
-        state.queue.pop_front();
-        state.free -= 1;
-        // The next waiter may take another free slot.
-        if state.free > 0 && !state.queue.is_empty() {
+        state.queue.push_back(worker);
+        if state.dispatch() {
             self.changed.notify_all();
         }
-        SlotGuard { slots: self }
+        self.wait_for_grant(&mut state, worker, aborted)
     }
-}
 
-impl Drop for SlotGuard<'_> {
-    fn drop(&mut self) {
-        let mut state = self.slots.state.lock();
+    /// Gives a held slot back.
+    pub(crate) fn release(&self) {
+        let mut state = self.state.lock();
         state.free += 1;
-        if !state.queue.is_empty() {
-            self.slots.changed.notify_all();
+        if state.dispatch() {
+            self.changed.notify_all();
+        }
+    }
+
+    /// Called holding a slot when the next message is not there yet: unless `has_message` (checked
+    /// under the lock) now finds it, gives the slot up and sleeps until a message is sent on `key`
+    /// and a slot is handed back. Returns when the worker joined the queue (now, if it kept its
+    /// slot), or `None` (holding no slot) if `aborted` turns true first.
+    pub(crate) fn block_until_message(
+        &self,
+        worker: usize,
+        key: ChannelKey,
+        has_message: &dyn Fn() -> bool,
+        aborted: &dyn Fn() -> bool,
+    ) -> Option<Instant> {
+        let mut state = self.state.lock();
+        if has_message() {
+            return Some(Instant::now());
+        }
+        state.awaiting[worker] = Some(key);
+        state.free += 1;
+        if state.dispatch() {
+            self.changed.notify_all();
+        }
+        if !self.wait_for_grant(&mut state, worker, aborted) {
+            return None;
+        }
+        Some(state.queued_at[worker].take().unwrap_or_else(Instant::now))
+    }
+
+    /// Sends a message to `worker` on `key` with `send` (which must not block) and, if the worker
+    /// sleeps on that channel, puts it in the slot queue. The send happens under the lock the
+    /// receiver checks its channel under, so a worker is queued exactly when its message is there.
+    pub(crate) fn send_message<E>(
+        &self,
+        worker: usize,
+        key: ChannelKey,
+        send: impl FnOnce() -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        let mut state = self.state.lock();
+        send()?;
+        if state.awaiting[worker] == Some(key) {
+            state.awaiting[worker] = None;
+            state.queued_at[worker] = Some(Instant::now());
+            state.queue.push_back(worker);
+            if state.dispatch() {
+                self.changed.notify_all();
+            }
+        }
+        Ok(())
+    }
+
+    /// The wake-up latencies recorded since the last call (the time the operating system took to
+    /// run a sleeping worker after a slot was handed to it), clearing them.
+    pub(crate) fn take_wake_latencies(&self) -> Vec<f64> {
+        std::mem::take(&mut self.state.lock().wake_latencies)
+    }
+
+    fn wait_for_grant(
+        &self,
+        state: &mut parking_lot::MutexGuard<'_, SlotState>,
+        worker: usize,
+        aborted: &dyn Fn() -> bool,
+    ) -> bool {
+        let mut slept = false;
+        loop {
+            if std::mem::take(&mut state.granted[worker]) {
+                if let (true, Some(at)) = (slept, state.granted_at[worker].take()) {
+                    state.wake_latencies.push(at.elapsed().as_secs_f64());
+                }
+                return true;
+            }
+            if aborted() {
+                state.withdraw(worker);
+                self.changed.notify_all();
+                return false;
+            }
+            self.changed.wait_for(state, ABORT_POLL);
+            slept = true;
         }
     }
 }
@@ -72,23 +191,25 @@ mod tests {
     use super::*;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::time::Duration;
+
+    const NEVER: &dyn Fn() -> bool = &|| false;
 
     #[test]
     fn never_more_holders_than_slots() {
-        let slots = Arc::new(CoreSlots::new(2));
+        let slots = Arc::new(CoreSlots::new(2, 6));
         let holding = Arc::new(AtomicUsize::new(0));
         let most = Arc::new(AtomicUsize::new(0));
         let threads: Vec<_> = (0..6)
-            .map(|_| {
+            .map(|worker| {
                 let (slots, holding, most) = (Arc::clone(&slots), Arc::clone(&holding), Arc::clone(&most));
                 std::thread::spawn(move || {
                     for _ in 0..20 {
-                        let _slot = slots.acquire();
+                        assert!(slots.acquire(worker, NEVER));
                         let now = holding.fetch_add(1, Ordering::SeqCst) + 1;
                         most.fetch_max(now, Ordering::SeqCst);
                         std::thread::sleep(Duration::from_micros(50));
                         holding.fetch_sub(1, Ordering::SeqCst);
+                        slots.release();
                     }
                 })
             })
@@ -102,22 +223,23 @@ mod tests {
 
     #[test]
     fn waiters_are_served_in_arrival_order() {
-        let slots = Arc::new(CoreSlots::new(1));
+        let slots = Arc::new(CoreSlots::new(1, 5));
         let order = Arc::new(Mutex::new(Vec::new()));
-        let first = slots.acquire();
+        assert!(slots.acquire(4, NEVER));
         let mut threads = Vec::new();
-        for i in 0..4 {
+        for worker in 0..4 {
             let (slots_c, order_c) = (Arc::clone(&slots), Arc::clone(&order));
             threads.push(std::thread::spawn(move || {
-                let _slot = slots_c.acquire();
-                order_c.lock().push(i);
+                assert!(slots_c.acquire(worker, NEVER));
+                order_c.lock().push(worker);
+                slots_c.release();
             }));
-            // Wait until thread i is queued before starting the next one.
-            while slots.state.lock().queue.len() < i + 1 {
+            // Wait until worker i is queued before starting the next one.
+            while slots.state.lock().queue.len() < worker + 1 {
                 std::thread::yield_now();
             }
         }
-        drop(first);
+        slots.release();
         for t in threads {
             t.join().unwrap();
         }
@@ -125,15 +247,43 @@ mod tests {
     }
 
     #[test]
-    fn a_panicking_holder_frees_its_slot() {
-        let slots = Arc::new(CoreSlots::new(1));
+    fn a_message_wakes_its_receiver_with_a_slot() {
+        let slots = Arc::new(CoreSlots::new(1, 2));
+        let key: ChannelKey = (0, 1, false);
+        assert!(slots.acquire(1, NEVER));
+        let arrived = Arc::new(AtomicUsize::new(0));
+        let (slots_c, arrived_c) = (Arc::clone(&slots), Arc::clone(&arrived));
+        let receiver = std::thread::spawn(move || {
+            let has = || arrived_c.load(Ordering::SeqCst) > 0;
+            assert!(slots_c.block_until_message(1, key, &has, NEVER).is_some());
+            assert!(has());
+            slots_c.release();
+        });
+        // The receiver gave its slot up: worker 0 can take it, send, and give it back.
+        assert!(slots.acquire(0, NEVER));
+        // A message on another channel does not wake it.
+        slots.send_message(1, (5, 1, true), || Ok::<(), ()>(())).unwrap();
+        slots
+            .send_message(1, key, || {
+                arrived.store(1, Ordering::SeqCst);
+                Ok::<(), ()>(())
+            })
+            .unwrap();
+        slots.release();
+        receiver.join().unwrap();
+        let state = slots.state.lock();
+        assert_eq!((state.free, state.queue.len()), (1, 0));
+    }
+
+    #[test]
+    fn an_abort_withdraws_a_waiter_without_losing_a_slot() {
+        let slots = Arc::new(CoreSlots::new(1, 2));
+        assert!(slots.acquire(0, NEVER));
         let s = Arc::clone(&slots);
-        let result = std::thread::spawn(move || {
-            let _slot = s.acquire();
-            panic!("op failed");
-        })
-        .join();
-        assert!(result.is_err());
-        drop(slots.acquire());
+        let waiter = std::thread::spawn(move || s.acquire(1, &|| true));
+        assert!(!waiter.join().unwrap());
+        slots.release();
+        let state = slots.state.lock();
+        assert_eq!((state.free, state.queue.len()), (1, 0));
     }
 }

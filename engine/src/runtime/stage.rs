@@ -387,7 +387,8 @@ impl Stage {
             crate::optim::clip_grads_with_norm(&mut grads, max_norm, global_norm)?;
         }
         {
-            let params: Vec<&Tensor> = self.nodes.iter().flat_map(|n| n.layer.parameters().iter().map(|p| &p.value)).collect();
+            let params: Vec<&Tensor> =
+                self.nodes.iter().flat_map(|n| n.layer.parameters().iter().map(|p| &p.value)).collect();
             let grad_refs: Vec<&Tensor> = self.nodes.iter().flat_map(|n| n.grads.iter()).collect();
             self.optimizer.prepare_all(&params, &grad_refs)?;
         }

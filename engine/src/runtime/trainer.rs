@@ -309,7 +309,7 @@ impl TrainerBuilder {
                 (k == 1 && all_cpu && n_devices > cores).then_some(cores)
             }
         };
-        let slots = n_slots.map(|n| Arc::new(CoreSlots::new(n)));
+        let slots = n_slots.map(|n| Arc::new(CoreSlots::new(n, n_devices)));
         let mut workers = Vec::with_capacity(n_devices);
         // Workers report op spans to the subscriber of the thread that built the trainer.
         let dispatch = tracing::dispatcher::get_default(|d| d.clone());
@@ -336,6 +336,7 @@ impl TrainerBuilder {
             seed: self.seed,
             max_grad_norm: self.max_grad_norm,
             core_slots: n_slots,
+            slots,
             step_idx: 0,
             fault: None,
             graph: self.graph,
@@ -383,6 +384,7 @@ pub struct Trainer {
     seed: u64,
     max_grad_norm: Option<f64>,
     core_slots: Option<usize>,
+    slots: Option<Arc<CoreSlots>>,
     step_idx: u64,
     fault: Option<FaultInjection>,
     /// The graph's structure (its layers live on the workers).
@@ -527,7 +529,12 @@ impl Trainer {
                 }
             }
         }
+        if let Some(slots) = &self.slots {
+            slots.take_wake_latencies();
+        }
         let (abort_tx, abort_rx) = channel::bounded::<()>(0);
+        let stage_workers: Arc<Vec<usize>> =
+            Arc::new((0..self.schedule.n_stages()).map(|s| self.schedule.device_of_stage(s)).collect());
         let (report_tx, report_rx) = channel::unbounded();
         let mut commit_txs = Vec::with_capacity(n_devices);
         let programs: Vec<Vec<Instruction>> = if training {
@@ -582,6 +589,7 @@ impl Trainer {
                 labels: mb_labels,
                 links,
                 stage_devices: Arc::clone(&self.stage_devices),
+                stage_workers: Arc::clone(&stage_workers),
                 abort: abort_rx.clone(),
                 commit: commit_rx,
                 fault: self.fault,
@@ -671,6 +679,11 @@ impl Trainer {
                 step_s: started.elapsed().as_secs_f64(),
                 grad_norm: sum_of_squares.sqrt(),
                 op_cpu_times,
+                core_wake_latency_s: self.slots.as_ref().map(|slots| {
+                    let mut latencies = slots.take_wake_latencies();
+                    latencies.sort_by(f64::total_cmp);
+                    latencies.get(latencies.len() / 2).copied().unwrap_or(0.0)
+                }),
             },
             outputs: outputs.into_iter().map(|(_, t)| t).collect(),
         })

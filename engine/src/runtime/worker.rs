@@ -10,7 +10,7 @@ use conveyor_schedules::{Instruction, OpKind, TimelineEvent};
 use crossbeam::channel::{Receiver, Sender, select};
 
 use super::FaultInjection;
-use super::core_slots::{CoreSlots, SlotGuard};
+use super::core_slots::CoreSlots;
 use super::stage::{Payload, Stage, StepCtx};
 use crate::{Device, Error, Loss, Result, Tensor};
 
@@ -42,6 +42,8 @@ pub(crate) struct StepJob {
     pub links: Links,
     /// Devices of every stage, to move messages onto the receiver's device.
     pub stage_devices: Arc<Vec<Device>>,
+    /// The worker of every stage, to queue a message's receiver for a core slot.
+    pub stage_workers: Arc<Vec<usize>>,
     pub abort: Receiver<()>,
     pub commit: Receiver<Commit>,
     pub fault: Option<FaultInjection>,
@@ -102,6 +104,77 @@ impl From<Aborted> for OpFailure {
     }
 }
 
+/// A worker's hold on a core slot (when the trainer has slots, [`CoreSlots`]): taken before it
+/// runs, kept between ops while its next input is there, given up only to block.
+struct CoreHold<'s> {
+    slots: Option<&'s CoreSlots>,
+    worker: usize,
+    held: bool,
+}
+
+impl CoreHold<'_> {
+    /// Gives the slot up (before blocking on something other than a message).
+    fn release(&mut self) {
+        if let (Some(slots), true) = (self.slots, self.held) {
+            slots.release();
+            self.held = false;
+        }
+    }
+
+    /// Takes a slot unless one is held, recording the time in line as `CoreWait`.
+    fn ensure(
+        &mut self,
+        rec: &mut OpRecorder<'_>,
+        stage_idx: Option<usize>,
+        micro_batch_idx: Option<usize>,
+        abort: &Receiver<()>,
+    ) -> std::result::Result<(), Aborted> {
+        let Some(slots) = self.slots.filter(|_| !self.held) else { return Ok(()) };
+        let span = op_span(rec.device_idx, stage_idx, OpKind::CoreWait, micro_batch_idx);
+        let start_s = rec.now();
+        let granted = slots.acquire(self.worker, &|| aborted(abort));
+        rec.core_wait(stage_idx, micro_batch_idx, start_s);
+        drop(span);
+        if !granted {
+            return Err(Aborted);
+        }
+        self.held = true;
+        Ok(())
+    }
+}
+
+impl Drop for CoreHold<'_> {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+fn aborted(abort: &Receiver<()>) -> bool {
+    matches!(abort.try_recv(), Err(crossbeam::channel::TryRecvError::Disconnected) | Ok(()))
+}
+
+/// Receives the message on channel `key`. With core slots and a slot held, a message that is not
+/// there yet makes the worker give the slot up and sleep until the sender queues it for one:
+/// returns the moment it joined the queue, so the wait for the message and the wait for a core
+/// can be told apart.
+fn recv_holding_core(
+    rx: &Receiver<Message>,
+    key: ChannelKey,
+    abort: &Receiver<()>,
+    hold: &mut CoreHold<'_>,
+) -> std::result::Result<(Message, Option<Instant>), Aborted> {
+    if let Ok(message) = rx.try_recv() {
+        return Ok((message, None));
+    }
+    let Some(slots) = hold.slots.filter(|_| hold.held) else { return Ok((recv(rx, abort)?, None)) };
+    hold.held = false;
+    let queued_at =
+        slots.block_until_message(hold.worker, key, &|| !rx.is_empty(), &|| aborted(abort)).ok_or(Aborted)?;
+    hold.held = true;
+    // The message is there (or the channel closed: the step was aborted).
+    Ok((rx.try_recv().map_err(|_| Aborted)?, Some(queued_at)))
+}
+
 fn recv(rx: &Receiver<Message>, abort: &Receiver<()>) -> std::result::Result<Message, Aborted> {
     select! {
         recv(rx) -> msg => msg.map_err(|_| Aborted),
@@ -120,7 +193,8 @@ pub(crate) fn run(
     while let Ok(command) = commands.recv() {
         match command {
             Command::Step(mut job, reports) => {
-                let report = run_step(device_idx, &mut stages, loss.as_ref(), &mut job, &reports, core_slots.as_deref());
+                let report =
+                    run_step(device_idx, &mut stages, loss.as_ref(), &mut job, &reports, core_slots.as_deref());
                 stages.iter_mut().for_each(Stage::end_step);
                 // The coordinator may have given up on us; nothing else to do then.
                 let _ = reports.send(report);
@@ -241,6 +315,11 @@ fn execute(
     let device = stages.first().map(|s| s.device.clone()).expect("a worker holds at least one stage");
     let mut rec = OpRecorder { device_idx, device, started: job.started, events, cpu_times };
     let mut losses = Vec::new();
+    // With core slots the worker holds one whenever it runs (ops and the bookkeeping between
+    // them) and gives it up only to block, so no more workers are runnable than there are cores
+    // and the operating system never has to choose among them: the slot queue decides, first come
+    // first served, as `simulate_with_core_slots` assumes.
+    let mut hold = CoreHold { slots: core_slots, worker: device_idx, held: false };
     let local = |stages: &[Stage], stage_idx: usize| stages.iter().position(|s| s.stage_idx == stage_idx);
     for instruction in &job.program {
         let op = instruction.op_kind();
@@ -262,11 +341,12 @@ fn execute(
                 guarded(stage.stage_idx, &stage.device, op, None, job.fault, || Ok(()))?;
             }
             let _ = reports.send(Report::Ready { device_idx, losses: std::mem::take(&mut losses), sum_of_squares });
+            hold.release();
             let commit = select! {
                 recv(job.commit) -> c => c.map_err(|_| OpFailure::Aborted)?,
                 recv(job.abort) -> _ => return Err(OpFailure::Aborted),
             };
-            let _slot = rec.take_core(core_slots, None, None);
+            hold.ensure(&mut rec, None, None, &job.abort)?;
             rec.record(None, op, None, || {
                 for stage in stages.iter_mut() {
                     let stage_idx = stage.stage_idx;
@@ -296,9 +376,12 @@ fn execute(
             Instruction::Forward { .. } => {
                 let wait = rec.start_wait(stage_idx, micro_batch_idx);
                 let mut inputs: Payload = Vec::new();
+                let mut queued_at = None;
                 for route in &stages[s].recv_from {
-                    let rx = &job.links.receivers[&(route.peer_stage_idx, stage_idx, false)];
-                    let (mb, payload) = recv(rx, &job.abort)?;
+                    let key = (route.peer_stage_idx, stage_idx, false);
+                    let ((mb, payload), queued) =
+                        recv_holding_core(&job.links.receivers[&key], key, &job.abort, &mut hold)?;
+                    queued_at = queued.or(queued_at);
                     check_order(&stages[s], mb, micro_batch_idx)?;
                     inputs.extend(payload);
                 }
@@ -307,32 +390,32 @@ fn execute(
                 {
                     inputs.append(payload);
                 }
-                rec.end_wait(wait);
+                rec.end_wait(wait, queued_at);
                 let labels = if stages[s].output_node.is_some() {
                     job.labels.get_mut(micro_batch_idx).map(std::mem::take).unwrap_or_default()
                 } else {
                     Vec::new()
                 };
                 let stage = &mut stages[s];
-                let slot = rec.take_core(core_slots, Some(stage_idx), Some(micro_batch_idx));
-                let (messages, loss_value, eval_output) = rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
-                    guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
-                        Ok(stage.forward(&ctx, micro_batch_idx, inputs, labels)?)
-                    })
-                })?;
-                drop(slot);
+                hold.ensure(&mut rec, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
+                let (messages, loss_value, eval_output) =
+                    rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
+                        guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
+                            Ok(stage.forward(&ctx, micro_batch_idx, inputs, labels)?)
+                        })
+                    })?;
                 if let Some(l) = loss_value {
                     losses.push((micro_batch_idx, l));
                 }
                 if let Some(out) = eval_output {
                     outputs.push((micro_batch_idx, out));
                 }
-                send_all(job, stage_idx, micro_batch_idx, messages, false)?;
+                send_all(job, core_slots, stage_idx, micro_batch_idx, messages, false)?;
             }
             Instruction::BackwardInput { .. } | Instruction::Backward { .. } => {
                 if stages[s].needs_recompute(micro_batch_idx) {
                     let stage = &mut stages[s];
-                    let _slot = rec.take_core(core_slots, Some(stage_idx), Some(micro_batch_idx));
+                    hold.ensure(&mut rec, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
                     rec.record(Some(stage_idx), OpKind::Recompute, Some(micro_batch_idx), || {
                         guarded_mut(stage, OpKind::Recompute, micro_batch_idx, job.fault, |stage| {
                             Ok(stage.recompute(&ctx, micro_batch_idx)?)
@@ -343,29 +426,33 @@ fn execute(
                 let mut received = Vec::new();
                 let mut peers: Vec<usize> = stages[s].send_to.iter().map(|r| r.peer_stage_idx).collect();
                 peers.sort_unstable_by(|a, b| b.cmp(a));
+                let mut queued_at = None;
                 for peer in peers {
-                    let rx = &job.links.receivers[&(peer, stage_idx, true)];
-                    let (mb, payload) = recv(rx, &job.abort)?;
+                    let key = (peer, stage_idx, true);
+                    let ((mb, payload), queued) =
+                        recv_holding_core(&job.links.receivers[&key], key, &job.abort, &mut hold)?;
+                    queued_at = queued.or(queued_at);
                     check_order(&stages[s], mb, micro_batch_idx)?;
                     received.push(payload);
                 }
-                rec.end_wait(wait);
+                rec.end_wait(wait, queued_at);
                 let fused = matches!(instruction, Instruction::Backward { .. });
                 let stage = &mut stages[s];
-                let slot = rec.take_core(core_slots, Some(stage_idx), Some(micro_batch_idx));
+                hold.ensure(&mut rec, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
                 let messages = rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
                     guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
                         Ok(stage.backward_input(micro_batch_idx, received, fused)?)
                     })
                 })?;
-                drop(slot);
-                send_all(job, stage_idx, micro_batch_idx, messages, true)?;
+                send_all(job, core_slots, stage_idx, micro_batch_idx, messages, true)?;
             }
             Instruction::BackwardWeight { .. } => {
                 let stage = &mut stages[s];
-                let _slot = rec.take_core(core_slots, Some(stage_idx), Some(micro_batch_idx));
+                hold.ensure(&mut rec, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
                 rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
-                    guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| Ok(stage.backward_weight(micro_batch_idx)?))
+                    guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
+                        Ok(stage.backward_weight(micro_batch_idx)?)
+                    })
                 })?;
             }
             Instruction::OptimizerStep => unreachable!("handled above"),
@@ -464,7 +551,8 @@ impl OpRecorder<'_> {
         let span = op_span(self.device_idx, stage_idx, op, micro_batch_idx);
         let (start_s, cpu_start) = (self.now(), thread_cpu_s());
         let value = f()?;
-        let event = TimelineEvent { device_idx: self.device_idx, stage_idx, op, micro_batch_idx, start_s, end_s: self.now() };
+        let event =
+            TimelineEvent { device_idx: self.device_idx, stage_idx, op, micro_batch_idx, start_s, end_s: self.now() };
         self.cpu_times.push(cpu_time_of(&event, thread_cpu_s() - cpu_start));
         self.events.push(event);
         drop(span);
@@ -472,18 +560,8 @@ impl OpRecorder<'_> {
         Ok(value)
     }
 
-    /// Takes a core slot when the worker has slots, recording the time spent queued for it as a
-    /// `CoreWait` event.
-    fn take_core<'s>(
-        &mut self,
-        core_slots: Option<&'s CoreSlots>,
-        stage_idx: Option<usize>,
-        micro_batch_idx: Option<usize>,
-    ) -> Option<SlotGuard<'s>> {
-        let slots = core_slots?;
-        let span = op_span(self.device_idx, stage_idx, OpKind::CoreWait, micro_batch_idx);
-        let start_s = self.now();
-        let guard = slots.acquire();
+    /// Records the time from `start_s` to now spent in line for a core slot.
+    fn core_wait(&mut self, stage_idx: Option<usize>, micro_batch_idx: Option<usize>, start_s: f64) {
         let end_s = self.now();
         if end_s - start_s > 5e-6 {
             self.events.push(TimelineEvent {
@@ -495,8 +573,6 @@ impl OpRecorder<'_> {
                 end_s,
             });
         }
-        drop(span);
-        Some(guard)
     }
 
     fn start_wait(&self, stage_idx: usize, micro_batch_idx: usize) -> WaitInProgress {
@@ -504,8 +580,13 @@ impl OpRecorder<'_> {
         WaitInProgress { span, stage_idx, micro_batch_idx, start_s: self.now() }
     }
 
-    fn end_wait(&mut self, wait: WaitInProgress) {
-        let end_s = self.now();
+    /// Ends a wait for input; with `queued_at` (the worker slept for the message and then queued
+    /// for a core slot) the wait ends there and the rest is `CoreWait`.
+    fn end_wait(&mut self, wait: WaitInProgress, queued_at: Option<Instant>) {
+        let end_s = match queued_at {
+            Some(at) => at.saturating_duration_since(self.started).as_secs_f64(),
+            None => self.now(),
+        };
         // Waits shorter than a few microseconds are channel bookkeeping, not idling.
         if end_s - wait.start_s > 5e-6 {
             self.events.push(TimelineEvent {
@@ -517,12 +598,16 @@ impl OpRecorder<'_> {
                 end_s,
             });
         }
+        if queued_at.is_some() {
+            self.core_wait(Some(wait.stage_idx), Some(wait.micro_batch_idx), end_s);
+        }
         drop(wait.span);
     }
 }
 
 fn send_all(
     job: &StepJob,
+    core_slots: Option<&CoreSlots>,
     from_stage: usize,
     micro_batch_idx: usize,
     messages: Vec<(usize, Payload)>,
@@ -535,7 +620,13 @@ fn send_all(
         let tx = &job.links.senders[&(from_stage, to_stage, gradient)];
         // Channels hold one message per micro-batch, so this never blocks; a closed channel means
         // the step was aborted.
-        tx.send((micro_batch_idx, moved)).map_err(|_| OpFailure::Aborted)?;
+        let message = (micro_batch_idx, moved);
+        match core_slots {
+            Some(slots) => slots.send_message(job.stage_workers[to_stage], (from_stage, to_stage, gradient), || {
+                tx.send(message).map_err(|_| OpFailure::Aborted)
+            })?,
+            None => tx.send(message).map_err(|_| OpFailure::Aborted)?,
+        }
     }
     Ok(())
 }

@@ -85,9 +85,9 @@ impl RunState {
 
     fn from_checkpoint(checkpoint: &Checkpoint) -> anyhow::Result<RunState> {
         let get = |key: &str| -> anyhow::Result<String> {
-            checkpoint
-                .metadata_value::<String>(&format!("{KEY_PREFIX}{key}"))
-                .map_err(|e| usage(format!("--resume: {e}; resume from a checkpoint written by conveyor train --checkpoint")))
+            checkpoint.metadata_value::<String>(&format!("{KEY_PREFIX}{key}")).map_err(|e| {
+                usage(format!("--resume: {e}; resume from a checkpoint written by conveyor train --checkpoint"))
+            })
         };
         let number = |key: &str| -> anyhow::Result<u64> {
             get(key)?.parse().map_err(|_| usage(format!("--resume: metadata `{KEY_PREFIX}{key}` is not a number")))
@@ -144,13 +144,7 @@ impl ParamHomes {
 
 /// Saves parameters, optimizer state (unless `weights_only`) and the run state to `path`,
 /// atomically; `flag` names the option in errors.
-pub fn save(
-    path: &Path,
-    trainer: &Trainer,
-    state: &RunState,
-    weights_only: bool,
-    flag: &str,
-) -> anyhow::Result<()> {
+pub fn save(path: &Path, trainer: &Trainer, state: &RunState, weights_only: bool, flag: &str) -> anyhow::Result<()> {
     let mut tensors: Vec<(String, Tensor)> = trainer.parameters()?;
     if !weights_only {
         // Under the unsplit names, so the file does not depend on --tensor-parallel.

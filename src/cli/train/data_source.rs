@@ -46,7 +46,9 @@ pub fn load(spec: &str, seed: u64, test_fraction: Option<f64>, classes: Option<u
             .collect::<Result<_, _>>()
             .map_err(|_| usage(format!("--data `{spec}`: use tokens:N,T,VOCAB,C with positive integers")))?;
         let [n, t, vocab, c] = parts[..] else {
-            return Err(usage(format!("--data `{spec}`: use tokens:N,T,VOCAB,C (sequences, tokens, vocabulary, classes)")));
+            return Err(usage(format!(
+                "--data `{spec}`: use tokens:N,T,VOCAB,C (sequences, tokens, vocabulary, classes)"
+            )));
         };
         if classes.is_some() {
             return Err(usage("--classes: tokens:N,T,VOCAB,C sets the classes; drop the flag"));

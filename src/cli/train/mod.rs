@@ -22,7 +22,8 @@ use conveyor::engine::placement::{Plan, place_manually};
 use conveyor::engine::runtime::{Recompute, Trainer};
 use conveyor::engine::trace::{TimelineRecorder, timeline_filter};
 use conveyor::pipeline::{
-    PipelineConfig, build_trainer, build_trainer_with_plan, optimizer_memory, plan_by_time, planner_inputs, simulated_inflight,
+    PipelineConfig, build_trainer, build_trainer_with_plan, optimizer_memory, plan_by_time, planner_inputs,
+    simulated_inflight,
 };
 use conveyor::schedules::export::{MemorySample, SvgOptions, TraceOptions, chrome_trace, svg_gantt};
 use conveyor::schedules::{
@@ -290,6 +291,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let progress = Progress::new(first_step, total_steps, steps_per_epoch);
     let started = Instant::now();
     let mut last_report = None;
+    // The bubble summary averages the last few steps: one step's figures move by several points.
+    const BUBBLE_STEPS: usize = 5;
+    let mut recent_reports: std::collections::VecDeque<conveyor::engine::runtime::StepReport> = Default::default();
     let mut samples = 0u64;
     let mut compute_s = 0.0;
     let mut order = Vec::new();
@@ -362,6 +366,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             checkpointing::save(path, &trainer, &state, false, "--checkpoint")?;
             tracing::info!(step = step + 1, path = %path.display(), "checkpoint saved");
         }
+        if recent_reports.len() == BUBBLE_STEPS {
+            recent_reports.pop_front();
+        }
+        recent_reports.push_back(report.clone());
         last_report = Some(report);
     }
     progress.finish();
@@ -384,9 +392,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let sched = Schedule::new(schedule, n_devices, args.microbatches, args.chunks)?;
     let mut bubble = None;
     if let Some(report) = &last_report {
-        // Bubble summary: measured on the last step, against theory and the simulator fed the
-        // measured per-stage op costs.
-        let measured = report.timeline.bubble_fraction();
+        // Bubble summary: measured over the last steps, against theory and the simulator fed each
+        // step's measured op costs.
         let theory = simulate(&sched, &CostModel::uniform(StageCosts::UNIT))?.bubble_fraction;
         // With a core per worker, the measured wall durations are the op costs. With more workers
         // than cores the trainer gives compute ops core slots (first come first served), so an op
@@ -394,30 +401,47 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         // Without slots (disabled), each op's thread CPU time is its cost and the simulator shares
         // the cores between running ops.
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        let (predicted, cost_basis) = if let Some(slots) = trainer.core_slots() {
-            let costs = summary::measured_costs(&report.timeline, sched.n_stages());
-            let simulated = simulate_with_core_slots(&sched, &costs, slots)?;
-            (simulated.bubble_fraction, format!("measured op times, {slots} core slots"))
-        } else if n_devices > cores {
-            let costs = summary::cpu_costs(report, sched.n_stages());
-            let simulated = simulate_on_cores(&sched, &costs, cores)?;
+        let predict = |report: &conveyor::engine::runtime::StepReport| -> anyhow::Result<(f64, String)> {
+            Ok(if let Some(slots) = trainer.core_slots() {
+                let costs = summary::measured_costs(&report.timeline, sched.n_stages());
+                let wake_s = report.core_wake_latency_s.unwrap_or(0.0);
+                let simulated = simulate_with_core_slots(&sched, &costs, slots, wake_s)?;
+                (
+                    simulated.bubble_fraction,
+                    format!("measured op times, {slots} core slots, {:.2} ms wake-up", wake_s * 1e3),
+                )
+            } else if n_devices > cores {
+                let simulated = simulate_on_cores(&sched, &summary::cpu_costs(report, sched.n_stages()), cores)?;
+                (simulated.bubble_fraction, format!("op CPU times, {cores} cores shared"))
+            } else {
+                let costs = summary::measured_costs(&report.timeline, sched.n_stages());
+                (simulate(&sched, &costs)?.bubble_fraction, "measured op times".to_string())
+            })
+        };
+        let (mut measured, mut predicted, mut cost_basis) = (0.0, 0.0, String::new());
+        for recent in &recent_reports {
+            let (p, basis) = predict(recent)?;
+            measured += recent.timeline.bubble_fraction() / recent_reports.len() as f64;
+            predicted += p / recent_reports.len() as f64;
+            cost_basis = basis;
+        }
+        if trainer.core_slots().is_none() && n_devices > cores {
             // With workers sharing cores, a device "idles" while its thread waits for a core too;
             // compare the cores' idle time instead: 1 - CPU time of all ops / (cores x makespan).
+            let simulated = simulate_on_cores(&sched, &summary::cpu_costs(report, sched.n_stages()), cores)?;
             let cpu_total: f64 = report.op_cpu_times.iter().map(|t| t.cpu_s).sum();
             let measured_core_idle = 1.0 - cpu_total / (cores as f64 * report.timeline.makespan_s());
             let simulated_core_idle = 1.0 - cpu_total / (cores as f64 * simulated.makespan_s);
             println!(
-                "cores idle ({n_devices} workers on {cores} cores): measured {:.1}%, simulated with shared cores {:.1}%",
+                "cores idle on the last step ({n_devices} workers on {cores} cores): measured {:.1}%, simulated with shared cores {:.1}%",
                 measured_core_idle * 100.0,
                 simulated_core_idle * 100.0
             );
-            (simulated.bubble_fraction, format!("op CPU times, {cores} cores shared"))
-        } else {
-            (simulate(&sched, &summary::measured_costs(&report.timeline, sched.n_stages()))?.bubble_fraction, "measured op times".to_string())
-        };
+        }
         let inflight = simulated_inflight(schedule, n_devices, args.microbatches, args.chunks)?;
         println!(
-            "bubble: measured {:.1}%, simulator with {cost_basis} {:.1}%, schedule theory (equal costs) {:.1}%",
+            "bubble (mean of the last {} steps): measured {:.1}%, simulator with {cost_basis} {:.1}%, schedule theory (equal costs) {:.1}%",
+            recent_reports.len(),
             measured * 100.0,
             predicted * 100.0,
             theory * 100.0

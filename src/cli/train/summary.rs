@@ -2,8 +2,8 @@
 //! summary (measured on the last step, against schedule theory and the simulator fed the measured
 //! per-stage costs).
 use conveyor::data::Dataset;
-use conveyor::engine::runtime::{StepReport, Trainer};
 use conveyor::engine::Tensor;
+use conveyor::engine::runtime::{StepReport, Trainer};
 use conveyor::schedules::{CostModel, StageCosts};
 
 /// Fraction of `test`'s rows the trainer classifies correctly. Evaluates in chunks of `chunk_rows`
@@ -53,7 +53,13 @@ pub fn print_devices(
     let makespan = report.timeline.makespan_s();
     for (device_idx, device) in devices.iter().enumerate() {
         let time_in = |op: conveyor::schedules::OpKind| {
-            report.timeline.events.iter().filter(|e| e.device_idx == device_idx && e.op == op).map(|e| e.duration_s()).sum::<f64>()
+            report
+                .timeline
+                .events
+                .iter()
+                .filter(|e| e.device_idx == device_idx && e.op == op)
+                .map(|e| e.duration_s())
+                .sum::<f64>()
                 + 0.0 // an empty f64 sum is -0.0
         };
         let waiting = time_in(conveyor::schedules::OpKind::Wait);
@@ -81,6 +87,22 @@ pub fn measured_costs(timeline: &conveyor::schedules::Timeline, n_stages: usize)
     // micro-batch's backward, so it counts toward that op.
     let mut op_costs: std::collections::HashMap<conveyor::schedules::OpKey, f64> = Default::default();
     let recomputes: Vec<_> = timeline.events.iter().filter(|e| e.op == OpKind::Recompute).collect();
+    // An op occupies its device from its start until the device turns to anything else: its
+    // sends and bookkeeping count, up to the next event (but never the wait for the commit
+    // before the optimizer step).
+    let mut until_next = std::collections::HashMap::new();
+    for d in 0..timeline.n_devices {
+        let mut events: Vec<_> = timeline.events.iter().filter(|e| e.device_idx == d && e.op != OpKind::Send).collect();
+        events.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
+        for pair in events.windows(2) {
+            if pair[0].op.is_compute() && pair[1].op != OpKind::OptimizerStep && pair[1].start_s >= pair[0].end_s {
+                until_next.insert(
+                    (d, pair[0].stage_idx, pair[0].op, pair[0].micro_batch_idx),
+                    pair[1].start_s - pair[0].start_s,
+                );
+            }
+        }
+    }
     for e in &timeline.events {
         let (Some(stage_idx), Some(micro_batch_idx)) = (e.stage_idx, e.micro_batch_idx) else { continue };
         if matches!(e.op, OpKind::Forward | OpKind::BackwardInput | OpKind::BackwardWeight | OpKind::Backward) {
@@ -93,10 +115,26 @@ pub fn measured_costs(timeline: &conveyor::schedules::Timeline, n_stages: usize)
             } else {
                 0.0
             };
-            *op_costs.entry((stage_idx, e.op, micro_batch_idx)).or_default() += e.duration_s() + recompute_s;
+            let occupied = until_next
+                .get(&(e.device_idx, e.stage_idx, e.op, e.micro_batch_idx))
+                .copied()
+                .unwrap_or(e.duration_s());
+            *op_costs.entry((stage_idx, e.op, micro_batch_idx)).or_default() += occupied + recompute_s;
         }
     }
-    mean_costs(timeline.events.iter().map(|e| (e.stage_idx, e.op, e.duration_s())), n_stages).with_op_costs(op_costs)
+    // Workers start their programs when the coordinator's step command reaches them, not all at
+    // once: each device starts at its first event, relative to the first op.
+    let origin = timeline.events.iter().filter(|e| e.op.is_compute()).map(|e| e.start_s).fold(f64::INFINITY, f64::min);
+    let device_start_s = (0..timeline.n_devices)
+        .map(|d| {
+            let first =
+                timeline.events.iter().filter(|e| e.device_idx == d).map(|e| e.start_s).fold(f64::INFINITY, f64::min);
+            if first.is_finite() && origin.is_finite() { (first - origin).max(0.0) } else { 0.0 }
+        })
+        .collect();
+    mean_costs(timeline.events.iter().map(|e| (e.stage_idx, e.op, e.duration_s())), n_stages)
+        .with_op_costs(op_costs)
+        .with_device_start_s(device_start_s)
 }
 
 /// Per-stage mean op costs from the ops' thread CPU times: what each op costs with a core to
@@ -105,7 +143,10 @@ pub fn cpu_costs(report: &StepReport, n_stages: usize) -> CostModel {
     mean_costs(report.op_cpu_times.iter().map(|t| (t.stage_idx, t.op, t.cpu_s)), n_stages)
 }
 
-fn mean_costs(samples: impl Iterator<Item = (Option<usize>, conveyor::schedules::OpKind, f64)>, n_stages: usize) -> CostModel {
+fn mean_costs(
+    samples: impl Iterator<Item = (Option<usize>, conveyor::schedules::OpKind, f64)>,
+    n_stages: usize,
+) -> CostModel {
     use conveyor::schedules::OpKind;
     let mut sums = vec![[0.0f64; 4]; n_stages];
     let mut counts = vec![[0usize; 4]; n_stages];
