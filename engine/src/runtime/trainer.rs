@@ -837,23 +837,25 @@ impl Trainer {
     /// gives them), splitting it over split layers' shards; takes the tensors it uses and leaves
     /// the others.
     pub fn load_optimizer_state(&mut self, checkpoint: Checkpoint) -> Result<Checkpoint> {
-        let shared = Arc::new(Mutex::new(checkpoint));
+        // The checkpoint goes back out of the shared slot once every worker has answered (a
+        // worker may still be dropping its handle on the slot then, so take the value, not the Arc).
+        let shared = Arc::new(Mutex::new(Some(checkpoint)));
         let on_workers = Arc::clone(&shared);
         let results = self.on_every_worker(move |stages| -> Result<()> {
-            let mut checkpoint = on_workers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut guard = on_workers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let checkpoint = guard.as_mut().expect("the checkpoint stays in its slot while workers load");
             for stage in stages.iter_mut() {
                 let mut offset = 0;
                 for node in &mut stage.nodes {
-                    stage.optimizer.import_layer_state(&node.name, node.layer.as_mut(), offset, &mut checkpoint)?;
+                    stage.optimizer.import_layer_state(&node.name, node.layer.as_mut(), offset, checkpoint)?;
                     offset += node.layer.parameters().len();
                 }
             }
             Ok(())
         })?;
         results.into_iter().collect::<Result<()>>()?;
-        let mutex = Arc::try_unwrap(shared)
-            .map_err(|_| Error::invalid("optimizer state", "a worker still holds the checkpoint"))?;
-        Ok(mutex.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner()))
+        let rest = shared.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        rest.ok_or_else(|| Error::invalid("optimizer state", "the checkpoint was taken while loading"))
     }
 
     /// Runs `f` on every stage's optimizer on its worker (state export and import for checkpoints).
