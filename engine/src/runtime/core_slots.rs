@@ -23,7 +23,8 @@ const ABORT_POLL: Duration = Duration::from_millis(50);
 #[derive(Debug)]
 pub(crate) struct CoreSlots {
     state: Mutex<SlotState>,
-    changed: Condvar,
+    /// One per worker: a worker sleeps on its own, so a grant wakes only the worker it is for.
+    wake: Vec<Condvar>,
 }
 
 #[derive(Debug)]
@@ -45,26 +46,24 @@ struct SlotState {
 }
 
 impl SlotState {
-    /// Hands free slots to the oldest queued workers; true when any was handed out.
-    fn dispatch(&mut self) -> bool {
-        let mut any = false;
+    /// Hands free slots to the oldest queued workers and wakes each of them.
+    fn dispatch(&mut self, wake: &[Condvar]) {
         while self.free > 0 {
             let Some(worker) = self.queue.pop_front() else { break };
             self.free -= 1;
             self.granted[worker] = true;
             self.granted_at[worker] = Some(Instant::now());
-            any = true;
+            wake[worker].notify_one();
         }
-        any
     }
 
     /// Undoes a worker's place in the queue, or its grant, after an abort.
-    fn withdraw(&mut self, worker: usize) {
+    fn withdraw(&mut self, worker: usize, wake: &[Condvar]) {
         self.awaiting[worker] = None;
         self.queued_at[worker] = None;
         if std::mem::take(&mut self.granted[worker]) {
             self.free += 1;
-            self.dispatch();
+            self.dispatch(wake);
         } else {
             self.queue.retain(|&w| w != worker);
         }
@@ -84,7 +83,7 @@ impl CoreSlots {
                 granted_at: vec![None; n_workers],
                 wake_latencies: Vec::new(),
             }),
-            changed: Condvar::new(),
+            wake: (0..n_workers).map(|_| Condvar::new()).collect(),
         }
     }
 
@@ -92,9 +91,7 @@ impl CoreSlots {
     pub(crate) fn acquire(&self, worker: usize, aborted: &dyn Fn() -> bool) -> bool {
         let mut state = self.state.lock();
         state.queue.push_back(worker);
-        if state.dispatch() {
-            self.changed.notify_all();
-        }
+        state.dispatch(&self.wake);
         self.wait_for_grant(&mut state, worker, aborted)
     }
 
@@ -102,9 +99,7 @@ impl CoreSlots {
     pub(crate) fn release(&self) {
         let mut state = self.state.lock();
         state.free += 1;
-        if state.dispatch() {
-            self.changed.notify_all();
-        }
+        state.dispatch(&self.wake);
     }
 
     /// Called holding a slot when the next message is not there yet: unless `has_message` (checked
@@ -124,9 +119,7 @@ impl CoreSlots {
         }
         state.awaiting[worker] = Some(key);
         state.free += 1;
-        if state.dispatch() {
-            self.changed.notify_all();
-        }
+        state.dispatch(&self.wake);
         if !self.wait_for_grant(&mut state, worker, aborted) {
             return None;
         }
@@ -148,9 +141,7 @@ impl CoreSlots {
             state.awaiting[worker] = None;
             state.queued_at[worker] = Some(Instant::now());
             state.queue.push_back(worker);
-            if state.dispatch() {
-                self.changed.notify_all();
-            }
+            state.dispatch(&self.wake);
         }
         Ok(())
     }
@@ -176,11 +167,10 @@ impl CoreSlots {
                 return true;
             }
             if aborted() {
-                state.withdraw(worker);
-                self.changed.notify_all();
+                state.withdraw(worker, &self.wake);
                 return false;
             }
-            self.changed.wait_for(state, ABORT_POLL);
+            self.wake[worker].wait_for(state, ABORT_POLL);
             slept = true;
         }
     }

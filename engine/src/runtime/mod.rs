@@ -116,7 +116,7 @@ pub struct StepReport {
     /// CPU time of every compute op on its worker thread: what the op costs with a core to
     /// itself, even when more devices than cores share the machine.
     pub op_cpu_times: Vec<OpCpuTime>,
-    /// With core slots: the median time the operating system took to run a sleeping worker once a
+    /// With core slots: the mean time the operating system took to run a sleeping worker once a
     /// slot was handed to it (for `simulate_with_core_slots`); `None` without slots.
     pub core_wake_latency_s: Option<f64>,
 }

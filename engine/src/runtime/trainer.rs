@@ -680,9 +680,8 @@ impl Trainer {
                 grad_norm: sum_of_squares.sqrt(),
                 op_cpu_times,
                 core_wake_latency_s: self.slots.as_ref().map(|slots| {
-                    let mut latencies = slots.take_wake_latencies();
-                    latencies.sort_by(f64::total_cmp);
-                    latencies.get(latencies.len() / 2).copied().unwrap_or(0.0)
+                    let latencies = slots.take_wake_latencies();
+                    latencies.iter().sum::<f64>() / latencies.len().max(1) as f64
                 }),
             },
             outputs: outputs.into_iter().map(|(_, t)| t).collect(),
