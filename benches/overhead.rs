@@ -2,6 +2,8 @@
 //! is negligible, on 1, 2 and 4 CPU devices with many micro-batches, so a step's time is almost all
 //! runtime bookkeeping: channels, timeline, fault guards, allocation. Target: < 20 µs per op.
 //! Run: `cargo bench --bench overhead` (`CONVEYOR_BENCH_STEPS=N` for more timed steps).
+//! Four devices run with core slots (the default when they outnumber the cores) and without;
+//! on fewer cores than devices, a device's wait for a core counts here too.
 //!
 //! For each device `d` of the median step: `(step time − compute time on d) / ops on d`, where
 //! compute time is the summed duration of its compute events (forward, backward parts, optimizer)
@@ -15,18 +17,21 @@ use std::sync::Arc;
 
 use conveyor::engine::Device;
 use conveyor::engine::optim::OptimizerConfig;
-use conveyor::engine::runtime::Trainer;
+use conveyor::engine::runtime::{CoreSlotPolicy, Trainer};
 use conveyor::layers::CrossEntropyLoss;
 use conveyor::schedules::ScheduleKind;
 
 const WIDTHS: [usize; 9] = [4; 9];
-const CONFIGS: [(usize, ScheduleKind, usize); 6] = [
-    (1, ScheduleKind::OneFOneB, 32),
-    (2, ScheduleKind::OneFOneB, 32),
-    (2, ScheduleKind::ZbH1, 32),
-    (4, ScheduleKind::OneFOneB, 32),
-    (4, ScheduleKind::GPipe, 32),
-    (4, ScheduleKind::ZbH2, 32),
+const CONFIGS: [(usize, ScheduleKind, usize, CoreSlotPolicy); 9] = [
+    (1, ScheduleKind::OneFOneB, 32, CoreSlotPolicy::Auto),
+    (2, ScheduleKind::OneFOneB, 32, CoreSlotPolicy::Auto),
+    (2, ScheduleKind::ZbH1, 32, CoreSlotPolicy::Auto),
+    (4, ScheduleKind::OneFOneB, 32, CoreSlotPolicy::Auto),
+    (4, ScheduleKind::GPipe, 32, CoreSlotPolicy::Auto),
+    (4, ScheduleKind::ZbH2, 32, CoreSlotPolicy::Auto),
+    (4, ScheduleKind::OneFOneB, 32, CoreSlotPolicy::Off),
+    (4, ScheduleKind::GPipe, 32, CoreSlotPolicy::Off),
+    (4, ScheduleKind::ZbH2, 32, CoreSlotPolicy::Off),
 ];
 
 /// Cuts the layer nodes, in topological order, into `n` contiguous groups of near-equal count.
@@ -47,10 +52,10 @@ fn even_stages(graph: &conveyor::engine::graph::Graph, n: usize) -> Vec<Vec<conv
 fn main() {
     let steps = support::steps_from_env(20);
     println!(
-        "{:<7} {:<9} {:>3} {:>8} {:>12} {:>13} {:>10} {:>10}",
-        "devices", "schedule", "M", "ops/dev", "step µs", "compute µs", "ovh/op µs", "wall/op µs"
+        "{:<7} {:<9} {:>3} {:>6} {:>8} {:>12} {:>13} {:>10} {:>10}",
+        "devices", "schedule", "M", "slots", "ops/dev", "step µs", "compute µs", "ovh/op µs", "wall/op µs"
     );
-    for (n_devices, kind, n_micro_batches) in CONFIGS {
+    for (n_devices, kind, n_micro_batches, policy) in CONFIGS {
         let graph = conveyor::zoo::mlp(&WIDTHS, 1).unwrap();
         let stages = even_stages(&graph, n_devices);
         let mut trainer = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
@@ -59,6 +64,7 @@ fn main() {
             .schedule(kind, 1)
             .micro_batches(n_micro_batches)
             .optimizer(OptimizerConfig::sgd(0.01))
+            .core_slots(policy)
             .build()
             .unwrap();
         // One row per micro-batch.
@@ -74,10 +80,11 @@ fn main() {
             .map(|d| ((step_s - busy[d]) / ops[d] as f64, d))
             .fold((f64::NEG_INFINITY, 0), |a, b| if b.0 > a.0 { b } else { a });
         println!(
-            "{:<7} {:<9} {:>3} {:>8} {:>12.0} {:>13.0} {:>10.1} {:>10.1}",
+            "{:<7} {:<9} {:>3} {:>6} {:>8} {:>12.0} {:>13.0} {:>10.1} {:>10.1}",
             n_devices,
             kind.to_string(),
             n_micro_batches,
+            trainer.core_slots().map_or("-".to_string(), |n| n.to_string()),
             ops[d],
             step_s * 1e6,
             busy[d] * 1e6,
