@@ -331,6 +331,7 @@ impl TrainerBuilder {
             devices: self.devices,
             tensor_parallel: k,
             stage_devices: Arc::new(stage_devices),
+            stage_workers: Arc::new((0..schedule.n_stages()).map(|s| schedule.device_of_stage(s)).collect()),
             stage_info,
             schedule,
             seed: self.seed,
@@ -379,6 +380,8 @@ pub struct Trainer {
     /// Devices per stage group.
     tensor_parallel: usize,
     stage_devices: Arc<Vec<Device>>,
+    /// The worker of every stage (for core slots: whom a message wakes).
+    stage_workers: Arc<Vec<usize>>,
     stage_info: Vec<StageInfo>,
     schedule: Schedule,
     seed: u64,
@@ -533,8 +536,6 @@ impl Trainer {
             slots.take_wake_latencies();
         }
         let (abort_tx, abort_rx) = channel::bounded::<()>(0);
-        let stage_workers: Arc<Vec<usize>> =
-            Arc::new((0..self.schedule.n_stages()).map(|s| self.schedule.device_of_stage(s)).collect());
         let (report_tx, report_rx) = channel::unbounded();
         let mut commit_txs = Vec::with_capacity(n_devices);
         let programs: Vec<Vec<Instruction>> = if training {
@@ -589,7 +590,7 @@ impl Trainer {
                 labels: mb_labels,
                 links,
                 stage_devices: Arc::clone(&self.stage_devices),
-                stage_workers: Arc::clone(&stage_workers),
+                stage_workers: Arc::clone(&self.stage_workers),
                 abort: abort_rx.clone(),
                 commit: commit_rx,
                 fault: self.fault,
