@@ -75,12 +75,20 @@ pub struct CostModel {
     link: Link,
     message_bytes: Vec<MessageBytes>,
     optimizer_step_s: f64,
+    /// From the last device's last op to the optimizer steps' start (the commit round trip).
+    commit_latency_s: f64,
     /// Seconds of individual ops, overriding `stage_costs` for those ops.
     #[serde(skip)]
     op_costs: HashMap<OpKey, f64>,
+    /// The part of an op's cost during which its device is occupied but not computing.
+    #[serde(skip)]
+    op_overheads: HashMap<OpKey, f64>,
     /// When each device can start its program (empty: all at 0).
     #[serde(skip)]
     device_start_s: Vec<f64>,
+    /// Each device's own optimizer step, overriding `optimizer_step_s` (empty: none).
+    #[serde(skip)]
+    device_optimizer_step_s: Vec<f64>,
 }
 
 impl Default for CostModel {
@@ -102,8 +110,11 @@ impl CostModel {
             link: Link::FREE,
             message_bytes: vec![MessageBytes::default()],
             optimizer_step_s: 0.0,
+            commit_latency_s: 0.0,
             op_costs: HashMap::new(),
+            op_overheads: HashMap::new(),
             device_start_s: Vec::new(),
+            device_optimizer_step_s: Vec::new(),
         }
     }
 
@@ -130,6 +141,18 @@ impl CostModel {
         self
     }
 
+    /// Seconds from the moment every device has finished its ops to the start of the optimizer
+    /// steps: the coordinator's commit round trip (0 by default).
+    pub fn with_commit_latency_s(mut self, commit_latency_s: f64) -> CostModel {
+        self.commit_latency_s = commit_latency_s;
+        self
+    }
+
+    /// The commit latency.
+    pub fn commit_latency_s(&self) -> f64 {
+        self.commit_latency_s
+    }
+
     /// Gives individual ops their own costs (a measured run's op durations): `(stage, op,
     /// micro-batch)` with `op` one of `Forward`, `BackwardInput`, `BackwardWeight`, `Backward`.
     /// Ops without an entry keep their stage's cost.
@@ -138,11 +161,40 @@ impl CostModel {
         self
     }
 
+    /// Marks the last `seconds` of individual ops' costs as overhead: the device is occupied (it
+    /// starts nothing else and the op's messages leave at the end) but not computing, so the
+    /// simulated timeline records the op as busy only until `cost - overhead`. A measured run's
+    /// ops hold their device past their recorded span (sending, freeing buffers, a descheduled
+    /// thread); giving the simulator that time as overhead rather than compute keeps its busy
+    /// time equal to the measured one, so the two bubble fractions differ only by timing.
+    pub fn with_op_overheads(mut self, op_overheads: impl IntoIterator<Item = (OpKey, f64)>) -> CostModel {
+        self.op_overheads.extend(op_overheads);
+        self
+    }
+
+    /// The overhead given to one op by [`CostModel::with_op_overheads`] (0 when none).
+    pub fn op_overhead_s(&self, key: OpKey) -> f64 {
+        self.op_overheads.get(&key).copied().unwrap_or(0.0)
+    }
+
     /// When each device starts its program (a measured run's: the worker's first event), so the
     /// simulator does not assume every device starts at once. Devices past the list start at 0.
     pub fn with_device_start_s(mut self, device_start_s: Vec<f64>) -> CostModel {
         self.device_start_s = device_start_s;
         self
+    }
+
+    /// Gives each device its own optimizer step (a measured run's: stages of different sizes
+    /// update different numbers of parameters). Devices past the list keep
+    /// [`CostModel::optimizer_step_s`].
+    pub fn with_device_optimizer_step_s(mut self, device_optimizer_step_s: Vec<f64>) -> CostModel {
+        self.device_optimizer_step_s = device_optimizer_step_s;
+        self
+    }
+
+    /// The optimizer step's cost on `device_idx`.
+    pub fn device_optimizer_step_s(&self, device_idx: usize) -> f64 {
+        self.device_optimizer_step_s.get(device_idx).copied().unwrap_or(self.optimizer_step_s)
     }
 
     /// When `device_idx` can start its program.
@@ -193,11 +245,18 @@ impl CostModel {
         for (&(stage_idx, op, micro_batch_idx), &seconds) in &self.op_costs {
             non_negative(format!("{op:?} of stage {stage_idx}, micro-batch {micro_batch_idx}"), seconds)?;
         }
+        for (&(stage_idx, op, micro_batch_idx), &seconds) in &self.op_overheads {
+            non_negative(format!("overhead of {op:?} of stage {stage_idx}, micro-batch {micro_batch_idx}"), seconds)?;
+        }
         for (device_idx, &start_s) in self.device_start_s.iter().enumerate() {
             non_negative(format!("start of device {device_idx}"), start_s)?;
         }
+        for (device_idx, &seconds) in self.device_optimizer_step_s.iter().enumerate() {
+            non_negative(format!("optimizer step of device {device_idx}"), seconds)?;
+        }
         non_negative("latency_s".into(), self.link.latency_s)?;
         non_negative("optimizer_step_s".into(), self.optimizer_step_s)?;
+        non_negative("commit_latency_s".into(), self.commit_latency_s)?;
         let bandwidth = self.link.bandwidth_bytes_per_s;
         if bandwidth.is_nan() || bandwidth <= 0.0 {
             return Err(ScheduleError::InvalidCost { what: "bandwidth_bytes_per_s".into(), value: bandwidth });

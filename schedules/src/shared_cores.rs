@@ -55,7 +55,7 @@ pub fn simulate_on_cores(
                 None => true,
             };
             if ready {
-                running[device_idx] = Some((positions[device_idx], now, op_cost(costs, instruction)));
+                running[device_idx] = Some((positions[device_idx], now, op_cost(costs, device_idx, instruction)));
             }
         }
         let n_running = running.iter().flatten().count();
@@ -162,17 +162,23 @@ pub fn simulate_with_core_slots(
     let mut holding = vec![false; n_devices];
     let mut free_slots = n_cores;
     let mut now = 0.0f64;
+    // When the optimizer steps may start: every device done with its other ops, plus the commit
+    // latency.
+    let mut commit_at: Option<f64> = None;
     const EPSILON: f64 = 1e-12;
     loop {
         // The optimizer step waits for every device to finish its ops (the commit barrier).
         let barrier_met = (0..n_devices).all(|d| {
             programs[d].get(positions[d]).is_none_or(|i| matches!(i, crate::instruction::Instruction::OptimizerStep))
         });
+        if barrier_met && commit_at.is_none() {
+            commit_at = Some(free_since.iter().copied().fold(0.0, f64::max) + costs.commit_latency_s());
+        }
         // When each idle device's next op is ready, if it is.
         let ready_at = |device_idx: usize, arrivals: &HashMap<Message, f64>| -> Option<f64> {
             let instruction = *programs[device_idx].get(positions[device_idx])?;
-            if matches!(instruction, crate::instruction::Instruction::OptimizerStep) && !barrier_met {
-                return None;
+            if matches!(instruction, crate::instruction::Instruction::OptimizerStep) {
+                return commit_at.filter(|&commit_s| commit_s <= now + EPSILON);
             }
             // A device that has not started its program yet.
             if free_since[device_idx] > now + EPSILON {
@@ -192,7 +198,7 @@ pub fn simulate_with_core_slots(
             match ready_at(device_idx, &arrivals) {
                 Some(_) => {
                     let instruction = programs[device_idx][positions[device_idx]];
-                    running[device_idx] = Some((now, now + op_cost(costs, instruction)));
+                    running[device_idx] = Some((now, now + op_cost(costs, device_idx, instruction)));
                 }
                 None => {
                     holding[device_idx] = false;
@@ -236,13 +242,14 @@ pub fn simulate_with_core_slots(
                     end_s: start_s,
                 });
             }
-            running[device_idx] = Some((start_s, start_s + op_cost(costs, instruction)));
+            running[device_idx] = Some((start_s, start_s + op_cost(costs, device_idx, instruction)));
             holding[device_idx] = true;
         }
         let next_end = running.iter().flatten().map(|&(_, end)| end).fold(f64::INFINITY, f64::min);
         let next_arrival = arrivals.values().copied().filter(|&a| a > now + EPSILON).fold(f64::INFINITY, f64::min);
         let next_start = free_since.iter().copied().filter(|&t| t > now + EPSILON).fold(f64::INFINITY, f64::min);
-        let next = next_end.min(next_arrival).min(next_start);
+        let next_commit = commit_at.filter(|&t| t > now + EPSILON).unwrap_or(f64::INFINITY);
+        let next = next_end.min(next_arrival).min(next_start).min(next_commit);
         if !next.is_finite() {
             if positions.iter().zip(programs).all(|(&p, program)| p == program.len()) {
                 return Ok(SimulationReport::from_timeline(timeline));
@@ -273,7 +280,7 @@ pub fn simulate_with_core_slots(
                 op: instruction.op_kind(),
                 micro_batch_idx: instruction.micro_batch_idx(),
                 start_s,
-                end_s,
+                end_s: crate::simulate::busy_end_s(costs, instruction, start_s, end_s),
             });
             if let Some(message) = instruction.send_to(n_stages) {
                 arrivals.insert(message, end_s + transfer_s(schedule, costs, message));

@@ -6,7 +6,9 @@
 //! stages on one device). Sends never block here — channel capacity is the validator's concern.
 //! Every start time is therefore `max(device free, input arrival)`, fixed once the sender's op
 //! is timed, so the simulation times ops in dependency order in one pass over the programs: a
-//! discrete-event simulation with one event per op, without an event queue.
+//! discrete-event simulation with one event per op, without an event queue. The optimizer steps
+//! wait for the commit, as in the runtime: every device done with its other ops, plus the cost
+//! model's commit latency.
 use std::collections::HashMap;
 
 use serde::Serialize;
@@ -66,11 +68,24 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationRepo
     let mut arrivals: HashMap<Message, f64> = HashMap::new();
     let mut positions = vec![0usize; programs.len()];
     let mut free_at: Vec<f64> = (0..programs.len()).map(|d| costs.device_start_s(d)).collect();
+    // The optimizer steps wait for the commit: every device done with its other ops.
+    let mut commit_at: Option<f64> = None;
     loop {
         let mut progressed = false;
+        if commit_at.is_none()
+            && programs.iter().zip(&positions).all(|(program, &position)| {
+                program.get(position).is_none_or(|instruction| *instruction == Instruction::OptimizerStep)
+            })
+        {
+            commit_at = Some(free_at.iter().copied().fold(0.0, f64::max) + costs.commit_latency_s());
+        }
         for (device_idx, program) in programs.iter().enumerate() {
             while let Some(&instruction) = program.get(positions[device_idx]) {
                 let ready_at = match instruction.recv_from(n_stages) {
+                    None if instruction == Instruction::OptimizerStep => match commit_at {
+                        Some(commit_s) => commit_s,
+                        None => break,
+                    },
                     Some(message) => match arrivals.remove(&message) {
                         Some(arrival) => arrival,
                         None => break,
@@ -88,14 +103,14 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationRepo
                         end_s: start_s,
                     });
                 }
-                let end_s = start_s + op_cost(costs, instruction);
+                let end_s = start_s + op_cost(costs, device_idx, instruction);
                 timeline.events.push(TimelineEvent {
                     device_idx,
                     stage_idx: instruction.stage_idx(),
                     op: instruction.op_kind(),
                     micro_batch_idx: instruction.micro_batch_idx(),
                     start_s,
-                    end_s,
+                    end_s: busy_end_s(costs, instruction, start_s, end_s),
                 });
                 if let Some(message) = instruction.send_to(n_stages) {
                     let arrival = end_s + transfer_s(schedule, costs, message);
@@ -135,9 +150,9 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationRepo
     }
 }
 
-pub(crate) fn op_cost(costs: &CostModel, instruction: Instruction) -> f64 {
+pub(crate) fn op_cost(costs: &CostModel, device_idx: usize, instruction: Instruction) -> f64 {
     let Some(stage_idx) = instruction.stage_idx() else {
-        return costs.optimizer_step_s();
+        return costs.device_optimizer_step_s(device_idx);
     };
     if let Some(micro_batch_idx) = instruction.micro_batch_idx()
         && let Some(seconds) = costs.op_cost((stage_idx, instruction.op_kind(), micro_batch_idx))
@@ -150,8 +165,17 @@ pub(crate) fn op_cost(costs: &CostModel, instruction: Instruction) -> f64 {
         Instruction::BackwardInput { .. } => stage.backward_input_s,
         Instruction::BackwardWeight { .. } => stage.backward_weight_s,
         Instruction::Backward { .. } => stage.backward_s(),
-        Instruction::OptimizerStep => costs.optimizer_step_s(),
+        Instruction::OptimizerStep => costs.device_optimizer_step_s(device_idx),
     }
+}
+
+/// When `instruction`'s compute ends, for an op occupying its device over `[start_s, end_s]`: the
+/// end less the op's overhead ([`CostModel::with_op_overheads`]), never before the start.
+pub(crate) fn busy_end_s(costs: &CostModel, instruction: Instruction, start_s: f64, end_s: f64) -> f64 {
+    let (Some(stage_idx), Some(micro_batch_idx)) = (instruction.stage_idx(), instruction.micro_batch_idx()) else {
+        return end_s;
+    };
+    (end_s - costs.op_overhead_s((stage_idx, instruction.op_kind(), micro_batch_idx))).max(start_s)
 }
 
 pub(crate) fn transfer_s(schedule: &Schedule, costs: &CostModel, message: Message) -> f64 {
@@ -198,6 +222,52 @@ mod tests {
         assert_eq!(simulate(&schedule, &costs).unwrap().makespan_s, 6.0);
         let negative = CostModel::default().with_op_costs([((0, OpKind::Forward, 0), -1.0)]);
         assert!(matches!(simulate(&schedule, &negative), Err(ScheduleError::InvalidCost { .. })));
+    }
+
+    #[test]
+    fn optimizer_steps_wait_for_the_commit() {
+        // GPipe, 2 stages, 1 micro-batch, F = B = 1: F0 on stage 0 [0,1], on stage 1 [1,2], B on
+        // stage 1 [2,3], on stage 0 [3,4]. Device 1 is done at 3 but its optimizer step waits for
+        // the commit at 4 + 0.5; the steps take 2 and 1.
+        let schedule = Schedule::new(ScheduleKind::GPipe, 2, 1, 1).unwrap();
+        let costs = CostModel::uniform(StageCosts::new(1.0, 0.5, 0.5))
+            .with_optimizer_step_s(9.0)
+            .with_device_optimizer_step_s(vec![2.0, 1.0])
+            .with_commit_latency_s(0.5);
+        for report in
+            [simulate(&schedule, &costs).unwrap(), crate::simulate_with_core_slots(&schedule, &costs, 2, 0.0).unwrap()]
+        {
+            let steps: Vec<(usize, f64, f64)> = report
+                .timeline
+                .events
+                .iter()
+                .filter(|e| e.op == OpKind::OptimizerStep)
+                .map(|e| (e.device_idx, e.start_s, e.end_s))
+                .collect();
+            assert!(steps.contains(&(0, 4.5, 6.5)) && steps.contains(&(1, 4.5, 5.5)), "{steps:?}");
+            assert_eq!(report.makespan_s, 6.5);
+        }
+        let negative = CostModel::default().with_commit_latency_s(-1.0);
+        assert!(matches!(simulate(&schedule, &negative), Err(ScheduleError::InvalidCost { .. })));
+    }
+
+    #[test]
+    fn op_overheads_occupy_the_device_without_counting_as_busy() {
+        // Stage 0's forward occupies device 0 for 2 but computes for 1: busy [0,1], its message
+        // leaves at 2. Then F0 on stage 1 [2,3], B on stage 1 [3,4], B on stage 0 [4,5].
+        let schedule = Schedule::new(ScheduleKind::GPipe, 2, 1, 1).unwrap();
+        let key = (0, OpKind::Forward, 0);
+        let costs = CostModel::uniform(StageCosts::new(1.0, 0.5, 0.5))
+            .with_op_costs([(key, 2.0)])
+            .with_op_overheads([(key, 1.0)]);
+        for report in
+            [simulate(&schedule, &costs).unwrap(), crate::simulate_with_core_slots(&schedule, &costs, 2, 0.0).unwrap()]
+        {
+            assert_eq!(report.makespan_s, 5.0);
+            assert_eq!(report.busy_s, vec![2.0, 2.0]);
+            let forward = report.timeline.events.iter().find(|e| e.device_idx == 0 && e.op == OpKind::Forward).unwrap();
+            assert_eq!((forward.start_s, forward.end_s), (0.0, 1.0));
+        }
     }
 
     #[test]

@@ -93,8 +93,12 @@ impl Timeline {
         Timeline { n_devices, n_stages, events: Vec::new() }
     }
 
+    /// Compute events, less optimizer steps that take no time: a cost model without an optimizer
+    /// cost still places the step after the commit barrier, which must not stretch the makespan.
     fn compute_events(&self) -> impl Iterator<Item = &TimelineEvent> {
-        self.events.iter().filter(|event| event.op.is_compute())
+        self.events.iter().filter(|event| {
+            event.op.is_compute() && !(event.op == OpKind::OptimizerStep && event.end_s <= event.start_s)
+        })
     }
 
     /// Time from the first compute start to the last compute end, seconds.

@@ -415,7 +415,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 (simulated.bubble_fraction, format!("op CPU times, {cores} cores shared"))
             } else {
                 let costs = summary::measured_costs(&report.timeline, sched.n_stages());
-                (simulate(&sched, &costs)?.bubble_fraction, "measured op times".to_string())
+                let simulated = simulate(&sched, &costs)?;
+                (simulated.bubble_fraction, "measured op times".to_string())
             })
         };
         let (mut measured, mut predicted, mut cost_basis) = (0.0, 0.0, String::new());

@@ -86,16 +86,28 @@ pub fn measured_costs(timeline: &conveyor::schedules::Timeline, n_stages: usize)
     // Every op also gets its own measured duration; a recomputation runs right before its
     // micro-batch's backward, so it counts toward that op.
     let mut op_costs: std::collections::HashMap<conveyor::schedules::OpKey, f64> = Default::default();
+    let mut op_overheads: std::collections::HashMap<conveyor::schedules::OpKey, f64> = Default::default();
     let recomputes: Vec<_> = timeline.events.iter().filter(|e| e.op == OpKind::Recompute).collect();
     // An op occupies its device from its start until the device turns to anything else: its
     // sends and bookkeeping count, up to the next event (but never the wait for the commit
     // before the optimizer step).
     let mut until_next = std::collections::HashMap::new();
+    // When the commit reached the first device: its optimizer step, or its wait for a core to run
+    // that step, starts.
+    let mut commit_s = f64::INFINITY;
     for d in 0..timeline.n_devices {
         let mut events: Vec<_> = timeline.events.iter().filter(|e| e.device_idx == d && e.op != OpKind::Send).collect();
         events.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
-        for pair in events.windows(2) {
-            if pair[0].op.is_compute() && pair[1].op != OpKind::OptimizerStep && pair[1].start_s >= pair[0].end_s {
+        for (idx, pair) in events.windows(2).enumerate() {
+            // The wait for the commit is not the op's: its next event is the optimizer step, or
+            // the wait for a core to run it.
+            let before_optimizer = pair[1].op == OpKind::OptimizerStep
+                || (pair[1].op == OpKind::CoreWait
+                    && events.get(idx + 2).is_some_and(|next| next.op == OpKind::OptimizerStep));
+            if before_optimizer {
+                commit_s = commit_s.min(pair[1].start_s);
+            }
+            if pair[0].op.is_compute() && !before_optimizer && pair[1].start_s >= pair[0].end_s {
                 until_next.insert(
                     (d, pair[0].stage_idx, pair[0].op, pair[0].micro_batch_idx),
                     pair[1].start_s - pair[0].start_s,
@@ -120,6 +132,9 @@ pub fn measured_costs(timeline: &conveyor::schedules::Timeline, n_stages: usize)
                 .copied()
                 .unwrap_or(e.duration_s());
             *op_costs.entry((stage_idx, e.op, micro_batch_idx)).or_default() += occupied + recompute_s;
+            // The time the op holds its device past its own span is not compute: the simulator
+            // keeps the device occupied but not busy for it, as the measured timeline does.
+            *op_overheads.entry((stage_idx, e.op, micro_batch_idx)).or_default() += occupied - e.duration_s();
         }
     }
     // Workers start their programs when the coordinator's step command reaches them, not all at
@@ -132,9 +147,34 @@ pub fn measured_costs(timeline: &conveyor::schedules::Timeline, n_stages: usize)
             if first.is_finite() && origin.is_finite() { (first - origin).max(0.0) } else { 0.0 }
         })
         .collect();
+    // Stages of different sizes update different numbers of parameters: each device gets its own
+    // optimizer step.
+    let device_optimizer_step_s = (0..timeline.n_devices)
+        .map(|d| {
+            timeline
+                .events
+                .iter()
+                .filter(|e| e.device_idx == d && e.op == OpKind::OptimizerStep)
+                .map(|e| e.duration_s())
+                .sum::<f64>()
+                + 0.0
+        })
+        .collect();
+    // The commit round trip: from the last op of the step to the commit reaching a device.
+    let last_op_end_s = timeline
+        .events
+        .iter()
+        .filter(|e| e.op.is_compute() && e.op != OpKind::OptimizerStep)
+        .map(|e| e.end_s)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let commit_latency_s =
+        if commit_s.is_finite() && last_op_end_s.is_finite() { (commit_s - last_op_end_s).max(0.0) } else { 0.0 };
     mean_costs(timeline.events.iter().map(|e| (e.stage_idx, e.op, e.duration_s())), n_stages)
+        .with_commit_latency_s(commit_latency_s)
         .with_op_costs(op_costs)
+        .with_op_overheads(op_overheads)
         .with_device_start_s(device_start_s)
+        .with_device_optimizer_step_s(device_optimizer_step_s)
 }
 
 /// Per-stage mean op costs from the ops' thread CPU times: what each op costs with a core to
