@@ -96,6 +96,22 @@ pub trait Layer: Send + std::fmt::Debug {
     /// Gradients with respect to each input (`None` for inputs that take no gradient).
     fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>>;
 
+    /// [`Layer::backward_input`] for the inputs whose `needed` entry is true; the others get
+    /// `None`. The runtime passes false for inputs nothing upstream consumes (a graph input such
+    /// as the data), as PyTorch skips inputs that do not require a gradient. The default computes
+    /// every gradient and drops the unneeded ones; layers whose input gradient costs real work
+    /// (`Linear`, `Conv2d`) override it to skip that work. Results for needed inputs are the same
+    /// bit for bit either way.
+    fn backward_input_for(&self, saved: &Saved, grad_output: &Tensor, needed: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let mut grads = self.backward_input(saved, grad_output)?;
+        for (grad, &needed) in grads.iter_mut().zip(needed) {
+            if !needed {
+                *grad = None;
+            }
+        }
+        Ok(grads)
+    }
+
     /// Adds the gradients with respect to the parameters into `param_grads` (aligned with
     /// [`Layer::parameters`]). Layers without parameters do nothing.
     fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()>;

@@ -7,8 +7,8 @@ use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Re
 use rand::rngs::StdRng;
 
 use crate::tensor_io::{
-    accumulate_into, check_grad_shape, check_param_grads, check_same_device, chw, expect_inputs, expect_shapes, f32_bytes,
-    into_dtype, nchw, saved_tensor, values, zeros_f32,
+    accumulate_into, check_grad_shape, check_param_grads, check_same_device, chw, expect_inputs, expect_shapes,
+    f32_bytes, into_dtype, nchw, saved_tensor, values, zeros_f32,
 };
 
 /// Stride, zero padding and bias of a [`Conv2d`]; the default is PyTorch's (stride 1, no padding, bias).
@@ -61,13 +61,16 @@ impl Conv2d {
         if in_channels == 0 || out_channels == 0 || kh == 0 || kw == 0 {
             return Err(Error::invalid(
                 "Conv2d size",
-                format!("in_channels={in_channels}, out_channels={out_channels}, kernel {kh}x{kw}: all must be at least 1"),
+                format!(
+                    "in_channels={in_channels}, out_channels={out_channels}, kernel {kh}x{kw}: all must be at least 1"
+                ),
             ));
         }
         let fan_in = in_channels * kh * kw;
         let host = Device::host();
         let weight = init::kaiming_uniform_default([out_channels, in_channels, kh, kw], fan_in, rng, &host)?;
-        let bias = if options.bias { Some(init::bias_uniform_default([out_channels], fan_in, rng, &host)?) } else { None };
+        let bias =
+            if options.bias { Some(init::bias_uniform_default([out_channels], fan_in, rng, &host)?) } else { None };
         Conv2d::from_parameters(weight, bias, options.stride, options.padding)
     }
 
@@ -79,7 +82,11 @@ impl Conv2d {
         padding: (usize, usize),
     ) -> Result<Conv2d> {
         let &[out_channels, in_channels, kh, kw] = weight.dims() else {
-            return Err(Error::shape("Conv2d weight", "[out_channels, in_channels, kh, kw]", weight.shape().to_string()));
+            return Err(Error::shape(
+                "Conv2d weight",
+                "[out_channels, in_channels, kh, kw]",
+                weight.shape().to_string(),
+            ));
         };
         if weight.numel() == 0 {
             return Err(Error::shape(
@@ -94,7 +101,11 @@ impl Conv2d {
         let mut params = vec![Parameter { name: "weight".into(), value: weight }];
         if let Some(bias) = bias {
             if bias.dims() != [out_channels] {
-                return Err(Error::shape("Conv2d bias", format!("[{out_channels}] (out_channels)"), bias.shape().to_string()));
+                return Err(Error::shape(
+                    "Conv2d bias",
+                    format!("[{out_channels}] (out_channels)"),
+                    bias.shape().to_string(),
+                ));
             }
             params.push(Parameter { name: "bias".into(), value: bias });
         }
@@ -128,7 +139,10 @@ impl Conv2d {
         Window2d::new(channels, (height, width), self.kernel_size, self.stride, self.padding).map_err(|_| {
             Error::shape(
                 "Conv2d",
-                format!("an input at least as large as the kernel {:?} after padding {:?}", self.kernel_size, self.padding),
+                format!(
+                    "an input at least as large as the kernel {:?} after padding {:?}",
+                    self.kernel_size, self.padding
+                ),
                 shape.to_string(),
             )
         })
@@ -204,6 +218,16 @@ impl Layer for Conv2d {
         Ok((into_dtype(output, input.dtype())?, saved))
     }
 
+    fn backward_input_for(&self, saved: &Saved, grad_output: &Tensor, needed: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        if needed.first().copied().unwrap_or(true) {
+            return self.backward_input(saved, grad_output);
+        }
+        let input = saved_tensor("Conv2d", saved, 0)?;
+        let (batch, window) = self.batch_window(input.shape())?;
+        check_grad_shape("Conv2d", grad_output, &Shape::new(self.output_dims(batch, &window)))?;
+        Ok(vec![None])
+    }
+
     fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let input = saved_tensor("Conv2d", saved, 0)?;
         let (batch, window) = self.batch_window(input.shape())?;
@@ -218,8 +242,9 @@ impl Layer for Conv2d {
             let mut dy_samples = sample_grads;
             Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
                 uninit::chunks(dst, window.input_len(), |_, dx_sample| {
-                    let dy_sample =
-                        dy_samples.next().ok_or_else(|| Error::invalid("Conv2d", "fewer output gradients than inputs"))?;
+                    let dy_sample = dy_samples
+                        .next()
+                        .ok_or_else(|| Error::invalid("Conv2d", "fewer output gradients than inputs"))?;
                     matmul_uninit(dx_sample, weight_t, MatRef::row_major(dy_sample, self.out_channels, out_plane)?)
                 })
             })?
@@ -248,7 +273,8 @@ impl Layer for Conv2d {
         let (weight_grad, bias_grad) = param_grads.split_at_mut(1);
         let mut col = if window.is_pointwise() { Vec::new() } else { vec![0.0; col_rows * out_plane] };
         accumulate_into(&mut weight_grad[0], |dst| {
-            for (x_sample, dy_sample) in x.chunks_exact(window.input_len()).zip(grad.chunks_exact(self.out_channels * out_plane))
+            for (x_sample, dy_sample) in
+                x.chunks_exact(window.input_len()).zip(grad.chunks_exact(self.out_channels * out_plane))
             {
                 let col_view = if window.is_pointwise() {
                     MatRef::row_major(x_sample, col_rows, out_plane)?

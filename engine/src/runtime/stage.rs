@@ -317,7 +317,16 @@ impl Stage {
             let node_saved = saved[j].as_ref().ok_or_else(|| {
                 Error::invalid("backward", format!("stage {stage_idx}: node `{}` has no saved activations", node.name))
             })?;
-            let input_grads = node.layer.backward_input(node_saved, grad)?;
+            // An input neither on this stage nor received from another (a graph input) takes
+            // no gradient.
+            let needed: Vec<bool> = node
+                .inputs
+                .iter()
+                .map(|&input| {
+                    self.local_index(input).is_some() || self.recv_from.iter().any(|r| r.nodes.contains(&input))
+                })
+                .collect();
+            let input_grads = node.layer.backward_input_for(node_saved, grad, &needed)?;
             for (&input, input_grad) in node.inputs.iter().zip(input_grads) {
                 let Some(input_grad) = input_grad else { continue };
                 if let Some(k) = self.local_index(input) {
