@@ -1,6 +1,7 @@
 //! Core slots (`TrainerBuilder::core_slots`): with `n` slots at most `n` compute ops run at once
 //! across all workers, results stay bit-for-bit those of a run without slots, and the wait for a
-//! core shows on the timeline as `CoreWait`.
+//! core shows on the timeline as `CoreWait`; `Auto` uses them only for ops long enough to pay
+//! for the wake-ups.
 mod common;
 
 use std::sync::Arc;
@@ -81,8 +82,22 @@ fn auto_gives_one_slot_per_core_only_when_workers_outnumber_cores() {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let within = trainer(cores.min(4), ScheduleKind::OneFOneB, CoreSlotPolicy::Auto);
     assert_eq!(within.core_slots(), None);
-    let beyond = trainer(cores + 1, ScheduleKind::OneFOneB, CoreSlotPolicy::Auto);
+    let mut beyond = trainer(cores + 1, ScheduleKind::OneFOneB, CoreSlotPolicy::Auto);
     assert_eq!(beyond.core_slots(), Some(cores));
+    // 32 rows per micro-batch: each op is tens of MFLOP, above AUTO_SLOTS_MIN_OP_FLOPS, and the
+    // step uses the slots.
+    let (x, y) = data(256, &[64], 10, 0);
+    assert_eq!(beyond.train_step(&x, &y).unwrap().core_slots, Some(cores));
+    // One row per micro-batch: ops below a million flops cannot pay for a wake-up per handoff,
+    // and the step leaves the cores to the operating system.
+    let (x, y) = data(8, &[64], 10, 0);
+    let report = beyond.train_step(&x, &y).unwrap();
+    assert_eq!(report.core_slots, None);
+    assert_eq!(report.core_wake_latency_s, None);
+    assert!(report.timeline.events.iter().all(|e| e.op != OpKind::CoreWait));
+    // Forced slots are used whatever the op size.
+    let mut forced = trainer(cores + 1, ScheduleKind::OneFOneB, CoreSlotPolicy::Slots(cores));
+    assert_eq!(forced.train_step(&x, &y).unwrap().core_slots, Some(cores));
 }
 
 #[test]

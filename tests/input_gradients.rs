@@ -9,9 +9,7 @@ use common::{SCHEDULES, data, weights};
 use conveyor::engine::graph::Graph;
 use conveyor::engine::optim::{OptimizerConfig, SgdConfig};
 use conveyor::engine::runtime::Trainer;
-use conveyor::engine::{
-    Device, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init,
-};
+use conveyor::engine::{Device, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
 use conveyor::layers::{CrossEntropyLoss, Linear, Relu};
 
 /// What a probe saw: `needed` per call, or `None` for a plain `backward_input` call.
@@ -119,7 +117,10 @@ fn graph_inputs_take_no_gradient_and_weights_do_not_change() {
                 let layer_calls = layer_calls.lock().unwrap();
                 assert_eq!(layer_calls.len(), 8, "{what}: fc{layer_idx}");
                 let expected = vec![layer_idx > 0];
-                assert!(layer_calls.iter().all(|c| c.as_ref() == Some(&expected)), "{what}: fc{layer_idx} {layer_calls:?}");
+                assert!(
+                    layer_calls.iter().all(|c| c.as_ref() == Some(&expected)),
+                    "{what}: fc{layer_idx} {layer_calls:?}"
+                );
             }
             assert_eq!(weights(&skipping), weights(&reference), "{what}");
         }

@@ -24,7 +24,7 @@ mod stage;
 mod trainer;
 mod worker;
 
-pub use trainer::{Trainer, TrainerBuilder};
+pub use trainer::{AUTO_SLOTS_MIN_OP_FLOPS, Trainer, TrainerBuilder};
 
 use conveyor_schedules::OpKind;
 
@@ -57,7 +57,8 @@ impl std::str::FromStr for Recompute {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum CoreSlotPolicy {
     /// One slot per core when the CPU workers outnumber the machine's cores (and there is no
-    /// tensor parallelism); otherwise none.
+    /// tensor parallelism), used by each step whose mean compute op reaches
+    /// [`AUTO_SLOTS_MIN_OP_FLOPS`]; otherwise none.
     #[default]
     Auto,
     /// No slots: every worker computes whenever it can, and the operating system shares the cores.
@@ -116,6 +117,9 @@ pub struct StepReport {
     /// CPU time of every compute op on its worker thread: what the op costs with a core to
     /// itself, even when more devices than cores share the machine.
     pub op_cpu_times: Vec<OpCpuTime>,
+    /// The core slots this step's compute ops shared, if any (under [`CoreSlotPolicy::Auto`],
+    /// none when the ops were too small to pay for slot handoffs).
+    pub core_slots: Option<usize>,
     /// With core slots: the mean time the operating system took to run a sleeping worker once a
     /// slot was handed to it (for `simulate_with_core_slots`); `None` without slots.
     pub core_wake_latency_s: Option<f64>,

@@ -234,6 +234,21 @@ impl TrainerBuilder {
                 }
             }
         }
+        // Mean flops per sample of one compute op (F, B or W) over the stages, for the automatic
+        // core-slot policy; `None` when a layer cannot say.
+        let op_flops_per_sample: Option<f64> = stage_nodes
+            .iter()
+            .map(|nodes| {
+                nodes.iter().try_fold(0.0, |sum, &id| {
+                    let cost = self.graph.cost(id).ok()?;
+                    let flops = cost.forward_flops_per_sample
+                        + cost.backward_input_flops_per_sample
+                        + cost.backward_weight_flops_per_sample;
+                    Some(sum + flops as f64 / 3.0)
+                })
+            })
+            .sum::<Option<f64>>()
+            .map(|total| total / n_stages as f64);
         for (stage_idx, nodes) in stage_nodes.iter().enumerate() {
             let device = &stage_devices[stage_idx];
             let group = &groups[schedule.device_of_stage(stage_idx)];
@@ -310,6 +325,10 @@ impl TrainerBuilder {
             }
         };
         let slots = n_slots.map(|n| Arc::new(CoreSlots::new(n, n_devices)));
+        let auto_slots_op_flops = match self.core_slots {
+            CoreSlotPolicy::Auto => op_flops_per_sample,
+            _ => None,
+        };
         let mut workers = Vec::with_capacity(n_devices);
         // Workers report op spans to the subscriber of the thread that built the trainer.
         let dispatch = tracing::dispatcher::get_default(|d| d.clone());
@@ -338,6 +357,7 @@ impl TrainerBuilder {
             max_grad_norm: self.max_grad_norm,
             core_slots: n_slots,
             slots,
+            auto_slots_op_flops,
             step_idx: 0,
             fault: None,
             graph: self.graph,
@@ -388,6 +408,9 @@ pub struct Trainer {
     max_grad_norm: Option<f64>,
     core_slots: Option<usize>,
     slots: Option<Arc<CoreSlots>>,
+    /// Under [`CoreSlotPolicy::Auto`]: the mean flops per sample of a compute op, which decides
+    /// per step whether ops are long enough for slots ([`AUTO_SLOTS_MIN_OP_FLOPS`]).
+    auto_slots_op_flops: Option<f64>,
     step_idx: u64,
     fault: Option<FaultInjection>,
     /// The graph's structure (its layers live on the workers).
@@ -395,6 +418,15 @@ pub struct Trainer {
     /// Full parameter names in graph order, recorded before the layers moved to the workers.
     param_order: Vec<String>,
 }
+
+/// Under [`CoreSlotPolicy::Auto`], the smallest mean compute op (flops of one F, B or W of a
+/// micro-batch on a stage) for which a step uses core slots: about 0.1 ms of single-core
+/// compute, the order of the thread wake-up every slot handoff waits for (0.05-0.3 ms measured
+/// on a 2-core VM). Slots buy a timeline the simulator reproduces at no cost in throughput for
+/// ops of a millisecond (4 workers on 2 cores, 1024-wide MLP: within run-to-run noise of
+/// `--core-slots off`); with ops of a few microseconds each handoff costs more than the op
+/// (`benches/overhead.rs`: 34 µs per op with slots against 19 µs without).
+pub const AUTO_SLOTS_MIN_OP_FLOPS: f64 = 1.0e7;
 
 impl Trainer {
     /// Starts building a trainer for `graph` with `loss` on its output.
@@ -416,9 +448,23 @@ impl Trainer {
         }
     }
 
-    /// The number of core slots compute ops share, if any ([`TrainerBuilder::core_slots`]).
+    /// The number of core slots compute ops may share, if any ([`TrainerBuilder::core_slots`]).
+    /// Under [`CoreSlotPolicy::Auto`] a step uses them only when its ops are long enough
+    /// ([`StepReport::core_slots`] says whether one did).
     pub fn core_slots(&self) -> Option<usize> {
         self.core_slots
+    }
+
+    /// The core slots a step with micro-batches of `rows_per_micro_batch` rows uses: none
+    /// without slots, and under [`CoreSlotPolicy::Auto`] none when the mean compute op is below
+    /// [`AUTO_SLOTS_MIN_OP_FLOPS`] (each slot handoff waits for the operating system to wake the
+    /// next worker, which tiny ops cannot pay for).
+    fn slots_for(&self, rows_per_micro_batch: usize) -> Option<usize> {
+        let n_slots = self.core_slots?;
+        match self.auto_slots_op_flops {
+            Some(flops) if flops * (rows_per_micro_batch as f64) < AUTO_SLOTS_MIN_OP_FLOPS => None,
+            _ => Some(n_slots),
+        }
     }
 
     /// Full parameter names (`node.param`) in graph order.
@@ -532,6 +578,7 @@ impl Trainer {
                 }
             }
         }
+        let slots_this_step = self.slots_for(rows / n_micro_batches.max(1));
         if let Some(slots) = &self.slots {
             slots.take_wake_latencies();
         }
@@ -596,6 +643,7 @@ impl Trainer {
                 fault: self.fault,
                 started,
                 max_grad_norm: self.max_grad_norm,
+                use_core_slots: slots_this_step.is_some(),
             };
             self.workers[device_idx]
                 .commands
@@ -603,7 +651,7 @@ impl Trainer {
                 .map_err(|_| Error::invalid("worker", format!("the worker of device {device_idx} has stopped")))?;
         }
         drop((senders, receivers));
-        self.collect(report_rx, abort_tx, commit_txs, started, training)
+        self.collect(report_rx, abort_tx, commit_txs, started, training, slots_this_step)
     }
 
     fn collect(
@@ -613,6 +661,7 @@ impl Trainer {
         commits: Vec<Sender<Commit>>,
         started: Instant,
         training: bool,
+        slots_this_step: Option<usize>,
     ) -> Result<StepOutcome> {
         let n_devices = self.workers.len();
         let mut abort = Some(abort);
@@ -680,7 +729,8 @@ impl Trainer {
                 step_s: started.elapsed().as_secs_f64(),
                 grad_norm: sum_of_squares.sqrt(),
                 op_cpu_times,
-                core_wake_latency_s: self.slots.as_ref().map(|slots| {
+                core_slots: slots_this_step,
+                core_wake_latency_s: self.slots.as_ref().filter(|_| slots_this_step.is_some()).map(|slots| {
                     let latencies = slots.take_wake_latencies();
                     latencies.iter().sum::<f64>() / latencies.len().max(1) as f64
                 }),

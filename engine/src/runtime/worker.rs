@@ -49,6 +49,8 @@ pub(crate) struct StepJob {
     pub fault: Option<FaultInjection>,
     pub started: Instant,
     pub max_grad_norm: Option<f64>,
+    /// Whether this step's compute ops take core slots (when the trainer has them).
+    pub use_core_slots: bool,
 }
 
 /// The coordinator's decision after every worker is ready.
@@ -193,8 +195,8 @@ pub(crate) fn run(
     while let Ok(command) = commands.recv() {
         match command {
             Command::Step(mut job, reports) => {
-                let report =
-                    run_step(device_idx, &mut stages, loss.as_ref(), &mut job, &reports, core_slots.as_deref());
+                let slots = core_slots.as_deref().filter(|_| job.use_core_slots);
+                let report = run_step(device_idx, &mut stages, loss.as_ref(), &mut job, &reports, slots);
                 stages.iter_mut().for_each(Stage::end_step);
                 // The coordinator may have given up on us; nothing else to do then.
                 let _ = reports.send(report);

@@ -402,7 +402,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         // the cores between running ops.
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
         let predict = |report: &conveyor::engine::runtime::StepReport| -> anyhow::Result<(f64, String)> {
-            Ok(if let Some(slots) = trainer.core_slots() {
+            Ok(if let Some(slots) = report.core_slots {
                 let costs = summary::measured_costs(&report.timeline, sched.n_stages());
                 let wake_s = report.core_wake_latency_s.unwrap_or(0.0);
                 let simulated = simulate_with_core_slots(&sched, &costs, slots, wake_s)?;
@@ -426,7 +426,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             predicted += p / recent_reports.len() as f64;
             cost_basis = basis;
         }
-        if trainer.core_slots().is_none() && n_devices > cores {
+        if report.core_slots.is_none() && n_devices > cores {
             // With workers sharing cores, a device "idles" while its thread waits for a core too;
             // compare the cores' idle time instead: 1 - CPU time of all ops / (cores x makespan).
             let simulated = simulate_on_cores(&sched, &summary::cpu_costs(report, sched.n_stages()), cores)?;
