@@ -177,7 +177,28 @@ fn recv_holding_core(
     Ok((rx.try_recv().map_err(|_| Aborted)?, Some(queued_at)))
 }
 
+/// How long a worker without a core slot polls for a message before it sleeps. A neighbour's
+/// message often comes within microseconds when ops are small, and waking a sleeping thread
+/// costs tens of microseconds on a VM; the poll yields the core between tries, so a worker that
+/// has compute to do gets it.
+const POLL_BEFORE_SLEEP: std::time::Duration = std::time::Duration::from_micros(50);
+
 fn recv(rx: &Receiver<Message>, abort: &Receiver<()>) -> std::result::Result<Message, Aborted> {
+    let deadline = Instant::now() + POLL_BEFORE_SLEEP;
+    loop {
+        match rx.try_recv() {
+            Ok(message) => return Ok(message),
+            Err(crossbeam::channel::TryRecvError::Disconnected) => return Err(Aborted),
+            Err(crossbeam::channel::TryRecvError::Empty) => {}
+        }
+        if aborted(abort) {
+            return Err(Aborted);
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+        std::thread::yield_now();
+    }
     select! {
         recv(rx) -> msg => msg.map_err(|_| Aborted),
         recv(abort) -> _ => Err(Aborted),
