@@ -212,7 +212,8 @@ pub fn simulate_with_core_slots(
             }
             let Some(ready_at) = ready_at(device_idx, &arrivals) else { continue };
             let instruction = programs[device_idx][positions[device_idx]];
-            if ready_at > free_since[device_idx] + EPSILON {
+            let waits_for_commit = matches!(instruction, crate::instruction::Instruction::OptimizerStep);
+            if ready_at > free_since[device_idx] + EPSILON && !waits_for_commit {
                 timeline.events.push(TimelineEvent {
                     device_idx,
                     stage_idx: instruction.stage_idx(),

@@ -93,7 +93,8 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationRepo
                     None => 0.0,
                 };
                 let start_s = free_at[device_idx].max(ready_at);
-                if start_s > free_at[device_idx] {
+                // The wait for the commit is not a wait for input: no `Wait` event for it.
+                if start_s > free_at[device_idx] && instruction != Instruction::OptimizerStep {
                     timeline.events.push(TimelineEvent {
                         device_idx,
                         stage_idx: instruction.stage_idx(),
