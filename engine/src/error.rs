@@ -54,6 +54,18 @@ pub enum Error {
     /// A CUDA device was asked for but this build has no CUDA support, or no driver was found.
     #[error("{0}")]
     CudaUnavailable(String),
+    /// An operation that reads or writes elements in host memory (`Tensor::as_f32`, a CPU kernel,
+    /// an initialiser run on the host) was given a tensor, or asked for one, on a GPU.
+    #[error(
+        "{op}: the elements live on {device}, not in host memory; copy the tensor to the host first with \
+         `to_device(&Device::host())` (and back with `to_device`), or use an operation that runs on {device}"
+    )]
+    NotOnHost {
+        /// The operation, e.g. `as_f32`.
+        op: String,
+        /// The device holding the elements, e.g. `cuda:0`.
+        device: String,
+    },
     /// A value given to the engine is invalid.
     #[error("invalid argument {name}: {reason}")]
     InvalidArgument {

@@ -27,6 +27,9 @@
 //! - Log-softmax and cross-entropy over rows of 1000: the GPU sums the exponentials in f32, the CPU
 //!   in f64, so the log-sum-exp may differ by about `cols·u` relative: `atol = 1e-4` on
 //!   log-probabilities and losses (divided by the normalizer), `rtol = 1e-4` on probabilities.
+mod common;
+
+use common::values;
 use std::sync::Once;
 
 use anyhow::{Context, Result, bail, ensure};
@@ -83,17 +86,6 @@ fn assert_close_each(
         );
     }
     Ok(())
-}
-
-/// Seeded values in `[-1, 1)` (a 64-bit LCG, high bits).
-fn values(seed: u64, len: usize) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..len)
-        .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
 }
 
 /// A device the cases run on: the CPU kernels, or one stream on one GPU.

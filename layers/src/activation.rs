@@ -1,11 +1,14 @@
 //! Elementwise activation layers: `Relu`, `Gelu` (exact erf form) and `Tanh`. Each keeps one
 //! tensor for backward, as a share (no copy): ReLU and tanh their output, GELU its input. A
 //! ReLU's output is usually also the next Linear's saved input, one buffer on the ledger.
-use conveyor_engine::cpu::activation::{gelu, gelu_grad, relu, relu_grad, tanh, tanh_grad};
-use conveyor_engine::cpu::uninit;
+//!
+//! The arithmetic is the engine's device op ([`Tensor::activation`],
+//! [`Tensor::activation_grad`]), so the layers run on every device: the CPU kernels of
+//! `conveyor_engine::cpu::activation` on a CPU device, the CUDA kernels on a GPU.
+use conveyor_engine::device::ops::Activation;
 use conveyor_engine::{ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 
-use crate::tensor_io::{check_grad_shape, expect_inputs, expect_shapes, f32_bytes, into_dtype, saved_tensor, values};
+use crate::tensor_io::{check_grad_shape, expect_inputs, expect_shapes, f32_bytes, saved_tensor};
 
 /// Which tensor an activation keeps for its backward pass.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -14,19 +17,11 @@ enum Keep {
     Output,
 }
 
-/// Runs an elementwise forward kernel (the activation of one element, statically dispatched so
-/// the loop vectorises) and saves what backward needs: a share of the kept tensor, no copy.
-fn elementwise_forward(
-    kind: &str,
-    inputs: &[&Tensor],
-    kernel: impl Fn(f32) -> f32,
-    keep: Keep,
-) -> Result<(Tensor, Saved)> {
+/// Runs an elementwise forward op and saves what backward needs: a share of the kept tensor, no copy.
+fn elementwise_forward(kind: &str, inputs: &[&Tensor], activation: Activation, keep: Keep) -> Result<(Tensor, Saved)> {
     expect_inputs(kind, inputs, 1)?;
     let input = inputs[0];
-    let x = values(input);
-    let output = Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| uninit::map(dst, &x, kernel))?;
-    let output = into_dtype(output, input.dtype())?;
+    let output = input.activation(activation)?;
     let kept = match keep {
         Keep::Input => input.share(),
         Keep::Output => output.share(),
@@ -34,21 +29,16 @@ fn elementwise_forward(
     Ok((output, Saved { tensors: vec![kept] }))
 }
 
-/// Runs an elementwise backward kernel on the saved tensor and `grad_output`.
-/// `kernel` maps the kept element (input or output) and its output gradient to the input gradient.
+/// Runs an elementwise backward op on the saved tensor (input or output) and `grad_output`.
 fn elementwise_backward(
     kind: &str,
     saved: &Saved,
     grad_output: &Tensor,
-    kernel: impl Fn(f32, f32) -> f32,
+    activation: Activation,
 ) -> Result<Vec<Option<Tensor>>> {
     let kept = saved_tensor(kind, saved, 0)?;
     check_grad_shape(kind, grad_output, kept.shape())?;
-    let (kept_values, grad) = (values(kept), values(grad_output));
-    let grad_input = Tensor::from_f32_init(kept.shape().clone(), grad_output.device(), |dst| {
-        uninit::map2(dst, &kept_values, &grad, kernel)
-    })?;
-    Ok(vec![Some(into_dtype(grad_input, kept.dtype())?)])
+    Ok(vec![Some(Tensor::activation_grad(activation, kept, grad_output)?)])
 }
 
 /// Cost of an elementwise layer: `flops_per_element` forward and backward, one saved tensor.
@@ -66,7 +56,7 @@ fn elementwise_cost(kind: &str, input_shapes: &[Shape], flops_per_element: u64) 
 }
 
 macro_rules! activation_layer {
-    ($name:ident, $kind:literal, $doc:literal, $forward:path, $backward:path, $keep:expr, $flops:literal) => {
+    ($name:ident, $kind:literal, $doc:literal, $activation:expr, $keep:expr, $flops:literal) => {
         #[doc = $doc]
         #[derive(Debug, Default, Clone, Copy)]
         pub struct $name;
@@ -96,14 +86,19 @@ macro_rules! activation_layer {
             }
 
             fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
-                elementwise_forward($kind, inputs, $forward, $keep)
+                elementwise_forward($kind, inputs, $activation, $keep)
             }
 
             fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
-                elementwise_backward($kind, saved, grad_output, $backward)
+                elementwise_backward($kind, saved, grad_output, $activation)
             }
 
-            fn backward_weight(&self, _saved: &Saved, _grad_output: &Tensor, _param_grads: &mut [Tensor]) -> Result<()> {
+            fn backward_weight(
+                &self,
+                _saved: &Saved,
+                _grad_output: &Tensor,
+                _param_grads: &mut [Tensor],
+            ) -> Result<()> {
                 Ok(())
             }
 
@@ -118,8 +113,7 @@ activation_layer!(
     Relu,
     "ReLU",
     "`y = max(x, 0)` (PyTorch's `nn.ReLU`); the derivative at 0 is 0. Saves its output.",
-    relu,
-    relu_grad,
+    Activation::Relu,
     Keep::Output,
     1
 );
@@ -129,8 +123,7 @@ activation_layer!(
     "GELU",
     "`y = x · Φ(x) = x/2 · (1 + erf(x/√2))`, the exact form (PyTorch's `nn.GELU()` with \
      `approximate='none'`); `dy/dx = Φ(x) + x·φ(x)`. Saves its input.",
-    gelu,
-    gelu_grad,
+    Activation::Gelu,
     Keep::Input,
     20
 );
@@ -139,8 +132,7 @@ activation_layer!(
     Tanh,
     "Tanh",
     "`y = tanh(x)`; `dy/dx = 1 - y²`. Saves its output.",
-    tanh,
-    tanh_grad,
+    Activation::Tanh,
     Keep::Output,
     10
 );

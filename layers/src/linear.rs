@@ -1,13 +1,19 @@
 //! `Linear`: `y = x · weightᵀ + bias` over the last dimension, with PyTorch's names, layout and
 //! default initialisation.
-use conveyor_engine::cpu::elementwise::accumulate_column_sums;
-use conveyor_engine::cpu::{MatRef, matmul, matmul_uninit, packed, uninit};
+//!
+//! The products go through the engine's device ops ([`Tensor::matmul`],
+//! [`Tensor::matmul_accumulate`], [`Tensor::accumulate_column_sums`]), so the layer runs wherever
+//! its parameters live: the CPU kernels on a CPU device, cuBLAS and the reduction kernels on a GPU.
+//! The one CPU-specific path is the packed weight (see the `packed` field), used only for f32
+//! weights in host memory.
+use conveyor_engine::cpu::{MatRef, packed, uninit};
+use conveyor_engine::device::ops::Matrix;
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
 use rand::rngs::StdRng;
 
 use crate::tensor_io::{
-    accumulate_into, check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes,
-    into_dtype, saved_tensor, values, zeros_f32,
+    check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes, into_dtype,
+    saved_tensor, values, zeros_f32,
 };
 
 /// A fully connected layer: `y = x · weightᵀ + bias`, applied to the last dimension of an input of
@@ -170,7 +176,8 @@ impl Layer for Linear {
     fn refresh(&mut self) -> Result<()> {
         self.packed_fresh = false;
         let weight = &self.params[0].value;
-        if weight.dtype() != conveyor_engine::DType::F32 {
+        // The panels are a layout of the CPU GEMM: only f32 weights in host memory have them.
+        if weight.dtype() != conveyor_engine::DType::F32 || !matches!(weight.device(), Device::Cpu(_)) {
             self.packed = None;
             return Ok(());
         }
@@ -196,56 +203,73 @@ impl Layer for Linear {
         let input = inputs[0];
         let rows = self.input_rows(input.shape())?;
         check_same_device("Linear", input, self.weight())?;
-        let x = values(input);
-        let weight = values(self.weight());
-        let bias = self.bias().map(values);
-        let x_view = MatRef::row_major(&x, rows, self.in_features)?;
         let (k, n) = (self.in_features, self.out_features);
-        let packed_forward = match self.packed.as_ref().filter(|_| self.packed_fresh) {
-            Some(p) => Some(p.forward.as_f32()?),
-            None => None,
-        };
-        let weight_t = MatRef::row_major(&weight, self.out_features, self.in_features)?.t();
-        // Every element is written: the bias pre-fill (which the product then accumulates onto,
-        // so there is no second pass over y) or the product alone. No zero-fill first.
-        let output = Tensor::from_f32_init(self.output_dims(input.shape()), input.device(), |dst| {
-            match (&bias, packed_forward) {
-                (Some(bias), Some(panels)) => {
-                    let dst = uninit::broadcast_rows(bias, dst)?;
-                    packed::matmul_packed(dst, x_view, panels, k, n, true)?;
-                    Ok(dst)
-                }
-                (Some(bias), None) => {
-                    let dst = uninit::broadcast_rows(bias, dst)?;
-                    matmul(dst, x_view, weight_t, true)?;
-                    Ok(dst)
-                }
-                (None, Some(panels)) => packed::matmul_packed_uninit(dst, x_view, panels, k, n),
-                (None, None) => matmul_uninit(dst, x_view, weight_t),
+        let output_dims = self.output_dims(input.shape());
+        let output = match self.packed.as_ref().filter(|_| self.packed_fresh) {
+            // f32 weights in host memory, refreshed: the product reads the panels in place.
+            Some(packed_weight) => {
+                let x = values(input);
+                let bias = self.bias().map(values);
+                let x_view = MatRef::row_major(&x, rows, k)?;
+                let panels = packed_weight.forward.as_f32()?;
+                // Every element is written: the bias pre-fill (which the product then accumulates
+                // onto, so there is no second pass over y) or the product alone. No zero-fill first.
+                Tensor::from_f32_init(output_dims, input.device(), |dst| match &bias {
+                    Some(bias) => {
+                        let dst = uninit::broadcast_rows(bias, dst)?;
+                        packed::matmul_packed(dst, x_view, panels, k, n, true)?;
+                        Ok(dst)
+                    }
+                    None => packed::matmul_packed_uninit(dst, x_view, panels, k, n),
+                })?
             }
-        })?;
+            // Any other weight, on any device: `x · weightᵀ (+ bias)` as a device op.
+            None => Tensor::matmul(
+                Matrix::new(input, rows, k)?,
+                Matrix::new(self.weight(), n, k)?.t(),
+                self.bias(),
+                output_dims,
+                input.device(),
+            )?,
+        };
         let saved = Saved { tensors: vec![input.share()] };
         Ok((into_dtype(output, input.dtype())?, saved))
+    }
+
+    fn backward_input_for(&self, saved: &Saved, grad_output: &Tensor, needed: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        if needed.first().copied().unwrap_or(true) {
+            return self.backward_input(saved, grad_output);
+        }
+        // The input takes no gradient (the data): check the shapes, skip the product.
+        let input = saved_tensor("Linear", saved, 0)?;
+        self.input_rows(input.shape())?;
+        check_grad_shape("Linear", grad_output, &Shape::new(self.output_dims(input.shape())))?;
+        Ok(vec![None])
     }
 
     fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let input = saved_tensor("Linear", saved, 0)?;
         let rows = self.input_rows(input.shape())?;
         check_grad_shape("Linear", grad_output, &Shape::new(self.output_dims(input.shape())))?;
-        let grad = values(grad_output);
-        let weight = values(self.weight());
         // dx [rows, in] = dy [rows, out] · weight [out, in]
-        let grad_view = MatRef::row_major(&grad, rows, self.out_features)?;
-        let weight_view = MatRef::row_major(&weight, self.out_features, self.in_features)?;
-        let panels = match self.packed.as_ref().filter(|_| self.packed_fresh) {
-            Some(p) => Some(p.backward_input.as_f32()?),
-            None => None,
-        };
         let (k, n) = (self.out_features, self.in_features);
-        let grad_input = Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| match panels {
-            Some(panels) => packed::matmul_packed_uninit(dst, grad_view, panels, k, n),
-            None => matmul_uninit(dst, grad_view, weight_view),
-        })?;
+        let grad_input = match self.packed.as_ref().filter(|_| self.packed_fresh) {
+            Some(packed_weight) => {
+                let grad = values(grad_output);
+                let grad_view = MatRef::row_major(&grad, rows, k)?;
+                let panels = packed_weight.backward_input.as_f32()?;
+                Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
+                    packed::matmul_packed_uninit(dst, grad_view, panels, k, n)
+                })?
+            }
+            None => Tensor::matmul(
+                Matrix::new(grad_output, rows, k)?,
+                Matrix::new(self.weight(), k, n)?,
+                None,
+                input.shape().clone(),
+                input.device(),
+            )?,
+        };
         Ok(vec![Some(into_dtype(grad_input, input.dtype())?)])
     }
 
@@ -254,15 +278,12 @@ impl Layer for Linear {
         let input = saved_tensor("Linear", saved, 0)?;
         let rows = self.input_rows(input.shape())?;
         check_grad_shape("Linear", grad_output, &Shape::new(self.output_dims(input.shape())))?;
-        let grad = values(grad_output);
-        let x = values(input);
         let (weight_grad, bias_grad) = param_grads.split_at_mut(1);
         // dweight [out, in] += dyᵀ [out, rows] · x [rows, in]
-        let grad_t = MatRef::row_major(&grad, rows, self.out_features)?.t();
-        let x_view = MatRef::row_major(&x, rows, self.in_features)?;
-        accumulate_into(&mut weight_grad[0], |dst| matmul(dst, grad_t, x_view, true))?;
+        let grad_t = Matrix::new(grad_output, rows, self.out_features)?.t();
+        weight_grad[0].matmul_accumulate(grad_t, Matrix::new(input, rows, self.in_features)?)?;
         if let Some(bias_grad) = bias_grad.first_mut() {
-            accumulate_into(bias_grad, |dst| accumulate_column_sums(&grad, dst))?;
+            bias_grad.accumulate_column_sums(grad_output)?;
         }
         Ok(())
     }

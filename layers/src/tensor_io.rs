@@ -1,20 +1,40 @@
 //! Tensor plumbing shared by the layers: reading any dtype as f32, writing results back in the
 //! caller's dtype, argument and device checks, gradient accumulation, and shape markers in `Saved`.
+//!
+//! These helpers read and write elements in host memory: they serve the layers that compute with
+//! the CPU kernels directly. Linear, the activations and the cross-entropy loss compute through
+//! the engine's device ops (`conveyor_engine::device::ops`) and so also run on GPUs. Every other
+//! layer given a tensor on a GPU fails with `Error::NotOnHost` when it creates or accumulates its
+//! result here or in `Tensor` (`from_f32_init`, `as_f32_mut`, [`tensor_from_f32`],
+//! [`accumulate_into`]), never with a panic.
 use std::borrow::Cow;
 
 use conveyor_engine::{DType, Device, Error, Parameter, Result, Saved, Shape, Tensor};
 use half::{bf16, f16};
 
 /// The elements as f32: borrowed for f32 tensors, converted (one copy) for f16/bf16.
+///
+/// A tensor on a GPU is downloaded (its host-only layer then fails with `Error::NotOnHost` when it
+/// creates its result on the GPU device, so these values never reach a result); should the
+/// download itself fail, zeros of the right length stand in, for the same reason.
 pub(crate) fn values(tensor: &Tensor) -> Cow<'_, [f32]> {
     match tensor.as_f32() {
         Ok(slice) => Cow::Borrowed(slice),
-        Err(_) => Cow::Owned(tensor.to_vec_f32()),
+        Err(_) => Cow::Owned(tensor.try_to_vec_f32().unwrap_or_else(|_| vec![0.0; tensor.numel()])),
     }
 }
 
-/// A tensor of `dtype` from f32 values (rounded to nearest even when narrowing).
-pub(crate) fn tensor_from_f32(data: Vec<f32>, shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
+/// A tensor of `dtype` from f32 values computed on the host (rounded to nearest even when
+/// narrowing); `Error::NotOnHost` for a GPU `device`, whose layers compute through device ops.
+pub(crate) fn tensor_from_f32(
+    data: Vec<f32>,
+    shape: impl Into<Shape>,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    if let Device::Cuda(_) = device {
+        return Err(Error::NotOnHost { op: "a host-computed layer result".into(), device: device.to_string() });
+    }
     match dtype {
         DType::F32 => Tensor::from_vec(data, shape, device),
         DType::F16 => Tensor::from_f16_vec(data.iter().map(|&x| f16::from_f32(x)).collect(), shape, device),
@@ -97,7 +117,11 @@ pub(crate) fn check_param_grads(kind: &str, params: &[Parameter], param_grads: &
     if params.len() != param_grads.len() {
         return Err(Error::invalid(
             format!("{kind} parameter gradients"),
-            format!("expected {} gradient tensor(s) aligned with parameters(), got {}", params.len(), param_grads.len()),
+            format!(
+                "expected {} gradient tensor(s) aligned with parameters(), got {}",
+                params.len(),
+                param_grads.len()
+            ),
         ));
     }
     for (param, grad) in params.iter().zip(param_grads) {
@@ -112,10 +136,11 @@ pub(crate) fn check_param_grads(kind: &str, params: &[Parameter], param_grads: &
     Ok(())
 }
 
-/// Runs `add` on the gradient's elements as f32: in place for f32 gradients, through an f32 copy
-/// (converted back afterwards) for f16/bf16 ones.
+/// Runs `add` on the gradient's elements as f32 in host memory: in place for f32 gradients,
+/// through an f32 copy (converted back afterwards) for f16/bf16 ones; `Error::NotOnHost` for a
+/// gradient on a GPU (from `as_f32_mut`, before any download).
 pub(crate) fn accumulate_into(grad: &mut Tensor, add: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
-    if grad.dtype() == DType::F32 {
+    if grad.dtype() == DType::F32 || matches!(grad.device(), Device::Cuda(_)) {
         return add(grad.as_f32_mut()?);
     }
     let mut acc = grad.to_vec_f32();

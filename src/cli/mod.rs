@@ -35,6 +35,7 @@ pub fn report(err: &anyhow::Error) -> i32 {
                     | conveyor::engine::Error::ShapeMismatch { .. }
                     | conveyor::engine::Error::DoesNotFit { .. }
                     | conveyor::engine::Error::CudaUnavailable(_)
+                    | conveyor::engine::Error::NotOnHost { .. }
                     | conveyor::engine::Error::Checkpoint { .. }
                     | conveyor::engine::Error::Schedule(_)
             )
@@ -82,4 +83,3 @@ pub fn write_atomically(path: &Path, flag: &str, contents: &str) -> anyhow::Resu
     }
     Ok(())
 }
-

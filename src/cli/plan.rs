@@ -6,9 +6,7 @@ use std::path::Path;
 use anyhow::Context;
 use clap::Args;
 use conveyor::engine::graph::Graph;
-use conveyor::engine::placement::{
-    OptimizerMemory, Plan, format_bytes, place_automatically, place_manually,
-};
+use conveyor::engine::placement::{OptimizerMemory, Plan, format_bytes, place_automatically, place_manually};
 use conveyor::pipeline::planner_inputs;
 use conveyor::schedules::{CostModel, Schedule, ScheduleKind, SimulationReport, StageCosts, simulate};
 use conveyor::zoo::ModelSpec;

@@ -6,11 +6,12 @@
 use std::convert::Infallible;
 use std::fmt;
 use std::marker::PhantomData;
+use std::rc::Rc;
 use std::sync::Arc;
 
 use half::{bf16, f16};
 
-use super::MemoryAccount;
+use super::{HostStorage, MemoryAccount};
 use crate::collective::Communicator;
 use crate::cpu::Window2d;
 use crate::optim::{AdamConfig, SgdConfig};
@@ -78,6 +79,74 @@ impl CudaDevice {
 
     /// True when this GPU can access `other`'s memory directly.
     pub fn can_access_peer(&self, _other: &CudaDevice) -> Result<bool> {
+        match self.never {}
+    }
+
+    /// This thread's stream on this GPU.
+    pub fn thread_stream(&self) -> Result<Rc<CudaStream>> {
+        match self.never {}
+    }
+
+    /// `len` zeroed elements on this GPU, counted on this device's ledger.
+    pub fn alloc_zeros<T: CudaElement>(&self, _len: usize) -> Result<CudaBuffer<T>> {
+        match self.never {}
+    }
+
+    /// A copy of `host` on this GPU, counted on this device's ledger.
+    pub fn upload<T: CudaElement>(&self, _host: &[T]) -> Result<CudaBuffer<T>> {
+        match self.never {}
+    }
+}
+
+/// A tensor's elements on a GPU. Without the `cuda` feature no value of this type can exist, so
+/// `Tensor`'s CUDA storage variant is statically unreachable.
+#[derive(Debug)]
+pub(crate) struct CudaStorage {
+    never: Infallible,
+}
+
+// The same crate-internal methods as the `cuda` build's `CudaStorage` (device/cuda/storage.rs).
+impl CudaStorage {
+    pub(crate) fn from_f32(buffer: CudaBuffer<f32>) -> CudaStorage {
+        match buffer.never {}
+    }
+    pub(crate) fn dtype(&self) -> DType {
+        match self.never {}
+    }
+    pub(crate) fn f32(&self, _op: &str) -> Result<&CudaBuffer<f32>> {
+        match self.never {}
+    }
+    pub(crate) fn f32_mut(&mut self, _op: &str) -> Result<&mut CudaBuffer<f32>> {
+        match self.never {}
+    }
+    pub(crate) fn zeros(device: &CudaDevice, _dtype: DType, _len: usize) -> Result<CudaStorage> {
+        match device.never {}
+    }
+    pub(crate) fn zeros_past_budget(device: &CudaDevice, _dtype: DType, _len: usize) -> Result<CudaStorage> {
+        match device.never {}
+    }
+    pub(crate) fn upload(device: &CudaDevice, _host: &HostStorage) -> Result<CudaStorage> {
+        match device.never {}
+    }
+    pub(crate) fn upload_into(&mut self, _host: &HostStorage) -> Result<()> {
+        match self.never {}
+    }
+    pub(crate) fn download(&self) -> Result<HostStorage> {
+        match self.never {}
+    }
+    pub(crate) fn copy_to(&self, _device: &CudaDevice) -> Result<CudaStorage> {
+        match self.never {}
+    }
+    pub(crate) fn duplicate(&self) -> Result<CudaStorage> {
+        match self.never {}
+    }
+    pub(crate) fn copy_range(&self, _start: usize, _len: usize) -> Result<CudaStorage> {
+        match self.never {}
+    }
+    pub(crate) fn copy_from(&mut self, _src: &CudaStorage) -> Result<()> {
+        match self.never {}
+    }
+    pub(crate) fn fill_zero(&mut self) -> Result<()> {
         match self.never {}
     }
 }

@@ -9,6 +9,7 @@ mod backend;
 #[path = "cuda/nccl.rs"]
 mod nccl;
 
+pub(crate) use backend::CudaStorage;
 pub use backend::{CudaBuffer, CudaDevice, CudaElement, CudaStream, DeviceMatRef, GemmElement};
 
 use crate::collective::Communicator;

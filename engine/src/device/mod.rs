@@ -3,8 +3,16 @@
 //! A CPU device is one core: its kernels are single-threaded (`gemm` with `Parallelism::None`), so
 //! N CPU devices driven by N worker threads use N cores. The CUDA variant always exists; whether it
 //! can be constructed is decided in exactly one place, the `cuda` module chosen below.
+//!
+//! Code map: `memory.rs` (ledgers and reservations), `host.rs` (`HostStorage`, tensor elements in
+//! host memory and the host side of every upload and download), [`ops`] (the tensor-level
+//! arithmetic layers use, each op dispatched on its device in one `match`), `kernels/` (the CUDA
+//! kernel sources), and `cuda_enabled.rs` / `cuda_disabled.rs` with `cuda/` (the CUDA backend,
+//! including `CudaStorage`, the payload of `Tensor`'s CUDA storage, and each thread's streams).
+mod host;
 pub mod kernels;
 mod memory;
+pub mod ops;
 
 #[cfg_attr(feature = "cuda", path = "cuda_enabled.rs")]
 #[cfg_attr(not(feature = "cuda"), path = "cuda_disabled.rs")]
@@ -13,7 +21,9 @@ mod cuda;
 use std::fmt;
 use std::sync::Arc;
 
+pub(crate) use cuda::CudaStorage;
 pub use cuda::{CudaBuffer, CudaDevice, CudaElement, CudaStream, DeviceMatRef, GemmElement};
+pub(crate) use host::HostStorage;
 pub use memory::{MemoryAccount, Reservation};
 
 use crate::{Error, Result};
@@ -113,7 +123,10 @@ impl Device {
         let (kind, ordinal) = match spec.split_once(':') {
             Some((kind, idx)) => {
                 let ordinal = idx.parse::<usize>().map_err(|_| {
-                    Error::invalid("device", format!("`{spec}`: `{idx}` is not a device index; write e.g. cpu:0 or cuda:1"))
+                    Error::invalid(
+                        "device",
+                        format!("`{spec}`: `{idx}` is not a device index; write e.g. cpu:0 or cuda:1"),
+                    )
                 })?;
                 (kind, ordinal)
             }

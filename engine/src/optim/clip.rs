@@ -24,16 +24,24 @@
 //!
 //! Sums of squares are accumulated in f64, so the norm is at least as accurate as torch's f32
 //! reduction; the coefficient is rounded to f32 before scaling, as torch's f32 `mul_` does.
+//! Gradients on a GPU are summed by the `sum_of_squares` kernel and scaled by the `scale` kernel
+//! (through `Tensor::scale_in_place`); host gradients by the loops here, unchanged.
+use crate::tensor::F32Ref;
 use crate::{Error, Result, Tensor};
 
 /// The constant torch adds to the total norm before dividing, so a zero norm does not divide by zero.
 pub const CLIP_NORM_EPSILON: f64 = 1e-6;
 
 /// Phase 1: the sum of squares of every element of `grads` (f32 tensors), accumulated in f64.
+/// On a GPU the `sum_of_squares` kernel sums each block's share in f64 and the host adds the
+/// partial sums (waiting for them), so the result agrees with the CPU's to f64 rounding.
 pub fn grad_sum_of_squares(grads: &[&Tensor]) -> Result<f64> {
     let mut sum = 0.0f64;
     for grad in grads {
-        sum += sum_of_squares(grad.as_f32()?);
+        sum += match grad.f32_ref("grad_sum_of_squares")? {
+            F32Ref::Host(values) => sum_of_squares(values),
+            F32Ref::Cuda(buffer) => buffer.device().thread_stream()?.sum_of_squares(buffer)?,
+        };
     }
     Ok(sum)
 }
@@ -68,7 +76,7 @@ pub fn total_norm_from_sums_of_squares(sums_of_squares: &[f64]) -> f64 {
 pub fn clip_grads_with_norm(grads: &mut [&mut Tensor], max_norm: f64, total_norm: f64) -> Result<f32> {
     check_max_norm(max_norm)?;
     for grad in grads.iter() {
-        grad.as_f32()?; // refuse a non-f32 gradient before scaling any
+        grad.f32_ref("clip_grads_with_norm")?; // refuse a non-f32 gradient before scaling any
     }
     let clip_coef = max_norm / (total_norm + CLIP_NORM_EPSILON);
     if clip_coef >= 1.0 {

@@ -5,7 +5,9 @@
 //! elementwise update (the formulas are in those modules' docs); `state.rs` holds [`ParamState`]
 //! and the checkpoint naming of optimizer state; `clip.rs` holds [`clip_grad_norm`] and its
 //! two-phase form. This file holds [`OptimizerConfig`] and [`Optimizer`], which checks operands
-//! and dispatches by `match` on the configuration.
+//! and dispatches by `match` on the configuration, then on the parameter's device: host slices go
+//! to the CPU updates, CUDA buffers to the `sgd_step`/`adam_step` kernels (`device/cuda/optim.rs`),
+//! which follow the same rules with the same f32 roundings.
 //!
 //! Design: the pipeline runtime holds one [`Optimizer`] per stage. It owns the state of that
 //! stage's parameters only, indexed like the stage's parameter list, and steps once after all
@@ -33,6 +35,7 @@ pub use clip::{
 pub use sgd::SgdConfig;
 pub use state::{EXP_AVG, EXP_AVG_SQ, MOMENTUM_BUFFER, OPTIMIZER_STATE_PREFIX, ParamState, STEP, optimizer_state_name};
 
+use crate::tensor::{F32Mut, F32Ref};
 use crate::{DType, Error, Result, Tensor};
 
 /// Which optimizer, with its hyperparameters. Every field uses f64, as torch's Python floats do;
@@ -278,35 +281,61 @@ impl Optimizer {
         state.ensure_allocated(fields, param, &op)
     }
 
-    /// Applies one update whose operands [`Optimizer::prepare`] checked.
+    /// Applies one update whose operands [`Optimizer::prepare`] checked, on the parameter's
+    /// device: the CPU update of `sgd.rs`/`adam.rs` on host slices, or the same rule in the
+    /// `sgd_step`/`adam_step` kernels on this thread's stream of the parameter's GPU (which round
+    /// every scalar and elementwise operation as the CPU update does).
     fn apply(&mut self, param_idx: usize, param: &mut Tensor, grad: &Tensor) -> Result<()> {
+        let op = "optimizer step";
+        let name = self.config.name();
+        // Unreachable after `prepare` (which checks the devices), but an error rather than a panic.
+        let mismatch = || Error::DeviceMismatch {
+            op: format!("{name} step (parameter {param_idx})"),
+            lhs: format!("the gradient on {}", grad.device()),
+            rhs: "the parameter or its state on another device (call reset_state() after moving parameters)".into(),
+        };
         let state = &mut self.states[param_idx];
         let first_step = state.step == 0;
         let step = state.step + 1;
-        let param = param.as_f32_mut()?;
-        let grad = grad.as_f32()?;
+        let param = param.f32_mut(op)?;
+        let grad = grad.f32_ref(op)?;
         match &self.config {
             OptimizerConfig::Sgd(config) => {
-                let buffer = match state.momentum_buffer.as_mut() {
-                    Some(buffer) => Some(buffer.as_f32_mut()?),
-                    None => None,
-                };
-                sgd::sgd_update(config, param, grad, buffer, first_step);
+                let buffer = state.momentum_buffer.as_mut().map(|buffer| buffer.f32_mut(op)).transpose()?;
+                match (param, grad, buffer) {
+                    (F32Mut::Host(param), F32Ref::Host(grad), None) => {
+                        sgd::sgd_update(config, param, grad, None, first_step);
+                    }
+                    (F32Mut::Host(param), F32Ref::Host(grad), Some(F32Mut::Host(buffer))) => {
+                        sgd::sgd_update(config, param, grad, Some(buffer), first_step);
+                    }
+                    (F32Mut::Cuda(param), F32Ref::Cuda(grad), buffer) => {
+                        let buffer = match buffer {
+                            None => None,
+                            Some(F32Mut::Cuda(buffer)) => Some(buffer),
+                            Some(F32Mut::Host(_)) => return Err(mismatch()),
+                        };
+                        let stream = param.device().thread_stream()?;
+                        stream.sgd_step(param, grad, buffer, config, first_step)?;
+                    }
+                    _ => return Err(mismatch()),
+                }
             }
             OptimizerConfig::Adam(config) | OptimizerConfig::AdamW(config) => {
                 let decoupled = matches!(self.config, OptimizerConfig::AdamW(_));
                 let (Some(exp_avg), Some(exp_avg_sq)) = (state.exp_avg.as_mut(), state.exp_avg_sq.as_mut()) else {
                     return Err(Error::invalid("optimizer state", "Adam state was not allocated before the update"));
                 };
-                adam::adam_update(
-                    config,
-                    decoupled,
-                    step,
-                    param,
-                    grad,
-                    exp_avg.as_f32_mut()?,
-                    exp_avg_sq.as_f32_mut()?,
-                );
+                match (param, grad, exp_avg.f32_mut(op)?, exp_avg_sq.f32_mut(op)?) {
+                    (F32Mut::Host(param), F32Ref::Host(grad), F32Mut::Host(exp_avg), F32Mut::Host(exp_avg_sq)) => {
+                        adam::adam_update(config, decoupled, step, param, grad, exp_avg, exp_avg_sq);
+                    }
+                    (F32Mut::Cuda(param), F32Ref::Cuda(grad), F32Mut::Cuda(exp_avg), F32Mut::Cuda(exp_avg_sq)) => {
+                        let stream = param.device().thread_stream()?;
+                        stream.adam_step(param, grad, exp_avg, exp_avg_sq, config, decoupled, step)?;
+                    }
+                    _ => return Err(mismatch()),
+                }
             }
         }
         state.step = step;

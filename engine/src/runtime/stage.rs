@@ -127,15 +127,18 @@ impl Stage {
         }
     }
 
-    /// Clears step state and zeroes the gradients for a step of `n_micro_batches`.
-    pub fn begin_step(&mut self, n_micro_batches: usize) {
+    /// Clears step state and zeroes the gradients for a step of `n_micro_batches`. Fails (instead
+    /// of panicking) when a gradient cannot be zeroed: a shared one needs fresh bytes past the
+    /// budget, or a GPU memset fails.
+    pub fn begin_step(&mut self, n_micro_batches: usize) -> Result<()> {
         self.micro_batches = (0..n_micro_batches).map(|_| MicroBatchState::default()).collect();
         self.next_weight_micro_batch = 0;
         self.deferred_weight.clear();
         self.peak_activation_bytes = 0;
         for node in &mut self.nodes {
-            node.grads.iter_mut().for_each(Tensor::fill_zero);
+            node.grads.iter_mut().try_for_each(Tensor::try_fill_zero)?;
         }
+        Ok(())
     }
 
     /// Drops all step state (after a step or an abort); parameters are untouched.

@@ -333,7 +333,7 @@ fn execute(
         training: job.training,
     };
     for stage in stages.iter_mut() {
-        stage.begin_step(job.n_micro_batches);
+        stage.begin_step(job.n_micro_batches)?;
     }
     let device = stages.first().map(|s| s.device.clone()).expect("a worker holds at least one stage");
     let mut rec = OpRecorder { device_idx, device, started: job.started, events, cpu_times };

@@ -78,6 +78,17 @@ impl<T: CudaElement> CudaBuffer<T> {
     /// Allocates `len` zeroed elements on `device`, ordered on `stream`.
     pub(crate) fn zeros(device: &CudaDevice, stream: &Arc<RawStream>, len: usize) -> Result<Self> {
         let reservation = reserve::<T>(device, len)?;
+        CudaBuffer::zeros_reserved(device, stream, len, reservation)
+    }
+
+    /// Allocates `len` zeroed elements on `device` under a `reservation` already made for them
+    /// (e.g. past the budget, for `Tensor::fill_zero`), ordered on `stream`.
+    pub(crate) fn zeros_reserved(
+        device: &CudaDevice,
+        stream: &Arc<RawStream>,
+        len: usize,
+        reservation: Reservation,
+    ) -> Result<Self> {
         let slice =
             stream.alloc_zeros::<T>(len.max(1)).map_err(|err| allocation_error::<T>(device, len, &reservation, err))?;
         Ok(CudaBuffer { slice, len, device: device.clone(), _reservation: reservation })

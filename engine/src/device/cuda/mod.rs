@@ -29,6 +29,10 @@
 //! - `stream.rs`: [`CudaStream`], host↔device copies, launch configurations.
 //! - `transfer.rs`: device-to-device copies, between GPUs by peer access or staged through
 //!   pinned host memory.
+//! - `thread_streams.rs`: each thread's stream per GPU ([`CudaDevice::thread_stream`]) and the
+//!   synchronisation rule that makes tensors safe to hand between threads.
+//! - `storage.rs`: `CudaStorage`, a tensor's elements on a GPU (the payload of `Tensor`'s CUDA
+//!   storage), with upload, download, copies and zero-filling.
 //! - `gemm.rs`: cuBLAS matrix products. `compile.rs`: NVRTC and the kernel table.
 //! - `elementwise.rs`, `conv.rs`, `optim.rs`: the typed launch wrappers, one per kernel in
 //!   `device/kernels/*.cu`.
@@ -46,9 +50,12 @@ mod elementwise;
 mod errors;
 mod gemm;
 mod optim;
+mod storage;
 mod stream;
+mod thread_streams;
 mod transfer;
 
 pub use buffer::{CudaBuffer, CudaElement, DeviceMatRef, GemmElement};
 pub use device::CudaDevice;
+pub(crate) use storage::CudaStorage;
 pub use stream::CudaStream;

@@ -1,0 +1,166 @@
+//! Training on GPUs gives what training on CPUs gives: the `Trainer` trains a small MLP (Linear,
+//! ReLU, cross-entropy, SGD with momentum and gradient clipping) for a few steps on `cuda:0`, and
+//! as a 2-stage 1F1B pipeline on `cuda:0`,`cuda:1` (or, with one GPU, on two handles of `cuda:0`,
+//! two workers with their own streams and ledgers), and the weights, losses and predictions are
+//! compared with the same runs on CPU devices. The layers without a GPU path, given GPU tensors,
+//! fail with `Error::NotOnHost` (or another structured error), never a panic.
+//!
+//! Without the `cuda` feature, a driver or a GPU, the binary prints one line saying the CUDA
+//! cases were skipped and why; the CPU reference runs are still checked to be deterministic.
+//!
+//! # Tolerance
+//!
+//! cuBLAS and the reduction kernels sum in another order than the CPU kernels, so results are not
+//! bit-identical. Each product with inner dimension `k ≤ 32` may differ by `2·(k + 1)·u ≈ 4e-6`
+//! of the magnitudes it sums (`u = 2⁻²⁴`); the elementwise kernels and the SGD update round as
+//! the CPU does. Over 3 steps of SGD (lr 0.05, momentum 0.9, gradients clipped to norm 1) each
+//! weight moves by at most `0.05·(1 + 1.9 + 2.71)·max|g| < 0.3·max|g|`, so its difference stays
+//! below `1e-6`, far within the bound we check:
+//! `max |w_gpu - w_cpu| / max(|w_cpu|, 1e-3) ≤ 1e-4` for every weight (as `common::max_rel_diff`
+//! computes it), `1e-5` relative on the reported losses, and `1e-4` (same formula) on the
+//! predicted logits.
+mod common;
+
+use std::sync::{Arc, Once};
+
+use common::{data, even_stages, max_rel_diff, weights};
+use conveyor::engine::optim::{OptimizerConfig, SgdConfig};
+use conveyor::engine::runtime::Trainer;
+use conveyor::engine::{CudaDevice, Device, Error, ForwardCtx, Layer, Tensor, init};
+use conveyor::layers::{
+    Add, AvgPool2d, Conv2d, Conv2dOptions, CrossEntropyLoss, Dropout, Embedding, GlobalAvgPool2d, LayerNorm, MaxPool2d,
+    MeanOverTokens, MultiheadSelfAttention, PositionalEmbedding,
+};
+use conveyor::schedules::ScheduleKind;
+use conveyor::zoo::mlp;
+
+const STEPS: u64 = 3;
+const DIMS: [usize; 4] = [12, 32, 32, 10];
+
+/// What one run produced: the weights, the loss of every step, and the logits predicted after.
+struct Run {
+    weights: Vec<(String, Vec<f32>)>,
+    losses: Vec<f64>,
+    predictions: Vec<(String, Vec<f32>)>,
+    peak_memory: Vec<u64>,
+}
+
+/// Trains the MLP on `devices` (one stage per device, 1F1B with 4 micro-batches).
+fn train(devices: Vec<Device>) -> anyhow::Result<Run> {
+    let graph = mlp(&DIMS, 5)?;
+    let stages = even_stages(&graph, devices.len());
+    let mut trainer = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
+        .devices(devices)
+        .stages(stages)
+        .schedule(ScheduleKind::OneFOneB, 1)
+        .micro_batches(4)
+        .optimizer(OptimizerConfig::Sgd(SgdConfig::new(0.05).with_momentum(0.9)))
+        .max_grad_norm(Some(1.0))
+        .seed(11)
+        .build()?;
+    let mut losses = Vec::new();
+    let mut peak_memory = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = data(16, &[DIMS[0]], DIMS[3], step);
+        let report = trainer.train_step(&x, &y)?;
+        losses.push(report.loss);
+        peak_memory = report.peak_memory;
+    }
+    let (x, _) = data(8, &[DIMS[0]], DIMS[3], 99);
+    let logits = trainer.predict(&x)?;
+    anyhow::ensure!(logits.device().same_device(&Device::host()), "predictions come back to the host");
+    Ok(Run {
+        weights: weights(&trainer),
+        losses,
+        predictions: vec![("logits".to_string(), logits.to_vec_f32())],
+        peak_memory,
+    })
+}
+
+/// How many GPUs there are; `None` (after printing once per test binary why) when there are none.
+fn gpus() -> Option<usize> {
+    static SKIPPED: Once = Once::new();
+    let why = match CudaDevice::count() {
+        Ok(count) if count > 0 => return Some(count),
+        Ok(_) => "the CUDA driver sees no GPU".to_string(),
+        Err(err) => err.to_string(),
+    };
+    SKIPPED.call_once(|| println!("CUDA cases skipped: {why}"));
+    None
+}
+
+fn compare(what: &str, gpu: &Run, cpu: &Run) {
+    let rel = max_rel_diff(&gpu.weights, &cpu.weights);
+    assert!(rel <= 1e-4, "{what}: weights differ from the CPU run by {rel:e} (relative)");
+    for (step, (g, c)) in gpu.losses.iter().zip(&cpu.losses).enumerate() {
+        assert!((g - c).abs() <= 1e-5 * c.abs(), "{what}: loss of step {step} is {g}, on CPU {c}");
+    }
+    let rel = max_rel_diff(&gpu.predictions, &cpu.predictions);
+    assert!(rel <= 1e-4, "{what}: predictions differ from the CPU run by {rel:e} (relative)");
+    assert!(gpu.peak_memory.iter().all(|&bytes| bytes > 0), "{what}: every GPU ledger counted the step");
+}
+
+#[test]
+fn an_mlp_trained_on_gpus_matches_the_cpu() {
+    let one_cpu = train(vec![Device::cpu(0)]).unwrap();
+    let two_cpus = train(vec![Device::cpu(0), Device::cpu(1)]).unwrap();
+    // The pipeline reproduces one device bit for bit on CPUs; the GPU runs are held to that reference.
+    assert!(one_cpu.weights == two_cpus.weights, "the CPU pipeline is not bit-exact");
+    let Some(count) = gpus() else { return };
+    let cuda = |ordinal: usize| Device::cuda(ordinal, None).unwrap();
+    let one_gpu = train(vec![cuda(0)]).unwrap();
+    compare("cuda:0", &one_gpu, &one_cpu);
+    // Two stages: on two GPUs (peer or staged copies between them), or on two handles of one GPU
+    // (two worker threads with their own streams, copies between two ledgers).
+    let (what, devices) =
+        if count >= 2 { ("cuda:0,cuda:1", vec![cuda(0), cuda(1)]) } else { ("cuda:0,cuda:0", vec![cuda(0), cuda(0)]) };
+    let two_gpus = train(devices).unwrap();
+    compare(what, &two_gpus, &two_cpus);
+}
+
+/// A layer, moved onto `device`, given `inputs` there: forward must be a structured error, not a
+/// panic (the layers without a GPU path read and write host memory).
+fn refuses_gpu_tensors(name: &str, mut layer: Box<dyn Layer>, inputs: &[&Tensor], device: &Device) {
+    layer.to_device(device).unwrap_or_else(|err| panic!("{name}: moving onto {device}: {err}"));
+    let inputs: Vec<Tensor> = inputs.iter().map(|t| t.to_device(device).unwrap()).collect();
+    let inputs: Vec<&Tensor> = inputs.iter().collect();
+    match layer.forward(&inputs, &ForwardCtx::train(3)) {
+        Err(Error::NotOnHost { device: on, .. }) => assert_eq!(on, device.to_string(), "{name}"),
+        Err(other) => panic!("{name} on {device}: expected NotOnHost, got {other}"),
+        Ok(_) => panic!("{name} on {device}: a host-only layer returned a result for GPU tensors"),
+    }
+}
+
+#[test]
+fn layers_without_a_gpu_path_refuse_gpu_tensors_without_panicking() {
+    if gpus().is_none() {
+        return;
+    }
+    let device = Device::cuda(0, None).unwrap();
+    let host = Device::host();
+    let mut rng = init::rng(1);
+    let image =
+        Tensor::from_vec((0..2 * 3 * 6 * 6).map(|i| (i % 7) as f32 * 0.1).collect(), [2, 3, 6, 6], &host).unwrap();
+    let tokens = Tensor::from_vec((0..2 * 4 * 8).map(|i| (i % 5) as f32 * 0.1).collect(), [2, 4, 8], &host).unwrap();
+    let ids = Tensor::from_vec(vec![0.0, 1.0, 2.0, 3.0], [2, 2], &host).unwrap();
+    let layers: Vec<(&str, Box<dyn Layer>, Vec<&Tensor>)> = vec![
+        ("Conv2d", Box::new(Conv2d::new(3, 4, (3, 3), Conv2dOptions::default(), &mut rng).unwrap()), vec![&image]),
+        ("MaxPool2d", Box::new(MaxPool2d::new((2, 2), (2, 2)).unwrap()), vec![&image]),
+        ("AvgPool2d", Box::new(AvgPool2d::new((2, 2), (2, 2)).unwrap()), vec![&image]),
+        ("GlobalAvgPool2d", Box::new(GlobalAvgPool2d::new()), vec![&image]),
+        ("LayerNorm", Box::new(LayerNorm::new(8).unwrap()), vec![&tokens]),
+        ("Embedding", Box::new(Embedding::new(5, 8, &mut rng).unwrap()), vec![&ids]),
+        ("Dropout", Box::new(Dropout::new(0.5).unwrap()), vec![&tokens]),
+        ("Add", Box::new(Add::new()), vec![&tokens, &tokens]),
+        (
+            "MultiheadSelfAttention",
+            Box::new(MultiheadSelfAttention::new(8, 2, false, &mut rng).unwrap()),
+            vec![&tokens],
+        ),
+        ("PositionalEmbedding", Box::new(PositionalEmbedding::new(4, 8, &mut rng).unwrap()), vec![&tokens]),
+        ("MeanOverTokens", Box::new(MeanOverTokens::new()), vec![&tokens]),
+    ];
+    for (name, layer, inputs) in layers {
+        refuses_gpu_tensors(name, layer, &inputs, &device);
+    }
+}
