@@ -77,6 +77,9 @@ pub struct CostModel {
     optimizer_step_s: f64,
     /// From the last device's last op to the optimizer steps' start (the commit round trip).
     commit_latency_s: f64,
+    /// Each device's own commit latency, overriding `commit_latency_s` (empty: none).
+    #[serde(skip)]
+    device_commit_latency_s: Vec<f64>,
     /// Seconds of individual ops, overriding `stage_costs` for those ops.
     #[serde(skip)]
     op_costs: HashMap<OpKey, f64>,
@@ -111,6 +114,7 @@ impl CostModel {
             message_bytes: vec![MessageBytes::default()],
             optimizer_step_s: 0.0,
             commit_latency_s: 0.0,
+            device_commit_latency_s: Vec::new(),
             op_costs: HashMap::new(),
             op_overheads: HashMap::new(),
             device_start_s: Vec::new(),
@@ -151,6 +155,19 @@ impl CostModel {
     /// The commit latency.
     pub fn commit_latency_s(&self) -> f64 {
         self.commit_latency_s
+    }
+
+    /// Gives each device its own commit latency (a measured run's: the commit reaches each
+    /// worker when the operating system wakes it). Devices past the list keep
+    /// [`CostModel::commit_latency_s`].
+    pub fn with_device_commit_latency_s(mut self, device_commit_latency_s: Vec<f64>) -> CostModel {
+        self.device_commit_latency_s = device_commit_latency_s;
+        self
+    }
+
+    /// The commit latency of `device_idx`.
+    pub fn device_commit_latency_s(&self, device_idx: usize) -> f64 {
+        self.device_commit_latency_s.get(device_idx).copied().unwrap_or(self.commit_latency_s)
     }
 
     /// Gives individual ops their own costs (a measured run's op durations): `(stage, op,
@@ -257,6 +274,9 @@ impl CostModel {
         non_negative("latency_s".into(), self.link.latency_s)?;
         non_negative("optimizer_step_s".into(), self.optimizer_step_s)?;
         non_negative("commit_latency_s".into(), self.commit_latency_s)?;
+        for (device_idx, &seconds) in self.device_commit_latency_s.iter().enumerate() {
+            non_negative(format!("commit latency of device {device_idx}"), seconds)?;
+        }
         let bandwidth = self.link.bandwidth_bytes_per_s;
         if bandwidth.is_nan() || bandwidth <= 0.0 {
             return Err(ScheduleError::InvalidCost { what: "bandwidth_bytes_per_s".into(), value: bandwidth });

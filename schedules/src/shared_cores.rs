@@ -172,13 +172,15 @@ pub fn simulate_with_core_slots(
             programs[d].get(positions[d]).is_none_or(|i| matches!(i, crate::instruction::Instruction::OptimizerStep))
         });
         if barrier_met && commit_at.is_none() {
-            commit_at = Some(free_since.iter().copied().fold(0.0, f64::max) + costs.commit_latency_s());
+            commit_at = Some(free_since.iter().copied().fold(0.0, f64::max));
         }
         // When each idle device's next op is ready, if it is.
         let ready_at = |device_idx: usize, arrivals: &HashMap<Message, f64>| -> Option<f64> {
             let instruction = *programs[device_idx].get(positions[device_idx])?;
             if matches!(instruction, crate::instruction::Instruction::OptimizerStep) {
-                return commit_at.filter(|&commit_s| commit_s <= now + EPSILON);
+                return commit_at
+                    .map(|commit_s| commit_s + costs.device_commit_latency_s(device_idx))
+                    .filter(|&ready_s| ready_s <= now + EPSILON);
             }
             // A device that has not started its program yet.
             if free_since[device_idx] > now + EPSILON {
@@ -249,7 +251,11 @@ pub fn simulate_with_core_slots(
         let next_end = running.iter().flatten().map(|&(_, end)| end).fold(f64::INFINITY, f64::min);
         let next_arrival = arrivals.values().copied().filter(|&a| a > now + EPSILON).fold(f64::INFINITY, f64::min);
         let next_start = free_since.iter().copied().filter(|&t| t > now + EPSILON).fold(f64::INFINITY, f64::min);
-        let next_commit = commit_at.filter(|&t| t > now + EPSILON).unwrap_or(f64::INFINITY);
+        let next_commit = commit_at
+            .into_iter()
+            .flat_map(|commit_s| (0..n_devices).map(move |d| commit_s + costs.device_commit_latency_s(d)))
+            .filter(|&t| t > now + EPSILON)
+            .fold(f64::INFINITY, f64::min);
         let next = next_end.min(next_arrival).min(next_start).min(next_commit);
         if !next.is_finite() {
             if positions.iter().zip(programs).all(|(&p, program)| p == program.len()) {

@@ -8,7 +8,7 @@
 //! is timed, so the simulation times ops in dependency order in one pass over the programs: a
 //! discrete-event simulation with one event per op, without an event queue. The optimizer steps
 //! wait for the commit, as in the runtime: every device done with its other ops, plus the cost
-//! model's commit latency.
+//! model's commit latency for that device.
 use std::collections::HashMap;
 
 use serde::Serialize;
@@ -77,13 +77,13 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationRepo
                 program.get(position).is_none_or(|instruction| *instruction == Instruction::OptimizerStep)
             })
         {
-            commit_at = Some(free_at.iter().copied().fold(0.0, f64::max) + costs.commit_latency_s());
+            commit_at = Some(free_at.iter().copied().fold(0.0, f64::max));
         }
         for (device_idx, program) in programs.iter().enumerate() {
             while let Some(&instruction) = program.get(positions[device_idx]) {
                 let ready_at = match instruction.recv_from(n_stages) {
                     None if instruction == Instruction::OptimizerStep => match commit_at {
-                        Some(commit_s) => commit_s,
+                        Some(commit_s) => commit_s + costs.device_commit_latency_s(device_idx),
                         None => break,
                     },
                     Some(message) => match arrivals.remove(&message) {
@@ -247,6 +247,15 @@ mod tests {
                 .collect();
             assert!(steps.contains(&(0, 4.5, 6.5)) && steps.contains(&(1, 4.5, 5.5)), "{steps:?}");
             assert_eq!(report.makespan_s, 6.5);
+        }
+        // The commit reaches device 1 a second later than device 0.
+        let late = costs.clone().with_device_commit_latency_s(vec![0.5, 1.5]);
+        for report in
+            [simulate(&schedule, &late).unwrap(), crate::simulate_with_core_slots(&schedule, &late, 2, 0.0).unwrap()]
+        {
+            let device_1 =
+                report.timeline.events.iter().find(|e| e.device_idx == 1 && e.op == OpKind::OptimizerStep).unwrap();
+            assert_eq!((device_1.start_s, device_1.end_s), (5.5, 6.5));
         }
         let negative = CostModel::default().with_commit_latency_s(-1.0);
         assert!(matches!(simulate(&schedule, &negative), Err(ScheduleError::InvalidCost { .. })));

@@ -92,10 +92,10 @@ pub fn measured_costs(timeline: &conveyor::schedules::Timeline, n_stages: usize)
     // sends and bookkeeping count, up to the next event (but never the wait for the commit
     // before the optimizer step).
     let mut until_next = std::collections::HashMap::new();
-    // When the commit reached the first device: its optimizer step, or its wait for a core to run
+    // When the commit reached each device: its optimizer step, or its wait for a core to run
     // that step, starts.
-    let mut commit_s = f64::INFINITY;
-    for d in 0..timeline.n_devices {
+    let mut commit_s = vec![f64::INFINITY; timeline.n_devices];
+    for (d, device_commit_s) in commit_s.iter_mut().enumerate() {
         let mut events: Vec<_> = timeline.events.iter().filter(|e| e.device_idx == d && e.op != OpKind::Send).collect();
         events.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
         for (idx, pair) in events.windows(2).enumerate() {
@@ -105,7 +105,7 @@ pub fn measured_costs(timeline: &conveyor::schedules::Timeline, n_stages: usize)
                 || (pair[1].op == OpKind::CoreWait
                     && events.get(idx + 2).is_some_and(|next| next.op == OpKind::OptimizerStep));
             if before_optimizer {
-                commit_s = commit_s.min(pair[1].start_s);
+                *device_commit_s = device_commit_s.min(pair[1].start_s);
             }
             if pair[0].op.is_compute() && !before_optimizer && pair[1].start_s >= pair[0].end_s {
                 until_next.insert(
@@ -167,14 +167,73 @@ pub fn measured_costs(timeline: &conveyor::schedules::Timeline, n_stages: usize)
         .filter(|e| e.op.is_compute() && e.op != OpKind::OptimizerStep)
         .map(|e| e.end_s)
         .fold(f64::NEG_INFINITY, f64::max);
-    let commit_latency_s =
-        if commit_s.is_finite() && last_op_end_s.is_finite() { (commit_s - last_op_end_s).max(0.0) } else { 0.0 };
+    // Each worker's own: the commit reaches each when the operating system wakes it.
+    let device_commit_latency_s: Vec<f64> = commit_s
+        .iter()
+        .map(|&s| if s.is_finite() && last_op_end_s.is_finite() { (s - last_op_end_s).max(0.0) } else { 0.0 })
+        .collect();
+    let commit_latency_s = device_commit_latency_s.iter().copied().fold(f64::INFINITY, f64::min);
+    let commit_latency_s = if commit_latency_s.is_finite() { commit_latency_s } else { 0.0 };
     mean_costs(timeline.events.iter().map(|e| (e.stage_idx, e.op, e.duration_s())), n_stages)
         .with_commit_latency_s(commit_latency_s)
+        .with_device_commit_latency_s(device_commit_latency_s)
         .with_op_costs(op_costs)
         .with_op_overheads(op_overheads)
         .with_device_start_s(device_start_s)
         .with_device_optimizer_step_s(device_optimizer_step_s)
+}
+
+/// The mean time from a message's send (the end of its sender's occupancy of its device) to the
+/// end of its receiver's wait for it: the delivery latency, chiefly the operating system waking
+/// the sleeping receiver. Only messages someone waited for count; 0 when there are none.
+pub fn delivery_latency_s(timeline: &conveyor::schedules::Timeline) -> f64 {
+    use conveyor::schedules::OpKind;
+    let mut per_device: Vec<Vec<&conveyor::schedules::TimelineEvent>> = vec![Vec::new(); timeline.n_devices];
+    for e in timeline.events.iter().filter(|e| e.op != OpKind::Send) {
+        per_device[e.device_idx].push(e);
+    }
+    for events in &mut per_device {
+        events.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
+    }
+    // When each compute op let go of its device: the device's next event, or the op's end.
+    let mut released = std::collections::HashMap::new();
+    for events in &per_device {
+        for (idx, e) in events.iter().enumerate() {
+            if let (true, Some(stage_idx), Some(micro_batch_idx)) = (e.op.is_compute(), e.stage_idx, e.micro_batch_idx)
+            {
+                let next = events.get(idx + 1).map_or(e.end_s, |next| next.start_s.max(e.end_s));
+                released.insert((e.device_idx, stage_idx, e.op, micro_batch_idx), next);
+            }
+        }
+    }
+    let (mut sum, mut count) = (0.0, 0usize);
+    for events in &per_device {
+        for pair in events.windows(2) {
+            let (wait, op) = (pair[0], pair[1]);
+            let (Some(stage_idx), Some(micro_batch_idx)) = (op.stage_idx, op.micro_batch_idx) else { continue };
+            if wait.op != OpKind::Wait {
+                continue;
+            }
+            // The sender: the previous stage's forward, or the next stage's backward.
+            let senders: &[(usize, OpKind)] = match op.op {
+                OpKind::Forward if stage_idx > 0 => &[(stage_idx - 1, OpKind::Forward)],
+                OpKind::BackwardInput | OpKind::Backward => {
+                    &[(stage_idx + 1, OpKind::BackwardInput), (stage_idx + 1, OpKind::Backward)]
+                }
+                _ => continue,
+            };
+            let sent = released.iter().find(|((d, s, kind, mb), _)| {
+                *d != op.device_idx && *mb == micro_batch_idx && senders.contains(&(*s, *kind))
+            });
+            if let Some((_, &sent_s)) = sent
+                && wait.end_s >= sent_s
+            {
+                sum += wait.end_s - sent_s;
+                count += 1;
+            }
+        }
+    }
+    if count == 0 { 0.0 } else { sum / count as f64 }
 }
 
 /// Per-stage mean op costs from the ops' thread CPU times: what each op costs with a core to
