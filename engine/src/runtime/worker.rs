@@ -196,31 +196,24 @@ fn wait_for_commit(
     abort: &Receiver<()>,
     poll: bool,
 ) -> std::result::Result<Commit, Aborted> {
-    if poll {
-        let deadline = Instant::now() + POLL_FOR_COMMIT;
-        while Instant::now() < deadline {
-            match commit.try_recv() {
-                Ok(commit) => return Ok(commit),
-                Err(crossbeam::channel::TryRecvError::Disconnected) => return Err(Aborted),
-                Err(crossbeam::channel::TryRecvError::Empty) => {}
-            }
-            if aborted(abort) {
-                return Err(Aborted);
-            }
-            std::thread::yield_now();
-        }
-    }
-    select! {
-        recv(commit) -> c => c.map_err(|_| Aborted),
-        recv(abort) -> _ => Err(Aborted),
-    }
+    poll_then_block(commit, abort, if poll { POLL_FOR_COMMIT } else { std::time::Duration::ZERO })
 }
 
 fn recv(rx: &Receiver<Message>, abort: &Receiver<()>) -> std::result::Result<Message, Aborted> {
-    let deadline = Instant::now() + POLL_BEFORE_SLEEP;
+    poll_then_block(rx, abort, POLL_BEFORE_SLEEP)
+}
+
+/// Receives from `rx`: polls for up to `window` (at least once), yielding the core between tries,
+/// then sleeps until a value or the abort comes.
+fn poll_then_block<T>(
+    rx: &Receiver<T>,
+    abort: &Receiver<()>,
+    window: std::time::Duration,
+) -> std::result::Result<T, Aborted> {
+    let deadline = Instant::now() + window;
     loop {
         match rx.try_recv() {
-            Ok(message) => return Ok(message),
+            Ok(value) => return Ok(value),
             Err(crossbeam::channel::TryRecvError::Disconnected) => return Err(Aborted),
             Err(crossbeam::channel::TryRecvError::Empty) => {}
         }
@@ -233,7 +226,7 @@ fn recv(rx: &Receiver<Message>, abort: &Receiver<()>) -> std::result::Result<Mes
         std::thread::yield_now();
     }
     select! {
-        recv(rx) -> msg => msg.map_err(|_| Aborted),
+        recv(rx) -> value => value.map_err(|_| Aborted),
         recv(abort) -> _ => Err(Aborted),
     }
 }
