@@ -16,8 +16,8 @@ use crate::cost::CostModel;
 use crate::error::{BlockedDevice, ScheduleError, Wait};
 use crate::instruction::Message;
 use crate::schedule::Schedule;
-use crate::simulate::{SimulationReport, op_cost, transfer_s};
-use crate::timeline::{Timeline, TimelineEvent};
+use crate::simulate::{SimulationReport, busy_end_s, instruction_event, op_cost, transfer_s};
+use crate::timeline::{OpKind, Timeline};
 
 /// Simulates `schedule` under `costs` with the devices sharing `n_cores` cores.
 ///
@@ -103,14 +103,7 @@ pub fn simulate_on_cores(
             if let Some(message) = instruction.recv_from(n_stages) {
                 arrivals.remove(&message);
             }
-            timeline.events.push(TimelineEvent {
-                device_idx,
-                stage_idx: instruction.stage_idx(),
-                op: instruction.op_kind(),
-                micro_batch_idx: instruction.micro_batch_idx(),
-                start_s,
-                end_s: now,
-            });
+            timeline.events.push(instruction_event(device_idx, instruction, instruction.op_kind(), start_s, now));
             if let Some(message) = instruction.send_to(n_stages) {
                 arrivals.insert(message, now + transfer_s(schedule, costs, message));
             }
@@ -216,14 +209,13 @@ pub fn simulate_with_core_slots(
             let instruction = programs[device_idx][positions[device_idx]];
             let waits_for_commit = matches!(instruction, crate::instruction::Instruction::OptimizerStep);
             if ready_at > free_since[device_idx] + EPSILON && !waits_for_commit {
-                timeline.events.push(TimelineEvent {
+                timeline.events.push(instruction_event(
                     device_idx,
-                    stage_idx: instruction.stage_idx(),
-                    op: crate::timeline::OpKind::Wait,
-                    micro_batch_idx: instruction.micro_batch_idx(),
-                    start_s: free_since[device_idx],
-                    end_s: ready_at,
-                });
+                    instruction,
+                    OpKind::Wait,
+                    free_since[device_idx],
+                    ready_at,
+                ));
             }
             queued_at[device_idx] = Some(now);
             queue.push_back(device_idx);
@@ -236,14 +228,7 @@ pub fn simulate_with_core_slots(
             // The device was asleep: it runs once the operating system has woken it.
             let start_s = now + wake_latency_s;
             if start_s > since + EPSILON {
-                timeline.events.push(TimelineEvent {
-                    device_idx,
-                    stage_idx: instruction.stage_idx(),
-                    op: crate::timeline::OpKind::CoreWait,
-                    micro_batch_idx: instruction.micro_batch_idx(),
-                    start_s: since,
-                    end_s: start_s,
-                });
+                timeline.events.push(instruction_event(device_idx, instruction, OpKind::CoreWait, since, start_s));
             }
             running[device_idx] = Some((start_s, start_s + op_cost(costs, device_idx, instruction)));
             holding[device_idx] = true;
@@ -281,14 +266,13 @@ pub fn simulate_with_core_slots(
             if let Some(message) = instruction.recv_from(n_stages) {
                 arrivals.remove(&message);
             }
-            timeline.events.push(TimelineEvent {
+            timeline.events.push(instruction_event(
                 device_idx,
-                stage_idx: instruction.stage_idx(),
-                op: instruction.op_kind(),
-                micro_batch_idx: instruction.micro_batch_idx(),
+                instruction,
+                instruction.op_kind(),
                 start_s,
-                end_s: crate::simulate::busy_end_s(costs, instruction, start_s, end_s),
-            });
+                busy_end_s(costs, instruction, start_s, end_s),
+            ));
             if let Some(message) = instruction.send_to(n_stages) {
                 arrivals.insert(message, end_s + transfer_s(schedule, costs, message));
             }

@@ -95,24 +95,22 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationRepo
                 let start_s = free_at[device_idx].max(ready_at);
                 // The wait for the commit is not a wait for input: no `Wait` event for it.
                 if start_s > free_at[device_idx] && instruction != Instruction::OptimizerStep {
-                    timeline.events.push(TimelineEvent {
+                    timeline.events.push(instruction_event(
                         device_idx,
-                        stage_idx: instruction.stage_idx(),
-                        op: OpKind::Wait,
-                        micro_batch_idx: instruction.micro_batch_idx(),
-                        start_s: free_at[device_idx],
-                        end_s: start_s,
-                    });
+                        instruction,
+                        OpKind::Wait,
+                        free_at[device_idx],
+                        start_s,
+                    ));
                 }
                 let end_s = start_s + op_cost(costs, device_idx, instruction);
-                timeline.events.push(TimelineEvent {
+                timeline.events.push(instruction_event(
                     device_idx,
-                    stage_idx: instruction.stage_idx(),
-                    op: instruction.op_kind(),
-                    micro_batch_idx: instruction.micro_batch_idx(),
+                    instruction,
+                    instruction.op_kind(),
                     start_s,
-                    end_s: busy_end_s(costs, instruction, start_s, end_s),
-                });
+                    busy_end_s(costs, instruction, start_s, end_s),
+                ));
                 if let Some(message) = instruction.send_to(n_stages) {
                     let arrival = end_s + transfer_s(schedule, costs, message);
                     if arrival > end_s {
@@ -167,6 +165,25 @@ pub(crate) fn op_cost(costs: &CostModel, device_idx: usize, instruction: Instruc
         Instruction::BackwardWeight { .. } => stage.backward_weight_s,
         Instruction::Backward { .. } => stage.backward_s(),
         Instruction::OptimizerStep => costs.device_optimizer_step_s(device_idx),
+    }
+}
+
+/// The timeline event of `op` (the instruction itself, or a wait before it) on `device_idx`,
+/// with the instruction's stage and micro-batch.
+pub(crate) fn instruction_event(
+    device_idx: usize,
+    instruction: Instruction,
+    op: OpKind,
+    start_s: f64,
+    end_s: f64,
+) -> TimelineEvent {
+    TimelineEvent {
+        device_idx,
+        stage_idx: instruction.stage_idx(),
+        op,
+        micro_batch_idx: instruction.micro_batch_idx(),
+        start_s,
+        end_s,
     }
 }
 

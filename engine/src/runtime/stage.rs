@@ -69,6 +69,9 @@ pub(crate) struct Stage {
     pub output_node: Option<NodeId>,
     pub recompute: Recompute,
     pub optimizer: Optimizer,
+    /// Per node, per input: whether the input takes a gradient. An input neither on this stage
+    /// nor received from another (a graph input, such as the data) takes none.
+    input_needs_grad: Vec<Vec<bool>>,
     micro_batches: Vec<MicroBatchState>,
     next_weight_micro_batch: usize,
     deferred_weight: BTreeSet<usize>,
@@ -110,7 +113,19 @@ impl Stage {
         recompute: Recompute,
         optimizer: Optimizer,
     ) -> Stage {
+        let input_needs_grad = nodes
+            .iter()
+            .map(|node| {
+                node.inputs
+                    .iter()
+                    .map(|input| {
+                        nodes.iter().any(|n| n.id == *input) || recv_from.iter().any(|r| r.nodes.contains(input))
+                    })
+                    .collect()
+            })
+            .collect();
         Stage {
+            input_needs_grad,
             stage_idx,
             device,
             nodes,
@@ -320,16 +335,7 @@ impl Stage {
             let node_saved = saved[j].as_ref().ok_or_else(|| {
                 Error::invalid("backward", format!("stage {stage_idx}: node `{}` has no saved activations", node.name))
             })?;
-            // An input neither on this stage nor received from another (a graph input) takes
-            // no gradient.
-            let needed: Vec<bool> = node
-                .inputs
-                .iter()
-                .map(|&input| {
-                    self.local_index(input).is_some() || self.recv_from.iter().any(|r| r.nodes.contains(&input))
-                })
-                .collect();
-            let input_grads = node.layer.backward_input_for(node_saved, grad, &needed)?;
+            let input_grads = node.layer.backward_input_for(node_saved, grad, &self.input_needs_grad[j])?;
             for (&input, input_grad) in node.inputs.iter().zip(input_grads) {
                 let Some(input_grad) = input_grad else { continue };
                 if let Some(k) = self.local_index(input) {

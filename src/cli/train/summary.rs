@@ -1,6 +1,7 @@
 //! The end-of-run summary of `conveyor train`: accuracy on the held-out rows, and the bubble
-//! summary (measured on the last step, against schedule theory and the simulator fed the measured
-//! per-stage costs).
+//! summary's inputs: the cost model a measured step gives the simulator (each op's duration and
+//! occupancy, device starts, optimizer steps, commit arrivals, message delivery latency), so the
+//! caller can set the measured bubble beside the simulated one and schedule theory.
 use conveyor::data::Dataset;
 use conveyor::engine::Tensor;
 use conveyor::engine::runtime::{StepReport, Trainer};
@@ -95,9 +96,7 @@ pub fn measured_costs(timeline: &conveyor::schedules::Timeline, n_stages: usize)
     // When the commit reached each device: its optimizer step, or its wait for a core to run
     // that step, starts.
     let mut commit_s = vec![f64::INFINITY; timeline.n_devices];
-    for (d, device_commit_s) in commit_s.iter_mut().enumerate() {
-        let mut events: Vec<_> = timeline.events.iter().filter(|e| e.device_idx == d && e.op != OpKind::Send).collect();
-        events.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
+    for ((d, device_commit_s), events) in commit_s.iter_mut().enumerate().zip(events_by_device(timeline)) {
         for (idx, pair) in events.windows(2).enumerate() {
             // The wait for the commit is not the op's: its next event is the optimizer step, or
             // the wait for a core to run it.
@@ -188,21 +187,16 @@ pub fn measured_costs(timeline: &conveyor::schedules::Timeline, n_stages: usize)
 /// the sleeping receiver. Only messages someone waited for count; 0 when there are none.
 pub fn delivery_latency_s(timeline: &conveyor::schedules::Timeline) -> f64 {
     use conveyor::schedules::OpKind;
-    let mut per_device: Vec<Vec<&conveyor::schedules::TimelineEvent>> = vec![Vec::new(); timeline.n_devices];
-    for e in timeline.events.iter().filter(|e| e.op != OpKind::Send) {
-        per_device[e.device_idx].push(e);
-    }
-    for events in &mut per_device {
-        events.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
-    }
-    // When each compute op let go of its device: the device's next event, or the op's end.
+    let per_device = events_by_device(timeline);
+    // When each compute op let go of its device (the device's next event, or the op's end), and
+    // on which device: each (stage, op, micro-batch) runs once a step.
     let mut released = std::collections::HashMap::new();
     for events in &per_device {
         for (idx, e) in events.iter().enumerate() {
             if let (true, Some(stage_idx), Some(micro_batch_idx)) = (e.op.is_compute(), e.stage_idx, e.micro_batch_idx)
             {
                 let next = events.get(idx + 1).map_or(e.end_s, |next| next.start_s.max(e.end_s));
-                released.insert((e.device_idx, stage_idx, e.op, micro_batch_idx), next);
+                released.insert((stage_idx, e.op, micro_batch_idx), (e.device_idx, next));
             }
         }
     }
@@ -222,10 +216,9 @@ pub fn delivery_latency_s(timeline: &conveyor::schedules::Timeline) -> f64 {
                 }
                 _ => continue,
             };
-            let sent = released.iter().find(|((d, s, kind, mb), _)| {
-                *d != op.device_idx && *mb == micro_batch_idx && senders.contains(&(*s, *kind))
-            });
-            if let Some((_, &sent_s)) = sent
+            let sent = senders.iter().find_map(|&(s, kind)| released.get(&(s, kind, micro_batch_idx)));
+            if let Some(&(sender_device, sent_s)) = sent
+                && sender_device != op.device_idx
                 && wait.end_s >= sent_s
             {
                 sum += wait.end_s - sent_s;
@@ -234,6 +227,18 @@ pub fn delivery_latency_s(timeline: &conveyor::schedules::Timeline) -> f64 {
         }
     }
     if count == 0 { 0.0 } else { sum / count as f64 }
+}
+
+/// Each device's events other than sends, in start order, device 0 first.
+fn events_by_device(timeline: &conveyor::schedules::Timeline) -> Vec<Vec<&conveyor::schedules::TimelineEvent>> {
+    let mut per_device: Vec<Vec<&conveyor::schedules::TimelineEvent>> = vec![Vec::new(); timeline.n_devices];
+    for e in timeline.events.iter().filter(|e| e.op != conveyor::schedules::OpKind::Send) {
+        per_device[e.device_idx].push(e);
+    }
+    for events in &mut per_device {
+        events.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
+    }
+    per_device
 }
 
 /// Per-stage mean op costs from the ops' thread CPU times: what each op costs with a core to
