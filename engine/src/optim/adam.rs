@@ -99,6 +99,43 @@ impl AdamConfig {
     }
 }
 
+/// The f32 scalars of one Adam/AdamW update, rounded where torch rounds them, shared by the CPU
+/// update and the CUDA kernel's launch so both devices apply the same numbers.
+pub(crate) struct AdamScalars {
+    /// `1 - lr · weight_decay` (AdamW's decoupled decay).
+    pub decay_factor: f32,
+    pub weight_decay: f32,
+    /// `1 - beta1`, the weight of `lerp(m, g, ·)`.
+    pub lerp_weight: f32,
+    pub beta2: f32,
+    pub one_minus_beta2: f32,
+    /// `-lr / (1 - beta1^step)`.
+    pub neg_step_size: f32,
+    /// `sqrt(1 - beta2^step)`.
+    pub bias_correction2_sqrt: f32,
+    pub eps: f32,
+}
+
+impl AdamScalars {
+    /// The scalars for update number `step` (1 on the first).
+    pub(crate) fn new(config: &AdamConfig, step: u64) -> AdamScalars {
+        // Python-float scalars, as torch computes them from `step = state["step"].item()`.
+        let step = step as f64;
+        let bias_correction1 = 1.0 - config.beta1.powf(step);
+        let bias_correction2 = 1.0 - config.beta2.powf(step);
+        AdamScalars {
+            decay_factor: (1.0 - config.lr * config.weight_decay) as f32,
+            weight_decay: config.weight_decay as f32,
+            lerp_weight: (1.0 - config.beta1) as f32,
+            beta2: config.beta2 as f32,
+            one_minus_beta2: (1.0 - config.beta2) as f32,
+            neg_step_size: (-(config.lr / bias_correction1)) as f32,
+            bias_correction2_sqrt: bias_correction2.sqrt() as f32,
+            eps: config.eps as f32,
+        }
+    }
+}
+
 /// One Adam/AdamW update of one parameter, in place. `step` is the step count after incrementing
 /// (1 on the first update). Lengths were checked equal by the caller.
 pub(crate) fn adam_update(
@@ -111,19 +148,16 @@ pub(crate) fn adam_update(
     exp_avg_sq: &mut [f32],
 ) {
     let apply_weight_decay = config.weight_decay != 0.0;
-    let decay_factor = (1.0 - config.lr * config.weight_decay) as f32;
-    let weight_decay = config.weight_decay as f32;
-    let lerp_weight = (1.0 - config.beta1) as f32;
-    let beta2 = config.beta2 as f32;
-    let one_minus_beta2 = (1.0 - config.beta2) as f32;
-
-    // Python-float scalars, as torch computes them from `step = state["step"].item()`.
-    let step = step as f64;
-    let bias_correction1 = 1.0 - config.beta1.powf(step);
-    let bias_correction2 = 1.0 - config.beta2.powf(step);
-    let neg_step_size = (-(config.lr / bias_correction1)) as f32;
-    let bias_correction2_sqrt = bias_correction2.sqrt() as f32;
-    let eps = config.eps as f32;
+    let AdamScalars {
+        decay_factor,
+        weight_decay,
+        lerp_weight,
+        beta2,
+        one_minus_beta2,
+        neg_step_size,
+        bias_correction2_sqrt,
+        eps,
+    } = AdamScalars::new(config, step);
 
     let elements = param.iter_mut().zip(grad).zip(exp_avg.iter_mut()).zip(exp_avg_sq.iter_mut());
     for (((p, &grad), m), v) in elements {

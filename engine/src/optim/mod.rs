@@ -22,7 +22,7 @@
 //! **API Boundary:** [`Optimizer::step`] either updates every parameter or, when an operand is
 //! wrong (count, dtype, shape, device) or the state does not fit the budget, returns the error
 //! before touching any parameter.
-mod adam;
+pub(crate) mod adam;
 mod clip;
 mod sgd;
 mod state;

@@ -109,22 +109,18 @@ impl CudaStream {
             (true, false) => 1,
             (true, true) => 2,
         };
-        let decay_factor = (1.0 - config.lr * config.weight_decay) as f32;
-        let weight_decay = config.weight_decay as f32;
-        let lerp_weight = (1.0 - config.beta1) as f32;
-        let beta2 = config.beta2 as f32;
-        let one_minus_beta2 = (1.0 - config.beta2) as f32;
-        let step = step as f64;
-        let bias_correction1 = 1.0 - config.beta1.powf(step);
-        let bias_correction2 = 1.0 - config.beta2.powf(step);
-        let neg_step_size = (-(config.lr / bias_correction1)) as f32;
-        let bias_correction2_sqrt = bias_correction2.sqrt() as f32;
-        let eps = config.eps as f32;
+        let scalars = crate::optim::adam::AdamScalars::new(config, step);
         let function = self.kernels()?.get(kernel);
         let mut launch = self.raw.launch_builder(function);
         launch.arg(&mut param.slice).arg(&grad.slice).arg(&mut exp_avg.slice).arg(&mut exp_avg_sq.slice);
-        launch.arg(&lerp_weight).arg(&beta2).arg(&one_minus_beta2).arg(&eps).arg(&weight_decay).arg(&decay_factor);
-        launch.arg(&weight_decay_mode).arg(&neg_step_size).arg(&bias_correction2_sqrt).arg(&n);
+        launch
+            .arg(&scalars.lerp_weight)
+            .arg(&scalars.beta2)
+            .arg(&scalars.one_minus_beta2)
+            .arg(&scalars.eps)
+            .arg(&scalars.weight_decay)
+            .arg(&scalars.decay_factor);
+        launch.arg(&weight_decay_mode).arg(&scalars.neg_step_size).arg(&scalars.bias_correction2_sqrt).arg(&n);
         // SAFETY: reads n floats of grad and reads and writes n floats of p, m and v (checked).
         unsafe { launch.launch(self.grid_stride(n)) }.map(drop).map_err(|err| self.launch_error(kernel, err))
     }
