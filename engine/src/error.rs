@@ -114,6 +114,54 @@ pub enum Error {
         /// What went wrong (an error's message or a panic's payload).
         message: String,
     },
+    /// A step's loss or gradients were not finite (NaN or infinity): the step was not committed,
+    /// so every parameter and optimizer state is that of the last good step.
+    #[error(
+        "step {step_idx}: the {what} is not finite on stage {stage_idx} ({device}){}{}; the step was not committed \
+         and the parameters are those of the last good step; lower the learning rate, clip the gradient norm, \
+         check the data for NaN or infinity, or skip such steps (`--on-nonfinite skip`)",
+        micro_batch_idx.map(|m| format!(" in micro-batch {m}")).unwrap_or_default(),
+        parameter.as_ref().map(|p| format!(", first affected parameter `{p}`")).unwrap_or_default()
+    )]
+    NonFiniteStep {
+        /// The step (0-based count of committed steps before it).
+        step_idx: u64,
+        /// The first stage, in stage order, that reported a non-finite value.
+        stage_idx: usize,
+        /// Its device.
+        device: String,
+        /// What was not finite.
+        what: NonFinite,
+        /// The micro-batch whose loss was not finite, for a loss.
+        micro_batch_idx: Option<usize>,
+        /// The first parameter (graph order) whose gradient was not finite, if any.
+        parameter: Option<String>,
+    },
+    /// A worker thread panicked outside any layer op (its loop, a channel, a callback); the step
+    /// was abandoned and nothing was committed.
+    #[error(
+        "the worker of device {device_idx} ({device}) panicked: {message}; the step was abandoned and no parameter \
+         changed"
+    )]
+    WorkerPanicked {
+        /// The worker (pipeline device or tensor-parallel group).
+        device_idx: usize,
+        /// Its device.
+        device: String,
+        /// The panic's message.
+        message: String,
+    },
+    /// An optimizer update failed on a stage that kept no undo snapshot (the memory plan dropped it),
+    /// after other stages had applied theirs: the trainer's parameters are no longer one step's, and
+    /// it refuses further work.
+    #[error(
+        "the trainer is unusable: {reason}; reload the parameters and optimizer state from the last checkpoint \
+         (`--resume`) into a new trainer"
+    )]
+    Poisoned {
+        /// What left the parameters inconsistent.
+        reason: String,
+    },
     /// A collective operation could not complete on one rank of a process group (a peer sent the
     /// wrong message or none in time, a peer's handle was dropped, or the arguments were invalid).
     #[error(
@@ -155,6 +203,24 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// What a [`Error::NonFiniteStep`] found not finite.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NonFinite {
+    /// The loss of a micro-batch.
+    Loss,
+    /// A parameter's gradient.
+    Gradient,
+}
+
+impl std::fmt::Display for NonFinite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            NonFinite::Loss => "loss",
+            NonFinite::Gradient => "gradient",
+        })
+    }
 }
 
 impl Error {

@@ -18,13 +18,13 @@ mod layer;
 pub mod optim;
 pub mod placement;
 pub mod runtime;
-pub mod trace;
 mod shape;
 mod tensor;
+pub mod trace;
 
 pub use device::{CpuDevice, CudaDevice, Device};
 pub use dtype::DType;
-pub use error::{Error, Result};
+pub use error::{Error, NonFinite, Result};
 pub use layer::{ForwardCtx, Layer, LayerCost, Loss, Parameter, Saved};
 pub use shape::Shape;
 pub use tensor::Tensor;

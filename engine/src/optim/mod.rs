@@ -26,6 +26,7 @@ pub(crate) mod adam;
 mod clip;
 mod sgd;
 mod state;
+mod undo;
 mod unsplit;
 
 pub use adam::AdamConfig;
@@ -34,6 +35,7 @@ pub use clip::{
 };
 pub use sgd::SgdConfig;
 pub use state::{EXP_AVG, EXP_AVG_SQ, MOMENTUM_BUFFER, OPTIMIZER_STATE_PREFIX, ParamState, STEP, optimizer_state_name};
+pub use undo::StateSnapshot;
 
 use crate::tensor::{F32Mut, F32Ref};
 use crate::{DType, Error, Result, Tensor};

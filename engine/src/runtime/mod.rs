@@ -84,18 +84,68 @@ impl std::str::FromStr for CoreSlotPolicy {
     }
 }
 
-/// A deliberate failure, for testing fault handling: the given op of the given stage and
-/// micro-batch returns an error (or panics) instead of computing.
+/// Where a [`FaultInjection`] strikes: a compute op, a message, or a phase of the commit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultPoint {
+    /// A compute op of the schedule (Forward, BackwardInput, BackwardWeight, Backward, Recompute).
+    Op(OpKind),
+    /// Sending the stage's message of the micro-batch (activations forward, gradients backward).
+    Send,
+    /// Receiving a message for the stage's micro-batch.
+    Receive,
+    /// The commit's prepare phase (finiteness, optimizer state, undo snapshot), before the vote.
+    Prepare,
+    /// The stage's vote.
+    Vote,
+    /// The commit's apply phase (the optimizer update), after every stage voted ready: the step is
+    /// then rolled back on every stage from its undo snapshot.
+    Apply,
+    /// The worker's own loop, outside any op, message or phase (only `panic: true` means anything
+    /// here: the worker panics where no op catches it, as a bug in the runtime would).
+    WorkerLoop,
+}
+
+impl FaultPoint {
+    /// The name errors and traces give the point.
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultPoint::Op(op) => crate::trace::op_name(op),
+            FaultPoint::Send => "send",
+            FaultPoint::Receive => "receive",
+            FaultPoint::Prepare => "prepare",
+            FaultPoint::Vote => "vote",
+            FaultPoint::Apply => "apply",
+            FaultPoint::WorkerLoop => "worker loop",
+        }
+    }
+
+    /// Whether the point concerns one micro-batch (the commit's phases concern the whole step).
+    pub fn has_micro_batch(self) -> bool {
+        matches!(self, FaultPoint::Op(_) | FaultPoint::Send | FaultPoint::Receive)
+    }
+}
+
+/// A deliberate failure, for testing fault handling: the given point of the given stage and
+/// micro-batch returns an error (or panics) instead of doing its work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FaultInjection {
     /// The stage that fails.
     pub stage_idx: usize,
-    /// The op that fails (Forward, BackwardInput, BackwardWeight, Backward, OptimizerStep, Recompute).
-    pub op: OpKind,
-    /// The micro-batch (ignored for the optimizer step).
+    /// Where it fails.
+    pub at: FaultPoint,
+    /// The micro-batch (ignored for the commit's phases).
     pub micro_batch_idx: usize,
     /// Panic instead of returning an error.
     pub panic: bool,
+}
+
+impl FaultInjection {
+    /// Whether this fault strikes `at` on `stage_idx` (and `micro_batch_idx`, where that matters).
+    pub(crate) fn strikes(&self, stage_idx: usize, at: FaultPoint, micro_batch_idx: Option<usize>) -> bool {
+        self.stage_idx == stage_idx
+            && self.at == at
+            && (!at.has_micro_batch() || micro_batch_idx == Some(self.micro_batch_idx))
+    }
 }
 
 /// What one optimizer step reports.

@@ -73,6 +73,8 @@ pub(crate) struct Stage {
     /// nor received from another (a graph input, such as the data) takes none.
     input_needs_grad: Vec<Vec<bool>>,
     micro_batches: Vec<MicroBatchState>,
+    /// The commit's undo snapshot; `None` when the memory plan dropped it.
+    undo: Option<UndoSnapshot>,
     next_weight_micro_batch: usize,
     deferred_weight: BTreeSet<usize>,
     pub peak_activation_bytes: u64,
@@ -112,6 +114,7 @@ impl Stage {
         output_node: Option<NodeId>,
         recompute: Recompute,
         optimizer: Optimizer,
+        keep_undo: bool,
     ) -> Stage {
         let input_needs_grad = nodes
             .iter()
@@ -136,6 +139,7 @@ impl Stage {
             recompute,
             optimizer,
             micro_batches: Vec::new(),
+            undo: keep_undo.then(UndoSnapshot::default),
             next_weight_micro_batch: 0,
             deferred_weight: BTreeSet::new(),
             peak_activation_bytes: 0,
@@ -150,6 +154,9 @@ impl Stage {
         self.next_weight_micro_batch = 0;
         self.deferred_weight.clear();
         self.peak_activation_bytes = 0;
+        if let Some(undo) = self.undo.as_mut() {
+            undo.valid = false; // a rollback only ever restores this step's snapshot
+        }
         for node in &mut self.nodes {
             node.grads.iter_mut().try_for_each(Tensor::try_fill_zero)?;
         }
@@ -398,11 +405,29 @@ impl Stage {
         crate::optim::grad_sum_of_squares(&grads)
     }
 
-    /// Clips (when `max_norm` is set) with the global norm and applies the optimizer.
-    pub fn apply_optimizer(&mut self, max_norm: Option<f64>, global_norm: f64) -> Result<()> {
-        let mut grads: Vec<&mut Tensor> = self.nodes.iter_mut().flat_map(|n| n.grads.iter_mut()).collect();
-        if let Some(max_norm) = max_norm {
-            crate::optim::clip_grads_with_norm(&mut grads, max_norm, global_norm)?;
+    /// The commit's *prepare* phase: everything about the update that can fail, done before the
+    /// stage votes (see `runtime/README.md`). Reports the gradients' sum of squares and, when it
+    /// is not finite, the first parameter whose gradient is not (nothing else is done then: the
+    /// step will not be committed). Otherwise allocates the optimizer state, gives gradients,
+    /// parameters and state private elements (so the apply phase writes in place and allocates
+    /// nothing), and, when the stage keeps one, copies parameters and state into its undo
+    /// snapshot. Changes no parameter and no state value.
+    pub fn prepare_commit(&mut self) -> Result<StageVote> {
+        for node in &mut self.nodes {
+            node.grads.iter_mut().try_for_each(Tensor::make_unique)?;
+        }
+        let sum_of_squares = self.grad_sum_of_squares()?;
+        if !sum_of_squares.is_finite() {
+            let mut first = None;
+            'find: for node in &self.nodes {
+                for (param, grad) in node.layer.parameters().iter().zip(&node.grads) {
+                    if grad.has_non_finite()? {
+                        first = Some(format!("{}.{}", node.name, param.name));
+                        break 'find;
+                    }
+                }
+            }
+            return Ok(StageVote { sum_of_squares, non_finite_parameter: first.or(Some("(unknown)".into())) });
         }
         {
             let params: Vec<&Tensor> =
@@ -410,18 +435,66 @@ impl Stage {
             let grad_refs: Vec<&Tensor> = self.nodes.iter().flat_map(|n| n.grads.iter()).collect();
             self.optimizer.prepare_all(&params, &grad_refs)?;
         }
+        for node in &mut self.nodes {
+            // Only a shared parameter needs `parameters_mut` (which marks derived copies stale).
+            if node.layer.parameters().iter().any(|p| p.value.is_shared()) {
+                node.layer.parameters_mut().iter_mut().try_for_each(|p| p.value.make_unique())?;
+            }
+        }
+        self.optimizer.make_state_unique()?;
+        if let Some(undo) = self.undo.as_mut() {
+            let params = self.nodes.iter().flat_map(|n| n.layer.parameters().iter().map(|p| &p.value));
+            undo.take(params, &self.optimizer)?;
+        }
+        Ok(StageVote { sum_of_squares, non_finite_parameter: None })
+    }
+
+    /// The commit's *apply* phase, after every stage voted ready: clips (when `max_norm` is set)
+    /// with the global norm and applies the optimizer. After [`Stage::prepare_commit`] nothing
+    /// here allocates; an error (or panic) is still possible from a GPU kernel launch, a custom
+    /// layer or an injected fault, and [`Stage::roll_back`] then restores the stage exactly.
+    pub fn apply_commit(&mut self, max_norm: Option<f64>, global_norm: f64) -> Result<()> {
+        let mut grads: Vec<&mut Tensor> = self.nodes.iter_mut().flat_map(|n| n.grads.iter_mut()).collect();
+        if let Some(max_norm) = max_norm {
+            crate::optim::clip_grads_with_norm(&mut grads, max_norm, global_norm)?;
+        }
         // Each layer refreshes its derived copies right after its own update, while its weight
-        // is still in cache.
+        // is still in cache. A refresh that fails leaves the copies stale, which layers treat as
+        // absent (they are an optimization): the update itself stands.
         let mut param_idx = 0;
         for node in &mut self.nodes {
-            let NodeExec { layer, grads, .. } = node;
+            let NodeExec { layer, grads, name, .. } = node;
             for (p, g) in layer.parameters_mut().iter_mut().zip(grads.iter()) {
                 self.optimizer.apply_prepared(param_idx, &mut p.value, g)?;
                 param_idx += 1;
             }
-            layer.refresh()?;
+            if let Err(error) = layer.refresh() {
+                tracing::warn!(node = %name, %error, "derived copies not refreshed; the layer runs without them");
+            }
         }
         Ok(())
+    }
+
+    /// Puts back the parameters and optimizer state of the last [`Stage::prepare_commit`], in
+    /// O(1) per tensor (swaps, no copies, no allocation). False when the stage keeps no undo
+    /// snapshot or holds none from this step: the stage then cannot be rolled back.
+    pub fn roll_back(&mut self) -> bool {
+        let Some(undo) = self.undo.as_mut().filter(|u| u.valid) else { return false };
+        let mut saved = undo.params.iter_mut();
+        for node in &mut self.nodes {
+            for p in node.layer.parameters_mut() {
+                let Some(old) = saved.next() else { return false };
+                std::mem::swap(&mut p.value, old);
+            }
+            // The parameters are back whatever refresh does: a layer whose parameters were handed
+            // out by `parameters_mut` ignores its derived copies until a refresh succeeds.
+            let refreshed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| node.layer.refresh()));
+            if !matches!(refreshed, Ok(Ok(()))) {
+                tracing::warn!(node = %node.name, "derived copies not refreshed after a rollback");
+            }
+        }
+        undo.valid = false;
+        self.optimizer.restore_state(&mut undo.optimizer)
     }
 
     /// `(node.param, tensor)` for every parameter of the stage.
@@ -429,6 +502,44 @@ impl Stage {
         self.nodes
             .iter()
             .flat_map(|n| n.layer.parameters().iter().map(move |p| (format!("{}.{}", n.name, p.name), &p.value)))
+    }
+}
+
+/// A stage's vote in the commit: the sum of squares of its gradients and the first parameter
+/// whose gradient is not finite, if any.
+#[derive(Debug)]
+pub(crate) struct StageVote {
+    pub sum_of_squares: f64,
+    pub non_finite_parameter: Option<String>,
+}
+
+/// The copy of a stage's parameters and optimizer state taken in the commit's prepare phase, kept
+/// from step to step (only the first copy allocates) and swapped back by [`Stage::roll_back`].
+#[derive(Debug, Default)]
+pub(crate) struct UndoSnapshot {
+    params: Vec<Tensor>,
+    optimizer: crate::optim::StateSnapshot,
+    valid: bool,
+}
+
+impl UndoSnapshot {
+    fn take<'a>(&mut self, params: impl Iterator<Item = &'a Tensor>, optimizer: &Optimizer) -> Result<()> {
+        self.valid = false;
+        let mut n = 0;
+        for (i, param) in params.enumerate() {
+            match self.params.get_mut(i) {
+                Some(copy) if copy.shape() == param.shape() && copy.device().same_device(param.device()) => {
+                    copy.copy_from(param)?;
+                }
+                Some(copy) => *copy = param.try_clone()?,
+                None => self.params.push(param.try_clone()?),
+            }
+            n = i + 1;
+        }
+        self.params.truncate(n);
+        optimizer.snapshot_state(&mut self.optimizer)?;
+        self.valid = true;
+        Ok(())
     }
 }
 

@@ -35,6 +35,7 @@ pub struct TrainerBuilder {
     seed: u64,
     max_grad_norm: Option<f64>,
     core_slots: CoreSlotPolicy,
+    commit_snapshot: Option<Vec<bool>>,
 }
 
 impl TrainerBuilder {
@@ -119,6 +120,19 @@ impl TrainerBuilder {
     /// [`conveyor_schedules::simulate_with_core_slots`] reproduces.
     pub fn core_slots(mut self, policy: CoreSlotPolicy) -> Self {
         self.core_slots = policy;
+        self
+    }
+
+    /// Which stages keep an undo snapshot for the commit (stage 0 first; default: every stage).
+    ///
+    /// A step is all-or-nothing: every stage prepares its update (everything that can fail), votes,
+    /// and only then applies. A stage with a snapshot copies its parameters and optimizer state
+    /// while preparing (its parameters' and state's bytes again, on their devices), so that a
+    /// failure while any stage applies (a GPU error, a panicking custom layer) is rolled back on
+    /// every stage exactly. A stage without one saves that memory; if its apply fails after others
+    /// applied, the trainer is [`Error::Poisoned`]. The memory plan decides this per stage.
+    pub fn commit_snapshot(mut self, per_stage: Vec<bool>) -> Self {
+        self.commit_snapshot = Some(per_stage);
         self
     }
 
@@ -297,6 +311,7 @@ impl TrainerBuilder {
                 stage_nodes[stage_idx].contains(&output).then_some(output),
                 recompute,
                 Optimizer::new(self.optimizer, n_params)?,
+                self.commit_snapshot.as_ref().and_then(|keep| keep.get(stage_idx).copied()).unwrap_or(true),
             ));
         }
         let mut per_device: Vec<Vec<Stage>> = (0..n_devices).map(|_| Vec::new()).collect();
@@ -360,6 +375,7 @@ impl TrainerBuilder {
             auto_slots_op_flops,
             step_idx: 0,
             fault: None,
+            poisoned: None,
             graph: self.graph,
             param_order,
         })
@@ -413,6 +429,8 @@ pub struct Trainer {
     auto_slots_op_flops: Option<f64>,
     step_idx: u64,
     fault: Option<FaultInjection>,
+    /// Why the parameters are no longer one step's (a failed apply that could not be rolled back).
+    poisoned: Option<String>,
     /// The graph's structure (its layers live on the workers).
     graph: Graph,
     /// Full parameter names in graph order, recorded before the layers moved to the workers.
@@ -445,6 +463,7 @@ impl Trainer {
             seed: 0,
             max_grad_norm: None,
             core_slots: CoreSlotPolicy::Auto,
+            commit_snapshot: None,
         }
     }
 
@@ -533,6 +552,9 @@ impl Trainer {
     }
 
     fn dispatch(&mut self, inputs: &Tensor, labels: Option<&[usize]>, training: bool) -> Result<StepOutcome> {
+        if let Some(reason) = &self.poisoned {
+            return Err(Error::Poisoned { reason: reason.clone() });
+        }
         let rows = inputs.shape().leading();
         if let Some(labels) = labels
             && labels.len() != rows
@@ -650,7 +672,8 @@ impl Trainer {
                 .send(Command::Step(Box::new(job), report_tx.clone()))
                 .map_err(|_| Error::invalid("worker", format!("the worker of device {device_idx} has stopped")))?;
         }
-        drop((senders, receivers));
+        // Only workers hold report senders now: a worker that vanishes closes its end.
+        drop((senders, receivers, report_tx));
         self.collect(report_rx, abort_tx, commit_txs, started, training, slots_this_step)
     }
 
@@ -675,18 +698,36 @@ impl Trainer {
         let mut peak_activation_bytes = vec![0; self.stage_info.len()];
         let mut outputs = Vec::new();
         let mut committed = false;
+        let mut non_finite_grad: Option<(usize, String)> = None;
+        let mut needs_rollback = vec![false; n_devices];
         while finished.iter().any(|f| !f) {
-            let report = reports
-                .recv_timeout(REPORT_TIMEOUT)
-                .map_err(|_| Error::invalid("step", "a worker stopped reporting; the step was abandoned"))?;
+            let report = reports.recv_timeout(REPORT_TIMEOUT).map_err(|error| {
+                Error::invalid(
+                    "step",
+                    match error {
+                        channel::RecvTimeoutError::Timeout => {
+                            format!("no worker reported for {} s; the step was abandoned", REPORT_TIMEOUT.as_secs())
+                        }
+                        channel::RecvTimeoutError::Disconnected => {
+                            "a worker thread vanished without reporting; the step was abandoned".to_string()
+                        }
+                    },
+                )
+            })?;
             match report {
-                Report::Ready { device_idx, losses: l, sum_of_squares: s } => {
+                Report::Ready { device_idx, losses: l, sum_of_squares: s, non_finite } => {
                     ready[device_idx] = true;
                     losses.extend(l);
                     sum_of_squares += s;
+                    if let Some((stage_idx, parameter)) = non_finite
+                        && non_finite_grad.as_ref().is_none_or(|(first, _)| stage_idx < *first)
+                    {
+                        non_finite_grad = Some((stage_idx, parameter));
+                    }
                 }
-                Report::Done { device_idx, events: e, cpu_times: c, peak_activation_bytes: p, outputs: o } => {
+                Report::Done { device_idx, applied, events: e, cpu_times: c, peak_activation_bytes: p, outputs: o } => {
                     finished[device_idx] = true;
+                    needs_rollback[device_idx] = applied;
                     events.extend(e);
                     op_cpu_times.extend(c);
                     for (stage_idx, bytes) in p {
@@ -694,15 +735,22 @@ impl Trainer {
                     }
                     outputs.extend(o);
                 }
-                Report::Failed { device_idx, error } => {
+                Report::Failed { device_idx, error, needs_rollback: rollback } => {
                     finished[device_idx] = true;
+                    needs_rollback[device_idx] = rollback;
                     failure.get_or_insert(error);
                     abort.take();
                 }
                 Report::Aborted { device_idx } => finished[device_idx] = true,
             }
-            // Commit once every device is ready and nothing failed: only then do parameters change.
+            // Commit once every device voted ready, nothing failed and everything is finite: only
+            // then do parameters change.
             if training && !committed && failure.is_none() && ready.iter().all(|&r| r) {
+                if let Some(error) = self.non_finite_error(&losses, non_finite_grad.take()) {
+                    failure = Some(error);
+                    abort.take();
+                    continue;
+                }
                 committed = true;
                 let global_norm = sum_of_squares.sqrt();
                 for commit in &commits {
@@ -712,6 +760,9 @@ impl Trainer {
         }
         drop(abort);
         if let Some(error) = failure {
+            if needs_rollback.iter().any(|&r| r) {
+                self.roll_back(&needs_rollback, &error)?;
+            }
             return Err(error);
         }
         losses.sort_by_key(|(mb, _)| *mb);
@@ -739,6 +790,47 @@ impl Trainer {
         })
     }
 
+    /// The error for a step whose votes found a non-finite loss or gradient, if any: the loss of
+    /// the first such micro-batch, else the first stage's first such gradient.
+    fn non_finite_error(&self, losses: &[(usize, f64)], non_finite_grad: Option<(usize, String)>) -> Option<Error> {
+        let bad_loss = losses.iter().filter(|(_, l)| !l.is_finite()).map(|(mb, _)| *mb).min();
+        let output_stage = self.stage_info.iter().find(|s| s.holds_output).map_or(0, |s| s.stage_idx);
+        let (stage_idx, what, micro_batch_idx) = match (bad_loss, &non_finite_grad) {
+            (Some(mb), _) => (output_stage, crate::NonFinite::Loss, Some(mb)),
+            (None, Some((stage_idx, _))) => (*stage_idx, crate::NonFinite::Gradient, None),
+            (None, None) => return None,
+        };
+        Some(Error::NonFiniteStep {
+            step_idx: self.step_idx,
+            stage_idx,
+            device: self.stage_devices[stage_idx].to_string(),
+            what,
+            micro_batch_idx,
+            parameter: non_finite_grad.map(|(_, p)| p),
+        })
+    }
+
+    /// Undoes a step that some workers applied before another failed: every worker that may hold
+    /// the update puts back its undo snapshot. If one cannot (a stage without a snapshot), the
+    /// trainer is poisoned and says so.
+    fn roll_back(&mut self, needs_rollback: &[bool], cause: &Error) -> Result<()> {
+        let mut all_restored = true;
+        for (worker, _) in self.workers.iter().zip(needs_rollback).filter(|(_, r)| **r) {
+            let (tx, rx) = channel::bounded(1);
+            let restored = worker.commands.send(Command::RollBack(tx)).is_ok() && rx.recv().unwrap_or(false);
+            all_restored &= restored;
+        }
+        if all_restored {
+            return Ok(());
+        }
+        let reason = format!(
+            "a step failed after some stages applied their update ({cause}), and a stage without an undo snapshot \
+             could not be rolled back"
+        );
+        self.poisoned = Some(reason.clone());
+        Err(Error::Poisoned { reason })
+    }
+
     /// One optimizer step on a batch: `inputs` `[batch, ...]` and one class label per row. The
     /// loss is the full-batch mean (each micro-batch's summed loss divided by the batch size).
     /// On any failure the step is abandoned with no parameter changed.
@@ -757,6 +849,8 @@ impl Trainer {
         Tensor::cat_rows(&parts.iter().collect::<Vec<_>>(), &host)
     }
 
+    /// Runs `f` on every worker's stages and gathers the answers, worker 0 first. A panic in `f`
+    /// is caught on the worker (which stays alive) and returned as [`Error::WorkerPanicked`].
     fn on_every_worker<T: Send + 'static>(
         &self,
         f: impl Fn(&mut [Stage]) -> T + Send + Sync + 'static,
@@ -769,16 +863,22 @@ impl Trainer {
             worker
                 .commands
                 .send(Command::With(Box::new(move |stages| {
-                    let _ = tx.send(f(stages));
+                    let answer = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(stages)))
+                        .map_err(worker::panic_message);
+                    let _ = tx.send(answer);
                 })))
                 .map_err(|_| Error::invalid("worker", format!("the worker of device {device_idx} has stopped")))?;
             answers.push(rx);
         }
+        // A worker's device is its group's first.
+        let device_of = |device_idx: usize| self.devices[device_idx * self.tensor_parallel].to_string();
         answers
             .into_iter()
             .enumerate()
-            .map(|(i, rx)| {
-                rx.recv().map_err(|_| Error::invalid("worker", format!("the worker of device {i} has stopped")))
+            .map(|(device_idx, rx)| match rx.recv() {
+                Ok(Ok(answer)) => Ok(answer),
+                Ok(Err(message)) => Err(Error::WorkerPanicked { device_idx, device: device_of(device_idx), message }),
+                Err(_) => Err(Error::invalid("worker", format!("the worker of device {device_idx} has stopped"))),
             })
             .collect()
     }

@@ -9,9 +9,9 @@ use std::time::Instant;
 use conveyor_schedules::{Instruction, OpKind, TimelineEvent};
 use crossbeam::channel::{Receiver, Sender, select};
 
-use super::FaultInjection;
 use super::core_slots::CoreSlots;
 use super::stage::{Payload, Stage, StepCtx};
+use super::{FaultInjection, FaultPoint};
 use crate::{Device, Error, Loss, Result, Tensor};
 
 /// A message between stages: one micro-batch's tensors.
@@ -60,18 +60,21 @@ pub(crate) struct Commit {
 
 /// What a worker tells the coordinator about a step.
 pub(crate) enum Report {
-    /// Every backward is done: losses per micro-batch, gradient sum of squares, activation peaks.
-    Ready { device_idx: usize, losses: Vec<(usize, f64)>, sum_of_squares: f64 },
+    /// Every backward is done and the commit prepared (the vote): losses per micro-batch, the
+    /// gradients' sum of squares, and the first stage and parameter with a non-finite gradient.
+    Ready { device_idx: usize, losses: Vec<(usize, f64)>, sum_of_squares: f64, non_finite: Option<(usize, String)> },
     /// The optimizer was applied (or the evaluation finished).
     Done {
         device_idx: usize,
+        /// The worker's stages hold this step's update (undone only by [`Command::RollBack`]).
+        applied: bool,
         events: Vec<TimelineEvent>,
         cpu_times: Vec<super::OpCpuTime>,
         peak_activation_bytes: Vec<(usize, u64)>,
         outputs: Vec<(usize, Tensor)>,
     },
-    /// The step failed here.
-    Failed { device_idx: usize, error: Error },
+    /// The step failed here; with `needs_rollback` after the worker began applying its update.
+    Failed { device_idx: usize, error: Error, needs_rollback: bool },
     /// The step was aborted because of a failure elsewhere.
     Aborted { device_idx: usize },
 }
@@ -84,6 +87,10 @@ pub(crate) enum Command {
     Step(Box<StepJob>, Sender<Report>),
     /// Runs a closure on the worker's stages (parameter gather, load, state export).
     With(StagesJob),
+    /// Puts back every stage's parameters and optimizer state from the undo snapshot of the last
+    /// step (another worker's update failed after this one applied); answers whether every stage
+    /// could be restored.
+    RollBack(Sender<bool>),
     Shutdown,
 }
 
@@ -231,7 +238,39 @@ fn poll_then_block<T>(
     }
 }
 
-/// The worker thread's loop: runs commands until `Shutdown` or the command channel closes.
+/// Sends a step's report when dropped unless one was sent: a worker thread that dies in a way
+/// `catch_unwind` cannot see (a panic while unwinding) still tells the coordinator at once.
+struct ReportGuard<'a> {
+    device_idx: usize,
+    device: String,
+    reports: &'a Sender<Report>,
+    sent: bool,
+}
+
+impl ReportGuard<'_> {
+    fn send(&mut self, report: Report) {
+        self.sent = true;
+        // The coordinator may have given up on us; nothing else to do then.
+        let _ = self.reports.send(report);
+    }
+}
+
+impl Drop for ReportGuard<'_> {
+    fn drop(&mut self) {
+        if !self.sent {
+            let error = Error::WorkerPanicked {
+                device_idx: self.device_idx,
+                device: self.device.clone(),
+                message: "the worker thread died during the step".into(),
+            };
+            let _ = self.reports.send(Report::Failed { device_idx: self.device_idx, error, needs_rollback: true });
+        }
+    }
+}
+
+/// The worker thread's loop: runs commands until `Shutdown` or the command channel closes. A
+/// panic anywhere in a command (outside the ops, which catch their own) is caught here and
+/// reported as [`Error::WorkerPanicked`]; the worker stays alive for the next command.
 pub(crate) fn run(
     device_idx: usize,
     mut stages: Vec<Stage>,
@@ -239,22 +278,45 @@ pub(crate) fn run(
     commands: Receiver<Command>,
     core_slots: Option<Arc<CoreSlots>>,
 ) {
+    let device = stages.first().map(|s| s.device.to_string()).unwrap_or_default();
     while let Ok(command) = commands.recv() {
         match command {
             Command::Step(mut job, reports) => {
+                let mut guard = ReportGuard { device_idx, device: device.clone(), reports: &reports, sent: false };
                 let slots = core_slots.as_deref().filter(|_| job.use_core_slots);
-                let report = run_step(device_idx, &mut stages, loss.as_ref(), &mut job, &reports, slots);
-                stages.iter_mut().for_each(Stage::end_step);
-                // The coordinator may have given up on us; nothing else to do then.
-                let _ = reports.send(report);
+                let mut applied = false;
+                let report = catch_unwind(AssertUnwindSafe(|| {
+                    run_step(device_idx, &mut stages, loss.as_ref(), &mut job, &reports, slots, &mut applied)
+                }))
+                .unwrap_or_else(|payload| {
+                    let message = panic_message(payload);
+                    tracing::error!(device_idx, %message, "worker panicked");
+                    Report::Failed {
+                        device_idx,
+                        error: Error::WorkerPanicked { device_idx, device: device.clone(), message },
+                        needs_rollback: applied,
+                    }
+                });
+                let _ = catch_unwind(AssertUnwindSafe(|| stages.iter_mut().for_each(Stage::end_step)));
+                guard.send(report);
             }
-            Command::With(f) => f(&mut stages),
+            Command::With(f) => {
+                // A panicking closure drops its answer channel, which its caller reports.
+                let _ = catch_unwind(AssertUnwindSafe(|| f(&mut stages)));
+            }
+            Command::RollBack(answer) => {
+                // Every stage, even after one fails to restore.
+                let restored = catch_unwind(AssertUnwindSafe(|| {
+                    stages.iter_mut().map(Stage::roll_back).fold(true, |all, restored| all & restored)
+                }));
+                let _ = answer.send(restored.unwrap_or(false));
+            }
             Command::Shutdown => break,
         }
     }
 }
 
-fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+pub(crate) fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
     payload
         .downcast_ref::<&str>()
         .map(|s| s.to_string())
@@ -262,11 +324,12 @@ fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "a panic without a message".to_string())
 }
 
-/// Runs one op with fault injection and panic capture, naming stage, op and micro-batch on failure.
+/// Runs one op (or message, or commit phase) with fault injection and panic capture, naming
+/// stage, point and micro-batch on failure.
 fn guarded<T>(
     stage_idx: usize,
     device: &Device,
-    op: OpKind,
+    at: FaultPoint,
     micro_batch_idx: Option<usize>,
     fault: Option<FaultInjection>,
     f: impl FnOnce() -> std::result::Result<T, OpFailure>,
@@ -275,16 +338,12 @@ fn guarded<T>(
         OpFailure::Failed(Error::StageFailed {
             stage_idx,
             device: device.to_string(),
-            op: crate::trace::op_name(op).to_string(),
+            op: at.name().to_string(),
             micro_batch_idx,
             message,
         })
     };
-    let injected = fault.filter(|f| {
-        f.stage_idx == stage_idx
-            && f.op == op
-            && (op == OpKind::OptimizerStep || Some(f.micro_batch_idx) == micro_batch_idx)
-    });
+    let injected = fault.filter(|f| f.strikes(stage_idx, at, micro_batch_idx));
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         if let Some(fault) = injected {
             if fault.panic {
@@ -297,12 +356,13 @@ fn guarded<T>(
     match outcome {
         Ok(Ok(value)) => Ok(value),
         Ok(Err(OpFailure::Aborted)) => Err(OpFailure::Aborted),
+        Ok(Err(OpFailure::Failed(error @ Error::StageFailed { .. }))) => Err(OpFailure::Failed(error)),
         Ok(Err(OpFailure::Failed(error))) => Err(fail(error.to_string())),
         Err(payload) => Err(fail(format!("panicked: {}", panic_message(payload)))),
     }
 }
 
-/// [`guarded`] for an op on one stage.
+/// [`guarded`] for a compute op on one stage.
 fn guarded_mut<T>(
     stage: &mut Stage,
     op: OpKind,
@@ -311,7 +371,7 @@ fn guarded_mut<T>(
     f: impl FnOnce(&mut Stage) -> std::result::Result<T, OpFailure>,
 ) -> std::result::Result<T, OpFailure> {
     let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
-    guarded(stage_idx, &device, op, Some(micro_batch_idx), fault, || f(stage))
+    guarded(stage_idx, &device, FaultPoint::Op(op), Some(micro_batch_idx), fault, || f(stage))
 }
 
 fn run_step(
@@ -321,20 +381,24 @@ fn run_step(
     job: &mut StepJob,
     reports: &Sender<Report>,
     core_slots: Option<&CoreSlots>,
+    applied: &mut bool,
 ) -> Report {
     let mut events = Vec::with_capacity(job.program.len() * 2);
     let mut cpu_times = Vec::with_capacity(job.program.len());
     let mut outputs = Vec::new();
-    match execute(device_idx, stages, loss, job, reports, core_slots, &mut events, &mut cpu_times, &mut outputs) {
+    let outcome =
+        execute(device_idx, stages, loss, job, reports, core_slots, &mut events, &mut cpu_times, &mut outputs, applied);
+    match outcome {
         Ok(()) => Report::Done {
             device_idx,
+            applied: *applied,
             events,
             cpu_times,
             peak_activation_bytes: stages.iter().map(|s| (s.stage_idx, s.peak_activation_bytes)).collect(),
             outputs,
         },
         Err(OpFailure::Aborted) => Report::Aborted { device_idx },
-        Err(OpFailure::Failed(error)) => Report::Failed { device_idx, error },
+        Err(OpFailure::Failed(error)) => Report::Failed { device_idx, error, needs_rollback: *applied },
     }
 }
 
@@ -349,6 +413,7 @@ fn execute(
     events: &mut Vec<TimelineEvent>,
     cpu_times: &mut Vec<super::OpCpuTime>,
     outputs: &mut Vec<(usize, Tensor)>,
+    applied: &mut bool,
 ) -> std::result::Result<(), OpFailure> {
     let ctx = StepCtx {
         step_idx: job.step_idx,
@@ -359,6 +424,9 @@ fn execute(
         training: job.training,
     };
     for stage in stages.iter_mut() {
+        if job.fault.is_some_and(|f| f.panic && f.strikes(stage.stage_idx, FaultPoint::WorkerLoop, None)) {
+            panic!("injected panic in the worker loop");
+        }
         stage.begin_step(job.n_micro_batches)?;
     }
     let device = stages.first().map(|s| s.device.clone()).expect("a worker holds at least one stage");
@@ -377,33 +445,32 @@ fn execute(
             if !job.training {
                 continue;
             }
-            let (first_idx, first_device) = (stages[0].stage_idx, stages[0].device.clone());
-            let sum_of_squares = guarded(first_idx, &first_device, op, None, job.fault, || {
-                let mut total = 0.0;
-                for stage in stages.iter() {
-                    total += stage.grad_sum_of_squares()?;
+            // The commit (see runtime/README.md). Prepare: everything that can fail, then vote.
+            let mut sum_of_squares = 0.0;
+            let mut non_finite = None;
+            for stage in stages.iter_mut() {
+                let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
+                let vote =
+                    guarded(stage_idx, &device, FaultPoint::Prepare, None, job.fault, || Ok(stage.prepare_commit()?))?;
+                sum_of_squares += vote.sum_of_squares;
+                if let (None, Some(parameter)) = (&non_finite, vote.non_finite_parameter) {
+                    non_finite = Some((stage_idx, parameter));
                 }
-                Ok(total)
-            })?;
-            // Faults injected at the optimizer step of other stages on this device.
-            for stage in stages.iter().skip(1) {
-                guarded(stage.stage_idx, &stage.device, op, None, job.fault, || Ok(()))?;
+                guarded(stage_idx, &device, FaultPoint::Vote, None, job.fault, || Ok(()))?;
             }
-            let _ = reports.send(Report::Ready { device_idx, losses: std::mem::take(&mut losses), sum_of_squares });
+            let losses = std::mem::take(&mut losses);
+            let _ = reports.send(Report::Ready { device_idx, losses, sum_of_squares, non_finite });
             hold.release();
             let commit = wait_for_commit(&job.commit, &job.abort, hold.slots.is_none())?;
             hold.ensure(&mut rec, None, None, &job.abort)?;
+            // Apply: from here this worker's stages may hold the update until the step ends; a
+            // failure anywhere then rolls every stage back (`needs_rollback`).
+            *applied = true;
             rec.record(None, op, None, || {
                 for stage in stages.iter_mut() {
-                    let stage_idx = stage.stage_idx;
-                    stage.apply_optimizer(job.max_grad_norm, commit.global_norm).map_err(|error| {
-                        OpFailure::Failed(Error::StageFailed {
-                            stage_idx,
-                            device: stage.device.to_string(),
-                            op: "optimizer_step".into(),
-                            micro_batch_idx: None,
-                            message: error.to_string(),
-                        })
+                    let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
+                    guarded(stage_idx, &device, FaultPoint::Apply, None, job.fault, || {
+                        Ok(stage.apply_commit(job.max_grad_norm, commit.global_norm)?)
                     })?;
                 }
                 Ok(())
@@ -420,6 +487,10 @@ fn execute(
         };
         match instruction {
             Instruction::Forward { .. } => {
+                if !stages[s].recv_from.is_empty() {
+                    let device = stages[s].device.clone();
+                    guarded(stage_idx, &device, FaultPoint::Receive, Some(micro_batch_idx), job.fault, || Ok(()))?;
+                }
                 let wait = rec.start_wait(stage_idx, micro_batch_idx);
                 let mut inputs: Payload = Vec::new();
                 let mut queued_at = None;
@@ -472,6 +543,10 @@ fn execute(
                 let mut received = Vec::new();
                 let mut peers: Vec<usize> = stages[s].send_to.iter().map(|r| r.peer_stage_idx).collect();
                 peers.sort_unstable_by(|a, b| b.cmp(a));
+                if !peers.is_empty() {
+                    let device = stages[s].device.clone();
+                    guarded(stage_idx, &device, FaultPoint::Receive, Some(micro_batch_idx), job.fault, || Ok(()))?;
+                }
                 let mut queued_at = None;
                 for peer in peers {
                     let key = (peer, stage_idx, true);
@@ -660,6 +735,8 @@ fn send_all(
     gradient: bool,
 ) -> std::result::Result<(), OpFailure> {
     for (to_stage, payload) in messages {
+        let from_device = &job.stage_devices[from_stage];
+        guarded(from_stage, from_device, FaultPoint::Send, Some(micro_batch_idx), job.fault, || Ok(()))?;
         let target = &job.stage_devices[to_stage];
         let moved =
             payload.into_iter().map(|(id, t)| Ok((id, t.move_to_device(target)?))).collect::<Result<Payload>>()?;

@@ -656,6 +656,25 @@ impl Tensor {
         self.buffer = Arc::new(buffer);
     }
 
+    /// Gives this handle private elements if another handle shares them (a copy reserved on the
+    /// ledger, `OutOfDeviceMemory` past the budget), so that later writes need no allocation.
+    pub fn make_unique(&mut self) -> Result<()> {
+        self.storage_mut().map(|_| ())
+    }
+
+    /// True when another handle shares the elements ([`Tensor::share`]), so a write would copy.
+    pub fn is_shared(&self) -> bool {
+        Arc::strong_count(&self.buffer) > 1
+    }
+
+    /// True when some element is NaN or infinite (downloaded from a GPU; f16/bf16 converted).
+    pub fn has_non_finite(&self) -> Result<bool> {
+        Ok(match self.storage() {
+            Storage::Host(HostStorage::F32(values)) => !values.iter().all(|v| v.is_finite()),
+            _ => !self.try_to_vec_f32()?.iter().all(|v| v.is_finite()),
+        })
+    }
+
     /// Sets every element to zero in place; a shared tensor takes fresh zeroed bytes, reserved
     /// on the ledger (`OutOfDeviceMemory` past the budget).
     pub fn try_fill_zero(&mut self) -> Result<()> {
