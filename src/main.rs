@@ -1,7 +1,8 @@
 //! The `conveyor` command line: parses arguments and dispatches to one module per subcommand.
 //!
 //! Exit codes: 0 success, 2 bad input (a usage error naming what was wrong and how to fix it),
-//! 1 any other failure.
+//! 3 training stopped at a non-finite loss or gradient (`--on-nonfinite`; the outputs were still
+//! written from the last good step), 1 any other failure.
 mod cli;
 
 use clap::{Parser, Subcommand};

@@ -117,14 +117,15 @@ pub enum Error {
     /// A step's loss or gradients were not finite (NaN or infinity): the step was not committed,
     /// so every parameter and optimizer state is that of the last good step.
     #[error(
-        "step {step_idx}: the {what} is not finite on stage {stage_idx} ({device}){}{}; the step was not committed \
+        "step {}: the {what} is not finite on stage {stage_idx} ({device}){}{}; the step was not committed \
          and the parameters are those of the last good step; lower the learning rate, clip the gradient norm, \
          check the data for NaN or infinity, or skip such steps (`--on-nonfinite skip`)",
+        step_idx + 1,
         micro_batch_idx.map(|m| format!(" in micro-batch {m}")).unwrap_or_default(),
         parameter.as_ref().map(|p| format!(", first affected parameter `{p}`")).unwrap_or_default()
     )]
     NonFiniteStep {
-        /// The step (0-based count of committed steps before it).
+        /// The step: the trainer's step count before it (0-based; the message counts from 1).
         step_idx: u64,
         /// The first stage, in stage order, that reported a non-finite value.
         stage_idx: usize,

@@ -40,7 +40,15 @@ pub fn report(err: &anyhow::Error) -> i32 {
                     | conveyor::engine::Error::Schedule(_)
             )
         );
-    if bad_input { 2 } else { 1 }
+    let diverged =
+        matches!(err.downcast_ref::<conveyor::engine::Error>(), Some(conveyor::engine::Error::NonFiniteStep { .. }));
+    if bad_input {
+        2
+    } else if diverged {
+        3
+    } else {
+        1
+    }
 }
 
 /// Writes `contents` to `path` so that readers see the old file or the whole new one, never a

@@ -138,6 +138,39 @@ pub struct TrainArgs {
     /// Print a progress line every this many steps (0: only the summary).
     #[arg(long, default_value_t = 100)]
     pub log_every: u64,
+    /// What a step whose loss or gradients are not finite (NaN or infinity) does; such a step is
+    /// never committed. `error`: stop, naming the step, the stage and the first parameter affected,
+    /// still write --save/--checkpoint from the last good step, exit status 3. `skip[:N]`: skip the
+    /// step like a loss scaler (its batch is consumed, the parameters stay), count it in the
+    /// metrics, and stop as `error` does after N skipped steps in a row (default 10).
+    #[arg(long, value_name = "POLICY", default_value = "error")]
+    pub on_nonfinite: String,
+}
+
+/// `--on-nonfinite`: what a step with a non-finite loss or gradient does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnNonFinite {
+    /// Stop the run (after writing the outputs from the last good step).
+    Error,
+    /// Skip the step; stop after this many skipped in a row.
+    Skip { max_in_a_row: u64 },
+}
+
+impl std::str::FromStr for OnNonFinite {
+    type Err = anyhow::Error;
+    fn from_str(text: &str) -> anyhow::Result<Self> {
+        let bad =
+            || usage(format!("--on-nonfinite `{text}`: use error, skip or skip:N with N at least 1 (e.g. skip:5)"));
+        match text.split_once(':') {
+            None if text == "error" => Ok(OnNonFinite::Error),
+            None if text == "skip" => Ok(OnNonFinite::Skip { max_in_a_row: 10 }),
+            Some(("skip", n)) => {
+                let max_in_a_row = n.trim().parse().ok().filter(|&n: &u64| n > 0).ok_or_else(bad)?;
+                Ok(OnNonFinite::Skip { max_in_a_row })
+            }
+            _ => Err(bad()),
+        }
+    }
 }
 
 /// Parses a size like `512MiB`, `2GiB`, `1000000` (bytes), `64KiB`, `1.5GB`.

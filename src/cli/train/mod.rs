@@ -14,7 +14,7 @@ mod summary;
 use std::io::Write;
 use std::time::Instant;
 
-pub use args::{LrSchedule, TrainArgs, parse_devices, parse_optimizer, parse_size};
+pub use args::{LrSchedule, OnNonFinite, TrainArgs, parse_devices, parse_optimizer, parse_size};
 use checkpointing::{ParamHomes, RunState};
 use conveyor::data;
 use conveyor::engine::Device;
@@ -146,6 +146,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let core_slots: conveyor::engine::runtime::CoreSlotPolicy =
         args.core_slots.parse().map_err(|e: conveyor::engine::Error| usage(format!("--core-slots: {e}")))?;
     let lr_schedule: LrSchedule = args.lr_schedule.parse()?;
+    let on_nonfinite: OnNonFinite = args.on_nonfinite.parse()?;
     let budget = args.device_memory.as_deref().map(parse_size).transpose()?;
     let mut devices = parse_devices(&args.devices, budget)?;
     let k = args.tensor_parallel;
@@ -300,6 +301,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let mut order_epoch = None;
     let mut current_lr = base_lr;
     let (mut last_step_start_s, mut last_step_end_s) = (0.0, 0.0);
+    let (mut skipped_steps, mut skipped_in_a_row) = (0u64, 0u64);
+    // A non-finite step under `--on-nonfinite error` (or too many skipped): the run stops after
+    // writing its outputs from the last good step.
+    let mut diverged: Option<conveyor::engine::Error> = None;
     for step in first_step..total_steps {
         if let Some(recorder) = &recorder {
             last_step_start_s = recorder.now_s();
@@ -317,7 +322,44 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
         let indices = &order[within * args.batch..(within + 1) * args.batch];
         let (x, y) = train.batch(indices)?;
-        let report = trainer.train_step(&x, &y)?;
+        let report = match trainer.train_step(&x, &y) {
+            Ok(report) => {
+                skipped_in_a_row = 0;
+                report
+            }
+            Err(error @ conveyor::engine::Error::NonFiniteStep { .. }) => {
+                let skip = match on_nonfinite {
+                    OnNonFinite::Skip { max_in_a_row } => skipped_in_a_row < max_in_a_row,
+                    OnNonFinite::Error => false,
+                };
+                if !skip {
+                    if let OnNonFinite::Skip { max_in_a_row } = on_nonfinite {
+                        progress.println(format!("giving up after {max_in_a_row} non-finite steps in a row"));
+                    }
+                    diverged = Some(error);
+                    break;
+                }
+                // Skipped like a loss scaler's step: the batch is consumed, nothing changes. The
+                // trainer's step count follows the run's, as a resume sets it.
+                skipped_steps += 1;
+                skipped_in_a_row += 1;
+                trainer.set_step_idx(step + 1);
+                state.step = step + 1;
+                progress.println(format!("step {} skipped: {error}", step + 1));
+                if let Some(out) = metrics.as_mut() {
+                    let line = serde_json::json!({
+                        "step": step + 1,
+                        "epoch": epoch,
+                        "skipped": true,
+                        "skipped_steps": skipped_steps,
+                        "lr": lr,
+                    });
+                    writeln!(out, "{line}")?;
+                }
+                continue;
+            }
+            Err(error) => return Err(error.into()),
+        };
         if let Some(recorder) = &recorder {
             last_step_end_s = recorder.now_s();
         }
@@ -340,6 +382,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 "samples_per_s": args.batch as f64 / report.step_s,
                 "grad_norm": report.grad_norm,
                 "bubble_fraction": report.timeline.bubble_fraction(),
+                "skipped_steps": skipped_steps,
             });
             if let Some(accuracy) = eval_accuracy {
                 line["test_accuracy"] = accuracy.into();
@@ -465,6 +508,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             serde_json::json!({
                 "summary": true,
                 "steps": state.step,
+                "skipped_steps": skipped_steps,
+                "stopped_non_finite": diverged.as_ref().map(|e| e.to_string()),
                 "final_loss": last_report.as_ref().map(|r| r.loss),
                 "test_accuracy": accuracy,
                 "peak_memory_bytes": last_report.as_ref().map(|r| r.peak_memory.clone()),
@@ -504,5 +549,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         checkpointing::save(path, &trainer, &state, false, "--checkpoint")?;
         println!("saved a training checkpoint at step {} to {}", state.step, path.display());
     }
-    Ok(())
+    match diverged {
+        Some(error) => Err(anyhow::Error::new(error)),
+        None => Ok(()),
+    }
 }
