@@ -19,6 +19,7 @@
 //! allocates each gradient on its parameter's device, reports peak memory for every device of
 //! every group, and exports and imports parameters through [`crate::Layer::export_parameters`] and
 //! [`crate::Layer::import_parameter`], so checkpoints carry unsplit tensors under unsplit names.
+mod core_seat;
 mod core_slots;
 mod stage;
 mod trainer;

@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use conveyor_schedules::{Instruction, OpKind, TimelineEvent};
-use crossbeam::channel::{Receiver, Sender, select};
+use crossbeam::channel::{Receiver, Sender};
 
+use super::core_seat::{Aborted, CoreSeat};
 use super::core_slots::CoreSlots;
 use super::stage::{Payload, Stage, StepCtx};
 use super::{FaultInjection, FaultPoint};
@@ -94,8 +95,6 @@ pub(crate) enum Command {
     Shutdown,
 }
 
-struct Aborted;
-
 enum OpFailure {
     Aborted,
     Failed(Error),
@@ -110,131 +109,6 @@ impl From<Error> for OpFailure {
 impl From<Aborted> for OpFailure {
     fn from(_: Aborted) -> Self {
         OpFailure::Aborted
-    }
-}
-
-/// A worker's hold on a core slot (when the trainer has slots, [`CoreSlots`]): taken before it
-/// runs, kept between ops while its next input is there, given up only to block.
-struct CoreHold<'s> {
-    slots: Option<&'s CoreSlots>,
-    worker: usize,
-    held: bool,
-}
-
-impl CoreHold<'_> {
-    /// Gives the slot up (before blocking on something other than a message).
-    fn release(&mut self) {
-        if let (Some(slots), true) = (self.slots, self.held) {
-            slots.release();
-            self.held = false;
-        }
-    }
-
-    /// Takes a slot unless one is held, recording the time in line as `CoreWait`.
-    fn ensure(
-        &mut self,
-        rec: &mut OpRecorder<'_>,
-        stage_idx: Option<usize>,
-        micro_batch_idx: Option<usize>,
-        abort: &Receiver<()>,
-    ) -> std::result::Result<(), Aborted> {
-        let Some(slots) = self.slots.filter(|_| !self.held) else { return Ok(()) };
-        let span = op_span(rec.device_idx, stage_idx, OpKind::CoreWait, micro_batch_idx);
-        let start_s = rec.now();
-        let granted = slots.acquire(self.worker, &|| aborted(abort));
-        rec.core_wait(stage_idx, micro_batch_idx, start_s);
-        drop(span);
-        if !granted {
-            return Err(Aborted);
-        }
-        self.held = true;
-        Ok(())
-    }
-}
-
-impl Drop for CoreHold<'_> {
-    fn drop(&mut self) {
-        self.release();
-    }
-}
-
-fn aborted(abort: &Receiver<()>) -> bool {
-    matches!(abort.try_recv(), Err(crossbeam::channel::TryRecvError::Disconnected) | Ok(()))
-}
-
-/// Receives the message on channel `key`. With core slots and a slot held, a message that is not
-/// there yet makes the worker give the slot up and sleep until the sender queues it for one:
-/// returns the moment it joined the queue, so the wait for the message and the wait for a core
-/// can be told apart.
-fn recv_holding_core(
-    rx: &Receiver<Message>,
-    key: ChannelKey,
-    abort: &Receiver<()>,
-    hold: &mut CoreHold<'_>,
-) -> std::result::Result<(Message, Option<Instant>), Aborted> {
-    if let Ok(message) = rx.try_recv() {
-        return Ok((message, None));
-    }
-    let Some(slots) = hold.slots.filter(|_| hold.held) else { return Ok((recv(rx, abort)?, None)) };
-    hold.held = false;
-    let queued_at =
-        slots.block_until_message(hold.worker, key, &|| !rx.is_empty(), &|| aborted(abort)).ok_or(Aborted)?;
-    hold.held = true;
-    // The message is there (or the channel closed: the step was aborted).
-    Ok((rx.try_recv().map_err(|_| Aborted)?, Some(queued_at)))
-}
-
-/// How long a worker without a core slot polls for a message before it sleeps. A neighbour's
-/// message often comes within microseconds when ops are small, and waking a sleeping thread
-/// costs tens of microseconds on a VM; the poll yields the core between tries, so a worker that
-/// has compute to do gets it.
-const POLL_BEFORE_SLEEP: std::time::Duration = std::time::Duration::from_micros(50);
-
-/// How long a worker without core slots polls for the commit before it sleeps. The commit comes
-/// once the last worker has finished its backward, usually within milliseconds, and a worker
-/// asleep then can take milliseconds to be run again (measured: the optimizer step of one of two
-/// workers starting 3 ms after the other's), which lengthens the step by as much.
-const POLL_FOR_COMMIT: std::time::Duration = std::time::Duration::from_millis(10);
-
-/// Waits for the coordinator's commit; `poll` first polls for [`POLL_FOR_COMMIT`], yielding the
-/// core between tries.
-fn wait_for_commit(
-    commit: &Receiver<Commit>,
-    abort: &Receiver<()>,
-    poll: bool,
-) -> std::result::Result<Commit, Aborted> {
-    poll_then_block(commit, abort, if poll { POLL_FOR_COMMIT } else { std::time::Duration::ZERO })
-}
-
-fn recv(rx: &Receiver<Message>, abort: &Receiver<()>) -> std::result::Result<Message, Aborted> {
-    poll_then_block(rx, abort, POLL_BEFORE_SLEEP)
-}
-
-/// Receives from `rx`: polls for up to `window` (at least once), yielding the core between tries,
-/// then sleeps until a value or the abort comes.
-fn poll_then_block<T>(
-    rx: &Receiver<T>,
-    abort: &Receiver<()>,
-    window: std::time::Duration,
-) -> std::result::Result<T, Aborted> {
-    let deadline = Instant::now() + window;
-    loop {
-        match rx.try_recv() {
-            Ok(value) => return Ok(value),
-            Err(crossbeam::channel::TryRecvError::Disconnected) => return Err(Aborted),
-            Err(crossbeam::channel::TryRecvError::Empty) => {}
-        }
-        if aborted(abort) {
-            return Err(Aborted);
-        }
-        if Instant::now() >= deadline {
-            break;
-        }
-        std::thread::yield_now();
-    }
-    select! {
-        recv(rx) -> value => value.map_err(|_| Aborted),
-        recv(abort) -> _ => Err(Aborted),
     }
 }
 
@@ -436,7 +310,7 @@ fn execute(
     // them) and gives it up only to block, so no more workers are runnable than there are cores
     // and the operating system never has to choose among them: the slot queue decides, first come
     // first served, as `simulate_with_core_slots` assumes.
-    let mut hold = CoreHold { slots: core_slots, worker: device_idx, held: false };
+    let mut seat = CoreSeat::new(core_slots, device_idx);
     let local = |stages: &[Stage], stage_idx: usize| stages.iter().position(|s| s.stage_idx == stage_idx);
     for instruction in &job.program {
         let op = instruction.op_kind();
@@ -460,9 +334,8 @@ fn execute(
             }
             let losses = std::mem::take(&mut losses);
             let _ = reports.send(Report::Ready { device_idx, losses, sum_of_squares, non_finite });
-            hold.release();
-            let commit = wait_for_commit(&job.commit, &job.abort, hold.slots.is_none())?;
-            hold.ensure(&mut rec, None, None, &job.abort)?;
+            let commit = seat.wait_for(&job.commit, &job.abort)?;
+            rec.take_core(&mut seat, None, None, &job.abort)?;
             // Apply: from here this worker's stages may hold the update until the step ends; a
             // failure anywhere then rolls every stage back (`needs_rollback`).
             *applied = true;
@@ -497,7 +370,7 @@ fn execute(
                 for route in &stages[s].recv_from {
                     let key = (route.peer_stage_idx, stage_idx, false);
                     let ((mb, payload), queued) =
-                        recv_holding_core(&job.links.receivers[&key], key, &job.abort, &mut hold)?;
+                        seat.recv(&job.links.receivers[&key], key, &job.abort)?;
                     queued_at = queued.or(queued_at);
                     check_order(&stages[s], mb, micro_batch_idx)?;
                     inputs.extend(payload);
@@ -514,7 +387,7 @@ fn execute(
                     Vec::new()
                 };
                 let stage = &mut stages[s];
-                hold.ensure(&mut rec, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
+                rec.take_core(&mut seat, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
                 let (messages, loss_value, eval_output) =
                     rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
                         guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
@@ -527,12 +400,12 @@ fn execute(
                 if let Some(out) = eval_output {
                     outputs.push((micro_batch_idx, out));
                 }
-                send_all(job, core_slots, stage_idx, micro_batch_idx, messages, false)?;
+                send_all(job, &seat, stage_idx, micro_batch_idx, messages, false)?;
             }
             Instruction::BackwardInput { .. } | Instruction::Backward { .. } => {
                 if stages[s].needs_recompute(micro_batch_idx) {
                     let stage = &mut stages[s];
-                    hold.ensure(&mut rec, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
+                    rec.take_core(&mut seat, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
                     rec.record(Some(stage_idx), OpKind::Recompute, Some(micro_batch_idx), || {
                         guarded_mut(stage, OpKind::Recompute, micro_batch_idx, job.fault, |stage| {
                             Ok(stage.recompute(&ctx, micro_batch_idx)?)
@@ -551,7 +424,7 @@ fn execute(
                 for peer in peers {
                     let key = (peer, stage_idx, true);
                     let ((mb, payload), queued) =
-                        recv_holding_core(&job.links.receivers[&key], key, &job.abort, &mut hold)?;
+                        seat.recv(&job.links.receivers[&key], key, &job.abort)?;
                     queued_at = queued.or(queued_at);
                     check_order(&stages[s], mb, micro_batch_idx)?;
                     received.push(payload);
@@ -559,17 +432,17 @@ fn execute(
                 rec.end_wait(wait, queued_at);
                 let fused = matches!(instruction, Instruction::Backward { .. });
                 let stage = &mut stages[s];
-                hold.ensure(&mut rec, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
+                rec.take_core(&mut seat, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
                 let messages = rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
                     guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
                         Ok(stage.backward_input(micro_batch_idx, received, fused)?)
                     })
                 })?;
-                send_all(job, core_slots, stage_idx, micro_batch_idx, messages, true)?;
+                send_all(job, &seat, stage_idx, micro_batch_idx, messages, true)?;
             }
             Instruction::BackwardWeight { .. } => {
                 let stage = &mut stages[s];
-                hold.ensure(&mut rec, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
+                rec.take_core(&mut seat, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
                 rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
                     guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
                         Ok(stage.backward_weight(micro_batch_idx)?)
@@ -681,6 +554,26 @@ impl OpRecorder<'_> {
         Ok(value)
     }
 
+    /// Makes sure the worker holds a core before it computes ([`CoreSeat::take`]), recording the
+    /// time in line as `CoreWait`.
+    fn take_core(
+        &mut self,
+        seat: &mut CoreSeat<'_>,
+        stage_idx: Option<usize>,
+        micro_batch_idx: Option<usize>,
+        abort: &Receiver<()>,
+    ) -> std::result::Result<(), Aborted> {
+        if !seat.must_wait() {
+            return Ok(());
+        }
+        let span = op_span(self.device_idx, stage_idx, OpKind::CoreWait, micro_batch_idx);
+        let start_s = self.now();
+        let taken = seat.take(abort);
+        self.core_wait(stage_idx, micro_batch_idx, start_s);
+        drop(span);
+        taken.map(|_| ())
+    }
+
     /// Records the time from `start_s` to now spent in line for a core slot.
     fn core_wait(&mut self, stage_idx: Option<usize>, micro_batch_idx: Option<usize>, start_s: f64) {
         let end_s = self.now();
@@ -728,7 +621,7 @@ impl OpRecorder<'_> {
 
 fn send_all(
     job: &StepJob,
-    core_slots: Option<&CoreSlots>,
+    seat: &CoreSeat<'_>,
     from_stage: usize,
     micro_batch_idx: usize,
     messages: Vec<(usize, Payload)>,
@@ -740,16 +633,8 @@ fn send_all(
         let target = &job.stage_devices[to_stage];
         let moved =
             payload.into_iter().map(|(id, t)| Ok((id, t.move_to_device(target)?))).collect::<Result<Payload>>()?;
-        let tx = &job.links.senders[&(from_stage, to_stage, gradient)];
-        // Channels hold one message per micro-batch, so this never blocks; a closed channel means
-        // the step was aborted.
-        let message = (micro_batch_idx, moved);
-        match core_slots {
-            Some(slots) => slots.send_message(job.stage_workers[to_stage], (from_stage, to_stage, gradient), || {
-                tx.send(message).map_err(|_| OpFailure::Aborted)
-            })?,
-            None => tx.send(message).map_err(|_| OpFailure::Aborted)?,
-        }
+        let key = (from_stage, to_stage, gradient);
+        seat.send(&job.links.senders[&key], key, job.stage_workers[to_stage], (micro_batch_idx, moved))?;
     }
     Ok(())
 }
