@@ -25,6 +25,11 @@
 //! [`Error::Checkpoint`], never a panic), and builds each tensor on the given device (counted
 //! against its budget). [`load_exact`] first checks names, shapes and dtypes against an expected
 //! list and allocates nothing if they differ.
+//!
+//! Loading does not judge values: a file may hold NaN or infinity (an experiment's record of a
+//! diverged run). Callers about to train from a file ask [`Checkpoint::first_non_finite`] and
+//! refuse it, naming the tensor and the element, since one NaN parameter makes every later step
+//! non-finite.
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
@@ -165,6 +170,85 @@ impl Checkpoint {
     /// An [`Error::Checkpoint`] about this checkpoint's file.
     pub fn error(&self, reason: impl Into<String>) -> Error {
         Error::Checkpoint { path: self.path.display().to_string(), reason: reason.into() }
+    }
+
+    /// The first held tensor, in name order, with a NaN or infinite element, and where: `None`
+    /// when every element of every tensor is finite. Works for every dtype (f16 and bf16 widen to
+    /// f32 exactly, NaN and infinities included); a tensor on a GPU is downloaded.
+    pub fn first_non_finite(&self) -> Result<Option<NonFiniteTensor>> {
+        for (name, tensor) in &self.tensors {
+            let widened;
+            let values = match tensor.as_f32() {
+                Ok(values) => values,
+                Err(_) => {
+                    widened = tensor.try_to_vec_f32()?;
+                    &widened
+                }
+            };
+            if let Some(index) = values.iter().position(|v| !v.is_finite()) {
+                return Ok(Some(NonFiniteTensor {
+                    name: name.clone(),
+                    shape: tensor.shape().clone(),
+                    index,
+                    value: values[index],
+                    count: values[index..].iter().filter(|v| !v.is_finite()).count(),
+                }));
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// A tensor holding NaN or infinity, as [`Checkpoint::first_non_finite`] found it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NonFiniteTensor {
+    /// The tensor's name in the file.
+    pub name: String,
+    /// Its shape.
+    pub shape: Shape,
+    /// The row-major (flat) index of its first non-finite element.
+    pub index: usize,
+    /// That element (NaN, +inf or -inf), widened to f32.
+    pub value: f32,
+    /// How many of its elements are not finite.
+    pub count: usize,
+}
+
+impl NonFiniteTensor {
+    /// The first non-finite element's index per dimension (`[row, col]` of a matrix; `[]` for a
+    /// scalar).
+    pub fn position(&self) -> Vec<usize> {
+        let mut rest = self.index;
+        let mut position: Vec<usize> = self
+            .shape
+            .dims()
+            .iter()
+            .rev()
+            .map(|&dim| {
+                let coordinate = rest % dim.max(1);
+                rest /= dim.max(1);
+                coordinate
+            })
+            .collect();
+        position.reverse();
+        position
+    }
+}
+
+impl std::fmt::Display for NonFiniteTensor {
+    /// "tensor `0.weight` holds NaN at [1, 2] (element 6; 1 of its 32 elements is not finite)".
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let value = if self.value.is_nan() { "NaN".to_string() } else { self.value.to_string() };
+        let numel = self.shape.numel();
+        let verb = if self.count == 1 { "is" } else { "are" };
+        write!(
+            f,
+            "tensor `{}` holds {value} at {:?} (element {}; {} of its {numel} elements {verb} not finite)",
+            self.name,
+            self.position(),
+            self.index,
+            self.count
+        )
     }
 }
 
@@ -500,5 +584,59 @@ impl Drop for RemoveOnDrop {
         if let Some(path) = self.0.take() {
             let _ = fs::remove_file(path);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn checkpoint(tensors: Vec<(&str, Tensor)>) -> Checkpoint {
+        Checkpoint {
+            path: PathBuf::from("model.safetensors"),
+            tensors: tensors.into_iter().map(|(name, tensor)| (name.to_string(), tensor)).collect(),
+            metadata: BTreeMap::new(),
+        }
+    }
+
+    fn host(values: Vec<f32>, dims: &[usize], dtype: DType) -> Tensor {
+        Tensor::from_vec(values, dims.to_vec(), &Device::host()).unwrap().to_dtype(dtype).unwrap()
+    }
+
+    #[test]
+    fn first_non_finite_names_the_tensor_and_element_in_every_dtype() {
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                let found = checkpoint(vec![
+                    ("a.bias", host(vec![0.5, -1.0], &[2], dtype)),
+                    ("b.weight", host(vec![1.0, 2.0, 3.0, 4.0, bad, bad], &[2, 3], dtype)),
+                    ("c.weight", host(vec![bad], &[1], dtype)),
+                ])
+                .first_non_finite()
+                .unwrap()
+                .expect("a non-finite element");
+                assert_eq!((found.name.as_str(), found.index, found.count), ("b.weight", 4, 2), "{dtype}");
+                assert_eq!(found.position(), [1, 1]);
+                assert!(found.value.is_nan() == bad.is_nan() && (bad.is_nan() || found.value == bad), "{dtype}");
+                let message = found.to_string();
+                assert!(
+                    message.contains("tensor `b.weight` holds") && message.contains("at [1, 1] (element 4"),
+                    "{message}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn finite_checkpoints_and_scalars_pass() {
+        let finite = checkpoint(vec![("w", host(vec![f32::MAX, f32::MIN_POSITIVE, -0.0], &[3], DType::F32))]);
+        assert_eq!(finite.first_non_finite().unwrap(), None);
+        let scalar = checkpoint(vec![("optimizer.w.step", host(vec![f32::NAN], &[], DType::F32))]);
+        let found = scalar.first_non_finite().unwrap().unwrap();
+        assert_eq!(found.position(), Vec::<usize>::new());
+        assert_eq!(
+            found.to_string(),
+            "tensor `optimizer.w.step` holds NaN at [] (element 0; 1 of its 1 elements is not finite)"
+        );
     }
 }

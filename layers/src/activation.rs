@@ -112,7 +112,8 @@ macro_rules! activation_layer {
 activation_layer!(
     Relu,
     "ReLU",
-    "`y = max(x, 0)` (PyTorch's `nn.ReLU`); the derivative at 0 is 0. Saves its output.",
+    "`y = max(x, 0)` (PyTorch's `nn.ReLU`: NaN propagates, `relu(-0.0) = -0.0`); the derivative at 0 \
+     is 0 and at NaN 1. Saves its output.",
     Activation::Relu,
     Keep::Output,
     1

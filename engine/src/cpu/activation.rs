@@ -2,7 +2,14 @@
 //! `approximate='none'`) and tanh; plus the `erfc` and normal CDF they rest on.
 //!
 //! Backward kernels take whichever forward tensor determines the derivative most cheaply: ReLU and
-//! tanh the output (`y > 0`, `1 - y²`), GELU the input.
+//! tanh the output (`y <= 0 ? 0 : dy`, `1 - y²`), GELU the input.
+//!
+//! Non-finite values follow PyTorch (checked element by element in
+//! `layers/tests/nonfinite.rs`): NaN propagates through every activation and every gradient, so a
+//! bad step is seen by the trainer's finiteness check instead of being zeroed away. ReLU is
+//! `x < 0 ? 0 : x` (torch's `clamp_min(x, 0)`: `relu(nan) = nan`, `relu(-0.0) = -0.0`) and its
+//! gradient `y <= 0 ? 0 : dy` (torch's `threshold_backward`: the gradient at NaN passes `dy`
+//! through). Both stay branch-free selects that vectorise.
 //!
 //! Each function is also given per element (`relu`, `relu_grad`, ...), for `cpu::uninit::map`
 //! and `map2` into outputs that need no zero-fill; the slice kernels apply the same functions,
@@ -10,19 +17,21 @@
 use super::window::check_len;
 use crate::Result;
 
-/// `max(x, 0)`.
+/// `max(x, 0)`, NaN propagating and -0.0 kept as PyTorch does: `x < 0 ? 0 : x`.
 #[inline]
 pub fn relu(x: f32) -> f32 {
-    if x > 0.0 { x } else { 0.0 }
+    if x < 0.0 { 0.0 } else { x }
 }
 
-/// ReLU's input gradient from its output `y` and the output gradient `dy`: `dy · [y > 0]`.
+/// ReLU's input gradient from its output `y` (or input: the test is the same) and the output
+/// gradient `dy`: `y <= 0 ? 0 : dy`, so `dy` passes where `y` is NaN (PyTorch's
+/// `threshold_backward`), and a NaN `dy` is zeroed where `y <= 0` (a select, not a product).
 #[inline]
 pub fn relu_grad(y: f32, dy: f32) -> f32 {
-    if y > 0.0 { dy } else { 0.0 }
+    if y <= 0.0 { 0.0 } else { dy }
 }
 
-/// `output = max(input, 0)`.
+/// `output = max(input, 0)` (NaN propagates, see [`relu`]).
 pub fn relu_forward(input: &[f32], output: &mut [f32]) -> Result<()> {
     check_len("relu", "output", input.len(), output.len())?;
     for (y, &x) in output.iter_mut().zip(input) {
@@ -31,7 +40,8 @@ pub fn relu_forward(input: &[f32], output: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
-/// `input_grad = grad_output * [output > 0]` (the derivative at 0 is taken as 0, like PyTorch).
+/// `input_grad = output <= 0 ? 0 : grad_output` (the derivative at 0 is taken as 0, and at NaN as
+/// 1, like PyTorch).
 pub fn relu_backward(output: &[f32], grad_output: &[f32], input_grad: &mut [f32]) -> Result<()> {
     check_len("relu_backward", "grad_output", output.len(), grad_output.len())?;
     check_len("relu_backward", "input_grad", output.len(), input_grad.len())?;
@@ -170,5 +180,22 @@ mod tests {
         tanh_forward(&x, &mut y).unwrap();
         assert!((y[4] - 2.0f32.tanh()).abs() < 1e-7);
         assert!(relu_forward(&x, &mut [0.0; 4]).is_err());
+    }
+
+    /// PyTorch: `torch.relu(torch.tensor([nan, inf, -inf, -0., 0.]))` is `[nan, inf, 0., -0., 0.]`
+    /// and the gradient of its sum is `[1., 1., 0., 0., 0.]`.
+    #[test]
+    fn relu_propagates_nan_and_keeps_negative_zero_like_torch() {
+        let x = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 0.0];
+        let mut y = [1.0; 5];
+        relu_forward(&x, &mut y).unwrap();
+        assert!(y[0].is_nan());
+        assert_eq!(y[1..], [f32::INFINITY, 0.0, 0.0, 0.0]);
+        assert!(y[3].is_sign_negative() && y[4].is_sign_positive() && y[2].is_sign_positive());
+        let mut dx = [f32::NAN; 5];
+        relu_backward(&y, &[1.0; 5], &mut dx).unwrap();
+        assert_eq!(dx, [1.0, 1.0, 0.0, 0.0, 0.0]);
+        relu_backward(&[-1.0, 1.0], &[f32::NAN, f32::NAN], &mut dx[..2]).unwrap();
+        assert!(dx[0] == 0.0 && dx[1].is_nan());
     }
 }

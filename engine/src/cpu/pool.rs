@@ -9,7 +9,9 @@ pub const MAX_POOL_PLANE_LIMIT: usize = 1 << 24;
 
 /// Max pooling: `output[p, i, j]` is the largest input in the window, padding acting as -inf;
 /// `argmax[p, i, j]` receives the winning position within the input plane (`row * in_width + col`)
-/// as an f32 (exact below [`MAX_POOL_PLANE_LIMIT`]). The first maximum wins ties; NaN propagates.
+/// as an f32 (exact below [`MAX_POOL_PLANE_LIMIT`]). The first maximum wins ties; NaN propagates,
+/// the last NaN of a window winning (PyTorch's `val > max || isnan(val)`, so the gradient goes
+/// where torch sends it).
 pub fn max_pool2d_forward(
     input: &[f32],
     n_planes: usize,
@@ -43,7 +45,7 @@ pub fn max_pool2d_forward(
                         let Some(c) = window.input_col(out_col, kernel_col) else { continue };
                         let idx = r * window.in_width + c;
                         let v = plane[idx];
-                        if best_idx == usize::MAX || v > best || (v.is_nan() && !best.is_nan()) {
+                        if best_idx == usize::MAX || v > best || v.is_nan() {
                             best = v;
                             best_idx = idx;
                         }
@@ -145,6 +147,7 @@ pub fn avg_pool2d_backward(
 }
 
 /// Global average pooling: `output[p] = mean(input[p, :])` over planes of `plane_len` elements.
+/// The sum starts at +0.0 (as torch's `mean`), so a plane of -0.0 averages to +0.0.
 pub fn global_avg_pool_forward(input: &[f32], plane_len: usize, output: &mut [f32]) -> Result<()> {
     check_len("global_avg_pool", "input", output.len() * plane_len, input.len())?;
     if plane_len == 0 {
@@ -155,7 +158,7 @@ pub fn global_avg_pool_forward(input: &[f32], plane_len: usize, output: &mut [f3
     }
     let scale = 1.0 / plane_len as f32;
     for (plane, out) in input.chunks_exact(plane_len).zip(output.iter_mut()) {
-        *out = plane.iter().sum::<f32>() * scale;
+        *out = plane.iter().fold(0.0f32, |sum, &x| sum + x) * scale;
     }
     Ok(())
 }
@@ -191,6 +194,16 @@ mod tests {
         max_pool2d_backward(&[1., 2., 3., 4.], &arg, 1, &w, &mut grad).unwrap();
         assert_eq!((grad[1], grad[6], grad[12], grad[15]), (1., 2., 3., 4.));
         assert_eq!(grad.iter().sum::<f32>(), 10.0);
+    }
+
+    #[test]
+    fn max_pool_propagates_nan_and_routes_the_gradient_to_the_last_nan_like_torch() {
+        // torch.nn.functional.max_pool2d on [[nan, 1], [nan, 2]] gives nan with index 2.
+        let w = Window2d::new(1, (2, 2), (2, 2), (2, 2), (0, 0)).unwrap();
+        let (mut out, mut arg) = (vec![0.0; 1], vec![0.0; 1]);
+        max_pool2d_forward(&[f32::NAN, 1.0, f32::NAN, 2.0], 1, &w, &mut out, &mut arg).unwrap();
+        assert!(out[0].is_nan());
+        assert_eq!(arg, vec![2.0]);
     }
 
     #[test]

@@ -16,6 +16,7 @@
 //! the first conv's filters (the `Layer` API's two backward calls share no state).
 use conveyor_engine::collective::{Communicator, Partition, Traffic};
 use conveyor_engine::cpu::Window2d;
+use conveyor_engine::cpu::activation::relu;
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 use rand::rngs::StdRng;
 
@@ -484,7 +485,7 @@ impl Layer for ChannelParallelConvStack {
                 }
                 y = conv_shard::forward(&x, self.weight(rank, i), self.bias(rank, i), &windows[i])?;
                 if conv.spec.relu {
-                    y.as_f32_mut()?.iter_mut().for_each(|v| *v = v.max(0.0));
+                    y.as_f32_mut()?.iter_mut().for_each(|v| *v = relu(*v));
                     activations.push(y.share());
                 }
                 conv_inputs.push(std::mem::replace(&mut x, Tensor::zeros([0], conveyor_engine::DType::F32, device)?));

@@ -14,6 +14,10 @@
 //! Resuming restores the parameters, every stage's optimizer state, the trainer's step index
 //! (dropout masks derive from it) and the data position, so a resumed run continues bit for bit
 //! as the uninterrupted one would have.
+//!
+//! `--init` and `--resume` refuse a file with NaN or infinity in any tensor (parameters or
+//! optimizer state), naming the file, the tensor and the element (exit status 2): every step
+//! trained from it would be non-finite, and the trainer would refuse each one.
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
@@ -119,6 +123,18 @@ fn load(path: &Path, flag: &str) -> anyhow::Result<Checkpoint> {
     checkpoint::load(path, &Device::host()).map_err(|e| usage(format!("{flag} {}: {e}", path.display())))
 }
 
+/// A usage error when any tensor of `checkpoint` holds NaN or infinity, naming the file, the first
+/// such tensor (name order) and element, and `fix`.
+fn refuse_non_finite(checkpoint: &Checkpoint, flag: &str, fix: &str) -> anyhow::Result<()> {
+    match checkpoint.first_non_finite()? {
+        None => Ok(()),
+        Some(found) => Err(usage(format!(
+            "{flag} {}: {found}; every step trained from it would be non-finite: {fix}",
+            checkpoint.path().display()
+        ))),
+    }
+}
+
 /// Each parameter's shape and the device its stage runs on.
 pub struct ParamHomes(Arc<HashMap<String, (Shape, Device)>>);
 
@@ -162,8 +178,8 @@ pub fn save(path: &Path, trainer: &Trainer, state: &RunState, weights_only: bool
 }
 
 /// Restores a checkpoint into `trainer`: checks its run state matches `expected` (model, data
-/// position, seed, shuffling), then loads parameters and every stage's optimizer state strictly
-/// and sets the step index. Returns the checkpoint's run state.
+/// position, seed, shuffling) and that every tensor is finite, then loads parameters and every
+/// stage's optimizer state strictly and sets the step index. Returns the checkpoint's run state.
 pub fn resume(
     path: &Path,
     trainer: &mut Trainer,
@@ -204,6 +220,11 @@ pub fn resume(
         }
     }
     checkpoint.check_exact(&expected_tensors).map_err(|e| usage(format!("--resume: {e}")))?;
+    refuse_non_finite(
+        &checkpoint,
+        "--resume",
+        "resume from an earlier checkpoint of the run, saved before it diverged (or start again without --resume)",
+    )?;
     let params: Vec<(String, Tensor)> =
         param_names.iter().filter_map(|name| checkpoint.take(name).map(|t| (name.clone(), t))).collect();
     trainer.load_parameters(params)?;
@@ -213,7 +234,7 @@ pub fn resume(
 }
 
 /// `--init`: loads parameters with PyTorch names after checking the file holds exactly the model's
-/// parameters with their shapes (any float dtype; converted to the model's).
+/// parameters with their shapes (any float dtype; converted to the model's), all finite.
 pub fn init(path: &Path, trainer: &mut Trainer) -> anyhow::Result<usize> {
     let checkpoint = load(path, "--init")?;
     let expected: Vec<TensorSpec> = trainer
@@ -225,6 +246,11 @@ pub fn init(path: &Path, trainer: &mut Trainer) -> anyhow::Result<usize> {
         })
         .collect();
     checkpoint.check_exact(&expected).map_err(|e| usage(format!("--init: {e}")))?;
+    refuse_non_finite(
+        &checkpoint,
+        "--init",
+        "save the weights again from a model whose parameters are all finite (or train without --init)",
+    )?;
     let tensors: Vec<(String, Tensor)> = checkpoint.into_tensors().into_iter().collect();
     let n = tensors.len();
     trainer.load_parameters(tensors)?;

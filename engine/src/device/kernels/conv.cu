@@ -45,7 +45,8 @@ extern "C" __global__ void col2im_f32(const float* cols, float* dx, int batch, i
 
 // Max pooling forward over `planes` planes: y, and the winning position within the input plane
 // (y0 * w + x0; -1 when the window lies entirely in the padding). Padding acts as -inf, the first
-// maximum wins ties and NaN propagates, as on the CPU.
+// maximum wins ties and NaN propagates, the last NaN of a window winning, as on the CPU and in
+// PyTorch (`val > max || isnan(val)`).
 extern "C" __global__ void max_pool_forward_f32(const float* x, float* y, int* argmax, long long planes, int h, int w,
                                                 int kh, int kw, int sh, int sw, int ph, int pw, int oh, int ow) {
     long long total = planes * oh * ow;
@@ -61,7 +62,7 @@ extern "C" __global__ void max_pool_forward_f32(const float* x, float* y, int* a
                 if (x0 < 0 || x0 >= w) continue;
                 int at = y0 * w + x0;
                 float v = plane[at];
-                if (best_at < 0 || v > best || (isnan(v) && !isnan(best))) { best = v; best_at = at; }
+                if (best_at < 0 || v > best || isnan(v)) { best = v; best_at = at; }
             }
         }
         y[idx] = best; argmax[idx] = best_at;

@@ -14,13 +14,15 @@ extern "C" __global__ void scale_f32(float* x, float factor, size_t n) {
     GRID_STRIDE(i, n) { x[i] *= factor; }
 }
 
+// relu(x) = x < 0 ? 0 : x, as on the CPU and in PyTorch: NaN propagates, -0.0 stays -0.0.
 extern "C" __global__ void relu_forward_f32(const float* x, float* y, size_t n) {
-    GRID_STRIDE(i, n) { y[i] = x[i] > 0.0f ? x[i] : 0.0f; }
+    GRID_STRIDE(i, n) { y[i] = x[i] < 0.0f ? 0.0f : x[i]; }
 }
 
-// `x` may be the forward input or output: x > 0 exactly where relu(x) > 0.
+// `x` may be the forward input or output: x <= 0 exactly where relu(x) <= 0. The gradient passes
+// where x is NaN (PyTorch's threshold_backward); a NaN dy is zeroed where x <= 0 (a select).
 extern "C" __global__ void relu_backward_f32(const float* x, const float* dy, float* dx, size_t n) {
-    GRID_STRIDE(i, n) { dx[i] = x[i] > 0.0f ? dy[i] : 0.0f; }
+    GRID_STRIDE(i, n) { dx[i] = x[i] <= 0.0f ? 0.0f : dy[i]; }
 }
 
 // GELU, exact form (PyTorch's approximate='none'): x * Phi(x) with Phi(x) = erfc(-x / sqrt 2) / 2,
