@@ -3,8 +3,10 @@
 //! # The communication rule
 //!
 //! Programs list compute only; every send and receive follows from one rule, which the
-//! validator, the simulator and the engine's runtime all take from [`Instruction::recv_from`]
-//! and [`Instruction::send_to`]:
+//! validator and the simulators take from [`Instruction::recv_from`] and
+//! [`Instruction::send_to`]. The engine's runtime applies the same rule to the routes its graph's
+//! edges give (a chain's routes are exactly these neighbours; a skip edge adds a channel the
+//! rule orders the same way):
 //!
 //! - `Forward { m, s }` with `s > 0` first **receives** micro-batch `m`'s activation from stage
 //!   `s - 1`; after computing it **sends** its activation to stage `s + 1` if that stage exists.

@@ -5,7 +5,8 @@
 //! A [`Schedule`] is one list of [`Instruction`]s per device: forwards, backwards (fused, or
 //! split into input and weight gradients) and a final optimizer step. Sends and receives are
 //! not listed; they follow from one rule ([`Instruction::recv_from`], [`Instruction::send_to`])
-//! that the validator, the simulator and the engine's runtime share. **Architecture
+//! that the validator and the simulators use and the engine's runtime applies to its graph's
+//! routes. **Architecture
 //! Invariant:** this crate knows nothing of tensors, devices or threads; the engine executes
 //! the lists.
 //!

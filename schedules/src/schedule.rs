@@ -8,8 +8,8 @@ use crate::kind::ScheduleKind;
 use crate::{gpipe, interleaved, one_f_one_b, zero_bubble};
 
 /// A pipeline schedule: one instruction list per device. **API Boundary**: the engine's runtime
-/// executes `program(device_idx)` in order, deriving communication with
-/// [`Instruction::recv_from`] / [`Instruction::send_to`].
+/// executes `program(device_idx)` in order, communicating by the rule of
+/// [`Instruction::recv_from`] / [`Instruction::send_to`] applied to its graph's routes.
 ///
 /// Stages: `n_stages = n_devices * n_chunks`. Stage `s` lives on device `s % n_devices` as its
 /// chunk `s / n_devices` (Megatron's virtual-pipeline mapping); with one chunk, stage `s` is
