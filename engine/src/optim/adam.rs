@@ -136,6 +136,28 @@ impl AdamScalars {
     }
 }
 
+/// One element of an Adam/AdamW update: the new parameter, `exp_avg` and `exp_avg_sq` from the
+/// old ones and the gradient. The in-place and the out-of-place update both call it, so they agree
+/// bit for bit.
+#[inline(always)]
+fn adam_element(s: &AdamScalars, weight_decay: Option<bool>, p: f32, grad: f32, m: f32, v: f32) -> (f32, f32, f32) {
+    let (mut p, mut g) = (p, grad);
+    match weight_decay {
+        Some(true) => p *= s.decay_factor,
+        Some(false) => g = grad + s.weight_decay * p,
+        None => {}
+    }
+    let m = torch_lerp(m, g, s.lerp_weight);
+    let v = v * s.beta2 + s.one_minus_beta2 * g * g;
+    let denom = v.sqrt() / s.bias_correction2_sqrt + s.eps;
+    (p + s.neg_step_size * m / denom, m, v)
+}
+
+/// `Some(decoupled)` when weight decay applies.
+fn weight_decay_mode(config: &AdamConfig, decoupled_weight_decay: bool) -> Option<bool> {
+    (config.weight_decay != 0.0).then_some(decoupled_weight_decay)
+}
+
 /// One Adam/AdamW update of one parameter, in place. `step` is the step count after incrementing
 /// (1 on the first update). Lengths were checked equal by the caller.
 pub(crate) fn adam_update(
@@ -147,32 +169,33 @@ pub(crate) fn adam_update(
     exp_avg: &mut [f32],
     exp_avg_sq: &mut [f32],
 ) {
-    let apply_weight_decay = config.weight_decay != 0.0;
-    let AdamScalars {
-        decay_factor,
-        weight_decay,
-        lerp_weight,
-        beta2,
-        one_minus_beta2,
-        neg_step_size,
-        bias_correction2_sqrt,
-        eps,
-    } = AdamScalars::new(config, step);
-
+    let scalars = AdamScalars::new(config, step);
+    let decay = weight_decay_mode(config, decoupled_weight_decay);
     let elements = param.iter_mut().zip(grad).zip(exp_avg.iter_mut()).zip(exp_avg_sq.iter_mut());
-    for (((p, &grad), m), v) in elements {
-        let mut g = grad;
-        if apply_weight_decay {
-            if decoupled_weight_decay {
-                *p *= decay_factor;
-            } else {
-                g = grad + weight_decay * *p;
-            }
-        }
-        *m = torch_lerp(*m, g, lerp_weight);
-        *v = *v * beta2 + one_minus_beta2 * g * g;
-        let denom = v.sqrt() / bias_correction2_sqrt + eps;
-        *p += neg_step_size * *m / denom;
+    for (((p, &g), m), v) in elements {
+        (*p, *m, *v) = adam_element(&scalars, decay, *p, g, *m, *v);
+    }
+}
+
+/// The same update out of place: reads the old parameter and state, writes the new ones into
+/// `new` (the old values stay where they are, as the commit's undo snapshot). Bit for bit what
+/// [`adam_update`] computes.
+pub(crate) fn adam_update_into(
+    config: &AdamConfig,
+    decoupled_weight_decay: bool,
+    step: u64,
+    old: (&[f32], &[f32], &[f32]),
+    grad: &[f32],
+    new: (&mut [f32], &mut [f32], &mut [f32]),
+) {
+    let scalars = AdamScalars::new(config, step);
+    let decay = weight_decay_mode(config, decoupled_weight_decay);
+    let (old_p, old_m, old_v) = old;
+    let (new_p, new_m, new_v) = new;
+    let olds = old_p.iter().zip(old_m).zip(old_v).zip(grad);
+    let news = new_p.iter_mut().zip(new_m.iter_mut()).zip(new_v.iter_mut());
+    for ((((&p, &m), &v), &g), ((np, nm), nv)) in olds.zip(news) {
+        (*np, *nm, *nv) = adam_element(&scalars, decay, p, g, m, v);
     }
 }
 

@@ -112,9 +112,50 @@ pub(crate) fn check_non_negative(name: &str, torch_label: &str, value: f64) -> R
     Ok(())
 }
 
-/// One SGD update of one parameter, in place. `momentum_buffer` is `Some` exactly when the config
-/// uses momentum; `first_step` says whether the buffer is still to be initialised from the gradient.
-/// Lengths were checked equal by the caller.
+/// The f32 scalars of one SGD update.
+struct SgdScalars {
+    weight_decay: Option<f32>,
+    momentum: f32,
+    one_minus_dampening: f32,
+    neg_lr: f32,
+    nesterov: bool,
+}
+
+impl SgdScalars {
+    fn new(config: &SgdConfig) -> SgdScalars {
+        SgdScalars {
+            weight_decay: (config.weight_decay != 0.0).then_some(config.weight_decay as f32),
+            momentum: config.momentum as f32,
+            one_minus_dampening: (1.0 - config.dampening) as f32,
+            neg_lr: (-config.lr) as f32,
+            nesterov: config.nesterov,
+        }
+    }
+}
+
+/// One element of an SGD update without momentum: the new parameter.
+#[inline(always)]
+fn sgd_element(s: &SgdScalars, p: f32, grad: f32) -> f32 {
+    let g = match s.weight_decay {
+        Some(weight_decay) => grad + weight_decay * p,
+        None => grad,
+    };
+    p + s.neg_lr * g
+}
+
+/// One element of an SGD update with momentum: the new parameter and momentum buffer.
+#[inline(always)]
+fn sgd_momentum_element(s: &SgdScalars, first_step: bool, p: f32, grad: f32, buf: f32) -> (f32, f32) {
+    let g = match s.weight_decay {
+        Some(weight_decay) => grad + weight_decay * p,
+        None => grad,
+    };
+    let buf = if first_step { g } else { buf * s.momentum + s.one_minus_dampening * g };
+    let direction = if s.nesterov { g + s.momentum * buf } else { buf };
+    (p + s.neg_lr * direction, buf)
+}
+
+/// One SGD update of one parameter, in place (`momentum_buffer` when momentum is on).
 pub(crate) fn sgd_update(
     config: &SgdConfig,
     param: &mut [f32],
@@ -122,24 +163,43 @@ pub(crate) fn sgd_update(
     momentum_buffer: Option<&mut [f32]>,
     first_step: bool,
 ) {
-    let weight_decay = config.weight_decay as f32;
-    let apply_weight_decay = config.weight_decay != 0.0;
-    let momentum = config.momentum as f32;
-    let one_minus_dampening = (1.0 - config.dampening) as f32;
-    let neg_lr = (-config.lr) as f32;
+    let s = SgdScalars::new(config);
     match momentum_buffer {
         None => {
-            for (p, &grad) in param.iter_mut().zip(grad) {
-                let g = if apply_weight_decay { grad + weight_decay * *p } else { grad };
-                *p += neg_lr * g;
+            for (p, &g) in param.iter_mut().zip(grad) {
+                *p = sgd_element(&s, *p, g);
             }
         }
         Some(buffer) => {
-            for ((p, &grad), buf) in param.iter_mut().zip(grad).zip(buffer.iter_mut()) {
-                let g = if apply_weight_decay { grad + weight_decay * *p } else { grad };
-                *buf = if first_step { g } else { *buf * momentum + one_minus_dampening * g };
-                let direction = if config.nesterov { g + momentum * *buf } else { *buf };
-                *p += neg_lr * direction;
+            for ((p, &g), buf) in param.iter_mut().zip(grad).zip(buffer.iter_mut()) {
+                (*p, *buf) = sgd_momentum_element(&s, first_step, *p, g, *buf);
+            }
+        }
+    }
+}
+
+/// The same update out of place: reads the old parameter (and momentum buffer), writes the new
+/// ones into `new_param` (and `new_buffer`), leaving the old values as the commit's undo snapshot.
+/// Bit for bit what [`sgd_update`] computes.
+pub(crate) fn sgd_update_into(
+    config: &SgdConfig,
+    old_param: &[f32],
+    grad: &[f32],
+    new_param: &mut [f32],
+    buffers: Option<(&[f32], &mut [f32])>,
+    first_step: bool,
+) {
+    let s = SgdScalars::new(config);
+    match buffers {
+        None => {
+            for ((&p, &g), np) in old_param.iter().zip(grad).zip(new_param.iter_mut()) {
+                *np = sgd_element(&s, p, g);
+            }
+        }
+        Some((old_buffer, new_buffer)) => {
+            let olds = old_param.iter().zip(grad).zip(old_buffer);
+            for (((&p, &g), &buf), (np, nb)) in olds.zip(new_param.iter_mut().zip(new_buffer.iter_mut())) {
+                (*np, *nb) = sgd_momentum_element(&s, first_step, p, g, buf);
             }
         }
     }

@@ -409,9 +409,9 @@ impl Stage {
     /// stage votes (see `runtime/README.md`). Reports the gradients' sum of squares and, when it
     /// is not finite, the first parameter whose gradient is not (nothing else is done then: the
     /// step will not be committed). Otherwise allocates the optimizer state, gives gradients,
-    /// parameters and state private elements (so the apply phase writes in place and allocates
-    /// nothing), and, when the stage keeps one, copies parameters and state into its undo
-    /// snapshot. Changes no parameter and no state value.
+    /// parameters and state private elements, and, when the stage keeps an undo snapshot, reserves
+    /// its spare buffers (allocated once, kept from step to step), so that the apply phase
+    /// allocates nothing. Changes no parameter and no state value.
     pub fn prepare_commit(&mut self) -> Result<StageVote> {
         for node in &mut self.nodes {
             node.grads.iter_mut().try_for_each(Tensor::make_unique)?;
@@ -444,7 +444,7 @@ impl Stage {
         self.optimizer.make_state_unique()?;
         if let Some(undo) = self.undo.as_mut() {
             let params = self.nodes.iter().flat_map(|n| n.layer.parameters().iter().map(|p| &p.value));
-            undo.take(params, &self.optimizer)?;
+            undo.reserve(params, &self.optimizer)?;
         }
         Ok(StageVote { sum_of_squares, non_finite_parameter: None })
     }
@@ -465,7 +465,21 @@ impl Stage {
         for node in &mut self.nodes {
             let NodeExec { layer, grads, name, .. } = node;
             for (p, g) in layer.parameters_mut().iter_mut().zip(grads.iter()) {
-                self.optimizer.apply_prepared(param_idx, &mut p.value, g)?;
+                match self.undo.as_mut() {
+                    // Out of place: the old values stay in the snapshot's spares.
+                    Some(undo) => {
+                        let (spare, holds_old) = (&mut undo.params[param_idx], &mut undo.holds_old[param_idx]);
+                        self.optimizer.apply_swapping(
+                            param_idx,
+                            &mut p.value,
+                            g,
+                            spare,
+                            &mut undo.optimizer,
+                            holds_old,
+                        )?;
+                    }
+                    None => self.optimizer.apply_prepared(param_idx, &mut p.value, g)?,
+                }
                 param_idx += 1;
             }
             if let Err(error) = layer.refresh() {
@@ -480,11 +494,14 @@ impl Stage {
     /// snapshot or holds none from this step: the stage then cannot be rolled back.
     pub fn roll_back(&mut self) -> bool {
         let Some(undo) = self.undo.as_mut().filter(|u| u.valid) else { return false };
-        let mut saved = undo.params.iter_mut();
+        let mut param_idx = 0;
         for node in &mut self.nodes {
             for p in node.layer.parameters_mut() {
-                let Some(old) = saved.next() else { return false };
-                std::mem::swap(&mut p.value, old);
+                if std::mem::take(&mut undo.holds_old[param_idx]) {
+                    std::mem::swap(&mut p.value, &mut undo.params[param_idx]);
+                    self.optimizer.unswap(param_idx, &mut undo.optimizer);
+                }
+                param_idx += 1;
             }
             // The parameters are back whatever refresh does: a layer whose parameters were handed
             // out by `parameters_mut` ignores its derived copies until a refresh succeeds.
@@ -494,7 +511,7 @@ impl Stage {
             }
         }
         undo.valid = false;
-        self.optimizer.restore_state(&mut undo.optimizer)
+        true
     }
 
     /// `(node.param, tensor)` for every parameter of the stage.
@@ -513,31 +530,36 @@ pub(crate) struct StageVote {
     pub non_finite_parameter: Option<String>,
 }
 
-/// The copy of a stage's parameters and optimizer state taken in the commit's prepare phase, kept
-/// from step to step (only the first copy allocates) and swapped back by [`Stage::roll_back`].
+/// A stage's undo snapshot for the commit: a spare for every parameter and optimizer-state
+/// buffer, reserved in the prepare phase (only the first step allocates). The apply phase writes
+/// the new values into the spares and swaps them in ([`Optimizer::apply_swapping`]), so afterwards
+/// the spares hold the old values, and [`Stage::roll_back`] swaps them back, in O(1) per tensor.
 #[derive(Debug, Default)]
 pub(crate) struct UndoSnapshot {
     params: Vec<Tensor>,
     optimizer: crate::optim::StateSnapshot,
+    /// Per parameter: its spare (and its state's) hold the values from before this step's update.
+    holds_old: Vec<bool>,
+    /// Reserved in this step's prepare phase (a rollback only ever undoes the current step).
     valid: bool,
 }
 
 impl UndoSnapshot {
-    fn take<'a>(&mut self, params: impl Iterator<Item = &'a Tensor>, optimizer: &Optimizer) -> Result<()> {
+    fn reserve<'a>(&mut self, params: impl Iterator<Item = &'a Tensor>, optimizer: &Optimizer) -> Result<()> {
         self.valid = false;
         let mut n = 0;
         for (i, param) in params.enumerate() {
+            let fits = |t: &Tensor| t.shape() == param.shape() && t.device().same_device(param.device());
             match self.params.get_mut(i) {
-                Some(copy) if copy.shape() == param.shape() && copy.device().same_device(param.device()) => {
-                    copy.copy_from(param)?;
-                }
-                Some(copy) => *copy = param.try_clone()?,
-                None => self.params.push(param.try_clone()?),
+                Some(spare) if fits(spare) => {}
+                Some(spare) => *spare = Tensor::zeros(param.shape().clone(), param.dtype(), param.device())?,
+                None => self.params.push(Tensor::zeros(param.shape().clone(), param.dtype(), param.device())?),
             }
             n = i + 1;
         }
         self.params.truncate(n);
-        optimizer.snapshot_state(&mut self.optimizer)?;
+        self.holds_old = vec![false; n];
+        self.optimizer.reserve(optimizer)?;
         self.valid = true;
         Ok(())
     }
