@@ -30,6 +30,7 @@
 //! ```
 #![deny(missing_docs)]
 
+mod cores;
 mod cost;
 mod error;
 pub mod export;
@@ -46,6 +47,7 @@ mod timeline;
 mod validate;
 mod zero_bubble;
 
+pub use cores::{Cores, simulate_on};
 pub use cost::{CostModel, Link, MessageBytes, OpKey, StageCosts};
 pub use error::{BlockedDevice, ScheduleError, Wait};
 pub use instruction::{ChannelId, Direction, Instruction, Message};
