@@ -322,17 +322,11 @@ struct LockSite {
     departure: bool,
 }
 
-const LOCKS: [LockSite; 9] = [
+const LOCKS: [LockSite; 8] = [
     LockSite {
         path: "engine/src/runtime/core_slots.rs",
         item: "*",
         why: "the one shared object ARCHITECTURE.md names: a FIFO of core slots that guards no data",
-        departure: false,
-    },
-    LockSite {
-        path: "engine/src/runtime/trainer.rs",
-        item: "load_optimizer_state",
-        why: "loading a checkpoint, once per resume, not per step (see COORDINATOR_SHARED_STATE)",
         departure: false,
     },
     LockSite {
@@ -368,14 +362,14 @@ const LOCKS: [LockSite; 9] = [
     LockSite {
         path: "engine/src/device/cuda/compile.rs",
         item: "CACHE",
-        why: "kernels_for: every CUDA kernel launch locks this process-wide cache of compiled kernels, shared by all workers",
-        departure: true,
+        why: "kernels_for_process: a thread's first launch on a GPU only (a thread-local cache answers every later launch)",
+        departure: false,
     },
     LockSite {
         path: "engine/src/device/cuda/device.rs",
         item: "ENABLED",
-        why: "enable_peer_access: every GPU-to-GPU copy (a message between stages on two GPUs) locks this process-wide set",
-        departure: true,
+        why: "enable_peer_access: a thread's first copy between two GPUs only (a thread-local set answers later copies)",
+        departure: false,
     },
 ];
 
@@ -420,11 +414,7 @@ fn nothing_on_the_hot_path_is_shared_behind_a_lock() {
 }
 
 /// Shared state between the coordinator and workers other than channels, today.
-const COORDINATOR_SHARED_STATE: [(&str, &str, &str); 1] = [(
-    "engine/src/runtime/trainer.rs",
-    "Arc::new(Mutex::new(Some(checkpoint)))",
-    "load_optimizer_state hands the checkpoint to every worker in an Arc<Mutex> and takes the rest back through it; off the hot path",
-)];
+const COORDINATOR_SHARED_STATE: [(&str, &str, &str); 0] = [];
 
 #[test]
 fn coordinator_talks_to_workers_only_through_channels() {

@@ -1,7 +1,7 @@
 //! `Trainer` (API Boundary): builds stages from a graph and a placement, starts one worker thread
 //! per device, and runs training steps, evaluation and parameter transfer through them.
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -987,25 +987,36 @@ impl Trainer {
     /// gives them), splitting it over split layers' shards; takes the tensors it uses and leaves
     /// the others.
     pub fn load_optimizer_state(&mut self, checkpoint: Checkpoint) -> Result<Checkpoint> {
-        // The checkpoint goes back out of the shared slot once every worker has answered (a
-        // worker may still be dropping its handle on the slot then, so take the value, not the Arc).
-        let shared = Arc::new(Mutex::new(Some(checkpoint)));
-        let on_workers = Arc::clone(&shared);
-        let results = self.on_every_worker(move |stages| -> Result<()> {
-            let mut guard = on_workers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            let checkpoint = guard.as_mut().expect("the checkpoint stays in its slot while workers load");
-            for stage in stages.iter_mut() {
-                let mut offset = 0;
-                for node in &mut stage.nodes {
-                    stage.optimizer.import_layer_state(&node.name, node.layer.as_mut(), offset, checkpoint)?;
-                    offset += node.layer.parameters().len();
-                }
-            }
-            Ok(())
-        })?;
-        results.into_iter().collect::<Result<()>>()?;
-        let rest = shared.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
-        rest.ok_or_else(|| Error::invalid("optimizer state", "the checkpoint was taken while loading"))
+        // The checkpoint travels from worker to worker through channels: each takes its stages'
+        // tensors and hands the rest back, so no worker shares it with another.
+        let mut checkpoint = checkpoint;
+        for (device_idx, worker) in self.workers.iter().enumerate() {
+            let (tx, rx) = channel::bounded(1);
+            let stopped = || Error::invalid("worker", format!("the worker of device {device_idx} has stopped"));
+            worker
+                .commands
+                .send(Command::With(Box::new(move |stages| {
+                    let mut checkpoint = checkpoint;
+                    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<()> {
+                        for stage in stages.iter_mut() {
+                            let mut offset = 0;
+                            for node in &mut stage.nodes {
+                                let layer = node.layer.as_mut();
+                                stage.optimizer.import_layer_state(&node.name, layer, offset, &mut checkpoint)?;
+                                offset += node.layer.parameters().len();
+                            }
+                        }
+                        Ok(())
+                    }));
+                    let _ = tx.send((outcome.map_err(worker::panic_message), checkpoint));
+                })))
+                .map_err(|_| stopped())?;
+            let (outcome, rest) = rx.recv().map_err(|_| stopped())?;
+            checkpoint = rest;
+            let device = self.devices[device_idx * self.tensor_parallel].to_string();
+            outcome.map_err(|message| Error::WorkerPanicked { device_idx, device, message })??;
+        }
+        Ok(checkpoint)
     }
 
     /// Runs `f` on every stage's optimizer on its worker (state export and import for checkpoints).

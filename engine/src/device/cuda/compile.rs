@@ -85,6 +85,21 @@ impl KernelSet {
 /// shared by every handle and stream of that GPU for the rest of the process. A failed compilation
 /// is not cached; the next call tries again.
 pub(crate) fn kernels_for(device: &CudaDevice) -> Result<Arc<KernelSet>> {
+    // Each thread keeps the sets it has used, so a launch takes the process-wide lock only the
+    // first time a thread launches on a GPU, never on the hot path.
+    thread_local! {
+        static LOCAL: std::cell::RefCell<HashMap<usize, Arc<KernelSet>>> = Default::default();
+    }
+    if let Some(set) = LOCAL.with(|local| local.borrow().get(&device.ordinal()).cloned()) {
+        return Ok(set);
+    }
+    let set = kernels_for_process(device)?;
+    LOCAL.with(|local| local.borrow_mut().insert(device.ordinal(), Arc::clone(&set)));
+    Ok(set)
+}
+
+/// The process-wide cache behind [`kernels_for`]: compiles a GPU's kernels once per process.
+fn kernels_for_process(device: &CudaDevice) -> Result<Arc<KernelSet>> {
     static CACHE: OnceLock<Mutex<HashMap<usize, Arc<KernelSet>>>> = OnceLock::new();
     // Compiling under the lock makes concurrent first launches wait for one compilation.
     let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|poisoned| poisoned.into_inner());

@@ -145,12 +145,21 @@ impl CudaDevice {
     /// process. Returns false (and enables nothing) when the hardware has no peer path.
     pub(crate) fn enable_peer_access(&self, other: &CudaDevice) -> Result<bool> {
         static ENABLED: OnceLock<Mutex<HashSet<(usize, usize)>>> = OnceLock::new();
+        // Each thread remembers the pairs it saw enabled, so a copy between GPUs takes the
+        // process-wide lock only the first time a thread copies between them.
+        thread_local! {
+            static SEEN: std::cell::RefCell<HashSet<(usize, usize)>> = Default::default();
+        }
         if self.ordinal == other.ordinal {
             return Ok(true);
         }
         let pair = (self.ordinal, other.ordinal);
+        if SEEN.with(|seen| seen.borrow().contains(&pair)) {
+            return Ok(true);
+        }
         let mut enabled = ENABLED.get_or_init(Default::default).lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if enabled.contains(&pair) {
+            SEEN.with(|seen| seen.borrow_mut().insert(pair));
             return Ok(true);
         }
         if !self.can_access_peer(other)? {
@@ -166,6 +175,7 @@ impl CudaDevice {
             Err(err) => return Err(errors::driver(self.ordinal, &op, err)),
         }
         enabled.insert(pair);
+        SEEN.with(|seen| seen.borrow_mut().insert(pair));
         Ok(true)
     }
 
