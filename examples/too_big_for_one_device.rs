@@ -1,7 +1,9 @@
 //! A model too big for one device: an MLP whose parameters, gradients and Adam state need more
 //! than twice one device's memory budget. Planning on one device fails with `DoesNotFit`; on
-//! four devices the planner finds a placement, and training reports each device's peak memory,
-//! every one under its budget (the budget is enforced: an allocation past it is an error).
+//! four devices the planner finds a placement (dropping the packed weight copies or undo
+//! snapshots that do not fit, and saying so), and training reports each device's peak memory,
+//! every one under its plan and its budget (the budget is enforced: an allocation past it is an
+//! error).
 //!
 //! Run: `cargo run --release --example too_big_for_one_device`
 use conveyor::data;
@@ -9,7 +11,7 @@ use conveyor::engine::Device;
 use conveyor::engine::optim::OptimizerConfig;
 use conveyor::engine::placement::format_bytes;
 use conveyor::engine::runtime::Recompute;
-use conveyor::pipeline::{PipelineConfig, build_trainer, plan};
+use conveyor::pipeline::{PipelineConfig, build_trainer, memory_notes, plan};
 use conveyor::schedules::ScheduleKind;
 use conveyor::zoo::mlp;
 
@@ -41,17 +43,25 @@ fn main() -> anyhow::Result<()> {
     let (plan, mut trainer) = build_trainer(mlp(&widths, 0)?, devices, &config)?;
     println!("on four devices of {} each:", format_bytes(budget));
     for stage in &plan.stages {
+        let m = &stage.memory;
         println!(
-            "  stage {} (layers {}): planned {} = params {} + packed copies {} + grads {} + Adam {} + activations {}",
+            "  stage {} (layers {}): planned {} = params {} + packed copies {} + grads {} + Adam {} + undo snapshot {} \
+             + activations {} + messages {} + scratch {}",
             stage.stage_idx,
             stage.node_names.join(" "),
-            format_bytes(stage.memory.total()),
-            format_bytes(stage.memory.params),
-            format_bytes(stage.memory.workspace),
-            format_bytes(stage.memory.grads),
-            format_bytes(stage.memory.optimizer_state),
-            format_bytes(stage.memory.activations),
+            format_bytes(m.total()),
+            format_bytes(m.params),
+            format_bytes(m.workspace),
+            format_bytes(m.grads),
+            format_bytes(m.optimizer_state),
+            format_bytes(m.commit_snapshot),
+            format_bytes(m.activations),
+            format_bytes(m.messages),
+            format_bytes(m.scratch),
         );
+    }
+    for note in memory_notes(&plan) {
+        println!("  {note}");
     }
 
     let train = data::synthetic(512, 64, 10, 1)?;
@@ -65,9 +75,15 @@ fn main() -> anyhow::Result<()> {
         }
         println!("step {}: loss {:.4}", step + 1, report.loss);
     }
-    for (device, peak) in trainer.devices().iter().zip(&peaks) {
-        println!("{device}: peak {} of a {} budget", format_bytes(*peak), format_bytes(budget));
-        anyhow::ensure!(*peak <= budget, "{device} went over its budget");
+    let planned = plan.device_peaks(4);
+    for ((device, peak), planned) in trainer.devices().iter().zip(&peaks).zip(&planned) {
+        println!(
+            "{device}: peak {} of a planned {} and a {} budget",
+            format_bytes(*peak),
+            format_bytes(planned[0]),
+            format_bytes(budget)
+        );
+        anyhow::ensure!(*peak <= planned[0], "{device} went over its plan");
     }
     Ok(())
 }

@@ -127,6 +127,15 @@ pub trait Layer: Send + std::fmt::Debug {
         Ok(())
     }
 
+    /// Whether the layer keeps the state [`Layer::refresh`] derives from its parameters (such as
+    /// Linear's packed weights, [`LayerCost::workspace_bytes`]): with `false` it frees that state
+    /// now and derives none until enabled again (the next refresh rebuilds it), running a little
+    /// slower without it. The planner drops caches that do not fit a device's budget; results
+    /// are the same either way. Default: nothing to keep, nothing to do.
+    fn set_derived_cache(&mut self, enabled: bool) {
+        let _ = enabled;
+    }
+
     /// Moves the parameters onto `device` (counted against its budget), then refreshes.
     ///
     /// A layer whose parameters live on several devices (a tensor-parallel layer) keeps them

@@ -1,9 +1,7 @@
 //! Graph building and stage placement: shape inference errors, manual placement checks, automatic
 //! placement against brute force, and memory budgets.
 use conveyor_engine::graph::Graph;
-use conveyor_engine::placement::{
-    DeviceSpec, Link, OptimizerMemory, PlanConfig, place_automatically, place_manually,
-};
+use conveyor_engine::placement::{DeviceSpec, Link, OptimizerMemory, PlanConfig, place_automatically, place_manually};
 use conveyor_engine::{Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 
 /// A layer that only has costs: `flops` per sample for each pass, `params` f32 parameters,
@@ -14,6 +12,7 @@ struct CostLayer {
     flops: u64,
     params: u64,
     n_inputs: usize,
+    workspace: u64,
 }
 
 impl Layer for CostLayer {
@@ -48,7 +47,7 @@ impl Layer for CostLayer {
     }
     fn cost(&self, _: &[Shape]) -> Result<LayerCost> {
         Ok(LayerCost {
-            workspace_bytes: 0,
+            workspace_bytes: self.workspace,
             forward_flops_per_sample: self.flops,
             backward_input_flops_per_sample: self.flops,
             backward_weight_flops_per_sample: self.flops,
@@ -60,7 +59,7 @@ impl Layer for CostLayer {
 }
 
 fn cost_layer(flops: u64, params: u64) -> CostLayer {
-    CostLayer { width: 8, flops, params, n_inputs: 1 }
+    CostLayer { width: 8, flops, params, n_inputs: 1, workspace: 0 }
 }
 
 fn chain(flops: &[u64], params: &[u64]) -> Graph {
@@ -131,7 +130,11 @@ fn automatic_placement_matches_brute_force_on_uneven_chains() {
         let g = chain(&flops, &vec![0; n]);
         let plan = place_automatically(&g, &devices(p, None), &config(8, OptimizerMemory::Sgd)).unwrap();
         let optimal = brute_force_bottleneck(&flops, p);
-        assert!((plan.bottleneck_s() - optimal).abs() <= 1e-12 * optimal, "case {case}: {} vs {optimal}", plan.bottleneck_s());
+        assert!(
+            (plan.bottleneck_s() - optimal).abs() <= 1e-12 * optimal,
+            "case {case}: {} vs {optimal}",
+            plan.bottleneck_s()
+        );
         assert_eq!(plan.stages.len(), p);
     }
 }
@@ -191,13 +194,14 @@ fn graph_builder_infers_shapes_and_rejects_bad_graphs() {
     let a = g.add("a", cost_layer(1, 0), &[x]).unwrap();
     let b = g.add("b", cost_layer(1, 0), &[a]).unwrap();
     // A residual join: one output (a) feeds two nodes.
-    let sum = g.add("sum", CostLayer { width: 8, flops: 1, params: 0, n_inputs: 2 }, &[a, b]).unwrap();
+    let sum = g.add("sum", CostLayer { width: 8, flops: 1, params: 0, n_inputs: 2, workspace: 0 }, &[a, b]).unwrap();
     assert_eq!(g.predecessors(sum), vec![a, b]);
     assert_eq!(g.successors(a), vec![b, sum]);
     g.set_output(sum).unwrap();
     g.validate().unwrap();
 
-    let err = g.add("wide", CostLayer { width: 16, flops: 1, params: 0, n_inputs: 1 }, &[sum]).unwrap_err();
+    let err =
+        g.add("wide", CostLayer { width: 16, flops: 1, params: 0, n_inputs: 1, workspace: 0 }, &[sum]).unwrap_err();
     assert!(err.to_string().contains("node `wide`") && err.to_string().contains("expected [16], got [8]"), "{err}");
     // `wide` was refused, so the graph is still valid; a dangling node is not.
     g.add("dangling", cost_layer(1, 0), &[x]).unwrap();
@@ -215,7 +219,7 @@ fn skip_edges_go_straight_to_their_consumer_stage() {
     let a = g.add("a", cost_layer(10, 0), &[x]).unwrap();
     let b = g.add("b", cost_layer(10, 0), &[a]).unwrap();
     let c = g.add("c", cost_layer(10, 0), &[b]).unwrap();
-    let out = g.add("add", CostLayer { width: 8, flops: 10, params: 0, n_inputs: 2 }, &[a, c]).unwrap();
+    let out = g.add("add", CostLayer { width: 8, flops: 10, params: 0, n_inputs: 2, workspace: 0 }, &[a, c]).unwrap();
     g.set_output(out).unwrap();
     let plan = place_automatically(&g, &devices(3, None), &config(4, OptimizerMemory::Sgd)).unwrap();
     let stage_of = plan.stage_of_nodes();
@@ -226,4 +230,44 @@ fn skip_edges_go_straight_to_their_consumer_stage() {
             }
         }
     }
+}
+
+/// What a stage may drop to fit: the commit's undo snapshot is kept first (it makes a failed
+/// update recoverable), then derived caches, the largest-FLOP layer's first, as long as they fit;
+/// what is dropped is reported, and nothing required is ever dropped.
+#[test]
+fn the_plan_keeps_the_snapshot_then_the_caches_that_fit_and_says_what_it_dropped() {
+    let mut g = Graph::new();
+    let mut x = g.input("x", [8]).unwrap();
+    // 1 MiB of parameters each; the second layer does the most work; each cache is 2 MiB.
+    for (i, flops) in [1000u64, 5000, 2000].into_iter().enumerate() {
+        let layer = CostLayer { width: 8, flops, params: 1 << 18, n_inputs: 1, workspace: 2 << 20 };
+        x = g.add(&format!("l{i}"), layer, &[x]).unwrap();
+    }
+    g.set_output(x).unwrap();
+    let cfg = config(8, OptimizerMemory::Adam);
+    let free = place_automatically(&g, &devices(1, None), &cfg).unwrap();
+    let stage = &free.stages[0];
+    assert_eq!(stage.memory.workspace, 6 << 20, "no budget: every cache kept");
+    assert_eq!(stage.memory.commit_snapshot, 9 << 20, "parameters and Adam's two moments");
+    // Required: 3 MiB x (parameters, gradients, two moments) plus activations. With the snapshot
+    // (9 MiB) and room for one 2 MiB cache but not two:
+    let required = stage.memory.required();
+    let budget = required + (9 << 20) + (3 << 20);
+    let plan = place_automatically(&g, &devices(1, Some(budget)), &cfg).unwrap();
+    let stage = &plan.stages[0];
+    assert_eq!(stage.memory.commit_snapshot, 9 << 20);
+    assert_eq!(stage.derived_caches, [false, true, false], "the busiest layer keeps its cache");
+    assert_eq!(stage.dropped_caches, ["l0", "l2"]);
+    assert_eq!(stage.memory.workspace_dropped, 4 << 20);
+    assert!(stage.memory.total() <= budget);
+    assert_eq!(plan.commit_snapshots(), [true]);
+    // Without room for the snapshot, the caches fill what there is.
+    let plan = place_automatically(&g, &devices(1, Some(required + (4 << 20))), &cfg).unwrap();
+    let stage = &plan.stages[0];
+    assert_eq!((stage.memory.commit_snapshot, stage.memory.commit_snapshot_dropped), (0, 9 << 20));
+    assert_eq!(stage.derived_caches, [false, true, true]);
+    assert_eq!(plan.commit_snapshots(), [false]);
+    // Below what is required, the model does not fit.
+    assert!(place_automatically(&g, &devices(1, Some(required - 1)), &cfg).is_err());
 }

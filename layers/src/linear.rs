@@ -53,6 +53,9 @@ pub struct Linear {
     /// then read `weight` directly. The buffers are reused across refreshes.
     packed: Option<PackedWeight>,
     packed_fresh: bool,
+    /// Whether `refresh` builds `packed` ([`Layer::set_derived_cache`]; the planner turns it off
+    /// when the two copies do not fit the device).
+    packing: bool,
 }
 
 /// A Linear weight packed for its forward and input-gradient products.
@@ -103,7 +106,7 @@ impl Linear {
             }
             params.push(Parameter { name: "bias".into(), value: bias });
         }
-        let mut layer = Linear { in_features, out_features, params, packed: None, packed_fresh: false };
+        let mut layer = Linear { in_features, out_features, params, packed: None, packed_fresh: false, packing: true };
         layer.refresh()?;
         Ok(layer)
     }
@@ -173,11 +176,20 @@ impl Layer for Linear {
         &mut self.params
     }
 
+    fn set_derived_cache(&mut self, enabled: bool) {
+        self.packing = enabled;
+        if !enabled {
+            self.packed = None;
+            self.packed_fresh = false;
+        }
+    }
+
     fn refresh(&mut self) -> Result<()> {
         self.packed_fresh = false;
         let weight = &self.params[0].value;
         // The panels are a layout of the CPU GEMM: only f32 weights in host memory have them.
-        if weight.dtype() != conveyor_engine::DType::F32 || !matches!(weight.device(), Device::Cpu(_)) {
+        if !self.packing || weight.dtype() != conveyor_engine::DType::F32 || !matches!(weight.device(), Device::Cpu(_))
+        {
             self.packed = None;
             return Ok(());
         }
@@ -308,5 +320,47 @@ impl Layer for Linear {
             activation_bytes_per_sample: f32_bytes(input_shapes[0].numel()),
             output_bytes_per_sample: f32_bytes(output.numel()),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use conveyor_engine::{Device, ForwardCtx, Layer, init};
+
+    use super::Linear;
+
+    /// Without its packed copies (dropped by the memory plan) a Linear reserves no bytes for them
+    /// on its device, and its products give the same values: the packed panels are a layout of
+    /// the same weight, and both paths sum each product in the same order.
+    #[test]
+    fn dropping_the_packed_copies_frees_them_and_keeps_the_results() {
+        let device = Device::cpu(0);
+        let mut rng = init::rng(7);
+        let (n_in, n_out, rows) = (300, 200, 70);
+        let mut cached = Linear::new(n_in, n_out, true, &mut rng).unwrap();
+        let mut plain = Linear::from_parameters(
+            cached.weight().try_clone().unwrap(),
+            cached.bias().map(|b| b.try_clone().unwrap()),
+        )
+        .unwrap();
+        cached.to_device(&device).unwrap();
+        let with_cache = device.memory_in_use();
+        plain.set_derived_cache(false);
+        plain.to_device(&device).unwrap();
+        let packed_bytes = 2 * 4 * (n_in * n_out) as u64;
+        assert_eq!(device.memory_in_use() - with_cache, with_cache - packed_bytes, "parameters only");
+        let x = init::uniform([rows, n_in], -1.0, 1.0, &mut rng, &device).unwrap();
+        let (a, saved_a) = cached.forward(&[&x], &ForwardCtx::eval()).unwrap();
+        let (b, saved_b) = plain.forward(&[&x], &ForwardCtx::eval()).unwrap();
+        assert!(a.bit_eq(&b), "the forward is the same bit for bit");
+        let dy = init::uniform([rows, n_out], -1.0, 1.0, &mut rng, &device).unwrap();
+        let da = cached.backward_input(&saved_a, &dy).unwrap().remove(0).unwrap();
+        let db = plain.backward_input(&saved_b, &dy).unwrap().remove(0).unwrap();
+        assert!(da.bit_eq(&db), "the input gradient is the same bit for bit");
+        // Enabled again, the next refresh rebuilds them.
+        let before = device.memory_in_use();
+        plain.set_derived_cache(true);
+        plain.refresh().unwrap();
+        assert_eq!(device.memory_in_use() - before, packed_bytes);
     }
 }

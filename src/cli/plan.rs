@@ -6,8 +6,9 @@ use std::path::Path;
 use anyhow::Context;
 use clap::Args;
 use conveyor::engine::graph::Graph;
-use conveyor::engine::placement::{OptimizerMemory, Plan, format_bytes, place_automatically, place_manually};
-use conveyor::pipeline::planner_inputs;
+use conveyor::engine::placement::{Plan, format_bytes};
+use conveyor::engine::runtime::Recompute;
+use conveyor::pipeline::{PipelineConfig, memory_notes, plan, plan_manually};
 use conveyor::schedules::{CostModel, Schedule, ScheduleKind, SimulationReport, StageCosts, simulate};
 use conveyor::zoo::ModelSpec;
 
@@ -45,6 +46,10 @@ pub struct PlanArgs {
     /// Model chunks per device (interleaved schedule only): devices x chunks stages.
     #[arg(long, value_name = "V", default_value_t = 1)]
     pub chunks: usize,
+    /// Activation recomputation: never, except-last or always (sets what a stage keeps between
+    /// forward and backward).
+    #[arg(long, value_name = "MODE", default_value = "never")]
+    pub recompute: Recompute,
     /// `auto` (minimise the slowest stage under the budgets), or a file with one line per stage
     /// listing node names or ranges `first..last` separated by spaces (`#` starts a comment).
     #[arg(long, value_name = "auto|FILE", default_value = "auto")]
@@ -75,28 +80,33 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let optimizer = parse_optimizer(&args.optimizer, None, None, None)?;
     let budget = args.device_memory.as_deref().map(parse_size).transpose()?;
     let devices = parse_devices(&args.devices, budget)?;
+    // The graph's layers are built (their weights allocated on the host): the memory plan runs
+    // each layer once on a micro-batch to see which tensors it shares.
     let graph = spec.build(0).map_err(|e| usage(e.to_string()))?;
-    let optimizer_memory = match optimizer.state_bytes_per_param_byte() {
-        0 => OptimizerMemory::Sgd,
-        1 => OptimizerMemory::Momentum,
-        _ => OptimizerMemory::Adam,
+    let config = PipelineConfig {
+        schedule: args.schedule,
+        n_chunks: args.chunks,
+        n_micro_batches: args.microbatches,
+        batch_rows: args.batch,
+        optimizer,
+        recompute: args.recompute,
+        seed: 0,
+        core_slots: Default::default(),
     };
-    let (specs, config) =
-        planner_inputs(&devices, args.schedule, args.chunks, args.microbatches, args.batch, optimizer_memory)?;
     let plan = if args.placement == "auto" {
-        place_automatically(&graph, &specs, &config).map_err(|e| explain_memory(e, &args, budget))?
+        plan(&graph, &devices, &config).map_err(|e| explain_memory(e, &args, budget))?
     } else {
         let path = Path::new(&args.placement);
         let stages = read_placement_file(path)?;
-        place_manually(&graph, &stages, &specs, &config)
+        plan_manually(&graph, &stages, &devices, &config)
             .map_err(|e| explain_memory(e, &args, budget))
             .with_context(|| format!("--placement {}", path.display()))?
     };
     let report = simulate_plan(&plan, &args, devices.len())?;
     if args.json {
-        println!("{}", serde_json::to_string(&plan_json(&plan, &report, &args, &graph))?);
+        println!("{}", serde_json::to_string(&plan_json(&plan, &report, &args, &graph, devices.len()))?);
     } else {
-        print_table(&plan, &report, &args, config.micro_batch_rows);
+        print_table(&plan, &report, &args, plan.config.micro_batch_rows, devices.len());
     }
     Ok(())
 }
@@ -128,7 +138,13 @@ fn simulate_plan(plan: &Plan, args: &PlanArgs, n_devices: usize) -> anyhow::Resu
     simulate(&schedule, &costs).context("simulating the schedule with the plan's predicted stage costs")
 }
 
-fn plan_json(plan: &Plan, report: &SimulationReport, args: &PlanArgs, graph: &Graph) -> serde_json::Value {
+fn plan_json(
+    plan: &Plan,
+    report: &SimulationReport,
+    args: &PlanArgs,
+    graph: &Graph,
+    n_devices: usize,
+) -> serde_json::Value {
     let stages: Vec<serde_json::Value> = plan
         .stages
         .iter()
@@ -143,10 +159,17 @@ fn plan_json(plan: &Plan, report: &SimulationReport, args: &PlanArgs, graph: &Gr
                     "params": s.memory.params,
                     "grads": s.memory.grads,
                     "optimizer_state": s.memory.optimizer_state,
+                    "commit_snapshot": s.memory.commit_snapshot,
                     "workspace": s.memory.workspace,
                     "activations": s.memory.activations,
+                    "messages": s.memory.messages,
+                    "scratch": s.memory.scratch,
                 },
                 "memory_bytes": s.memory.total(),
+                "commit_snapshot_kept": s.keeps_commit_snapshot(),
+                "commit_snapshot_dropped_bytes": s.memory.commit_snapshot_dropped,
+                "dropped_caches": s.dropped_caches,
+                "dropped_cache_bytes": s.memory.workspace_dropped,
                 "budget_bytes": device.budget_bytes,
                 "forward_s": s.forward_s,
                 "backward_input_s": s.backward_input_s,
@@ -171,13 +194,24 @@ fn plan_json(plan: &Plan, report: &SimulationReport, args: &PlanArgs, graph: &Gr
         "bottleneck_s": plan.bottleneck_s(),
         "predicted_step_s": report.makespan_s,
         "predicted_bubble_fraction": report.bubble_fraction,
+        "recompute": recompute_name(args.recompute),
+        "device_peak_bytes": plan.device_peaks(n_devices).iter().map(|d| d[0]).collect::<Vec<_>>(),
+        "memory_notes": memory_notes(plan),
     })
 }
 
-fn print_table(plan: &Plan, report: &SimulationReport, args: &PlanArgs, micro_batch_rows: usize) {
+fn recompute_name(recompute: Recompute) -> &'static str {
+    match recompute {
+        Recompute::Never => "never",
+        Recompute::ExceptLast => "except-last",
+        Recompute::Always => "always",
+    }
+}
+
+fn print_table(plan: &Plan, report: &SimulationReport, args: &PlanArgs, micro_batch_rows: usize, n_devices: usize) {
     let placement = if args.placement == "auto" { "automatic placement".to_string() } else { args.placement.clone() };
     println!(
-        "conveyor plan: {} on {} ({} stages), {}{}, {} micro-batches of {micro_batch_rows} rows, {}; {placement}",
+        "conveyor plan: {} on {} ({} stages), {}{}, {} micro-batches of {micro_batch_rows} rows, {}, recompute {}; {placement}",
         args.model,
         args.devices,
         plan.stages.len(),
@@ -185,6 +219,7 @@ fn print_table(plan: &Plan, report: &SimulationReport, args: &PlanArgs, micro_ba
         if args.chunks > 1 { format!(" x{} chunks", args.chunks) } else { String::new() },
         args.microbatches,
         args.optimizer,
+        recompute_name(args.recompute),
     );
     let header = [
         "stage",
@@ -192,10 +227,13 @@ fn print_table(plan: &Plan, report: &SimulationReport, args: &PlanArgs, micro_ba
         "layers",
         "params",
         "param mem",
-        "workspace",
         "grads",
         "optimizer",
+        "snapshot",
+        "caches",
         "activations",
+        "messages",
+        "scratch",
         "total",
         "budget",
         "F",
@@ -213,10 +251,13 @@ fn print_table(plan: &Plan, report: &SimulationReport, args: &PlanArgs, micro_ba
                 compact_layers(&s.node_names),
                 format_count(s.n_params),
                 format_bytes(s.memory.params),
-                format_bytes(s.memory.workspace),
                 format_bytes(s.memory.grads),
                 format_bytes(s.memory.optimizer_state),
+                format_bytes(s.memory.commit_snapshot),
+                format_bytes(s.memory.workspace),
                 format_bytes(s.memory.activations),
+                format_bytes(s.memory.messages),
+                format_bytes(s.memory.scratch),
                 format_bytes(s.memory.total()),
                 device.budget_bytes.map_or("unlimited".to_string(), format_bytes),
                 format_seconds(s.forward_s),
@@ -226,6 +267,18 @@ fn print_table(plan: &Plan, report: &SimulationReport, args: &PlanArgs, micro_ba
         })
         .collect();
     print!("{}", render_table(&header, &rows));
+    println!(
+        "memory: the most each stage holds at once (persistent: parameters, gradients, optimizer state, \
+         the commit's undo snapshot, packed weight caches; at its busiest moment of a step: activations kept for \
+         backward, messages and data waiting, the running op's working set)"
+    );
+    if args.chunks > 1 {
+        let peaks: Vec<String> = plan.device_peaks(n_devices).iter().map(|d| format_bytes(d[0])).collect();
+        println!("per device (chunks together): [{}]", peaks.join(", "));
+    }
+    for note in memory_notes(plan) {
+        println!("{note}");
+    }
     let bottleneck = plan
         .stages
         .iter()

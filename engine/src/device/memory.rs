@@ -11,12 +11,21 @@ pub struct MemoryAccount {
     budget: Option<u64>,
     in_use: AtomicU64,
     peak: AtomicU64,
+    /// Bytes ever reserved (never decreases): what a sequence of operations reserved in all,
+    /// whatever order its frees came in (the memory planner's bound on a call's peak).
+    reserved_total: AtomicU64,
 }
 
 impl MemoryAccount {
     /// A ledger for `device_name` with an optional budget in bytes.
     pub fn new(device_name: String, budget: Option<u64>) -> Self {
-        MemoryAccount { device_name, budget, in_use: AtomicU64::new(0), peak: AtomicU64::new(0) }
+        MemoryAccount {
+            device_name,
+            budget,
+            in_use: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
+            reserved_total: AtomicU64::new(0),
+        }
     }
 
     /// Bytes currently reserved.
@@ -27,6 +36,12 @@ impl MemoryAccount {
     /// Highest `in_use` seen since creation or the last [`MemoryAccount::reset_peak`].
     pub fn peak(&self) -> u64 {
         self.peak.load(Ordering::Acquire)
+    }
+
+    /// Bytes reserved since creation, frees not subtracted: the difference over a span of work
+    /// bounds that span's peak above its start whatever the order of its reserves and frees.
+    pub fn reserved_total(&self) -> u64 {
+        self.reserved_total.load(Ordering::Acquire)
     }
 
     /// The budget, if any.
@@ -57,6 +72,7 @@ impl MemoryAccount {
             match self.in_use.compare_exchange_weak(current, next, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => {
                     self.peak.fetch_max(next, Ordering::AcqRel);
+                    self.reserved_total.fetch_add(bytes, Ordering::AcqRel);
                     return Ok(Reservation { account: Arc::clone(self), bytes });
                 }
                 Err(actual) => current = actual,
@@ -70,6 +86,7 @@ impl MemoryAccount {
     pub fn reserve_past_budget(self: &Arc<Self>, bytes: u64) -> Reservation {
         let next = self.in_use.fetch_add(bytes, Ordering::AcqRel).saturating_add(bytes);
         self.peak.fetch_max(next, Ordering::AcqRel);
+        self.reserved_total.fetch_add(bytes, Ordering::AcqRel);
         Reservation { account: Arc::clone(self), bytes }
     }
 }

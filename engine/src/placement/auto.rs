@@ -33,7 +33,6 @@ pub fn place_with_costs(costs: &NodeCosts, devices: &[DeviceSpec], config: &Plan
             ),
         ));
     }
-    let fits = |memory: u64, device: &DeviceSpec| device.budget_bytes.is_none_or(|b| memory <= b);
     let mut best = vec![vec![f64::INFINITY; n_nodes + 1]; n_stages + 1];
     let mut choice = vec![vec![usize::MAX; n_nodes + 1]; n_stages + 1];
     best[0][0] = 0.0;
@@ -44,10 +43,11 @@ pub fn place_with_costs(costs: &NodeCosts, devices: &[DeviceSpec], config: &Plan
                 if !best[k - 1][i].is_finite() {
                     continue;
                 }
-                let (memory, [f, b, w, _]) = costs.stage(config, &devices[k - 1], n_stages, k - 1, i, j)?;
-                if !fits(memory.total(), &devices[k - 1]) {
+                let estimate = costs.stage(config, &devices[k - 1], n_stages, k - 1, (i, j), None)?;
+                if !estimate.fits(devices[k - 1].budget_bytes) {
                     continue;
                 }
+                let [f, b, w, _] = estimate.times;
                 let candidate = best[k - 1][i].max(f + b + w);
                 if candidate < best[k][j] {
                     best[k][j] = candidate;
@@ -81,8 +81,8 @@ fn does_not_fit(costs: &NodeCosts, devices: &[DeviceSpec], config: &PlanConfig) 
     for k in 1..=n_stages {
         for j in k..=n_nodes - (n_stages - k) {
             for i in (k - 1)..j {
-                let (memory, _) = costs.stage(config, &devices[k - 1], n_stages, k - 1, i, j)?;
-                let candidate = best[k - 1][i].max(ratio(memory.total(), &devices[k - 1]));
+                let estimate = costs.stage(config, &devices[k - 1], n_stages, k - 1, (i, j), None)?;
+                let candidate = best[k - 1][i].max(ratio(estimate.largest_total(), &devices[k - 1]));
                 if candidate < best[k][j] {
                     best[k][j] = candidate;
                     choice[k][j] = i;
@@ -98,7 +98,7 @@ fn does_not_fit(costs: &NodeCosts, devices: &[DeviceSpec], config: &PlanConfig) 
     }
     cuts.reverse();
     let plan = plan_from_cuts(costs, config, devices, &cuts)?;
-    let needs: Vec<String> = plan.stages.iter().map(|s| format_bytes(s.memory.total())).collect();
+    let needs: Vec<String> = plan.stages.iter().map(|s| format_bytes(s.largest_total())).collect();
     let budgets: Vec<String> =
         devices.iter().map(|d| d.budget_bytes.map_or("unlimited".to_string(), format_bytes)).collect();
     let largest_layer = (0..n_nodes).map(|n| costs.param_bytes(n, n + 1)).max().unwrap_or(0);

@@ -1,6 +1,16 @@
 //! The planner's cost model: device speeds and budgets, the link model t = latency + bytes /
-//! bandwidth, and the memory of a stage (parameters, gradients, optimizer state, activations in flight).
+//! bandwidth, and the memory of a stage: parameters, gradients, optimizer state, the commit's undo
+//! snapshot, the copies layers derive from their parameters, and the most its micro-batches,
+//! messages and ops hold at any moment of a step (see `memory/README.md`).
+use std::sync::Arc;
+
+use conveyor_schedules::Schedule;
+
+use super::memory::{
+    Moment, NodeMemory, Running, ScheduleMemory, StageFootprint, StageInput, StageShape, at, footprint,
+};
 use crate::graph::{Graph, NodeId};
+use crate::runtime::Recompute;
 use crate::{Error, Result};
 
 /// A device as the planner sees it.
@@ -21,8 +31,9 @@ impl DeviceSpec {
     /// This treats a stage split `k` ways as `k` times faster and larger, which holds for the
     /// split layers (their FLOPs and parameters divide evenly) but not for what stays whole: a
     /// stage's unsplit layers, its activations and the copies of inputs that split layers keep on
-    /// every member all sit on the first device. Plans for groups are therefore optimistic for the
-    /// first device; the runtime's budgets still hold every device to its own.
+    /// every member all sit on the first device. A placement chosen for groups is therefore
+    /// checked again device by device once the split layers exist
+    /// (`conveyor::pipeline::plan_tensor_parallel`).
     pub fn group(members: &[DeviceSpec]) -> DeviceSpec {
         DeviceSpec {
             name: members.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join("+"),
@@ -84,7 +95,8 @@ pub struct PlanConfig {
     pub micro_batch_rows: usize,
     /// Peak number of micro-batches whose activations each stage holds under the chosen schedule,
     /// for each stage count `p` (index p - 1 holds a vector of p entries, stage 0 first). Built by
-    /// [`PlanConfig::new`] from the schedule simulator.
+    /// [`PlanConfig::new`] from the schedule simulator. Used only for stage counts the schedule of
+    /// [`PlanConfig::with_schedule`] does not describe.
     pub inflight_by_n_stages: Vec<Vec<usize>>,
     /// Optimizer state.
     pub optimizer: OptimizerMemory,
@@ -94,6 +106,15 @@ pub struct PlanConfig {
     /// as Linear's packed weights). True by default; false when every Linear and Conv will be
     /// split over a tensor-parallel group, whose shards keep no such copies.
     pub count_workspace: bool,
+    /// Activation recomputation of every stage (what a stage keeps between forward and backward).
+    pub recompute: Recompute,
+    /// Keep the commit's undo snapshot (a copy of the stage's parameters and optimizer state)
+    /// when it fits. True by default.
+    pub commit_snapshot: bool,
+    /// Where every micro-batch is at each instruction of the schedule and how many messages can
+    /// wait for each stage ([`PlanConfig::with_schedule`]); without it, a stand-in built from the
+    /// in-flight counts.
+    pub schedule: Option<Arc<ScheduleMemory>>,
 }
 
 impl PlanConfig {
@@ -111,44 +132,112 @@ impl PlanConfig {
             optimizer,
             link,
             count_workspace: true,
+            recompute: Recompute::Never,
+            commit_snapshot: true,
+            schedule: None,
         }
     }
 
-    pub(crate) fn inflight(&self, n_stages: usize, stage_idx: usize) -> Result<u64> {
-        self.inflight_by_n_stages
+    /// The same config with the memory moments of `schedule` (for plans of its number of stages).
+    pub fn with_schedule(mut self, schedule: &Schedule) -> Self {
+        self.schedule = Some(Arc::new(ScheduleMemory::new(schedule)));
+        self
+    }
+
+    /// The moments of stage `stage_idx` of `n_stages`.
+    fn moments(&self, n_stages: usize, stage_idx: usize) -> Result<std::borrow::Cow<'_, [Moment]>> {
+        if let Some(schedule) = self.schedule.as_ref().filter(|s| s.n_stages() == n_stages) {
+            return Ok(std::borrow::Cow::Borrowed(&schedule.moments[stage_idx]));
+        }
+        let inflight = self
+            .inflight_by_n_stages
             .get(n_stages.wrapping_sub(1))
-            .and_then(|v| v.get(stage_idx))
-            .map(|&n| n as u64)
-            .ok_or_else(|| {
-                Error::invalid("PlanConfig", format!("no in-flight count for stage {stage_idx} of {n_stages}"))
-            })
+            .ok_or_else(|| Error::invalid("PlanConfig", format!("no in-flight count for {n_stages} stages")))?;
+        let n_micro_batches = self.inflight_by_n_stages.iter().flatten().copied().max().unwrap_or(1);
+        let mut stand_in = ScheduleMemory::from_inflight(inflight, n_micro_batches);
+        Ok(std::borrow::Cow::Owned(std::mem::take(&mut stand_in.moments[stage_idx])))
+    }
+
+    fn n_micro_batches(&self, n_stages: usize) -> usize {
+        match self.schedule.as_ref().filter(|s| s.n_stages() == n_stages) {
+            Some(schedule) => schedule.n_micro_batches,
+            None => self.inflight_by_n_stages.iter().flatten().copied().max().unwrap_or(1),
+        }
+    }
+
+    /// Whether micro-batch `micro_batch_idx` of `n_micro_batches` is recomputed.
+    fn recomputes(&self, micro_batch_idx: usize, n_micro_batches: usize) -> bool {
+        match self.recompute {
+            Recompute::Never => false,
+            Recompute::Always => true,
+            Recompute::ExceptLast => micro_batch_idx + 1 < n_micro_batches,
+        }
     }
 }
 
-/// Memory of one stage, bytes.
+/// Memory of one stage on one device, bytes: what it holds all the time (parameters, gradients,
+/// optimizer state, the undo snapshot, derived caches) plus what it holds at its busiest moment
+/// of a step (activations kept for backward, messages and data waiting, the running op's working
+/// set). With tensor parallelism a stage has one of these per device of its group.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StageMemory {
     /// Parameters.
     pub params: u64,
-    /// Copies layers derive from their parameters (Linear's transposed weight).
+    /// Copies layers derive from their parameters and keep (Linear's packed weights); the copies
+    /// the plan dropped to fit are in `workspace_dropped`.
     pub workspace: u64,
     /// Gradients (same size as the parameters).
     pub grads: u64,
-    /// Optimizer state.
+    /// Optimizer state (allocated at the first step).
     pub optimizer_state: u64,
-    /// Activations of the micro-batches in flight (saved tensors plus received inputs).
+    /// The commit's undo snapshot (parameters and optimizer state, copied before the update so a
+    /// failed apply can be rolled back), or 0 when the plan dropped it (`commit_snapshot_dropped`).
+    pub commit_snapshot: u64,
+    /// At the busiest moment: activations the stage keeps for backward (saved tensors, kept
+    /// inputs, output gradients awaiting the weight pass).
     pub activations: u64,
+    /// At the busiest moment: messages moved onto the device that the stage has not consumed
+    /// yet, and the data of micro-batches it has not read.
+    pub messages: u64,
+    /// At the busiest moment: the running op's micro-batch at the op's peak: what it started
+    /// from (its kept activations, the inputs or gradients it consumes) and everything the op
+    /// creates (outputs held until the stage's forward ends, the loss gradient, input gradients,
+    /// messages before they are sent).
+    pub scratch: u64,
+    /// Bytes of derived caches dropped to fit (not part of the total).
+    pub workspace_dropped: u64,
+    /// Bytes of the undo snapshot when dropped to fit (not part of the total).
+    pub commit_snapshot_dropped: u64,
 }
 
 impl StageMemory {
-    /// Everything.
+    /// Everything the stage can hold at once.
     pub fn total(&self) -> u64 {
-        self.params + self.workspace + self.grads + self.optimizer_state + self.activations
+        self.persistent() + self.activations + self.messages + self.scratch
+    }
+
+    /// What the stage holds from the first step on, whatever the step is doing.
+    pub fn persistent(&self) -> u64 {
+        self.params + self.workspace + self.grads + self.optimizer_state + self.commit_snapshot
+    }
+
+    /// What the stage needs at least: the total without the caches and the snapshot it keeps.
+    pub fn required(&self) -> u64 {
+        self.total() - self.workspace - self.commit_snapshot
     }
 }
 
-/// Per-node figures in topological order, with prefix sums so any contiguous range costs O(1)
-/// for compute and memory (transfers are summed over the range's boundary edges).
+/// Where a node's input comes from, in [`NodeCosts`] positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum NodeInput {
+    /// The layer node at this position.
+    Node(usize),
+    /// Graph input number `input_idx` (data), with its bytes per sample.
+    Data { input_idx: usize, bytes_per_sample: u64 },
+}
+
+/// Per-node figures in topological order, with prefix sums so any contiguous range's compute
+/// costs O(1) (transfers are summed over the range's boundary edges, memory replayed per range).
 #[derive(Clone, Debug)]
 pub struct NodeCosts {
     /// Layer nodes in the order stages cut them.
@@ -159,34 +248,46 @@ pub struct NodeCosts {
     pub(crate) prefix_backward_input_flops: Vec<f64>,
     pub(crate) prefix_backward_weight_flops: Vec<f64>,
     prefix_param_bytes: Vec<u64>,
-    prefix_saved_bytes: Vec<u64>,
-    prefix_workspace_bytes: Vec<u64>,
+    /// Bytes of derived caches of each node (`LayerCost::workspace_bytes`).
+    workspace_bytes: Vec<u64>,
     /// Output bytes per sample of each node in `order`.
     output_bytes: Vec<u64>,
     /// For each node in `order`, the positions (in `order`) of layer nodes it feeds.
     consumers: Vec<Vec<usize>>,
     /// For each node in `order`, positions of the layer nodes feeding it.
     producers: Vec<Vec<usize>>,
+    /// For each node, its inputs in input order.
+    inputs: Vec<Vec<NodeInput>>,
+    /// The position of the graph's output node.
+    output_position: Option<usize>,
+    /// How each node uses memory (from its cost figures, or measured).
+    memory: Vec<NodeMemory>,
 }
 
 impl NodeCosts {
-    /// Collects the costs of every layer node of a validated graph.
+    /// Collects the costs of every layer node of a validated graph. Memory use comes from the
+    /// layers' cost figures ([`NodeMemory::from_cost`]: an upper bound that counts no sharing);
+    /// [`NodeCosts::with_measured_memory`] replaces it with measured figures.
     pub fn of_graph(graph: &Graph) -> Result<Self> {
         graph.validate()?;
         let order: Vec<NodeId> =
             graph.topological_order()?.into_iter().filter(|&id| graph.layer(id).is_some()).collect();
         let position = |id: NodeId| order.iter().position(|&o| o == id);
+        let graph_inputs = graph.inputs();
+        let output = graph.output()?;
         let mut costs = NodeCosts {
             names: Vec::new(),
             prefix_forward_flops: vec![0.0],
             prefix_backward_input_flops: vec![0.0],
             prefix_backward_weight_flops: vec![0.0],
             prefix_param_bytes: vec![0],
-            prefix_saved_bytes: vec![0],
-            prefix_workspace_bytes: vec![0],
+            workspace_bytes: Vec::new(),
             output_bytes: Vec::new(),
             consumers: Vec::new(),
             producers: Vec::new(),
+            inputs: Vec::new(),
+            output_position: position(output),
+            memory: Vec::new(),
             order: order.clone(),
         };
         for &id in &order {
@@ -196,14 +297,40 @@ impl NodeCosts {
             push_f(&mut costs.prefix_backward_input_flops, c.backward_input_flops_per_sample);
             push_f(&mut costs.prefix_backward_weight_flops, c.backward_weight_flops_per_sample);
             costs.prefix_param_bytes.push(costs.prefix_param_bytes.last().unwrap() + c.param_bytes);
-            costs.prefix_saved_bytes.push(costs.prefix_saved_bytes.last().unwrap() + c.activation_bytes_per_sample);
-            costs.prefix_workspace_bytes.push(costs.prefix_workspace_bytes.last().unwrap() + c.workspace_bytes);
+            costs.workspace_bytes.push(c.workspace_bytes);
             costs.output_bytes.push(c.output_bytes_per_sample);
             costs.names.push(graph.node(id)?.name.clone());
             costs.consumers.push(graph.successors(id).into_iter().filter_map(position).collect());
             costs.producers.push(graph.predecessors(id).into_iter().filter_map(position).collect());
+            let mut inputs = Vec::new();
+            let (mut input_bytes, mut takes_grad) = (Vec::new(), Vec::new());
+            for pred in graph.predecessors(id) {
+                let bytes = 4 * graph.node(pred)?.output_shape.numel() as u64;
+                match position(pred) {
+                    Some(p) => inputs.push(NodeInput::Node(p)),
+                    None => {
+                        let input_idx = graph_inputs.iter().position(|&i| i == pred).unwrap_or(0);
+                        inputs.push(NodeInput::Data { input_idx, bytes_per_sample: bytes });
+                    }
+                }
+                input_bytes.push(bytes);
+                takes_grad.push(!graph_inputs.contains(&pred));
+            }
+            costs.memory.push(NodeMemory::from_cost(&c, &input_bytes, &takes_grad, 1));
+            costs.inputs.push(inputs);
         }
         Ok(costs)
+    }
+
+    /// Replaces the memory figures of the nodes in `measured` (from
+    /// [`super::measure_node_memory`]) with those.
+    pub fn with_measured_memory(mut self, measured: &[(NodeId, NodeMemory)]) -> Result<NodeCosts> {
+        for (id, memory) in measured {
+            if let Some(position) = self.order.iter().position(|o| o == id) {
+                self.memory[position] = memory.clone();
+            }
+        }
+        Ok(self)
     }
 
     /// Number of layer nodes.
@@ -240,6 +367,7 @@ impl NodeCosts {
         let remap = |lists: &[Vec<usize>]| -> Vec<Vec<usize>> {
             new_order.iter().map(|&old| lists[old].iter().map(|&o| old_to_new[o]).collect()).collect()
         };
+        let pick = |v: &[u64]| new_order.iter().map(|&o| v[o]).collect::<Vec<u64>>();
         NodeCosts {
             order: new_order.iter().map(|&o| self.order[o]).collect(),
             names: new_order.iter().map(|&o| self.names[o].clone()).collect(),
@@ -247,11 +375,24 @@ impl NodeCosts {
             prefix_backward_input_flops: diff_f(&self.prefix_backward_input_flops),
             prefix_backward_weight_flops: diff_f(&self.prefix_backward_weight_flops),
             prefix_param_bytes: diff_u(&self.prefix_param_bytes),
-            prefix_saved_bytes: diff_u(&self.prefix_saved_bytes),
-            prefix_workspace_bytes: diff_u(&self.prefix_workspace_bytes),
-            output_bytes: new_order.iter().map(|&o| self.output_bytes[o]).collect(),
+            workspace_bytes: pick(&self.workspace_bytes),
+            output_bytes: pick(&self.output_bytes),
             consumers: remap(&self.consumers),
             producers: remap(&self.producers),
+            inputs: new_order
+                .iter()
+                .map(|&old| {
+                    self.inputs[old]
+                        .iter()
+                        .map(|input| match *input {
+                            NodeInput::Node(p) => NodeInput::Node(old_to_new[p]),
+                            data => data,
+                        })
+                        .collect()
+                })
+                .collect(),
+            output_position: self.output_position.map(|p| old_to_new[p]),
+            memory: new_order.iter().map(|&o| self.memory[o].clone()).collect(),
         }
     }
 
@@ -278,33 +419,109 @@ impl NodeCosts {
         (incoming, outgoing)
     }
 
-    /// The stage made of nodes `start..end` as stage `stage_idx` of `n_stages` on `device`.
+    /// How the nodes `start..end` use memory as stage `stage_idx` of `n_stages`, per micro-batch
+    /// of `rows` rows: the replay's input, and the bytes per micro-batch of the messages the stage
+    /// receives, by sending stage. `stage_of` gives every node's stage when the whole placement
+    /// is known; without it (inside the search, where only this stage's range is) a message from
+    /// a node before the previous one is counted as if from stage 0, and a gradient from a node
+    /// after the next one as if from the last stage: those run furthest ahead, so wait the most.
+    fn stage_shape(
+        &self,
+        rows: usize,
+        n_stages: usize,
+        stage_idx: usize,
+        (start, end): (usize, usize),
+        stage_of: Option<&[usize]>,
+    ) -> StageParts {
+        let nodes: Vec<NodeMemory> = self.memory[start..end].iter().map(|m| m.scaled_to(rows)).collect();
+        let output_bytes = |p: usize| self.memory[p].scaled_to(rows).output_bytes;
+        let mut received: Vec<usize> = Vec::new();
+        let mut data: Vec<(usize, u64)> = Vec::new();
+        let output = self.output_position.filter(|p| (start..end).contains(p)).map_or(0, output_bytes);
+        let mut waiting =
+            Waiting { forward: vec![0; stage_idx], gradient: vec![0; n_stages - stage_idx - 1], data: 0, output };
+        let inputs: Vec<Vec<StageInput>> = (start..end)
+            .map(|node| {
+                self.inputs[node]
+                    .iter()
+                    .map(|input| match *input {
+                        NodeInput::Node(p) if p >= start => StageInput::Local(p - start),
+                        NodeInput::Node(p) => {
+                            let i = received.iter().position(|&r| r == p).unwrap_or_else(|| {
+                                received.push(p);
+                                let from = match stage_of {
+                                    Some(stage_of) => stage_of[p],
+                                    None if p + 1 == start => stage_idx.saturating_sub(1),
+                                    None => 0,
+                                };
+                                // (The search also tries first stages that do not start at node 0.)
+                                if let Some(bytes) = waiting.forward.get_mut(from) {
+                                    *bytes += output_bytes(p);
+                                }
+                                received.len() - 1
+                            });
+                            StageInput::Received(i)
+                        }
+                        NodeInput::Data { input_idx, bytes_per_sample } => {
+                            let i = data.iter().position(|&(d, _)| d == input_idx).unwrap_or_else(|| {
+                                data.push((input_idx, bytes_per_sample * rows as u64));
+                                waiting.data += bytes_per_sample * rows as u64;
+                                data.len() - 1
+                            });
+                            StageInput::Data(i)
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let routes: Vec<usize> = (start..end)
+            .map(|node| {
+                let outside: Vec<usize> = self.consumers[node].iter().copied().filter(|&c| c >= end).collect();
+                // (The search also tries ranges that leave nodes after the last stage; it never keeps them.)
+                if outside.is_empty() || stage_idx + 1 == n_stages {
+                    return 0;
+                }
+                // One message (and one gradient back) per consuming stage.
+                let mut from: Vec<usize> = match stage_of {
+                    Some(stage_of) => outside.iter().map(|&c| stage_of[c]).collect(),
+                    None if outside.iter().all(|&c| c == end) => vec![stage_idx + 1],
+                    None => vec![n_stages - 1; outside.len().min(n_stages - 1 - stage_idx)],
+                };
+                if stage_of.is_some() {
+                    from.sort_unstable();
+                    from.dedup();
+                }
+                for &t in &from {
+                    waiting.gradient[t - stage_idx - 1] += output_bytes(node);
+                }
+                from.len()
+            })
+            .collect();
+        StageParts {
+            received: received.iter().map(|&p| output_bytes(p)).collect(),
+            data: data.iter().map(|&(_, b)| b).collect(),
+            nodes,
+            inputs,
+            routes,
+            waiting,
+        }
+    }
+
+    /// The stage made of nodes `start..end` as stage `stage_idx` of `n_stages` on `device`: its
+    /// memory (keeping the undo snapshot and derived caches that fit the device's budget), its
+    /// times, and which caches it keeps.
     pub(crate) fn stage(
         &self,
         config: &PlanConfig,
         device: &DeviceSpec,
         n_stages: usize,
         stage_idx: usize,
-        start: usize,
-        end: usize,
-    ) -> Result<(StageMemory, [f64; 4])> {
+        (start, end): (usize, usize),
+        stage_of: Option<&[usize]>,
+    ) -> Result<StageEstimate> {
         let rows = config.micro_batch_rows as f64;
-        let params = self.param_bytes(start, end);
         let (incoming, outgoing) = self.boundary_bytes(start, end);
-        let saved = self.prefix_saved_bytes[end] - self.prefix_saved_bytes[start];
-        let inflight = config.inflight(n_stages, stage_idx)?;
-        let workspace = if config.count_workspace {
-            self.prefix_workspace_bytes[end] - self.prefix_workspace_bytes[start]
-        } else {
-            0
-        };
-        let memory = StageMemory {
-            params,
-            workspace,
-            grads: params,
-            optimizer_state: params * config.optimizer.state_factor(),
-            activations: inflight * config.micro_batch_rows as u64 * (saved + incoming),
-        };
+        let memory = self.stage_memory(config, device.budget_bytes, n_stages, stage_idx, (start, end), stage_of)?;
         let rows_u = config.micro_batch_rows as u64;
         // A forward receives the incoming activations; a backward receives the outgoing gradients.
         let forward_in = config.link.transfer_s(incoming * rows_u);
@@ -313,7 +530,190 @@ impl NodeCosts {
         let forward_s = flops(&self.prefix_forward_flops) + forward_in;
         let backward_input_s = flops(&self.prefix_backward_input_flops) + backward_in;
         let backward_weight_s = flops(&self.prefix_backward_weight_flops);
-        Ok((memory, [forward_s, backward_input_s, backward_weight_s, forward_in + backward_in]))
+        Ok(StageEstimate {
+            times: [forward_s, backward_input_s, backward_weight_s, forward_in + backward_in],
+            ..memory
+        })
+    }
+
+    /// [`NodeCosts::stage`]'s memory part, under `budget`.
+    fn stage_memory(
+        &self,
+        config: &PlanConfig,
+        budget: Option<u64>,
+        n_stages: usize,
+        stage_idx: usize,
+        (start, end): (usize, usize),
+        stage_of: Option<&[usize]>,
+    ) -> Result<StageEstimate> {
+        let StageParts { nodes, inputs, routes, received, data, waiting } =
+            self.stage_shape(config.micro_batch_rows, n_stages, stage_idx, (start, end), stage_of);
+        let n_ranks = nodes.iter().map(NodeMemory::n_ranks).max().unwrap_or(1);
+        let output_node = self.output_position.filter(|p| (start..end).contains(p)).map(|p| p - start);
+        let shape = StageShape { nodes: nodes.iter().collect(), inputs, routes, output_node, received, data, n_ranks };
+        let print = footprint(&shape);
+        let moments = config.moments(n_stages, stage_idx)?;
+        let n_micro_batches = config.n_micro_batches(n_stages);
+        // Per rank: every moment's (activations, messages, scratch).
+        let per_rank: Vec<Vec<[u64; 3]>> = (0..n_ranks)
+            .map(|rank| {
+                moments.iter().map(|m| moment_bytes(m, &print, &waiting, config, n_micro_batches, rank)).collect()
+            })
+            .collect();
+        let state_factor = config.optimizer.state_factor();
+        let mut members: Vec<StageMemory> = (0..n_ranks)
+            .map(|rank| {
+                let params: u64 = nodes.iter().map(|n| at(&n.params, rank)).sum();
+                let busiest = per_rank[rank].iter().copied().max_by_key(|[a, m, s]| a + m + s).unwrap_or_default();
+                StageMemory {
+                    params,
+                    grads: params,
+                    optimizer_state: params * state_factor,
+                    activations: busiest[0],
+                    messages: busiest[1],
+                    scratch: busiest[2],
+                    ..StageMemory::default()
+                }
+            })
+            .collect();
+        let fits = |members: &[StageMemory], extra: &[u64]| {
+            budget.is_none_or(|b| members.iter().enumerate().all(|(rank, m)| m.total() + at(extra, rank) <= b))
+        };
+        // The undo snapshot first: it keeps a failed commit from losing the step, where a cache
+        // only saves time.
+        let snapshot: Vec<u64> = members.iter().map(|m| m.params + m.optimizer_state).collect();
+        let keep_snapshot = config.commit_snapshot && fits(&members, &snapshot);
+        for (m, bytes) in members.iter_mut().zip(&snapshot) {
+            if keep_snapshot {
+                m.commit_snapshot = *bytes;
+            } else {
+                m.commit_snapshot_dropped = *bytes;
+            }
+        }
+        // Then the derived caches (on the stage's device), the most used (largest FLOPs) first,
+        // each kept if it still fits.
+        let mut derived_caches = vec![false; end - start];
+        let mut dropped_caches = Vec::new();
+        if config.count_workspace {
+            let mut by_flops: Vec<usize> = (0..end - start).filter(|&j| self.workspace_bytes[start + j] > 0).collect();
+            let node_flops = |j: usize| {
+                let n = start + j;
+                (self.prefix_forward_flops[n + 1] - self.prefix_forward_flops[n])
+                    + (self.prefix_backward_input_flops[n + 1] - self.prefix_backward_input_flops[n])
+            };
+            by_flops.sort_by(|&a, &b| node_flops(b).total_cmp(&node_flops(a)).then(a.cmp(&b)));
+            for j in by_flops {
+                let bytes = self.workspace_bytes[start + j];
+                if fits(&members, &[bytes]) {
+                    members[0].workspace += bytes;
+                    derived_caches[j] = true;
+                } else {
+                    members[0].workspace_dropped += bytes;
+                    dropped_caches.push(j);
+                }
+            }
+        }
+        dropped_caches.sort_unstable();
+        let dropped_caches = dropped_caches.into_iter().map(|j| self.names[start + j].clone()).collect();
+        let timeline = per_rank.iter().map(|moments| moments.iter().map(|[a, m, s]| a + m + s).collect()).collect();
+        let memory = members.remove(0);
+        Ok(StageEstimate { memory, members, derived_caches, dropped_caches, timeline, times: [0.0; 4] })
+    }
+}
+
+/// The bytes of one moment on `rank`: (activations kept, messages and data waiting, the running
+/// op's working set beyond them).
+fn moment_bytes(
+    moment: &Moment,
+    print: &StageFootprint,
+    waiting: &Waiting,
+    config: &PlanConfig,
+    n_micro_batches: usize,
+    rank: usize,
+) -> [u64; 3] {
+    let whole = match config.recompute {
+        Recompute::Never => moment.n_forward,
+        Recompute::Always => 0,
+        Recompute::ExceptLast => usize::from(moment.forward_has_last),
+    } as u64;
+    let kept = moment.n_forward as u64 - whole;
+    let activations = whole * at(&print.stash_forward, rank)
+        + kept * at(&print.stash_kept, rank)
+        + moment.n_backward as u64 * at(&print.stash_backward, rank);
+    let dot = |counts: &[usize], bytes: &[u64]| counts.iter().zip(bytes).map(|(&c, &b)| c as u64 * b).sum::<u64>();
+    let waiting = if rank == 0 {
+        dot(&moment.queued_forward, &waiting.forward)
+            + dot(&moment.queued_gradient, &waiting.gradient)
+            + moment.data_pending as u64 * waiting.data
+            + moment.outputs_held as u64 * waiting.output
+    } else {
+        0
+    };
+    let scratch = match moment.running {
+        None => 0,
+        Some(Running::Forward) => at(&print.peak_forward, rank),
+        Some(Running::BackwardInput { micro_batch_idx, fused }) => {
+            let recompute = config.recomputes(micro_batch_idx, n_micro_batches);
+            if fused {
+                at(&print.peak_backward(recompute), rank)
+            } else if recompute {
+                at(&print.peak_backward_input_recompute, rank)
+            } else {
+                at(&print.peak_backward_input, rank)
+            }
+        }
+        Some(Running::BackwardWeight) => at(&print.peak_backward_weight, rank),
+    };
+    [activations, waiting, scratch]
+}
+
+/// A stage's nodes as [`StageShape`] takes them, and what it receives.
+struct StageParts {
+    nodes: Vec<NodeMemory>,
+    inputs: Vec<Vec<StageInput>>,
+    routes: Vec<usize>,
+    received: Vec<u64>,
+    data: Vec<u64>,
+    waiting: Waiting,
+}
+
+/// Bytes per micro-batch of what a stage receives or keeps outside its ops: activations by
+/// sending stage (index `t`), gradients by sending stage (index `t - stage_idx - 1`), data, and
+/// the graph output an evaluation step keeps.
+#[derive(Clone, Debug)]
+struct Waiting {
+    forward: Vec<u64>,
+    gradient: Vec<u64>,
+    data: u64,
+    output: u64,
+}
+
+/// What [`NodeCosts::stage`] estimates for one stage.
+#[derive(Clone, Debug)]
+pub(crate) struct StageEstimate {
+    /// Memory on the stage's device.
+    pub memory: StageMemory,
+    /// Memory on the other devices of a tensor-parallel group (rank 1 on).
+    pub members: Vec<StageMemory>,
+    /// Per node of the stage: whether it keeps its derived caches.
+    pub derived_caches: Vec<bool>,
+    /// Names of the nodes whose caches were dropped to fit.
+    pub dropped_caches: Vec<String>,
+    /// Per rank, per moment of the schedule: bytes beyond the persistent ones.
+    pub timeline: Vec<Vec<u64>>,
+    /// Forward, input-gradient, weight-gradient and transfer seconds per micro-batch.
+    pub times: [f64; 4],
+}
+
+impl StageEstimate {
+    /// Whether every device of the stage fits `budget`.
+    pub fn fits(&self, budget: Option<u64>) -> bool {
+        budget.is_none_or(|b| std::iter::once(&self.memory).chain(&self.members).all(|m| m.total() <= b))
+    }
+
+    /// The largest need of the stage's devices.
+    pub fn largest_total(&self) -> u64 {
+        std::iter::once(&self.memory).chain(&self.members).map(StageMemory::total).max().unwrap_or(0)
     }
 }
 
@@ -325,18 +725,24 @@ pub(crate) fn plan_from_cuts(
     cuts: &[usize],
 ) -> Result<super::Plan> {
     let n_stages = cuts.len() - 1;
+    // With the whole placement known, every message's sender is known.
+    let stage_of: Vec<usize> = (0..n_stages).flat_map(|s| std::iter::repeat_n(s, cuts[s + 1] - cuts[s])).collect();
     let mut stages = Vec::with_capacity(n_stages);
     for stage_idx in 0..n_stages {
         let (start, end) = (cuts[stage_idx], cuts[stage_idx + 1]);
-        let (memory, [forward_s, backward_input_s, backward_weight_s, transfer_s]) =
-            costs.stage(config, &devices[stage_idx], n_stages, stage_idx, start, end)?;
+        let estimate = costs.stage(config, &devices[stage_idx], n_stages, stage_idx, (start, end), Some(&stage_of))?;
+        let [forward_s, backward_input_s, backward_weight_s, transfer_s] = estimate.times;
         stages.push(super::StagePlan {
             stage_idx,
             device_idx: stage_idx,
             nodes: costs.order[start..end].to_vec(),
             node_names: costs.names[start..end].to_vec(),
             n_params: costs.param_bytes(start, end) / 4,
-            memory,
+            memory: estimate.memory,
+            member_memory: estimate.members,
+            derived_caches: estimate.derived_caches,
+            dropped_caches: estimate.dropped_caches,
+            memory_timeline: estimate.timeline,
             forward_s,
             backward_input_s,
             backward_weight_s,

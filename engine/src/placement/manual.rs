@@ -15,7 +15,18 @@ pub fn place_manually(
     devices: &[DeviceSpec],
     config: &PlanConfig,
 ) -> Result<Plan> {
-    let costs = NodeCosts::of_graph(graph)?;
+    place_manually_with_costs(graph, &NodeCosts::of_graph(graph)?, stages, devices, config)
+}
+
+/// [`place_manually`] with given node costs of `graph` (for example with measured memory, see
+/// [`NodeCosts::with_measured_memory`]).
+pub fn place_manually_with_costs(
+    graph: &Graph,
+    costs: &NodeCosts,
+    stages: &[Vec<String>],
+    devices: &[DeviceSpec],
+    config: &PlanConfig,
+) -> Result<Plan> {
     if stages.len() != devices.len() {
         return Err(Error::invalid(
             "placement",
@@ -96,13 +107,13 @@ pub fn place_manually(
     for stage in &plan.stages {
         let device = &devices[stage.device_idx];
         if let Some(budget) = device.budget_bytes
-            && stage.memory.total() > budget
+            && stage.largest_total() > budget
         {
             return Err(Error::DoesNotFit {
                 n_stages: stages.len(),
                 smallest_need: format!(
                     "{} on stage {} ({})",
-                    format_bytes(stage.memory.total()),
+                    format_bytes(stage.largest_total()),
                     stage.stage_idx,
                     device.name
                 ),

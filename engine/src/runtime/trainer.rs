@@ -36,6 +36,7 @@ pub struct TrainerBuilder {
     max_grad_norm: Option<f64>,
     core_slots: CoreSlotPolicy,
     commit_snapshot: Option<Vec<bool>>,
+    derived_caches: Vec<(NodeId, bool)>,
 }
 
 impl TrainerBuilder {
@@ -133,6 +134,15 @@ impl TrainerBuilder {
     /// applied, the trainer is [`Error::Poisoned`]. The memory plan decides this per stage.
     pub fn commit_snapshot(mut self, per_stage: Vec<bool>) -> Self {
         self.commit_snapshot = Some(per_stage);
+        self
+    }
+
+    /// Per node, whether its layer keeps the caches it derives from its parameters
+    /// ([`crate::Layer::set_derived_cache`], such as Linear's packed weights); nodes not listed keep
+    /// theirs. Set before the layers move to their devices, so a dropped cache is never allocated
+    /// there. The memory plan decides this per node (`Plan::derived_caches`).
+    pub fn derived_caches(mut self, per_node: Vec<(NodeId, bool)>) -> Self {
+        self.derived_caches = per_node;
         self
     }
 
@@ -270,6 +280,9 @@ impl TrainerBuilder {
             let mut n_params = 0;
             for &id in nodes {
                 let mut layer = self.graph.take_layer(id).expect("checked above");
+                if let Some(&(_, keep)) = self.derived_caches.iter().find(|(node, _)| *node == id) {
+                    layer.set_derived_cache(keep);
+                }
                 layer.to_device(device)?;
                 if let Some(p) =
                     layer.parameters().iter().find(|p| !group.iter().any(|d| d.same_device(p.value.device())))
@@ -464,6 +477,7 @@ impl Trainer {
             max_grad_norm: None,
             core_slots: CoreSlotPolicy::Auto,
             commit_snapshot: None,
+            derived_caches: Vec::new(),
         }
     }
 

@@ -1,0 +1,206 @@
+//! Measuring a layer's [`NodeMemory`] by running it once: forward, input gradient and weight
+//! gradient on one micro-batch, noting which returned and saved tensors are new and which share
+//! the layer's inputs or output.
+//!
+//! Layers on the host are measured by what they return and save (sizes and storage identity):
+//! the host's ledger is shared by every thread of the process, so its counts cannot be read for
+//! one call. The layers' ops reserve ledger bytes only for the tensors they return (scratch such
+//! as im2col columns is plain host memory, off the ledger), so that is what the ledger sees.
+//!
+//! Layers whose parameters live on devices (tensor-parallel layers, already built on their group)
+//! are measured on those devices' own ledgers, which nothing else uses before the trainer starts.
+//! A split layer's call runs one thread per device, and the peak one run reaches depends on how
+//! they interleave (measured: 32 or 40 KiB on the second device for the same conv backward); the
+//! bytes the call reserves in all do not, and bound the peak of every interleaving, so that is
+//! what counts as the call's working set ([`crate::device::MemoryAccount::reserved_total`]). It
+//! over-counts buffers freed before later ones are reserved: a third more for a split conv.
+use super::{InputGradMemory, NodeMemory, OutputMemory, Rank, SavedMemory};
+use crate::graph::{Graph, NodeId};
+use crate::{DType, Device, ForwardCtx, Layer, Result, Saved, Tensor, init};
+
+/// [`NodeMemory`] of every layer node of `graph` (whose layers are on the host) on micro-batches
+/// of `rows` rows, measured by running each once.
+pub fn measure_node_memory(graph: &Graph, rows: usize) -> Result<Vec<(NodeId, NodeMemory)>> {
+    measure_node_memory_on(graph, rows, |_| None)
+}
+
+/// [`measure_node_memory`] for a graph whose tensor-parallel layers are already built on their
+/// devices: `group_of(node)` gives the devices of the node's stage (the first one is where its
+/// inputs arrive). Layers with parameters off the host are measured on those devices' ledgers,
+/// which must not be in use by anything else meanwhile.
+pub fn measure_node_memory_on(
+    graph: &Graph,
+    rows: usize,
+    group_of: impl Fn(NodeId) -> Option<Vec<Device>>,
+) -> Result<Vec<(NodeId, NodeMemory)>> {
+    let rows = rows.max(1);
+    let host = Device::host();
+    let inputs = graph.inputs();
+    let mut rng = init::rng(0x5EED);
+    let mut out = Vec::new();
+    for id in graph.topological_order()? {
+        let Some(layer) = graph.layer(id) else { continue };
+        let on_host = layer.parameters().iter().all(|p| p.value.device().same_device(&host));
+        let group = if on_host {
+            vec![host.clone()]
+        } else {
+            let name = &graph.node(id)?.name;
+            group_of(id).ok_or_else(|| {
+                crate::Error::invalid(
+                    "memory probe",
+                    format!("node `{name}` has parameters off the host but no device group"),
+                )
+            })?
+        };
+        let predecessors = graph.predecessors(id);
+        let mut values = Vec::with_capacity(predecessors.len());
+        for pred in &predecessors {
+            let shape = graph.node(*pred)?.output_shape.with_leading_dim(rows);
+            values.push(if layer.kind() == "Embedding" {
+                Tensor::zeros(shape, DType::F32, &group[0])?
+            } else {
+                init::uniform(shape, -1.0, 1.0, &mut rng, &group[0])?
+            });
+        }
+        let needed: Vec<bool> = predecessors.iter().map(|p| !inputs.contains(p)).collect();
+        let memory = probe(layer, &values, &needed, &group, !on_host, rows)?;
+        out.push((id, memory));
+    }
+    Ok(out)
+}
+
+/// Bytes in use on each device of the group, and the peaks reset to them.
+/// Each device's bytes reserved so far (see [`reserved_since`]), or zeros without ledgers.
+fn start(group: &[Device], ledger: bool) -> Vec<u64> {
+    group.iter().map(|d| if ledger { d.memory().reserved_total() } else { 0 }).collect()
+}
+
+/// Bytes `device` reserved since `base` (from [`start`]), frees not subtracted. The peak one run
+/// of a call reaches depends on how its threads interleave (whether a collective's message
+/// arrives before the receiver freed its last buffer); the bytes it reserves in all do not, and
+/// bound the peak of every interleaving.
+fn reserved_since(device: &Device, base: u64) -> u64 {
+    device.memory().reserved_total().saturating_sub(base)
+}
+
+fn rank_of(group: &[Device], tensor: &Tensor) -> Rank {
+    group.iter().position(|d| d.same_device(tensor.device())).unwrap_or(0)
+}
+
+fn probe(
+    layer: &dyn Layer,
+    inputs: &[Tensor],
+    needed: &[bool],
+    group: &[Device],
+    ledger: bool,
+    rows: usize,
+) -> Result<NodeMemory> {
+    let k = group.len();
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    let mut params = vec![0u64; k];
+    for p in layer.parameters() {
+        params[rank_of(group, &p.value)] += p.value.size_in_bytes() as u64;
+    }
+    // Forward.
+    let in_use_before: Vec<u64> = group.iter().map(Device::memory_in_use).collect();
+    let base = start(group, ledger);
+    let (output, saved) = layer.forward(&refs, &ForwardCtx::train(1))?;
+    let output_memory = match inputs.iter().position(|x| x.shares_storage_with(&output)) {
+        Some(i) => OutputMemory::ShareOfInput(i),
+        None => OutputMemory::New(output.size_in_bytes() as u64),
+    };
+    let output_bytes = output.size_in_bytes() as u64;
+    let mut new_bytes = vec![0u64; k];
+    if let OutputMemory::New(b) = output_memory {
+        new_bytes[rank_of(group, &output)] += b;
+    }
+    let saved_memory = classify_saved(&saved, inputs, &output, group, &mut new_bytes);
+    let mut saved_memory = saved_memory;
+    let forward_peak = if ledger {
+        let peaks: Vec<u64> = group.iter().zip(&base).map(|(d, b)| reserved_since(d, *b)).collect();
+        // Bytes the call left reserved beyond what it returned and saved: held by the saved state
+        // in ways its tensors do not show; count them as the layer's own.
+        for (rank, (d, b)) in group.iter().zip(&in_use_before).enumerate() {
+            let left = d.memory_in_use().saturating_sub(*b);
+            if left > new_bytes[rank] {
+                saved_memory.push(SavedMemory::Own { rank, bytes: left - new_bytes[rank] });
+            }
+        }
+        peaks.iter().zip(&new_bytes).map(|(p, n)| (*p).max(*n)).collect()
+    } else {
+        new_bytes.clone()
+    };
+    // Input gradient.
+    let grad_output = Tensor::full(1.0, output.shape().clone(), output.dtype(), output.device())?;
+    drop(output);
+    let base = start(group, ledger);
+    let input_grads = layer.backward_input_for(&saved, &grad_output, needed)?;
+    let mut grad_bytes = vec![0u64; k];
+    let input_grads_memory: Vec<InputGradMemory> = (0..inputs.len())
+        .map(|i| match input_grads.get(i).and_then(Option::as_ref) {
+            None => InputGradMemory::None,
+            Some(g) if g.shares_storage_with(&grad_output) => InputGradMemory::ShareOfGradOutput,
+            Some(g) => {
+                grad_bytes[rank_of(group, g)] += g.size_in_bytes() as u64;
+                InputGradMemory::New(g.size_in_bytes() as u64)
+            }
+        })
+        .collect();
+    let backward_input_peak = peaks_or(group, &base, ledger, &grad_bytes);
+    drop(input_grads);
+    // Weight gradient, into gradients allocated beside the parameters.
+    let mut grads = layer
+        .parameters()
+        .iter()
+        .map(|p| Tensor::zeros(p.value.shape().clone(), p.value.dtype(), p.value.device()))
+        .collect::<Result<Vec<_>>>()?;
+    let base = start(group, ledger);
+    layer.backward_weight(&saved, &grad_output, &mut grads)?;
+    let backward_weight_peak = peaks_or(group, &base, ledger, &vec![0; k]);
+    Ok(NodeMemory {
+        rows,
+        output: output_memory,
+        output_bytes,
+        saved: saved_memory,
+        forward_peak,
+        input_grads: input_grads_memory,
+        backward_input_peak,
+        backward_weight_peak,
+        params,
+    })
+}
+
+/// With ledgers: each device's bytes reserved since `base` (at least `floor`); without: `floor`.
+fn peaks_or(group: &[Device], base: &[u64], ledger: bool, floor: &[u64]) -> Vec<u64> {
+    if !ledger {
+        return floor.to_vec();
+    }
+    group.iter().zip(base).zip(floor).map(|((d, b), f)| reserved_since(d, *b).max(*f)).collect()
+}
+
+/// Each saved tensor as a share of an input, of the output, or bytes of its own (counted once
+/// per storage), adding the own bytes to `new_bytes` by rank.
+fn classify_saved(
+    saved: &Saved,
+    inputs: &[Tensor],
+    output: &Tensor,
+    group: &[Device],
+    new_bytes: &mut [u64],
+) -> Vec<SavedMemory> {
+    let mut out = Vec::new();
+    let mut own: Vec<&Tensor> = Vec::new();
+    for tensor in &saved.tensors {
+        if let Some(i) = inputs.iter().position(|x| x.shares_storage_with(tensor)) {
+            out.push(SavedMemory::Input(i));
+        } else if output.shares_storage_with(tensor) {
+            out.push(SavedMemory::Output);
+        } else if !own.iter().any(|o| o.shares_storage_with(tensor)) {
+            own.push(tensor);
+            let rank = rank_of(group, tensor);
+            let bytes = tensor.size_in_bytes() as u64;
+            new_bytes[rank] += bytes;
+            out.push(SavedMemory::Own { rank, bytes });
+        }
+    }
+    out
+}
