@@ -374,7 +374,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                         "skipped": true,
                         "skipped_steps": skipped_steps,
                         "lr": lr,
-                    }))?;
+                    }));
                 }
                 continue;
             }
@@ -402,7 +402,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 .collect();
             last_step_origin_s = last_step_start_s;
             if let Some(trace) = trace.as_mut() {
-                trace.write(&events, &memory_samples(&memory))?;
+                trace.write(&events, &memory_samples(&memory));
             }
         }
         if let Some(out) = metrics.as_mut() {
@@ -420,7 +420,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             if let Some(accuracy) = eval_accuracy {
                 line["test_accuracy"] = accuracy.into();
             }
-            out.line(&line)?;
+            out.line(&line);
         }
         let log_now = args.log_every > 0 && ((step + 1) % args.log_every == 0 || step + 1 == total_steps);
         if log_now || eval_accuracy.is_some() {
@@ -458,7 +458,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if let Some(recorder) = &recorder {
         let (events, memory) = recorder.drain();
         if let Some(trace) = trace.as_mut() {
-            trace.write(&events, &memory_samples(&memory))?;
+            trace.write(&events, &memory_samples(&memory));
         }
     }
     let steps_run = state.step.saturating_sub(first_step);
@@ -572,7 +572,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             "predicted_bubble_fraction": bubble.map(|b| b.1),
             "samples_per_s": samples as f64 / compute_s.max(f64::MIN_POSITIVE),
         });
-        attempt(out.line(&summary).and_then(|()| out.finish()).map(|()| {
+        out.line(&summary);
+        attempt(out.finish().map(|()| {
             outln!("wrote the metrics of {} steps to {}", state.step - first_step, path.display());
         }));
     }

@@ -131,36 +131,48 @@ pub fn check(args: &TrainArgs) -> anyhow::Result<()> {
 }
 
 /// A file of lines (`--metrics`) written as the run goes, into a temporary file renamed over the
-/// target by [`LineOutput::finish`]. Dropped unfinished (the run failed), it is still committed
-/// with the whole lines written so far, if any; with none, the previous file stays.
+/// target by [`LineOutput::finish`]. A write that fails (a full disk) does not stop the run: the
+/// file stops there and [`LineOutput::finish`] reports the error after the run's other outputs
+/// are written. Dropped unfinished (the run failed), it is still committed with the lines written
+/// so far, if any; with none, the previous file stays.
 pub struct LineOutput {
     out: Option<BufWriter<OutputFile>>,
     flag: &'static str,
     path: PathBuf,
     lines: u64,
+    failed: Option<std::io::Error>,
 }
 
 impl LineOutput {
     /// Opens `path` for `flag`.
     pub fn create(flag: &'static str, path: &Path) -> anyhow::Result<LineOutput> {
         let file = OutputFile::create(path).map_err(|e| output_error(flag, path, e))?;
-        Ok(LineOutput { out: Some(BufWriter::new(file)), flag, path: path.to_path_buf(), lines: 0 })
+        Ok(LineOutput { out: Some(BufWriter::new(file)), flag, path: path.to_path_buf(), lines: 0, failed: None })
     }
 
-    /// Appends one JSON object as a line.
-    pub fn line(&mut self, value: &serde_json::Value) -> anyhow::Result<()> {
+    /// Appends one JSON object as a line (after a failed write, nothing more).
+    pub fn line(&mut self, value: &serde_json::Value) {
+        if self.failed.is_some() {
+            return;
+        }
         let out = self.out.as_mut().expect("an unfinished output");
-        writeln!(out, "{value}").map_err(|e| self.io_error(e))?;
-        self.lines += 1;
-        Ok(())
+        match writeln!(out, "{value}") {
+            Ok(()) => self.lines += 1,
+            Err(e) => self.failed = Some(e),
+        }
     }
 
     fn io_error(&self, error: std::io::Error) -> anyhow::Error {
         anyhow::Error::new(error).context(format!("writing {} {}", self.flag, self.path.display()))
     }
 
-    /// Flushes and renames the file into place.
+    /// Flushes and renames the file into place; the first failed write, if any, is the error.
     pub fn finish(mut self) -> anyhow::Result<()> {
+        if let Some(error) = self.failed.take() {
+            // The partial file is removed; the previous one, if any, stays.
+            self.out = None;
+            return Err(self.io_error(error));
+        }
         let out = self.out.take().expect("an unfinished output");
         let file = out.into_inner().map_err(|e| self.io_error(e.into_error()))?;
         file.commit().map_err(|e| output_error(self.flag, &self.path, e))
@@ -169,7 +181,8 @@ impl LineOutput {
 
 impl Drop for LineOutput {
     fn drop(&mut self) {
-        if let Some(out) = self.out.take()
+        if self.failed.is_none()
+            && let Some(out) = self.out.take()
             && self.lines > 0
             && let Ok(file) = out.into_inner()
         {
@@ -179,11 +192,13 @@ impl Drop for LineOutput {
 }
 
 /// `--trace`: the Chrome trace streamed to a temporary file as the run goes (one step's events at a
-/// time), closed and renamed over the target by [`TraceStream::finish`], or when dropped.
+/// time), closed and renamed over the target by [`TraceStream::finish`], or when dropped. As for
+/// [`LineOutput`], a failed write stops the trace, not the run.
 pub struct TraceStream {
     writer: Option<ChromeTraceWriter<BufWriter<OutputFile>>>,
     path: PathBuf,
     ops: usize,
+    failed: Option<std::io::Error>,
 }
 
 impl TraceStream {
@@ -192,24 +207,31 @@ impl TraceStream {
         let file = OutputFile::create(path).map_err(|e| output_error("--trace", path, e))?;
         let writer = ChromeTraceWriter::new(BufWriter::new(file), n_devices, labels)
             .map_err(|e| anyhow::Error::new(e).context(format!("writing --trace {}", path.display())))?;
-        Ok(TraceStream { writer: Some(writer), path: path.to_path_buf(), ops: 0 })
+        Ok(TraceStream { writer: Some(writer), path: path.to_path_buf(), ops: 0, failed: None })
     }
 
-    /// Appends ops and memory samples.
-    pub fn write(&mut self, events: &[TimelineEvent], memory: &[MemorySample]) -> anyhow::Result<()> {
+    /// Appends ops and memory samples (after a failed write, nothing more).
+    pub fn write(&mut self, events: &[TimelineEvent], memory: &[MemorySample]) {
+        if self.failed.is_some() {
+            return;
+        }
         let writer = self.writer.as_mut().expect("an unfinished trace");
-        writer
-            .write_ops(events)
-            .and_then(|()| writer.write_memory(memory))
-            .map_err(|e| anyhow::Error::new(e).context(format!("writing --trace {}", self.path.display())))?;
-        self.ops += events.len();
-        Ok(())
+        match writer.write_ops(events).and_then(|()| writer.write_memory(memory)) {
+            Ok(()) => self.ops += events.len(),
+            Err(e) => self.failed = Some(e),
+        }
     }
 
-    /// Closes the JSON and renames the file into place; returns the number of ops written.
+    /// Closes the JSON and renames the file into place; returns the number of ops written. The
+    /// first failed write, if any, is the error.
     pub fn finish(mut self) -> anyhow::Result<usize> {
-        let writer = self.writer.take().expect("an unfinished trace");
         let context = || format!("writing --trace {}", self.path.display());
+        if let Some(error) = self.failed.take() {
+            // The partial file is removed; the previous one, if any, stays.
+            self.writer = None;
+            return Err(anyhow::Error::new(error).context(context()));
+        }
+        let writer = self.writer.take().expect("an unfinished trace");
         let out = writer.finish().map_err(|e| anyhow::Error::new(e).context(context()))?;
         let file = out.into_inner().map_err(|e| anyhow::Error::new(e.into_error()).context(context()))?;
         file.commit().map_err(|e| output_error("--trace", &self.path, e))?;
@@ -219,7 +241,8 @@ impl TraceStream {
 
 impl Drop for TraceStream {
     fn drop(&mut self) {
-        if let Some(writer) = self.writer.take()
+        if self.failed.is_none()
+            && let Some(writer) = self.writer.take()
             && let Ok(out) = writer.finish()
             && let Ok(file) = out.into_inner()
         {
