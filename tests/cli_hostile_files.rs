@@ -403,6 +403,65 @@ fn an_output_that_fails_at_the_end_does_not_stop_the_others() {
     SafeTensors::deserialize(&bytes).unwrap();
 }
 
+#[test]
+fn a_fifo_is_written_straight_through_to_its_reader() {
+    let dir = Scratch::new("fifo");
+    let fifo = dir.join("metrics.fifo");
+    let c_path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+    let reader = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::read_to_string(fifo).unwrap())
+    };
+    let out = conveyor_in(&dir.0, train!["--metrics", "metrics.fifo"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> =
+        reader.join().unwrap().lines().map(|line| serde_json::from_str(line).unwrap()).collect();
+    assert_eq!(lines.len(), 4, "three steps and the summary");
+    assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo(), "still a FIFO");
+}
+
+#[test]
+fn a_directory_without_write_permission_is_refused_before_step_1() {
+    // Root writes anywhere: run conveyor as `nobody` then (with setpriv), or skip.
+    let dir = Scratch::new("read-only");
+    std::fs::create_dir(dir.join("ro")).unwrap();
+    std::fs::write(dir.join("ro/ck.st"), "previous").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.join("ro"), std::fs::Permissions::from_mode(0o555)).unwrap();
+    let args = train_args("synthetic:64,8,4", "1000000", "0", &["--checkpoint", "ro/ck.st"]);
+    let root = unsafe { libc::geteuid() } == 0;
+    let mut command = if root {
+        let setpriv = Path::new("/usr/bin/setpriv");
+        let binary = Path::new(env!("CARGO_BIN_EXE_conveyor"));
+        let nobody_can_run = |path: &Path| {
+            path.ancestors().skip(1).all(|a| {
+                a.as_os_str().is_empty() || std::fs::metadata(a).is_ok_and(|m| m.permissions().mode() & 0o001 != 0)
+            })
+        };
+        if !setpriv.exists() || !nobody_can_run(binary) || !nobody_can_run(&dir.join("ro/ck.st")) {
+            eprintln!("skipped: running as root without a way to run conveyor as nobody");
+            return;
+        }
+        let mut command = Command::new(setpriv);
+        command.args(["--reuid=65534", "--regid=65534", "--clear-groups"]).arg(binary);
+        command
+    } else {
+        Command::new(env!("CARGO_BIN_EXE_conveyor"))
+    };
+    let started = Instant::now();
+    let out = command.args(&args).current_dir(&dir.0).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("cannot write --checkpoint ro/ck.st"), "{stderr}");
+    assert!(stderr.contains("permission denied"), "{stderr}");
+    assert!(stderr.contains("the previous checkpoint there is unchanged"), "{stderr}");
+    assert!(started.elapsed() < Duration::from_secs(20), "refused before training");
+    assert_eq!(std::fs::read_to_string(dir.join("ro/ck.st")).unwrap(), "previous");
+    std::fs::set_permissions(dir.join("ro"), std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Streams: a closed or full stdout or stderr.
 

@@ -86,7 +86,14 @@ fn inputs(args: &TrainArgs) -> Vec<(&'static str, PathBuf)> {
 pub fn check(args: &TrainArgs) -> anyhow::Result<()> {
     let mut checked: Vec<(&str, &Path, Option<Identity>)> = Vec::new();
     for (flag, path) in outputs(args) {
-        let target = output_file::check_output(path).map_err(|e| output_error(flag, path, e))?;
+        let target = output_file::check_output(path).map_err(|e| {
+            let error = output_error(flag, path, e);
+            if !path.is_file() {
+                return error;
+            }
+            let what = if flag == "--save" || flag == "--checkpoint" { "checkpoint" } else { "file" };
+            usage(format!("{error}; the previous {what} there is unchanged"))
+        })?;
         // A character device is written straight through: nothing is replaced, any output may share it.
         if target.kind != OutputKind::CharDevice {
             checked.push((flag, path, identity(path)));
