@@ -190,6 +190,8 @@ fn cases() -> Vec<Case> {
                setup: nothing, exit: 0, phrase: "saved the parameters", unchanged: &["/dev/null"] },
         Case { name: "save_through_a_link_to_dev_null", args: train!["--save", "link"], setup: symlink_to_dev_null,
                exit: 0, phrase: "saved the parameters", unchanged: &["/dev/null", "link"] },
+        Case { name: "metrics_to_dev_stdout_a_pipe", args: train!["--metrics", "/dev/stdout"], setup: nothing, exit: 0,
+               phrase: "\"summary\":true", unchanged: &["/dev/stdout"] },
         Case { name: "save_dev_full", args: train!["--save", "/dev/full"], setup: nothing, exit: 2,
                phrase: "no space left on device", unchanged: &["/dev/full"] },
         Case { name: "metrics_dev_full", args: train!["--metrics", "/dev/full"], setup: nothing, exit: 1,

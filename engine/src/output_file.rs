@@ -11,8 +11,8 @@
 //!   and renamed over the target (keeping the old file's permission bits), then the directory is
 //!   fsynced. Readers see the old file or the whole new one, never a part; on any failure the
 //!   temporary file is removed and the old file is untouched.
-//! - **a character device or a FIFO** (`/dev/null`, `/dev/stdout`, a terminal, a named pipe):
-//!   written straight through, never replaced. (Renaming over `/dev/null`, as root, used to turn the
+//! - **a character device or a FIFO** (`/dev/null`, a terminal, a named pipe, `/dev/stdout` when
+//!   it is a terminal or a pipe): written straight through, never replaced. (Renaming over `/dev/null`, as root, used to turn the
 //!   device node into a regular file.) A FIFO blocks the write until a reader opens it.
 //! - **a directory, a block device or a socket**: refused with [`Error::OutputPath`], before
 //!   anything is written.
@@ -122,6 +122,13 @@ pub fn resolve_output(path: impl AsRef<Path>) -> Result<OutputTarget> {
         if let Some(metadata) = &metadata
             && metadata.file_type().is_symlink()
         {
+            // A link the kernel resolves to a device or a pipe (`/dev/stdout`, `/proc/self/fd/1`,
+            // whose text is `pipe:[...]`, not a path) is opened through the link.
+            if let Ok(followed) = fs::metadata(&current)
+                && let Some(kind) = straight_through_kind(&followed)
+            {
+                return Ok(OutputTarget { requested, resolved: current, kind });
+            }
             let link = fs::read_link(&current).map_err(|e| refuse(&requested, format!("cannot read the link: {e}")))?;
             current = if link.is_absolute() { link } else { directory_of(&current).join(link) };
             continue;
@@ -135,16 +142,25 @@ pub fn resolve_output(path: impl AsRef<Path>) -> Result<OutputTarget> {
     Err(refuse(&requested, format!("more than {MAX_SYMLINK_HOPS} symbolic links (a loop?)")))
 }
 
+fn straight_through_kind(metadata: &Metadata) -> Option<OutputKind> {
+    let file_type = metadata.file_type();
+    if file_type.is_char_device() {
+        Some(OutputKind::CharDevice)
+    } else if file_type.is_fifo() {
+        Some(OutputKind::Fifo)
+    } else {
+        None
+    }
+}
+
 fn classify(requested: &Path, resolved: &Path, metadata: Option<&Metadata>) -> Result<OutputKind> {
     let Some(metadata) = metadata else { return Ok(OutputKind::New) };
     let file_type = metadata.file_type();
     let through = if requested == resolved { String::new() } else { format!(" ({})", resolved.display()) };
     if file_type.is_file() {
         Ok(OutputKind::RegularFile)
-    } else if file_type.is_char_device() {
-        Ok(OutputKind::CharDevice)
-    } else if file_type.is_fifo() {
-        Ok(OutputKind::Fifo)
+    } else if let Some(kind) = straight_through_kind(metadata) {
+        Ok(kind)
     } else if file_type.is_dir() {
         Err(refuse(requested, format!("it is a directory{through}; give a file path inside it")))
     } else if file_type.is_block_device() {
