@@ -2,7 +2,10 @@
 //!
 //! Exit codes: 0 success, 2 bad input (a usage error naming what was wrong and how to fix it),
 //! 3 training stopped at a non-finite loss or gradient (`--on-nonfinite`; the outputs were still
-//! written from the last good step), 1 any other failure.
+//! written from the last good step), 130 / 143 training stopped by SIGINT / SIGTERM (the outputs
+//! were written at the last whole step; a second signal exits at once), 1 any other failure,
+//! including a stdout or stderr that could not be written (a closed pipe is not a failure: output
+//! stops quietly, as ripgrep does; see `cli::console`).
 mod cli;
 
 use clap::{Parser, Subcommand};
@@ -33,7 +36,9 @@ fn main() {
         Command::Train(args) => cli::train::run(*args),
         Command::Plan(args) => cli::plan::run(args),
     };
-    if let Err(err) = result {
-        std::process::exit(cli::report(&err));
-    }
+    let code = match result {
+        Ok(()) => 0,
+        Err(err) => cli::report(&err),
+    };
+    std::process::exit(cli::console::exit_code(code));
 }

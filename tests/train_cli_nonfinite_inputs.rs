@@ -11,7 +11,7 @@ use safetensors::tensor::{Dtype, TensorView};
 use train_cli_support::{RawTensors, arg, assert_usage_error, conveyor_ok, fixture, read_checkpoint, temp_dir};
 
 /// A fresh directory for one test, removed (with everything in it) when dropped.
-struct ScratchDir(PathBuf);
+struct ScratchDir(train_cli_support::TempDir);
 
 impl ScratchDir {
     fn new(name: &str) -> ScratchDir {

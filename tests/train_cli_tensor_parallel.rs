@@ -3,6 +3,8 @@
 //! device counts that do not split into groups are refused with exit code 2; a 2-stage x 2-way run
 //! stopped after 3 steps and resumed from its `--checkpoint` saves bit-for-bit the weights and
 //! optimizer state (under the unsplit names) of an uninterrupted 6-step run.
+mod train_cli_support;
+
 use std::process::{Command, Output};
 
 use conveyor::engine::Device;
@@ -20,8 +22,7 @@ const RUN: &[&str] = &[
 
 #[test]
 fn two_stages_of_two_devices_train_what_one_device_trains() {
-    let dir = std::env::temp_dir().join(format!("conveyor-tp-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = train_cli_support::temp_dir("tp-cli");
     let (one, split) = (dir.join("one.safetensors"), dir.join("split.safetensors"));
     let mut args = RUN.to_vec();
     args.extend(["--devices", "cpu:1", "--save", one.to_str().unwrap()]);
@@ -68,8 +69,7 @@ fn groups_that_do_not_divide_the_devices_are_refused() {
 /// shards, so resuming is exact.
 #[test]
 fn a_split_run_resumed_from_a_checkpoint_matches_an_uninterrupted_run() {
-    let dir = std::env::temp_dir().join(format!("conveyor-tp-resume-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = train_cli_support::temp_dir("tp-resume");
     let (straight, stopped, resumed) =
         (dir.join("straight.safetensors"), dir.join("stopped.safetensors"), dir.join("resumed.safetensors"));
     let mut base: Vec<&str> = RUN.iter().copied().filter(|a| *a != "--steps" && *a != "5").collect();

@@ -13,11 +13,13 @@
 //!
 //! # Atomicity
 //!
-//! [`save`] writes to a uniquely named temporary file in the target's directory, fsyncs it, and
-//! renames it over the target (an atomic replace on POSIX file systems), then fsyncs the directory.
-//! On any error before the rename, the temporary file is removed and the previous file is untouched,
-//! so a crash mid-save never leaves a half-written checkpoint under the target name. We rejected
-//! writing in place with a "complete" marker: readers would have to know about the marker.
+//! [`save`] writes as every output is written ([`crate::output_file`]): to a temporary file
+//! `.<name>.conveyor-tmp-<pid>-<n>` in the target's directory, fsynced and renamed over the target
+//! (an atomic replace on POSIX file systems), then the directory fsynced. On any error before the
+//! rename, the temporary file is removed and the previous file is untouched, so a crash mid-save
+//! never leaves a half-written checkpoint under the target name. A symbolic link is followed (its
+//! target replaced, the link kept); a character device such as `/dev/null` is written straight
+//! through, never replaced; a directory is refused.
 //!
 //! # Loading
 //!
@@ -31,14 +33,13 @@
 //! refuse it, naming the tensor and the element, since one NaN parameter makes every later step
 //! non-finite.
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::fs::{self, File, OpenOptions};
+use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use safetensors::tensor::{Dtype as SafeDtype, SafeTensors, TensorView, View};
 
+use crate::output_file::{self, OutputFile};
 use crate::{DType, Device, Error, Result, Shape, Tensor};
 
 /// The metadata key under which [`save_with_metadata`] records the format version.
@@ -303,42 +304,16 @@ pub fn save_with_metadata<N: AsRef<str>>(
     write_file_atomically(path, |file| file.write_all(&bytes))
 }
 
-/// Writes a file atomically: `write_contents` writes into a uniquely named temporary file beside
-/// `path`, which is then fsynced and renamed over `path`. If `write_contents` or any file operation
-/// fails, the temporary file is removed, `path` keeps its previous contents, and the error carries
-/// the path it concerns.
+/// Writes a file the way every output is written ([`crate::output_file`]): atomically through a
+/// temporary file beside `path` renamed over it (a character device or FIFO is written straight
+/// through; a directory is refused). If `write_contents` or any file operation fails, the
+/// temporary file is removed, `path` keeps its previous contents, and the error carries the path it
+/// concerns.
 pub fn write_file_atomically(
     path: impl AsRef<Path>,
-    write_contents: impl FnOnce(&mut File) -> std::io::Result<()>,
+    write_contents: impl FnOnce(&mut OutputFile) -> std::io::Result<()>,
 ) -> Result<()> {
-    let path = path.as_ref();
-    let file_name = path.file_name().ok_or_else(|| {
-        Error::invalid(
-            "path",
-            format!("{} does not name a file; give a path such as run/step-100.safetensors", path.display()),
-        )
-    })?;
-    let directory = match path.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let temp_path = directory.join(unique_temp_name(file_name));
-
-    let mut file = OpenOptions::new().write(true).create_new(true).open(&temp_path).map_err(io_error(&temp_path))?;
-    let temp = RemoveOnDrop(Some(temp_path));
-    let temp_path = temp.path();
-    write_contents(&mut file).map_err(io_error(temp_path))?;
-    file.flush().map_err(io_error(temp_path))?;
-    file.sync_all().map_err(io_error(temp_path))?;
-    drop(file);
-    fs::rename(temp_path, path).map_err(io_error(path))?;
-    temp.disarm();
-    // Make the rename itself durable. Best effort: the new file is already in place, so a failure
-    // here must not be reported as a failed save.
-    if let Ok(directory) = File::open(&directory) {
-        let _ = directory.sync_all();
-    }
-    Ok(())
+    output_file::write_output(path, write_contents)
 }
 
 /// Loads every tensor of the checkpoint at `path` onto `device`, with its metadata.
@@ -546,44 +521,6 @@ impl View for TensorBytes {
 
     fn data_len(&self) -> usize {
         self.bytes.len()
-    }
-}
-
-/// Wraps an I/O error with the path it concerns.
-fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
-    move |source| Error::Io { path: path.display().to_string(), source }
-}
-
-/// `.<file name>.tmp-<pid>-<nanoseconds>-<counter>`: unique across threads and processes.
-fn unique_temp_name(file_name: &std::ffi::OsStr) -> String {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-    format!(
-        ".{}.tmp-{}-{nanos}-{}",
-        file_name.to_string_lossy(),
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    )
-}
-
-/// Removes the temporary file when dropped, unless disarmed after a successful rename.
-struct RemoveOnDrop(Option<PathBuf>);
-
-impl RemoveOnDrop {
-    fn path(&self) -> &Path {
-        self.0.as_deref().unwrap_or(Path::new(""))
-    }
-
-    fn disarm(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        if let Some(path) = self.0.take() {
-            let _ = fs::remove_file(path);
-        }
     }
 }
 

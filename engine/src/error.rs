@@ -195,6 +195,15 @@ pub enum Error {
     /// The schedule could not be built or validated.
     #[error(transparent)]
     Schedule(#[from] conveyor_schedules::ScheduleError),
+    /// An output path that must not be written: a directory, a block device, a missing or
+    /// unwritable directory (see [`crate::output_file`]).
+    #[error("cannot write {path}: {reason}")]
+    OutputPath {
+        /// The path as given.
+        path: String,
+        /// Why, and what would fix it.
+        reason: String,
+    },
     /// An I/O error, with the path it concerns.
     #[error("{path}: {source}")]
     Io {

@@ -16,6 +16,7 @@ pub mod graph;
 pub mod init;
 mod layer;
 pub mod optim;
+pub mod output_file;
 pub mod placement;
 pub mod runtime;
 mod shape;

@@ -164,6 +164,18 @@ impl TimelineRecorder {
         points
     }
 
+    /// Takes everything recorded so far, leaving the recorder empty: the events in start order
+    /// and the memory samples in time order. A long run drains after every step and streams what
+    /// it took to a file (`conveyor train --trace`), so the recorder holds one step at a time
+    /// however long the run.
+    pub fn drain(&self) -> (Vec<TimelineEvent>, Vec<MemoryPoint>) {
+        let mut events = std::mem::take(&mut *self.events.lock());
+        let mut points = std::mem::take(&mut *self.memory.lock());
+        events.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
+        points.sort_by(|a, b| a.time_s.total_cmp(&b.time_s));
+        (events, points)
+    }
+
     /// Number of events recorded.
     pub fn len(&self) -> usize {
         self.events.lock().len()
@@ -185,7 +197,9 @@ impl TimelineRecorder {
 /// [`TimelineLayer`] (`layer.with_filter(timeline_filter())`) so that adding the layer enables
 /// nothing else, whatever other layers log.
 pub fn timeline_filter() -> tracing_subscriber::filter::FilterFn {
-    tracing_subscriber::filter::filter_fn(|metadata| metadata.target() == OP_TARGET || metadata.target() == MEMORY_TARGET)
+    tracing_subscriber::filter::filter_fn(|metadata| {
+        metadata.target() == OP_TARGET || metadata.target() == MEMORY_TARGET
+    })
 }
 
 /// The `tracing-subscriber` layer that records op spans into a [`TimelineRecorder`].

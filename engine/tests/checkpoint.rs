@@ -309,7 +309,7 @@ fn a_writer_failing_midway_leaves_the_previous_file_and_no_temp_file() {
     .unwrap_err();
     match err {
         Error::Io { path: temp, source } => {
-            assert!(temp.contains(".ckpt.safetensors.tmp-"), "the error names the temporary file: {temp}");
+            assert!(temp.contains(".ckpt.safetensors.conveyor-tmp-"), "the error names the temporary file: {temp}");
             assert_eq!(source.to_string(), "tensor source failed mid-way");
         }
         other => panic!("expected Error::Io, got {other:?}"),
@@ -334,16 +334,19 @@ fn a_writer_panicking_midway_leaves_no_temp_file() {
 }
 
 #[test]
-fn a_failed_rename_leaves_no_temp_file() {
-    // The target is a non-empty directory: the temporary file is written, the rename fails.
+fn a_directory_target_is_refused_before_anything_is_written() {
+    // The target is a non-empty directory: refused before a temporary file is made.
     let dir = TempDir::new("rename");
     let target = dir.join("occupied");
     std::fs::create_dir(&target).unwrap();
     std::fs::write(target.join("keep"), b"x").unwrap();
     let tensor = Tensor::from_slice(&[1.0], [1], &Device::cpu(0)).unwrap();
     match checkpoint::save(&target, &[("w", &tensor)]).unwrap_err() {
-        Error::Io { path, .. } => assert_eq!(path, target.display().to_string()),
-        other => panic!("expected Error::Io, got {other:?}"),
+        Error::OutputPath { path, reason } => {
+            assert_eq!(path, target.display().to_string());
+            assert!(reason.contains("is a directory"), "{reason}");
+        }
+        other => panic!("expected Error::OutputPath, got {other:?}"),
     }
     assert_eq!(dir.entries(), vec!["occupied"]);
     assert_eq!(std::fs::read(target.join("keep")).unwrap(), b"x");

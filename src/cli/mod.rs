@@ -1,7 +1,12 @@
-//! Subcommand modules, the shared error reporting of the `conveyor` binary, and atomic file writes.
+//! Subcommand modules, the shared error reporting of the `conveyor` binary, output files, streams
+//! that never panic ([`console`]) and signal handling ([`interrupt`]).
 use std::io::Write;
 use std::path::Path;
 
+use conveyor::engine::output_file;
+
+pub mod console;
+pub mod interrupt;
 pub mod placement_file;
 pub mod plan;
 pub mod simulate;
@@ -26,7 +31,11 @@ pub fn usage(message: impl Into<String>) -> anyhow::Error {
 
 /// Prints the error chain to stderr and returns the process exit code for it.
 pub fn report(err: &anyhow::Error) -> i32 {
-    eprintln!("error: {err:#}");
+    if let Some(interrupted) = err.downcast_ref::<interrupt::Interrupted>() {
+        console::err(&format!("conveyor: {interrupted}\n"));
+        return 128 + interrupted.signal;
+    }
+    console::err(&format!("error: {err:#}\n"));
     let bad_input = err.downcast_ref::<UsageError>().is_some()
         || matches!(
             err.downcast_ref::<conveyor::engine::Error>(),
@@ -37,6 +46,7 @@ pub fn report(err: &anyhow::Error) -> i32 {
                     | conveyor::engine::Error::CudaUnavailable(_)
                     | conveyor::engine::Error::NotOnHost { .. }
                     | conveyor::engine::Error::Checkpoint { .. }
+                    | conveyor::engine::Error::OutputPath { .. }
                     | conveyor::engine::Error::Schedule(_)
             )
         );
@@ -51,43 +61,36 @@ pub fn report(err: &anyhow::Error) -> i32 {
     }
 }
 
-/// Writes `contents` to `path` so that readers see the old file or the whole new one, never a
-/// part: into a temporary file in the same directory, then renamed over `path` (the temporary
-/// file is removed if anything fails). A path the user can fix (a missing directory, a
-/// directory, no permission) is a usage error, exit code 2.
+/// Writes `contents` to `path` as every output is written ([`output_file`]): readers see the old
+/// file or the whole new one, never a part (a temporary file renamed over it); a symbolic link is
+/// followed and kept, a character device or FIFO is written straight through, a directory is
+/// refused. A path the user can fix (a missing directory, a directory, no permission) is a usage
+/// error, exit code 2.
 pub fn write_atomically(path: &Path, flag: &str, contents: &str) -> anyhow::Result<()> {
-    let bad_path = |why: String| usage(format!("cannot write {flag} {}: {why}", path.display()));
-    let Some(file_name) = path.file_name() else {
-        return Err(bad_path("not a file name; give a path such as out/timeline.svg".to_owned()));
-    };
-    if path.is_dir() {
-        return Err(bad_path("it is a directory; give a file path inside it".to_owned()));
+    output_file::check_output(path).map_err(|e| output_error(flag, path, e))?;
+    output_file::write_output(path, |file| file.write_all(contents.as_bytes())).map_err(|e| output_error(flag, path, e))
+}
+
+/// An output's error for the user: a path they can fix (refused by [`output_file`], a missing
+/// directory, no permission, a read-only file system) is a usage error naming `flag` (exit code
+/// 2); anything else (a full disk, an I/O error) is a failure, exit code 1.
+pub fn output_error(flag: &str, path: &Path, error: conveyor::engine::Error) -> anyhow::Error {
+    use std::io::ErrorKind;
+    match error {
+        conveyor::engine::Error::OutputPath { reason, .. } => {
+            usage(format!("cannot write {flag} {}: {reason}", path.display()))
+        }
+        conveyor::engine::Error::Io { source, .. }
+            if matches!(
+                source.kind(),
+                ErrorKind::PermissionDenied
+                    | ErrorKind::NotFound
+                    | ErrorKind::IsADirectory
+                    | ErrorKind::ReadOnlyFilesystem
+            ) =>
+        {
+            usage(format!("cannot write {flag} {}: {source}", path.display()))
+        }
+        other => anyhow::Error::new(other).context(format!("writing {flag} {}", path.display())),
     }
-    let directory = match path.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => parent,
-        _ => Path::new("."),
-    };
-    if !directory.is_dir() {
-        return Err(bad_path(format!("directory {} does not exist; create it first", directory.display())));
-    }
-    let mut temporary_name = std::ffi::OsString::from(".");
-    temporary_name.push(file_name);
-    temporary_name.push(format!(".{}.tmp", std::process::id()));
-    let temporary = directory.join(temporary_name);
-    let result = std::fs::File::create(&temporary)
-        .and_then(|mut file| {
-            file.write_all(contents.as_bytes())?;
-            file.sync_all()
-        })
-        .and_then(|()| std::fs::rename(&temporary, path));
-    if let Err(err) = result {
-        let _ = std::fs::remove_file(&temporary);
-        return Err(match err.kind() {
-            std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::NotFound | std::io::ErrorKind::IsADirectory => {
-                bad_path(err.to_string())
-            }
-            _ => anyhow::Error::new(err).context(format!("writing {flag} {}", path.display())),
-        });
-    }
-    Ok(())
 }

@@ -30,12 +30,36 @@ pub fn assert_usage_error(args: &[&str], expected: &str) -> String {
     stderr
 }
 
-/// A fresh, empty directory for one test.
-pub fn temp_dir(name: &str) -> PathBuf {
+/// A fresh, empty directory for one test, removed with everything in it when dropped (so the
+/// suite leaves nothing in the temporary folder, pass or fail). Derefs to its path.
+pub struct TempDir(PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TempDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A fresh, empty directory for one test (see [`TempDir`]).
+pub fn temp_dir(name: &str) -> TempDir {
     let dir = std::env::temp_dir().join(format!("conveyor-train-cli-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    TempDir(dir)
 }
 
 /// A path as `&str` for an argument list.

@@ -8,10 +8,12 @@
 //! start, `cat` the op kind (`forward`, `backward`, `backward_input`, ...) and `args` holding
 //! stage, micro-batch and op. Memory samples become counter (`C`) events named `memory`, one
 //! series per device (`id` `device d`), `args` `{"bytes": n}`.
+use std::io::Write;
+
 use serde_json::{Value, json};
 
 use super::{device_name, event_name, kind_name};
-use crate::timeline::{OpKind, Timeline};
+use crate::timeline::{OpKind, Timeline, TimelineEvent};
 
 /// Bytes one device held at one moment, for the memory counter track.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -37,59 +39,147 @@ pub struct TraceOptions {
 /// Microseconds per second: Chrome traces count time in microseconds.
 const MICROS_PER_S: f64 = 1e6;
 
-/// The timeline as Chrome trace JSON: `{"traceEvents": [...], "displayTimeUnit": "ms"}`.
+/// The timeline as Chrome trace JSON: `{"displayTimeUnit": "ms", "traceEvents": [...]}`.
 ///
 /// Events appear in a deterministic order: metadata, then ops sorted by (device, start), then
 /// memory samples sorted by (device, time).
 pub fn chrome_trace(timeline: &Timeline, options: &TraceOptions) -> String {
-    let n_devices = timeline.n_devices;
-    let is_comm = |op: OpKind| matches!(op, OpKind::Send | OpKind::Recv);
-    let mut has_comm = vec![false; n_devices];
+    let mut has_comm = vec![false; timeline.n_devices];
     for event in timeline.events.iter().filter(|event| is_comm(event.op)) {
-        has_comm[event.device_idx] = true;
-    }
-    let mut trace_events: Vec<Value> = vec![json!({
-        "ph": "M", "pid": 0, "name": "process_name", "args": {"name": "conveyor pipeline"}
-    })];
-    for (device_idx, has_comm) in has_comm.into_iter().enumerate() {
-        let name = device_name(&options.device_labels, device_idx);
-        trace_events.extend(thread_metadata(device_idx, &name, 2 * device_idx));
-        if has_comm {
-            trace_events.extend(thread_metadata(n_devices + device_idx, &format!("{name} comm"), 2 * device_idx + 1));
+        if let Some(flag) = has_comm.get_mut(event.device_idx) {
+            *flag = true;
         }
     }
-    let mut events: Vec<_> = timeline.events.iter().collect();
-    events.sort_by(|a, b| a.device_idx.cmp(&b.device_idx).then(a.start_s.total_cmp(&b.start_s)));
-    for event in events {
-        let tid = if is_comm(event.op) { n_devices + event.device_idx } else { event.device_idx };
-        trace_events.push(json!({
-            "ph": "X",
-            "pid": 0,
-            "tid": tid,
-            "name": event_name(event),
-            "cat": kind_name(event.op),
-            "ts": event.start_s * MICROS_PER_S,
-            "dur": event.duration_s() * MICROS_PER_S,
-            "args": {
-                "stage": event.stage_idx,
-                "micro_batch": event.micro_batch_idx,
-                "op": kind_name(event.op),
-            },
-        }));
+    let mut writer = ChromeTraceWriter::start(Vec::new(), timeline.n_devices, options.device_labels.clone(), &has_comm)
+        .expect("writing to memory cannot fail");
+    writer.write_ops(&timeline.events).expect("writing to memory cannot fail");
+    writer.write_memory(&options.memory_samples).expect("writing to memory cannot fail");
+    let bytes = writer.finish().expect("writing to memory cannot fail");
+    String::from_utf8(bytes).expect("serde_json writes UTF-8")
+}
+
+/// A Chrome trace written as it goes, for timelines too long to hold (a whole training run):
+/// [`ChromeTraceWriter::new`] writes the opening and the device rows, each
+/// [`ChromeTraceWriter::write_ops`] or [`ChromeTraceWriter::write_memory`] appends a batch of events
+/// (sorted within the batch as [`chrome_trace`] sorts), and [`ChromeTraceWriter::finish`] closes the
+/// JSON. A device's comm row is named when its first send or receive arrives. Memory use is that of
+/// one batch, whatever the length of the trace; the file is the same format [`chrome_trace`]
+/// writes, a valid trace for `ui.perfetto.dev` and `chrome://tracing` once finished.
+pub struct ChromeTraceWriter<W: Write> {
+    out: W,
+    n_devices: usize,
+    device_labels: Vec<String>,
+    /// Whether each device's comm row has been named.
+    comm_named: Vec<bool>,
+    /// Whether an event has been written (so the next one needs a comma).
+    any_written: bool,
+}
+
+impl<W: Write> ChromeTraceWriter<W> {
+    /// Starts a trace of `n_devices` devices labelled `device_labels` (as in [`TraceOptions`]).
+    pub fn new(out: W, n_devices: usize, device_labels: Vec<String>) -> std::io::Result<Self> {
+        Self::start(out, n_devices, device_labels, &[])
     }
-    let mut samples = options.memory_samples.clone();
-    samples.sort_by(|a, b| a.device_idx.cmp(&b.device_idx).then(a.time_s.total_cmp(&b.time_s)));
-    for sample in samples {
-        trace_events.push(json!({
-            "ph": "C",
-            "pid": 0,
-            "name": "memory",
-            "id": format!("device {}", sample.device_idx),
-            "ts": sample.time_s * MICROS_PER_S,
-            "args": {"bytes": sample.bytes},
-        }));
+
+    /// Starts a trace, naming the comm rows of the devices flagged in `has_comm` up front.
+    fn start(out: W, n_devices: usize, device_labels: Vec<String>, has_comm: &[bool]) -> std::io::Result<Self> {
+        let mut writer =
+            ChromeTraceWriter { out, n_devices, device_labels, comm_named: vec![false; n_devices], any_written: false };
+        writer.out.write_all(b"{\"displayTimeUnit\":\"ms\",\"traceEvents\":[")?;
+        writer.event(&json!({
+            "ph": "M", "pid": 0, "name": "process_name", "args": {"name": "conveyor pipeline"}
+        }))?;
+        for device_idx in 0..n_devices {
+            let name = device_name(&writer.device_labels, device_idx);
+            for event in thread_metadata(device_idx, &name, 2 * device_idx) {
+                writer.event(&event)?;
+            }
+            if has_comm.get(device_idx).copied().unwrap_or(false) {
+                writer.name_comm_row(device_idx)?;
+            }
+        }
+        Ok(writer)
     }
-    json!({"traceEvents": trace_events, "displayTimeUnit": "ms"}).to_string()
+
+    fn event(&mut self, event: &Value) -> std::io::Result<()> {
+        if self.any_written {
+            self.out.write_all(b",")?;
+        }
+        self.any_written = true;
+        serde_json::to_writer(&mut self.out, event).map_err(std::io::Error::from)
+    }
+
+    fn name_comm_row(&mut self, device_idx: usize) -> std::io::Result<()> {
+        if self.comm_named.len() <= device_idx {
+            self.comm_named.resize(device_idx + 1, false);
+        }
+        if self.comm_named[device_idx] {
+            return Ok(());
+        }
+        self.comm_named[device_idx] = true;
+        let name = format!("{} comm", device_name(&self.device_labels, device_idx));
+        for event in thread_metadata(self.n_devices + device_idx, &name, 2 * device_idx + 1) {
+            self.event(&event)?;
+        }
+        Ok(())
+    }
+
+    /// Appends ops as complete (`X`) events, sorted by (device, start) within the batch.
+    pub fn write_ops(&mut self, events: &[TimelineEvent]) -> std::io::Result<()> {
+        let mut events: Vec<_> = events.iter().collect();
+        events.sort_by(|a, b| a.device_idx.cmp(&b.device_idx).then(a.start_s.total_cmp(&b.start_s)));
+        for event in events {
+            let tid = if is_comm(event.op) {
+                self.name_comm_row(event.device_idx)?;
+                self.n_devices + event.device_idx
+            } else {
+                event.device_idx
+            };
+            self.event(&json!({
+                "ph": "X",
+                "pid": 0,
+                "tid": tid,
+                "name": event_name(event),
+                "cat": kind_name(event.op),
+                "ts": event.start_s * MICROS_PER_S,
+                "dur": event.duration_s() * MICROS_PER_S,
+                "args": {
+                    "stage": event.stage_idx,
+                    "micro_batch": event.micro_batch_idx,
+                    "op": kind_name(event.op),
+                },
+            }))?;
+        }
+        Ok(())
+    }
+
+    /// Appends memory samples as counter (`C`) events, sorted by (device, time) within the batch.
+    pub fn write_memory(&mut self, samples: &[MemorySample]) -> std::io::Result<()> {
+        let mut samples = samples.to_vec();
+        samples.sort_by(|a, b| a.device_idx.cmp(&b.device_idx).then(a.time_s.total_cmp(&b.time_s)));
+        for sample in samples {
+            self.event(&json!({
+                "ph": "C",
+                "pid": 0,
+                "name": "memory",
+                "id": format!("device {}", sample.device_idx),
+                "ts": sample.time_s * MICROS_PER_S,
+                "args": {"bytes": sample.bytes},
+            }))?;
+        }
+        Ok(())
+    }
+
+    /// Closes the JSON and hands back the writer (flushed).
+    pub fn finish(mut self) -> std::io::Result<W> {
+        self.out.write_all(b"]}")?;
+        self.out.flush()?;
+        Ok(self.out)
+    }
+}
+
+fn is_comm(op: OpKind) -> bool {
+    matches!(op, OpKind::Send | OpKind::Recv)
 }
 
 /// A `thread_name` and a `thread_sort_index` event, so rows appear named and each device's comm
@@ -104,7 +194,6 @@ fn thread_metadata(tid: usize, name: &str, sort_index: usize) -> [Value; 2] {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::timeline::TimelineEvent;
 
     #[test]
     fn sends_go_to_a_comm_row_and_memory_to_counters() {
@@ -142,5 +231,44 @@ mod tests {
         let memory = events.iter().find(|event| event["ph"] == "C").unwrap();
         assert_eq!((&memory["name"], &memory["args"]["bytes"]), (&json!("memory"), &json!(4096)));
         assert_eq!(trace["displayTimeUnit"], "ms");
+    }
+
+    #[test]
+    fn a_trace_written_in_batches_holds_the_same_events_as_one_written_whole() {
+        let mut timeline = Timeline::new(2, 2);
+        for (device_idx, op, start_s) in
+            [(0, OpKind::Forward, 0.0), (1, OpKind::Forward, 1.0), (1, OpKind::Recv, 0.5), (0, OpKind::Backward, 3.0)]
+        {
+            timeline.events.push(TimelineEvent {
+                device_idx,
+                stage_idx: Some(device_idx),
+                op,
+                micro_batch_idx: Some(0),
+                start_s,
+                end_s: start_s + 0.5,
+            });
+        }
+        let samples = [
+            MemorySample { device_idx: 0, time_s: 0.1, bytes: 8 },
+            MemorySample { device_idx: 1, time_s: 2.0, bytes: 16 },
+        ];
+        let labels = vec!["cpu:0".to_owned(), "cpu:1".to_owned()];
+        let whole =
+            chrome_trace(&timeline, &TraceOptions { device_labels: labels.clone(), memory_samples: samples.to_vec() });
+        let mut writer = ChromeTraceWriter::new(Vec::new(), 2, labels).unwrap();
+        for (events, samples) in [(&timeline.events[..2], &samples[..1]), (&timeline.events[2..], &samples[1..])] {
+            writer.write_ops(events).unwrap();
+            writer.write_memory(samples).unwrap();
+        }
+        let streamed = String::from_utf8(writer.finish().unwrap()).unwrap();
+        let sorted_events = |text: &str| {
+            let trace: Value = serde_json::from_str(text).unwrap();
+            assert_eq!(trace["displayTimeUnit"], "ms");
+            let mut events: Vec<String> =
+                trace["traceEvents"].as_array().unwrap().iter().map(|event| event.to_string()).collect();
+            events.sort();
+            events
+        };
+        assert_eq!(sorted_events(&streamed), sorted_events(&whole));
     }
 }

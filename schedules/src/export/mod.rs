@@ -8,8 +8,12 @@
 //!   and the bubble fraction in the title.
 //! - [`terminal_chart`]: a compact Gantt of one text line per device for a terminal.
 //!
+//! - [`ChromeTraceWriter`]: the same trace written batch by batch to any `io::Write`, for
+//!   timelines too long to hold in memory (a whole training run).
+//!
 //! **API Boundary**: every exporter is a pure function from a timeline (plus optional device
-//! labels and memory samples) to a `String`; writing files is the caller's business.
+//! labels and memory samples) to a `String`, or for the trace also a writer into a caller's
+//! `io::Write`; opening and naming files is the caller's business.
 //! **Architecture Invariant:** exporters read only [`Timeline`](crate::Timeline); they never know whether it was
 //! simulated or measured, nor anything of tensors, devices or threads.
 //!
@@ -35,7 +39,7 @@ mod chrome_trace;
 mod svg;
 mod terminal;
 
-pub use chrome_trace::{MemorySample, TraceOptions, chrome_trace};
+pub use chrome_trace::{ChromeTraceWriter, MemorySample, TraceOptions, chrome_trace};
 pub use svg::{SvgOptions, svg_gantt};
 pub use terminal::terminal_chart;
 

@@ -2,8 +2,9 @@
 //! `--checkpoint-every`, `--resume`) and `--init`.
 //!
 //! A checkpoint is one safetensors file written atomically by
-//! [`conveyor::engine::checkpoint::save_with_metadata`] (temporary file, fsync, rename), so a save
-//! that fails or is killed midway leaves the previous file whole. It holds:
+//! [`conveyor::engine::checkpoint::save_with_metadata`] (temporary file, fsync, rename; see
+//! `conveyor::engine::output_file` for symbolic links and devices), so a save that fails or is
+//! killed midway leaves the previous file whole. It holds:
 //!
 //! - the parameters under PyTorch's state-dict names (`0.weight`, `conv1.bias`, ...);
 //! - the optimizer state as `optimizer.<param>.<field>` (see `conveyor::engine::optim`);
@@ -167,12 +168,11 @@ pub fn save(path: &Path, trainer: &Trainer, state: &RunState, weights_only: bool
         tensors.extend(trainer.optimizer_state()?);
     }
     let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    let bad_target = |why: String| usage(format!("{flag} {}: {why}", path.display()));
-    if path.is_dir() {
-        return Err(bad_target("it is a directory; give a file path inside it".to_string()));
-    }
     checkpoint::save_with_metadata(path, &named, &state.to_metadata()).map_err(|e| match e {
-        conveyor::engine::Error::Io { .. } => bad_target(format!("{e}; the previous checkpoint there is unchanged")),
+        conveyor::engine::Error::OutputPath { reason, .. } => usage(format!("{flag} {}: {reason}", path.display())),
+        conveyor::engine::Error::Io { .. } => {
+            usage(format!("{flag} {}: {e}; the previous checkpoint there is unchanged", path.display()))
+        }
         other => anyhow::Error::new(other),
     })
 }

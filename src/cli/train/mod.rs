@@ -3,15 +3,21 @@
 //!
 //! Code map: `args.rs` holds the flags and their parsers (shared with `conveyor plan`);
 //! `data_source.rs` turns `--data` into splits and fits them to the model; `checkpointing.rs`
-//! holds `--save`, `--resume` and `--init`; `progress.rs` the progress bars; `summary.rs` the
+//! holds `--save`, `--resume` and `--init`; `outputs.rs` checks every output path before the run
+//! and streams the metrics and the trace; `progress.rs` the progress bars; `summary.rs` the
 //! accuracy and bubble summary. This file wires them into one run.
+//!
+//! Whatever ends the run (its last step, a non-finite step, Ctrl-C or SIGTERM), the outputs are
+//! written in order of value: `--save`, `--checkpoint`, `--metrics`, `--trace`, `--svg`; one that
+//! fails does not stop the others. Everything printed goes through `console` (a closed or full
+//! stdout never stops the run).
 mod args;
 mod checkpointing;
 mod data_source;
+mod outputs;
 mod progress;
 mod summary;
 
-use std::io::Write;
 use std::time::Instant;
 
 pub use args::{LrSchedule, OnNonFinite, TrainArgs, parse_devices, parse_optimizer, parse_size};
@@ -20,19 +26,21 @@ use conveyor::data;
 use conveyor::engine::Device;
 use conveyor::engine::placement::{Plan, place_manually};
 use conveyor::engine::runtime::{Recompute, Trainer};
-use conveyor::engine::trace::{TimelineRecorder, timeline_filter};
+use conveyor::engine::trace::{MemoryPoint, TimelineRecorder, timeline_filter};
 use conveyor::pipeline::{
     PipelineConfig, build_trainer, build_trainer_with_plan, optimizer_memory, plan_by_time, planner_inputs,
     simulated_inflight,
 };
-use conveyor::schedules::export::{MemorySample, SvgOptions, TraceOptions, chrome_trace, svg_gantt};
+use conveyor::schedules::export::{MemorySample, SvgOptions, svg_gantt};
 use conveyor::schedules::{
-    CostModel, Schedule, ScheduleKind, StageCosts, simulate, simulate_on_cores, simulate_with_core_slots,
+    CostModel, Schedule, ScheduleKind, StageCosts, Timeline, TimelineEvent, simulate, simulate_on_cores,
+    simulate_with_core_slots,
 };
 use conveyor::zoo::ModelSpec;
 use progress::Progress;
 
-use super::usage;
+use super::console::{errln, outln};
+use super::{interrupt, usage};
 
 /// Installs the process's `tracing` subscriber: logs to stderr filtered by `RUST_LOG` (default
 /// `warn`), and, when a trace or chart is asked for, the op-span recorder.
@@ -40,7 +48,10 @@ fn install_subscriber(record_ops: bool) -> Option<TimelineRecorder> {
     use tracing_subscriber::Layer;
     use tracing_subscriber::layer::SubscriberExt;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
-    let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(filter);
+    let logs = tracing_subscriber::fmt::layer()
+        .with_writer(|| super::console::StderrWriter)
+        .log_internal_errors(false)
+        .with_filter(filter);
     let (recorder, timeline) = if record_ops {
         let (recorder, layer) = TimelineRecorder::new();
         (Some(recorder), Some(layer.with_filter(timeline_filter())))
@@ -56,10 +67,10 @@ fn install_subscriber(record_ops: bool) -> Option<TimelineRecorder> {
 /// `--devices list`: what this build and machine offer.
 fn list_devices() {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    println!("cpu: {cores} core(s) here; `--devices cpu:N` runs N CPU devices (one worker thread each)");
+    outln!("cpu: {cores} core(s) here; `--devices cpu:N` runs N CPU devices (one worker thread each)");
     match Device::cuda(0, None) {
-        Ok(device) => println!("cuda: {device} is available; `--devices cuda:0,1` lists GPUs"),
-        Err(e) => println!("cuda: unavailable ({e})"),
+        Ok(device) => outln!("cuda: {device} is available; `--devices cuda:0,1` lists GPUs"),
+        Err(e) => outln!("cuda: unavailable ({e})"),
     }
 }
 
@@ -120,6 +131,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         list_devices();
         return Ok(());
     }
+    // Every output path, before anything is loaded or trained.
+    outputs::check(&args)?;
     let recorder = install_subscriber(args.trace.is_some() || args.svg.is_some());
     if args.init.is_some() && args.resume.is_some() {
         return Err(usage("--init and --resume both set the parameters; give one"));
@@ -258,7 +271,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         resumed_note = Some(note);
     }
     let first_step = state.step;
-    println!(
+    outln!(
         "conveyor train: {model_text} on {} ({} train rows{}), {n_devices} device(s), {schedule}{}, {} micro-batches of {} rows, {} lr {base_lr} ({lr_schedule})",
         args.data,
         train.len(),
@@ -269,7 +282,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         optimizer.name(),
     );
     for stage in &plan.stages {
-        println!(
+        outln!(
             "  stage {} on {}: {} ({} parameters)",
             stage.stage_idx,
             worker_labels[trainer.schedule().device_of_stage(stage.stage_idx)],
@@ -278,17 +291,21 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         );
     }
     if let Some(note) = resumed_note {
-        println!("{note}");
+        outln!("{note}");
     }
     if first_step >= total_steps && args.resume.is_some() {
-        println!("the checkpoint is already at step {first_step} of --steps {total_steps}; nothing to train");
+        outln!("the checkpoint is already at step {first_step} of --steps {total_steps}; nothing to train");
     }
-    let mut metrics = match &args.metrics {
-        Some(path) => Some(std::io::BufWriter::new(
-            std::fs::File::create(path).map_err(|e| usage(format!("--metrics {}: {e}", path.display())))?,
-        )),
+    // From here a first SIGINT or SIGTERM stops the run between steps, with its outputs written.
+    interrupt::install().map_err(|e| anyhow::anyhow!("could not install the signal handler: {e}"))?;
+    let mut interrupted = None;
+    let mut metrics = args.metrics.as_deref().map(|path| outputs::LineOutput::create("--metrics", path)).transpose()?;
+    let mut trace = match &args.trace {
+        Some(path) => Some(outputs::TraceStream::create(path, n_devices, worker_labels.clone())?),
         None => None,
     };
+    // The last step's events, for --svg (start times from the recorder's origin).
+    let (mut last_step_events, mut last_step_origin_s): (Vec<TimelineEvent>, f64) = (Vec::new(), 0.0);
     let progress = Progress::new(first_step, total_steps, steps_per_epoch);
     let started = Instant::now();
     let mut last_report = None;
@@ -306,6 +323,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     // writing its outputs from the last good step.
     let mut diverged: Option<conveyor::engine::Error> = None;
     for step in first_step..total_steps {
+        if let Some(signal) = interrupt::requested() {
+            interrupted = Some(signal);
+            break;
+        }
         if let Some(recorder) = &recorder {
             last_step_start_s = recorder.now_s();
         }
@@ -347,14 +368,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 state.step = step + 1;
                 progress.println(format!("step {} skipped: {error}", step + 1));
                 if let Some(out) = metrics.as_mut() {
-                    let line = serde_json::json!({
+                    out.line(&serde_json::json!({
                         "step": step + 1,
                         "epoch": epoch,
                         "skipped": true,
                         "skipped_steps": skipped_steps,
                         "lr": lr,
-                    });
-                    writeln!(out, "{line}")?;
+                    }));
                 }
                 continue;
             }
@@ -368,10 +388,23 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         compute_s += report.step_s;
         progress.step_done(step + 1, steps_per_epoch, report.loss);
         let eval_now = args.eval_every.is_some_and(|n| (step + 1) % n == 0);
+        // None also when a signal stopped the evaluation midway.
         let eval_accuracy = match (&test, eval_now) {
-            (Some(test), true) => Some(summary::accuracy(&mut trainer, test, args.batch, args.microbatches)?),
+            (Some(test), true) => summary::accuracy(&mut trainer, test, args.batch, args.microbatches)?,
             _ => None,
         };
+        if let Some(recorder) = &recorder {
+            let (events, memory) = recorder.drain();
+            last_step_events = events
+                .iter()
+                .filter(|e| e.start_s >= last_step_start_s && e.start_s < last_step_end_s)
+                .copied()
+                .collect();
+            last_step_origin_s = last_step_start_s;
+            if let Some(trace) = trace.as_mut() {
+                trace.write(&events, &memory_samples(&memory));
+            }
+        }
         if let Some(out) = metrics.as_mut() {
             let mut line = serde_json::json!({
                 "step": step + 1,
@@ -387,7 +420,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             if let Some(accuracy) = eval_accuracy {
                 line["test_accuracy"] = accuracy.into();
             }
-            writeln!(out, "{line}")?;
+            out.line(&line);
         }
         let log_now = args.log_every > 0 && ((step + 1) % args.log_every == 0 || step + 1 == total_steps);
         if log_now || eval_accuracy.is_some() {
@@ -417,20 +450,27 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     }
     progress.finish();
     let wall_s = started.elapsed().as_secs_f64();
-    let accuracy = match &test {
-        Some(test) => Some(summary::accuracy(&mut trainer, test, args.batch, args.microbatches)?),
-        None => None,
+    // A stopped run skips the final evaluation: the user asked for the outputs, now.
+    let accuracy = match (&test, interrupted) {
+        (Some(test), None) => summary::accuracy(&mut trainer, test, args.batch, args.microbatches)?,
+        _ => None,
     };
-    let steps_run = total_steps.saturating_sub(first_step);
-    println!(
+    if let Some(recorder) = &recorder {
+        let (events, memory) = recorder.drain();
+        if let Some(trace) = trace.as_mut() {
+            trace.write(&events, &memory_samples(&memory));
+        }
+    }
+    let steps_run = state.step.saturating_sub(first_step);
+    outln!(
         "\ntrained {steps_run} steps in {wall_s:.2} s: {:.0} samples/s",
         samples as f64 / compute_s.max(f64::MIN_POSITIVE)
     );
     if let Some(report) = &last_report {
-        println!("final loss {:.4}", report.loss);
+        outln!("final loss {:.4}", report.loss);
     }
     if let Some(acc) = accuracy {
-        println!("test accuracy {:.2}% ({} rows)", acc * 100.0, test.as_ref().map_or(0, data::Dataset::len));
+        outln!("test accuracy {:.2}% ({} rows)", acc * 100.0, test.as_ref().map_or(0, data::Dataset::len));
     }
     let sched = Schedule::new(schedule, n_devices, args.microbatches, args.chunks)?;
     let mut bubble = None;
@@ -479,78 +519,105 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             let cpu_total: f64 = report.op_cpu_times.iter().map(|t| t.cpu_s).sum();
             let measured_core_idle = 1.0 - cpu_total / (cores as f64 * report.timeline.makespan_s());
             let simulated_core_idle = 1.0 - cpu_total / (cores as f64 * simulated.makespan_s);
-            println!(
+            outln!(
                 "cores idle on the last step ({n_devices} workers on {cores} cores): measured {:.1}%, simulated with shared cores {:.1}%",
                 measured_core_idle * 100.0,
                 simulated_core_idle * 100.0
             );
         }
         let inflight = simulated_inflight(schedule, n_devices, args.microbatches, args.chunks)?;
-        println!(
+        outln!(
             "bubble (mean of the last {} steps): measured {:.1}%, simulator with {cost_basis} {:.1}%, schedule theory (equal costs) {:.1}%",
             recent_reports.len(),
             measured * 100.0,
             predicted * 100.0,
             theory * 100.0
         );
-        summary::print_devices(report, &worker_labels, k, &inflight, &|line| println!("{line}"));
+        summary::print_devices(report, &worker_labels, k, &inflight, &|line| outln!("{line}"));
         if k > 1 {
             for (device, peak) in trainer.devices().iter().zip(&report.peak_memory) {
-                println!("  {device}: peak memory {}", conveyor::engine::placement::format_bytes(*peak));
+                outln!("  {device}: peak memory {}", conveyor::engine::placement::format_bytes(*peak));
             }
         }
         bubble = Some((measured, predicted));
     }
-    if let Some(out) = metrics.as_mut() {
-        writeln!(
-            out,
-            "{}",
-            serde_json::json!({
-                "summary": true,
-                "steps": state.step,
-                "skipped_steps": skipped_steps,
-                "stopped_non_finite": diverged.as_ref().map(|e| e.to_string()),
-                "final_loss": last_report.as_ref().map(|r| r.loss),
-                "test_accuracy": accuracy,
-                "peak_memory_bytes": last_report.as_ref().map(|r| r.peak_memory.clone()),
-                "bubble_fraction": bubble.map(|b| b.0),
-                "predicted_bubble_fraction": bubble.map(|b| b.1),
-                "samples_per_s": samples as f64 / compute_s.max(f64::MIN_POSITIVE),
-            })
-        )?;
-        out.flush()?;
-    }
-    if let Some(recorder) = &recorder {
-        let labels = worker_labels.clone();
-        if let Some(path) = &args.svg {
-            let last_step = recorder.timeline_window(last_step_start_s, last_step_end_s, n_devices, sched.n_stages());
-            let title = format!("{schedule}, p={n_devices}, m={}, measured (last step)", args.microbatches);
-            let options = SvgOptions { title, device_labels: labels.clone(), ..SvgOptions::default() };
-            super::write_atomically(path, "--svg", &svg_gantt(&last_step, &options))?;
-            println!("wrote the last step's chart to {}", path.display());
+    // The outputs, most valuable first; a failure is reported and the others are still written.
+    let mut failures: Vec<anyhow::Error> = Vec::new();
+    let mut attempt = |result: anyhow::Result<()>| {
+        if let Err(error) = result {
+            failures.push(error);
         }
-        if let Some(path) = &args.trace {
-            let memory_samples = recorder
-                .memory()
-                .into_iter()
-                .map(|m| MemorySample { device_idx: m.device_idx, time_s: m.time_s, bytes: m.bytes })
-                .collect();
-            let options = TraceOptions { device_labels: labels, memory_samples };
-            let whole_run = recorder.timeline(n_devices, sched.n_stages());
-            super::write_atomically(path, "--trace", &chrome_trace(&whole_run, &options))?;
-            println!("wrote a trace of {} ops to {}", whole_run.events.len(), path.display());
-        }
-    }
+    };
     if let Some(path) = &args.save {
-        checkpointing::save(path, &trainer, &state, true, "--save")?;
-        println!("saved the parameters at step {} to {}", state.step, path.display());
+        attempt(checkpointing::save(path, &trainer, &state, true, "--save").map(|()| {
+            outln!("saved the parameters at step {} to {}", state.step, path.display());
+        }));
     }
     if let Some(path) = &args.checkpoint {
-        checkpointing::save(path, &trainer, &state, false, "--checkpoint")?;
-        println!("saved a training checkpoint at step {} to {}", state.step, path.display());
+        attempt(checkpointing::save(path, &trainer, &state, false, "--checkpoint").map(|()| {
+            outln!("saved a training checkpoint at step {} to {}", state.step, path.display());
+        }));
+    }
+    if let (Some(mut out), Some(path)) = (metrics.take(), &args.metrics) {
+        let summary = serde_json::json!({
+            "summary": true,
+            "steps": state.step,
+            "skipped_steps": skipped_steps,
+            "stopped_non_finite": diverged.as_ref().map(|e| e.to_string()),
+            "interrupted": interrupted.map(interrupt::signal_name),
+            "final_loss": last_report.as_ref().map(|r| r.loss),
+            "test_accuracy": accuracy,
+            "peak_memory_bytes": last_report.as_ref().map(|r| r.peak_memory.clone()),
+            "bubble_fraction": bubble.map(|b| b.0),
+            "predicted_bubble_fraction": bubble.map(|b| b.1),
+            "samples_per_s": samples as f64 / compute_s.max(f64::MIN_POSITIVE),
+        });
+        out.line(&summary);
+        attempt(out.finish().map(|()| {
+            outln!("wrote the metrics of {} steps to {}", state.step - first_step, path.display());
+        }));
+    }
+    if let (Some(trace), Some(path)) = (trace.take(), &args.trace) {
+        attempt(trace.finish().map(|ops| outln!("wrote a trace of {ops} ops to {}", path.display())));
+    }
+    if let Some(path) = &args.svg {
+        let mut last_step = Timeline::new(n_devices, sched.n_stages());
+        last_step.events = last_step_events
+            .iter()
+            .map(|e| TimelineEvent {
+                start_s: e.start_s - last_step_origin_s,
+                end_s: e.end_s - last_step_origin_s,
+                ..*e
+            })
+            .collect();
+        let title = format!("{schedule}, p={n_devices}, m={}, measured (last step)", args.microbatches);
+        let options = SvgOptions { title, device_labels: worker_labels.clone(), ..SvgOptions::default() };
+        attempt(super::write_atomically(path, "--svg", &svg_gantt(&last_step, &options)).map(|()| {
+            outln!("wrote the last step's chart to {}", path.display());
+        }));
+    }
+    let first_failure = (!failures.is_empty()).then(|| failures.remove(0));
+    for other in &failures {
+        errln!("error: {other:#}");
+    }
+    // A signal during the final writes counts too: the run stops as if it came between steps.
+    let interrupted = interrupted.or_else(interrupt::requested);
+    if let Some(signal) = interrupted
+        && diverged.is_none()
+        && first_failure.is_none()
+    {
+        return Err(anyhow::Error::new(interrupt::Interrupted { signal, step: state.step, total_steps }));
+    }
+    if let Some(failure) = first_failure {
+        return Err(failure);
     }
     match diverged {
         Some(error) => Err(anyhow::Error::new(error)),
         None => Ok(()),
     }
+}
+
+/// The recorder's memory points as the trace exporter's samples.
+fn memory_samples(points: &[MemoryPoint]) -> Vec<MemorySample> {
+    points.iter().map(|m| MemorySample { device_idx: m.device_idx, time_s: m.time_s, bytes: m.bytes }).collect()
 }

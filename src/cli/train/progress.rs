@@ -1,6 +1,7 @@
 //! Progress bars for epochs and steps (indicatif), drawn on stdout only when it is a terminal;
 //! every other line `conveyor train` prints goes through [`Progress::println`] so bars and text
-//! never tear each other.
+//! never tear each other. Lines go through `console` (a closed stdout never panics); indicatif
+//! ignores errors drawing the bars.
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// The epoch bar and the step bar of one run.
@@ -43,7 +44,7 @@ impl Progress {
 
     /// Prints a line above the bars (or plainly when they are hidden).
     pub fn println(&self, line: impl AsRef<str>) {
-        self.multi.suspend(|| println!("{}", line.as_ref()));
+        self.multi.suspend(|| crate::cli::console::out(&format!("{}\n", line.as_ref())));
     }
 
     /// Removes the bars.

@@ -9,17 +9,21 @@ use conveyor::schedules::{CostModel, StageCosts};
 
 /// Fraction of `test`'s rows the trainer classifies correctly. Evaluates in chunks of `chunk_rows`
 /// (the batch size the planner budgeted for); a chunk with fewer rows than the micro-batch count
-/// is padded with copies of its first row, whose outputs are dropped.
+/// is padded with copies of its first row, whose outputs are dropped. `None` when a signal asked
+/// the run to stop (checked between chunks).
 pub fn accuracy(
     trainer: &mut Trainer,
     test: &Dataset,
     chunk_rows: usize,
     n_micro_batches: usize,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<Option<f64>> {
     let n_classes = test.n_classes;
     let mut correct = 0usize;
     let chunk_rows = chunk_rows.max(n_micro_batches).max(1);
     for start in (0..test.len()).step_by(chunk_rows) {
+        if crate::cli::interrupt::requested().is_some() {
+            return Ok(None);
+        }
         let end = (start + chunk_rows).min(test.len());
         let mut indices: Vec<usize> = (start..end).collect();
         while indices.len() < n_micro_batches {
@@ -38,7 +42,7 @@ pub fn accuracy(
             })
             .count();
     }
-    Ok(correct as f64 / test.len().max(1) as f64)
+    Ok(Some(correct as f64 / test.len().max(1) as f64))
 }
 
 /// Prints busy, idle and waiting time per worker (`devices` labels one per worker), with the

@@ -1,0 +1,259 @@
+//! The files `conveyor train` writes (`--save`, `--checkpoint`, `--metrics`, `--trace`, `--svg`):
+//! checked before training starts, and the two written as the run goes (the metrics log and the
+//! trace), each into a temporary file renamed over its target at the end.
+//!
+//! [`check`] refuses, with exit status 2 and before any data is loaded or step trained:
+//! - an output that cannot be written: a directory, a block device, a directory that does not
+//!   exist or where no file can be created (`conveyor::engine::output_file::check_output` probes it);
+//! - an output that is one of the run's inputs (`--data` and the files of an MNIST directory,
+//!   `--init`, `--resume`, `--placement`), compared by device and inode (so symbolic and hard links
+//!   count) or, for a file not there yet, by its canonical directory and name. One pair is allowed:
+//!   `--checkpoint` onto the `--resume` file, the usual way to continue a run in place;
+//! - two outputs on one file.
+//!
+//! Character devices (`/dev/null`) are written straight through, so they may be named by any
+//! number of outputs.
+use std::io::{BufWriter, Write};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use conveyor::engine::output_file::{self, OutputFile, OutputKind};
+use conveyor::schedules::TimelineEvent;
+use conveyor::schedules::export::{ChromeTraceWriter, MemorySample};
+
+use super::TrainArgs;
+use crate::cli::{output_error, usage};
+
+/// How a file is told apart from another.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Identity {
+    /// An existing file: its device and inode (after following symbolic links).
+    Inode(u64, u64),
+    /// A file not there yet: its canonical directory joined with its name.
+    Name(PathBuf),
+}
+
+fn identity(path: &Path) -> Option<Identity> {
+    if let Ok(metadata) = std::fs::metadata(path) {
+        return Some(Identity::Inode(metadata.dev(), metadata.ino()));
+    }
+    let target = output_file::resolve_output(path).ok()?;
+    let directory = std::fs::canonicalize(target.directory()).ok()?;
+    Some(Identity::Name(directory.join(target.resolved.file_name()?)))
+}
+
+/// The outputs of a run, by flag.
+fn outputs(args: &TrainArgs) -> Vec<(&'static str, &Path)> {
+    [
+        ("--save", &args.save),
+        ("--checkpoint", &args.checkpoint),
+        ("--metrics", &args.metrics),
+        ("--trace", &args.trace),
+        ("--svg", &args.svg),
+    ]
+    .into_iter()
+    .filter_map(|(flag, path)| path.as_deref().map(|path| (flag, path)))
+    .collect()
+}
+
+/// The files a run reads, by flag.
+fn inputs(args: &TrainArgs) -> Vec<(&'static str, PathBuf)> {
+    let mut inputs = Vec::new();
+    let built_in = args.data == "digits" || args.data.starts_with("synthetic:") || args.data.starts_with("tokens:");
+    if !built_in {
+        let data = PathBuf::from(&args.data);
+        if data.is_dir() {
+            for name in conveyor::data::MNIST_FILES {
+                inputs.push(("--data", data.join(name)));
+                inputs.push(("--data", data.join(format!("{name}.gz"))));
+            }
+        } else {
+            inputs.push(("--data", data));
+        }
+    }
+    for (flag, path) in [("--init", &args.init), ("--resume", &args.resume)] {
+        if let Some(path) = path {
+            inputs.push((flag, path.clone()));
+        }
+    }
+    if args.placement != "auto" && args.placement != "time" {
+        inputs.push(("--placement", PathBuf::from(&args.placement)));
+    }
+    inputs
+}
+
+/// Checks every output path before the run starts (see the module docs).
+pub fn check(args: &TrainArgs) -> anyhow::Result<()> {
+    let mut checked: Vec<(&str, &Path, Option<Identity>)> = Vec::new();
+    for (flag, path) in outputs(args) {
+        let target = output_file::check_output(path).map_err(|e| {
+            let error = output_error(flag, path, e);
+            if !path.is_file() {
+                return error;
+            }
+            let what = if flag == "--save" || flag == "--checkpoint" { "checkpoint" } else { "file" };
+            usage(format!("{error}; the previous {what} there is unchanged"))
+        })?;
+        // A character device is written straight through: nothing is replaced, any output may share it.
+        if target.kind != OutputKind::CharDevice {
+            checked.push((flag, path, identity(path)));
+        }
+    }
+    let inputs: Vec<(&str, PathBuf, Option<Identity>)> = inputs(args)
+        .into_iter()
+        .map(|(flag, path)| {
+            let id = identity(&path);
+            (flag, path, id)
+        })
+        .collect();
+    for (output_flag, output_path, output_id) in &checked {
+        let Some(output_id) = output_id else { continue };
+        for (input_flag, input_path, input_id) in &inputs {
+            if input_id.as_ref() != Some(output_id) || (*output_flag == "--checkpoint" && *input_flag == "--resume") {
+                continue;
+            }
+            let also = if *output_path == input_path.as_path() {
+                String::new()
+            } else {
+                format!(" ({})", input_path.display())
+            };
+            return Err(usage(format!(
+                "{output_flag} {} is the {input_flag} file{also}: writing it would destroy an input of the run; give {output_flag} another path",
+                output_path.display()
+            )));
+        }
+    }
+    for (k, (first_flag, first_path, first_id)) in checked.iter().enumerate() {
+        for (second_flag, second_path, second_id) in &checked[k + 1..] {
+            if first_id.is_some() && first_id == second_id {
+                return Err(usage(format!(
+                    "{first_flag} {} and {second_flag} {} are the same file: each output needs its own path",
+                    first_path.display(),
+                    second_path.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A file of lines (`--metrics`) written as the run goes, into a temporary file renamed over the
+/// target by [`LineOutput::finish`]. A write that fails (a full disk) does not stop the run: the
+/// file stops there and [`LineOutput::finish`] reports the error after the run's other outputs
+/// are written. Dropped unfinished (the run failed), it is still committed with the lines written
+/// so far, if any; with none, the previous file stays.
+pub struct LineOutput {
+    out: Option<BufWriter<OutputFile>>,
+    flag: &'static str,
+    path: PathBuf,
+    lines: u64,
+    failed: Option<std::io::Error>,
+}
+
+impl LineOutput {
+    /// Opens `path` for `flag`.
+    pub fn create(flag: &'static str, path: &Path) -> anyhow::Result<LineOutput> {
+        let file = OutputFile::create(path).map_err(|e| output_error(flag, path, e))?;
+        Ok(LineOutput { out: Some(BufWriter::new(file)), flag, path: path.to_path_buf(), lines: 0, failed: None })
+    }
+
+    /// Appends one JSON object as a line (after a failed write, nothing more).
+    pub fn line(&mut self, value: &serde_json::Value) {
+        if self.failed.is_some() {
+            return;
+        }
+        let out = self.out.as_mut().expect("an unfinished output");
+        match writeln!(out, "{value}") {
+            Ok(()) => self.lines += 1,
+            Err(e) => self.failed = Some(e),
+        }
+    }
+
+    fn io_error(&self, error: std::io::Error) -> anyhow::Error {
+        anyhow::Error::new(error).context(format!("writing {} {}", self.flag, self.path.display()))
+    }
+
+    /// Flushes and renames the file into place; the first failed write, if any, is the error.
+    pub fn finish(mut self) -> anyhow::Result<()> {
+        if let Some(error) = self.failed.take() {
+            // The partial file is removed; the previous one, if any, stays.
+            self.out = None;
+            return Err(self.io_error(error));
+        }
+        let out = self.out.take().expect("an unfinished output");
+        let file = out.into_inner().map_err(|e| self.io_error(e.into_error()))?;
+        file.commit().map_err(|e| output_error(self.flag, &self.path, e))
+    }
+}
+
+impl Drop for LineOutput {
+    fn drop(&mut self) {
+        if self.failed.is_none()
+            && let Some(out) = self.out.take()
+            && self.lines > 0
+            && let Ok(file) = out.into_inner()
+        {
+            let _ = file.commit();
+        }
+    }
+}
+
+/// `--trace`: the Chrome trace streamed to a temporary file as the run goes (one step's events at a
+/// time), closed and renamed over the target by [`TraceStream::finish`], or when dropped. As for
+/// [`LineOutput`], a failed write stops the trace, not the run.
+pub struct TraceStream {
+    writer: Option<ChromeTraceWriter<BufWriter<OutputFile>>>,
+    path: PathBuf,
+    ops: usize,
+    failed: Option<std::io::Error>,
+}
+
+impl TraceStream {
+    /// Opens `path` for a trace of `n_devices` devices labelled `labels`.
+    pub fn create(path: &Path, n_devices: usize, labels: Vec<String>) -> anyhow::Result<TraceStream> {
+        let file = OutputFile::create(path).map_err(|e| output_error("--trace", path, e))?;
+        let writer = ChromeTraceWriter::new(BufWriter::new(file), n_devices, labels)
+            .map_err(|e| anyhow::Error::new(e).context(format!("writing --trace {}", path.display())))?;
+        Ok(TraceStream { writer: Some(writer), path: path.to_path_buf(), ops: 0, failed: None })
+    }
+
+    /// Appends ops and memory samples (after a failed write, nothing more).
+    pub fn write(&mut self, events: &[TimelineEvent], memory: &[MemorySample]) {
+        if self.failed.is_some() {
+            return;
+        }
+        let writer = self.writer.as_mut().expect("an unfinished trace");
+        match writer.write_ops(events).and_then(|()| writer.write_memory(memory)) {
+            Ok(()) => self.ops += events.len(),
+            Err(e) => self.failed = Some(e),
+        }
+    }
+
+    /// Closes the JSON and renames the file into place; returns the number of ops written. The
+    /// first failed write, if any, is the error.
+    pub fn finish(mut self) -> anyhow::Result<usize> {
+        let context = || format!("writing --trace {}", self.path.display());
+        if let Some(error) = self.failed.take() {
+            // The partial file is removed; the previous one, if any, stays.
+            self.writer = None;
+            return Err(anyhow::Error::new(error).context(context()));
+        }
+        let writer = self.writer.take().expect("an unfinished trace");
+        let out = writer.finish().map_err(|e| anyhow::Error::new(e).context(context()))?;
+        let file = out.into_inner().map_err(|e| anyhow::Error::new(e.into_error()).context(context()))?;
+        file.commit().map_err(|e| output_error("--trace", &self.path, e))?;
+        Ok(self.ops)
+    }
+}
+
+impl Drop for TraceStream {
+    fn drop(&mut self) {
+        if self.failed.is_none()
+            && let Some(writer) = self.writer.take()
+            && let Ok(out) = writer.finish()
+            && let Ok(file) = out.into_inner()
+        {
+            let _ = file.commit();
+        }
+    }
+}
