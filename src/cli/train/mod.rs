@@ -24,13 +24,10 @@ pub use args::{LrSchedule, OnNonFinite, TrainArgs, parse_devices, parse_optimize
 use checkpointing::{ParamHomes, RunState};
 use conveyor::data;
 use conveyor::engine::Device;
-use conveyor::engine::placement::{Plan, place_manually};
+use conveyor::engine::placement::Plan;
 use conveyor::engine::runtime::{Recompute, Trainer};
 use conveyor::engine::trace::{MemoryPoint, TimelineRecorder, timeline_filter};
-use conveyor::pipeline::{
-    PipelineConfig, build_trainer, build_trainer_with_plan, optimizer_memory, plan_by_time, planner_inputs,
-    simulated_inflight,
-};
+use conveyor::pipeline::{PipelineConfig, build_trainer, build_trainer_with_plan, plan_by_time, simulated_inflight};
 use conveyor::schedules::export::{MemorySample, SvgOptions, svg_gantt};
 use conveyor::schedules::{
     CostModel, Schedule, ScheduleKind, StageCosts, Timeline, TimelineEvent, simulate, simulate_on_cores,
@@ -102,16 +99,9 @@ fn place_and_build(
     }
     let path = std::path::Path::new(placement);
     let stages = super::placement_file::read_placement_file(path)?;
-    let (specs, plan_config) = planner_inputs(
-        &devices,
-        config.schedule,
-        config.n_chunks,
-        config.n_micro_batches,
-        config.batch_rows,
-        optimizer_memory(&config.optimizer),
-    )
-    .map_err(input_error)?;
-    let plan = place_manually(&graph, &stages, &specs, &plan_config)
+    // The same memory model as `auto`: measured layer memory, the recompute mode, the undo snapshot
+    // and caches kept only where they fit.
+    let plan = conveyor::pipeline::plan_manually(&graph, &stages, &devices, config)
         .map_err(|e| usage(format!("--placement {}: {e}", path.display())))?;
     let trainer = build_trainer_with_plan(graph, devices, &plan, config).map_err(input_error)?;
     Ok((plan, trainer))
@@ -289,6 +279,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             stage.node_names.join(" "),
             stage.n_params
         );
+    }
+    for note in conveyor::pipeline::memory_notes(&plan) {
+        outln!("  {note}");
     }
     if let Some(note) = resumed_note {
         outln!("{note}");
