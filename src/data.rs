@@ -108,7 +108,8 @@ impl Dataset {
     /// at the step that meets it.
     pub fn check_token_ids(&self, vocab: usize, source: &str) -> Result<()> {
         let per_row = self.per_row().max(1);
-        let bad = self.features.iter().position(|&v| !(v >= 0.0 && v.fract() == 0.0 && (v as f64) < vocab as f64));
+        let is_id = |v: f32| v >= 0.0 && v.fract() == 0.0 && f64::from(v) < vocab as f64;
+        let bad = self.features.iter().position(|&v| !is_id(v));
         match bad {
             None => Ok(()),
             Some(i) => Err(Error::invalid(

@@ -355,7 +355,10 @@ fn digits_csv() {
                 text = match rng.below(3) {
                     0 => mutate_a_number(rng, &text),
                     1 => String::from_utf8_lossy(&mutate_bytes(rng, text.as_bytes())).into_owned(),
-                    _ => text.replacen(',', *rng.pick(&["", ",,", ";", ",-,"]), 1 + rng.below(3)),
+                    _ => {
+                        let &separator = rng.pick(&["", ",,", ";", ",-,"]);
+                        text.replacen(',', separator, 1 + rng.below(3))
+                    }
                 };
             }
             text

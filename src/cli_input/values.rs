@@ -25,7 +25,7 @@ pub fn parse_size(text: &str) -> Result<u64, UsageError> {
         }
     };
     let bytes = value * factor;
-    if !(bytes >= 1.0) {
+    if bytes.is_nan() || bytes < 1.0 {
         return Err(usage(format!("--device-memory `{text}`: the size must be at least one byte, e.g. 512MiB")));
     }
     // 2^64 as f64; `as u64` would saturate silently.
