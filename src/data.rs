@@ -2,12 +2,18 @@
 //! generator, safetensors data files, MNIST's IDX files, train/test splits and shuffled batches.
 //!
 //! Every reader checks what it reads (dtypes, shapes, label range, finite inputs) and returns an
-//! [`Error::InvalidArgument`] naming the file and what to fix; none panics on a bad file.
+//! [`Error::InvalidArgument`] naming the file and what to fix; none panics on a bad file, and
+//! sizes read from a file are checked against [`crate::limits`] with checked arithmetic before
+//! anything is allocated from them. The byte-level readers ([`from_safetensors_bytes`],
+//! [`idx_split`], [`digits_from_csv`]) take the bytes, so `tests/fuzz_readers.rs` calls them
+//! directly.
 use std::io::Read;
 use std::path::Path;
 
 use conveyor_engine::{Device, Error, Result, Tensor};
 use rand::seq::SliceRandom;
+
+use crate::limits::{MAX_CLASSES, MAX_DECOMPRESSED_BYTES, MAX_GENERATED_VALUES, checked_product};
 
 /// The UCI optical-digits set, gzipped CSV, embedded so no file is read at run time.
 const DIGITS_CSV_GZ: &[u8] = include_bytes!("../data/digits.csv.gz");
@@ -97,6 +103,28 @@ impl Dataset {
         }
     }
 
+    /// Checks every feature is a token id for an embedding of `vocab` rows: an integer in
+    /// `0..vocab`. Called when the data is loaded for a transformer, so a bad id is found then, not
+    /// at the step that meets it.
+    pub fn check_token_ids(&self, vocab: usize, source: &str) -> Result<()> {
+        let per_row = self.per_row().max(1);
+        let is_id = |v: f32| v >= 0.0 && v.fract() == 0.0 && f64::from(v) < vocab as f64;
+        let bad = self.features.iter().position(|&v| !is_id(v));
+        match bad {
+            None => Ok(()),
+            Some(i) => Err(Error::invalid(
+                "token ids",
+                format!(
+                    "{source}: row {} token {} is {}, not a token id in 0..{vocab} (the model's vocabulary); \
+                     give integer ids below {vocab}, or a model with a larger VOCAB",
+                    i / per_row,
+                    i % per_row,
+                    self.features[i]
+                ),
+            )),
+        }
+    }
+
     /// Checks labels are in range and features are finite.
     pub fn validate(&self, source: &str) -> Result<()> {
         if let Some((row, label)) = self.labels.iter().enumerate().find(|(_, l)| **l >= self.n_classes) {
@@ -125,6 +153,12 @@ pub fn digits() -> Result<Dataset> {
     flate2::read::GzDecoder::new(DIGITS_CSV_GZ)
         .read_to_string(&mut text)
         .map_err(|e| Error::invalid("digits data", format!("the embedded file is damaged: {e}")))?;
+    digits_from_csv(&text)
+}
+
+/// Parses the digits CSV: one row per line, 64 pixel values (0..16) then the label (an integer
+/// 0..9), comma-separated.
+pub fn digits_from_csv(text: &str) -> Result<Dataset> {
     let mut features = Vec::with_capacity(1797 * 64);
     let mut labels = Vec::with_capacity(1797);
     for (line_idx, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
@@ -139,8 +173,15 @@ pub fn digits() -> Result<Dataset> {
                 format!("line {}: {} columns, expected 65", line_idx + 1, values.len()),
             ));
         }
+        let label = values[64];
+        if !(label.fract() == 0.0 && (0.0..10.0).contains(&label)) {
+            return Err(Error::invalid(
+                "digits data",
+                format!("line {}: label {label} is not a digit 0..9", line_idx + 1),
+            ));
+        }
         features.extend(values[..64].iter().map(|v| v / 16.0));
-        labels.push(values[64] as usize);
+        labels.push(label as usize);
     }
     let dataset = Dataset { features, feature_shape: vec![1, 8, 8], labels, n_classes: 10 };
     dataset.validate("digits")?;
@@ -156,11 +197,13 @@ pub fn synthetic(n_rows: usize, n_features: usize, n_classes: usize, seed: u64) 
             "need N >= 1 rows, D >= 1 features and C >= 2 classes (synthetic:N,D,C)",
         ));
     }
+    check_generated("synthetic data", n_classes, &[("N x D", n_rows, n_features), ("C x D", n_classes, n_features)])?;
     let mut rng = conveyor_engine::init::rng(seed);
     let device = Device::host();
     let centres = conveyor_engine::init::normal([n_classes, n_features], 1.0, &mut rng, &device)?.to_vec_f32();
     let noise = conveyor_engine::init::normal([n_rows, n_features], 0.5, &mut rng, &device)?.to_vec_f32();
-    let labels: Vec<usize> = (0..n_rows).map(|r| (r * 7919 + seed as usize) % n_classes).collect();
+    let labels: Vec<usize> =
+        (0..n_rows).map(|r| r.wrapping_mul(7919).wrapping_add(seed as usize) % n_classes).collect();
     let mut features = Vec::with_capacity(n_rows * n_features);
     for (row, &label) in labels.iter().enumerate() {
         for f in 0..n_features {
@@ -180,11 +223,41 @@ pub fn synthetic_tokens(n_rows: usize, n_tokens: usize, vocab: usize, n_classes:
             "need N >= 1 rows, T >= 1 tokens, VOCAB >= 2 and 2 <= C <= VOCAB classes (tokens:N,T,VOCAB,C)",
         ));
     }
+    check_generated("token data", n_classes, &[("N x T", n_rows, n_tokens)])?;
+    if vocab > crate::limits::MAX_WIDTH {
+        return Err(Error::invalid(
+            "token data",
+            format!("VOCAB {vocab} is over the limit of {} token ids (MAX_WIDTH)", crate::limits::MAX_WIDTH),
+        ));
+    }
     let mut rng = conveyor_engine::init::rng(seed);
     let ids = conveyor_engine::init::uniform([n_rows * n_tokens], 0.0, vocab as f32, &mut rng, &Device::host())?;
     let features: Vec<f32> = ids.to_vec_f32().iter().map(|v| v.floor().min(vocab as f32 - 1.0)).collect();
     let labels = (0..n_rows).map(|r| features[r * n_tokens] as usize % n_classes).collect();
     Ok(Dataset { features, feature_shape: vec![n_tokens], labels, n_classes })
+}
+
+/// Refuses generated data over [`MAX_CLASSES`] classes or [`MAX_GENERATED_VALUES`] values
+/// (each of `products` is a named `a x b`).
+fn check_generated(what: &str, n_classes: usize, products: &[(&str, usize, usize)]) -> Result<()> {
+    if n_classes > MAX_CLASSES {
+        return Err(Error::invalid(
+            what,
+            format!("C {n_classes} is over the limit of {MAX_CLASSES} classes (MAX_CLASSES)"),
+        ));
+    }
+    for &(name, a, b) in products {
+        if a.checked_mul(b).is_none_or(|n| n > MAX_GENERATED_VALUES) {
+            return Err(Error::invalid(
+                what,
+                format!(
+                    "{name} = {a} x {b} values is over the limit of {MAX_GENERATED_VALUES} generated values \
+                     (MAX_GENERATED_VALUES, 1 GiB of f32); give fewer rows or features"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Row order for one epoch: shuffled with the epoch's seed, or in data order.
@@ -206,12 +279,23 @@ pub const DATA_LABELS: &str = "labels";
 /// too). Rows stay in file order. The class count is `n_classes` when given (a label at or above
 /// it is an error), otherwise the largest label plus one.
 pub fn from_safetensors(path: &Path, n_classes: Option<usize>) -> Result<Dataset> {
-    use safetensors::tensor::{Dtype, SafeTensors};
     let source = path.display().to_string();
+    let buffer = std::fs::read(path).map_err(|e| {
+        Error::invalid("data file", format!("{source}: cannot read it ({e}); give an existing .safetensors file"))
+    })?;
+    from_safetensors_bytes(&buffer, &source, n_classes)
+}
+
+/// [`from_safetensors`] of the file's bytes; `source` names the file in errors.
+pub fn from_safetensors_bytes(buffer: &[u8], source: &str, n_classes: Option<usize>) -> Result<Dataset> {
+    use safetensors::tensor::{Dtype, SafeTensors};
     let bad = |reason: String| Error::invalid("data file", format!("{source}: {reason}"));
-    let buffer =
-        std::fs::read(path).map_err(|e| bad(format!("cannot read it ({e}); give an existing .safetensors file")))?;
-    let file = SafeTensors::deserialize(&buffer).map_err(|e| {
+    if let Some(n_classes) = n_classes
+        && !(1..=MAX_CLASSES).contains(&n_classes)
+    {
+        return Err(bad(format!("a class count of {n_classes} is outside 1..={MAX_CLASSES} (MAX_CLASSES)")));
+    }
+    let file = SafeTensors::deserialize(buffer).map_err(|e| {
         bad(format!("not a valid safetensors file ({e}; {} bytes); it is truncated or corrupt", buffer.len()))
     })?;
     let tensor = |name: &str| {
@@ -244,8 +328,21 @@ pub fn from_safetensors(path: &Path, n_classes: Option<usize>) -> Result<Dataset
     if n_rows == 0 {
         return Err(bad("the file holds no rows".to_string()));
     }
-    let features: Vec<f32> =
-        inputs.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    if feature_shape.contains(&0) {
+        return Err(bad(format!(
+            "`{DATA_INPUTS}` has shape {:?}: a sample of shape {feature_shape:?} has no features",
+            inputs.shape()
+        )));
+    }
+    // The reader checked the shape against the bytes; checked here too before anything is
+    // allocated from it.
+    let n_values = checked_product(inputs.shape().iter().copied())
+        .filter(|&n| n.checked_mul(4) == Some(inputs.data().len()))
+        .ok_or_else(|| {
+            bad(format!("`{DATA_INPUTS}` has shape {:?} but {} bytes", inputs.shape(), inputs.data().len()))
+        })?;
+    let mut features = Vec::with_capacity(n_values);
+    features.extend(inputs.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
     let raw_labels: Vec<i64> = match labels.dtype() {
         Dtype::I64 => {
             labels.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))).collect()
@@ -258,11 +355,16 @@ pub fn from_safetensors(path: &Path, n_classes: Option<usize>) -> Result<Dataset
     if let Some((row, label)) = raw_labels.iter().enumerate().find(|(_, l)| **l < 0) {
         return Err(bad(format!("row {row} has label {label}; labels are class indices 0..C")));
     }
+    if let Some((row, label)) = raw_labels.iter().enumerate().find(|(_, l)| **l >= MAX_CLASSES as i64) {
+        return Err(bad(format!(
+            "row {row} has label {label}, over the limit of {MAX_CLASSES} classes (MAX_CLASSES); labels are class indices 0..C"
+        )));
+    }
     let labels: Vec<usize> = raw_labels.iter().map(|&l| l as usize).collect();
     let largest = labels.iter().copied().max().unwrap_or(0);
     let n_classes = n_classes.unwrap_or(largest + 1);
     let dataset = Dataset { features, feature_shape: feature_shape.to_vec(), labels, n_classes };
-    dataset.validate(&source).map_err(|e| match e {
+    dataset.validate(source).map_err(|e| match e {
         Error::InvalidArgument { reason, .. } => bad(format!("{reason} (the class count is {n_classes})")),
         other => other,
     })?;
@@ -295,22 +397,31 @@ pub fn mnist_idx(dir: &Path) -> Result<(Dataset, Dataset)> {
 fn mnist_split(dir: &Path, images_name: &str, labels_name: &str) -> Result<Dataset> {
     let (images_path, images) = read_idx_file(dir, images_name)?;
     let (labels_path, labels) = read_idx_file(dir, labels_name)?;
-    let bad = |path: &Path, reason: String| Error::invalid("MNIST data", format!("{}: {reason}", path.display()));
-    let (image_dims, pixels) = parse_idx(&images).map_err(|r| bad(&images_path, r))?;
-    let (label_dims, label_bytes) = parse_idx(&labels).map_err(|r| bad(&labels_path, r))?;
+    idx_split(&images, &labels, &images_path.display().to_string(), &labels_path.display().to_string())
+}
+
+/// One split from the bytes of an IDX images file (`[count, rows, columns]` unsigned bytes) and
+/// its labels file (`[count]`, digits 0..9); the sources name the files in errors.
+pub fn idx_split(images: &[u8], labels: &[u8], images_source: &str, labels_source: &str) -> Result<Dataset> {
+    let bad = |source: &str, reason: String| Error::invalid("MNIST data", format!("{source}: {reason}"));
+    let (image_dims, pixels) = parse_idx(images).map_err(|r| bad(images_source, r))?;
+    let (label_dims, label_bytes) = parse_idx(labels).map_err(|r| bad(labels_source, r))?;
     let &[n_images, rows, cols] = image_dims.as_slice() else {
         return Err(bad(
-            &images_path,
+            images_source,
             format!("holds a {}-dimensional array; images need 3 (count, rows, columns)", image_dims.len()),
         ));
     };
     let &[n_labels] = label_dims.as_slice() else {
-        return Err(bad(&labels_path, format!("holds a {}-dimensional array; labels need 1", label_dims.len())));
+        return Err(bad(labels_source, format!("holds a {}-dimensional array; labels need 1", label_dims.len())));
     };
     if n_images != n_labels {
+        return Err(bad(labels_source, format!("{n_labels} labels for the {n_images} images of {images_source}")));
+    }
+    if n_images == 0 || rows == 0 || cols == 0 {
         return Err(bad(
-            &labels_path,
-            format!("{n_labels} labels for the {n_images} images of {}", images_path.display()),
+            images_source,
+            format!("holds {n_images} images of {rows}x{cols} pixels: nothing to train on"),
         ));
     }
     let dataset = Dataset {
@@ -319,7 +430,7 @@ fn mnist_split(dir: &Path, images_name: &str, labels_name: &str) -> Result<Datas
         labels: label_bytes.iter().map(|&l| usize::from(l)).collect(),
         n_classes: 10,
     };
-    dataset.validate(&labels_path.display().to_string())?;
+    dataset.validate(labels_source)?;
     Ok(dataset)
 }
 
@@ -336,7 +447,20 @@ fn read_idx_file(dir: &Path, name: &str) -> Result<(std::path::PathBuf, Vec<u8>)
     if gz.is_file() {
         let compressed = std::fs::read(&gz).map_err(|e| io(&gz, e))?;
         let mut bytes = Vec::new();
-        flate2::read::GzDecoder::new(compressed.as_slice()).read_to_end(&mut bytes).map_err(|e| io(&gz, e))?;
+        flate2::read::GzDecoder::new(compressed.as_slice())
+            .take(MAX_DECOMPRESSED_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|e| io(&gz, e))?;
+        if bytes.len() as u64 > MAX_DECOMPRESSED_BYTES {
+            return Err(Error::invalid(
+                "MNIST data",
+                format!(
+                    "{}: decompresses to more than {MAX_DECOMPRESSED_BYTES} bytes (MAX_DECOMPRESSED_BYTES); \
+                     it is not an MNIST file",
+                    gz.display()
+                ),
+            ));
+        }
         return Ok((gz, bytes));
     }
     Err(Error::invalid(
@@ -363,8 +487,14 @@ fn parse_idx(bytes: &[u8]) -> std::result::Result<(Vec<usize>, &[u8]), String> {
     }
     let dims: Vec<usize> =
         bytes[4..header].chunks_exact(4).map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize).collect();
-    let expected = dims.iter().product::<usize>();
     let data = &bytes[header..];
+    let Some(expected) = checked_product(dims.iter().copied()) else {
+        return Err(format!(
+            "dimensions {dims:?} multiply past {} elements; the header is corrupt (the file has {} bytes of data)",
+            usize::MAX,
+            data.len()
+        ));
+    };
     if data.len() != expected {
         return Err(format!("dimensions {dims:?} need {expected} bytes of data but the file has {}", data.len()));
     }

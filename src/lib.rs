@@ -4,6 +4,8 @@ pub use conveyor_engine as engine;
 pub use conveyor_layers as layers;
 pub use conveyor_schedules as schedules;
 
-pub mod zoo;
+pub mod cli_input;
 pub mod data;
+pub mod limits;
 pub mod pipeline;
+pub mod zoo;

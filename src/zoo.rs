@@ -23,6 +23,10 @@ use conveyor_layers::{
 };
 use rand::rngs::StdRng;
 
+use crate::limits::{
+    MAX_CLASSES, MAX_LAYER_PARAMETERS, MAX_LAYERS, MAX_TOKENS, MAX_WIDTH, checked_product, parse_count,
+};
+
 /// Which nodes to split and over which devices: node name → the devices of its stage's group
 /// (the group's first device is the stage's device). Nodes absent, groups of one device, and
 /// nodes that cannot be split (no parameters, or fewer features than devices) stay whole.
@@ -67,32 +71,64 @@ impl Default for TransformerConfig {
 
 impl std::str::FromStr for ModelSpec {
     type Err = Error;
+    /// Parses a spec, refusing sizes over the limits of [`crate::limits`] (widths, parameters per
+    /// layer, layers, tokens, classes) before anything is built.
     fn from_str(spec: &str) -> Result<Self> {
         let bad = |reason: String| Error::invalid("model spec", format!("`{spec}`: {reason}"));
         match spec.split_once(':') {
             Some(("mlp", dims)) => {
                 let dims = dims
                     .split(',')
-                    .map(|d| d.trim().parse::<usize>().ok().filter(|&d| d > 0))
-                    .collect::<Option<Vec<_>>>()
-                    .ok_or_else(|| bad("widths must be positive integers, e.g. mlp:64,128,10".into()))?;
+                    .map(|d| parse_count(d, MAX_WIDTH, "MAX_WIDTH"))
+                    .collect::<std::result::Result<Vec<_>, _>>()
+                    .map_err(|why| bad(format!("{why}; widths are positive integers, e.g. mlp:64,128,10")))?;
                 if dims.len() < 2 {
                     return Err(bad("an MLP needs at least an input and an output width, e.g. mlp:64,10".into()));
+                }
+                if dims.len() - 1 > MAX_LAYERS {
+                    return Err(bad(format!(
+                        "{} Linear layers are over the limit of {MAX_LAYERS} layers; give at most {} widths",
+                        dims.len() - 1,
+                        MAX_LAYERS + 1
+                    )));
+                }
+                for pair in dims.windows(2) {
+                    check_layer(
+                        &format!("Linear({}, {})", pair[0], pair[1]),
+                        &[checked_product([pair[0], pair[1]]).unwrap_or(usize::MAX), pair[1]],
+                    )
+                    .map_err(bad)?;
                 }
                 Ok(ModelSpec::Mlp(dims))
             }
             Some(("transformer", sizes)) => {
                 let usage = "sizes must be six positive integers VOCAB,T,D,H,L,C with H dividing D, e.g. transformer:32,16,32,4,2,10";
-                let sizes = sizes
-                    .split(',')
-                    .map(|d| d.trim().parse::<usize>().ok().filter(|&d| d > 0))
-                    .collect::<Option<Vec<_>>>()
-                    .ok_or_else(|| bad(usage.into()))?;
-                let &[vocab, tokens, dim, n_heads, n_layers, classes] = sizes.as_slice() else {
-                    return Err(bad(format!("got {} sizes; {usage}", sizes.len())));
+                let parts: Vec<&str> = sizes.split(',').collect();
+                let &[vocab, tokens, dim, n_heads, n_layers, classes] = parts.as_slice() else {
+                    return Err(bad(format!("got {} sizes; {usage}", parts.len())));
                 };
+                let size = |text: &str, name: &str, max: usize, limit: &str| {
+                    parse_count(text, max, limit).map_err(|why| bad(format!("{name}: {why}; {usage}")))
+                };
+                let vocab = size(vocab, "VOCAB", MAX_WIDTH, "MAX_WIDTH")?;
+                let tokens = size(tokens, "T", MAX_TOKENS, "MAX_TOKENS")?;
+                let dim = size(dim, "D", MAX_WIDTH, "MAX_WIDTH")?;
+                let n_heads = size(n_heads, "H", dim, "D, which H divides")?;
+                let n_layers = size(n_layers, "L", MAX_LAYERS, "MAX_LAYERS")?;
+                let classes = size(classes, "C", MAX_CLASSES, "MAX_CLASSES")?;
                 if !dim.is_multiple_of(n_heads) {
                     return Err(bad(format!("H={n_heads} does not divide D={dim}; {usage}")));
+                }
+                let layers: [(&str, &[usize]); 5] = [
+                    ("embed", &[vocab, dim]),
+                    ("pos", &[tokens, dim]),
+                    ("attn", &[3, dim, dim]),
+                    ("fc1", &[4, dim, dim]),
+                    ("head", &[classes, dim]),
+                ];
+                for (name, factors) in layers {
+                    let n = checked_product(factors.iter().copied()).unwrap_or(usize::MAX);
+                    check_layer(name, &[n]).map_err(bad)?;
                 }
                 Ok(ModelSpec::Transformer(TransformerConfig { vocab, tokens, dim, n_heads, n_layers, classes }))
             }
@@ -102,6 +138,18 @@ impl std::str::FromStr for ModelSpec {
             _ => Err(bad("unknown model; use mlp:D0,D1,...,Dn, cnn, resnet or transformer[:VOCAB,T,D,H,L,C]".into())),
         }
     }
+}
+
+/// Refuses a layer whose parameter count (the sum of `counts`, each already within
+/// [`MAX_WIDTH`]²) is over [`MAX_LAYER_PARAMETERS`].
+fn check_layer(layer: &str, counts: &[usize]) -> std::result::Result<(), String> {
+    let n = counts.iter().try_fold(0usize, |sum, &c| sum.checked_add(c)).unwrap_or(usize::MAX);
+    if n > MAX_LAYER_PARAMETERS {
+        return Err(format!(
+            "{layer} has {n} parameters, over the limit of {MAX_LAYER_PARAMETERS} parameters per layer (MAX_LAYER_PARAMETERS)"
+        ));
+    }
+    Ok(())
 }
 
 impl ModelSpec {

@@ -110,7 +110,7 @@ fn bad_arguments_exit_2() -> Result<()> {
     )?;
     assert_usage_error(
         &["simulate", "--schedule", "interleaved", "--stages", "4", "--microbatches", "6", "--chunks", "2"],
-        "multiple of n_devices",
+        "must be a multiple of 4; give --microbatches 8",
     )?;
     assert_usage_error(&["simulate", "--schedule", "gpipe", "--stages", "2"], "--microbatches")?;
     Ok(())

@@ -116,7 +116,7 @@ fn bad_input_exits_2_with_a_clear_message() {
         (&["train", "--test-fraction", "0.2"], "digits has its own test split"),
         (&["train", "--data", "synthetic:64,8,4", "--test-fraction", "1.5"], "--test-fraction 1.5"),
         (&["train", "--eval-every", "0"], "--eval-every must be at least 1"),
-        (&["train", "--checkpoint-every", "5"], "needs --save"),
+        (&["train", "--checkpoint-every", "5"], "needs --checkpoint FILE"),
         (&["train", "--placement", "/no/such/placement.txt"], "--placement /no/such/placement.txt"),
         (&["train", "--placement", arg(&placement)], "no_such_layer"),
         (&["train", "--init", arg(&checkpoint), "--resume", arg(&checkpoint)], "give one"),

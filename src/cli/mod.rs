@@ -7,22 +7,15 @@ use conveyor::engine::output_file;
 
 pub mod console;
 pub mod interrupt;
+pub mod messages;
 pub mod placement_file;
 pub mod plan;
 pub mod simulate;
 pub mod train;
 
-/// A problem with what the user gave us: printed to stderr, exit code 2.
-#[derive(Debug)]
-pub struct UsageError(pub String);
-
-impl std::fmt::Display for UsageError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for UsageError {}
+/// A problem with what the user gave us: printed to stderr, exit code 2. It lives in the library
+/// with the parsers of `conveyor::cli_input`, which return it.
+pub use conveyor::cli_input::UsageError;
 
 /// Builds a usage error (exit code 2) from a message that says what was wrong and how to fix it.
 pub fn usage(message: impl Into<String>) -> anyhow::Error {

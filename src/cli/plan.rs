@@ -8,10 +8,12 @@ use clap::Args;
 use conveyor::engine::graph::Graph;
 use conveyor::engine::placement::{Plan, format_bytes};
 use conveyor::engine::runtime::Recompute;
+use conveyor::limits::{MAX_BATCH_ROWS, MAX_STAGES};
 use conveyor::pipeline::{PipelineConfig, memory_notes, plan, plan_manually};
 use conveyor::schedules::{CostModel, Schedule, ScheduleKind, SimulationReport, StageCosts, simulate};
 use conveyor::zoo::ModelSpec;
 
+use super::messages::{engine_input_error, schedule_message};
 use super::placement_file::read_placement_file;
 use super::train::{parse_devices, parse_optimizer, parse_size};
 use super::usage;
@@ -61,15 +63,25 @@ pub struct PlanArgs {
 
 /// Runs `conveyor plan`.
 pub fn run(args: PlanArgs) -> anyhow::Result<()> {
-    let spec: ModelSpec = args.model.parse().map_err(|e: conveyor::engine::Error| usage(e.to_string()))?;
+    let spec: ModelSpec =
+        args.model.parse().map_err(|e| usage(format!("--model: invalid model spec {}", engine_reason(e))))?;
     if args.chunks == 0 {
-        return Err(usage("--chunks must be at least 1"));
+        return Err(usage("--chunks 0: each device needs at least 1 chunk; give --chunks 1 or more"));
     }
     if args.chunks > 1 && !args.schedule.supports_chunks() {
         return Err(usage(format!("--chunks {} needs --schedule interleaved", args.chunks)));
     }
     if args.microbatches == 0 || args.batch == 0 {
-        return Err(usage("--batch and --microbatches must be at least 1"));
+        return Err(usage(format!(
+            "--batch {} --microbatches {}: a batch needs at least 1 row and 1 micro-batch; give both at least 1",
+            args.batch, args.microbatches
+        )));
+    }
+    if args.batch > MAX_BATCH_ROWS {
+        return Err(usage(format!(
+            "--batch {} is over the limit of {MAX_BATCH_ROWS} rows (MAX_BATCH_ROWS); give a smaller batch",
+            args.batch
+        )));
     }
     if args.microbatches > args.batch {
         return Err(usage(format!(
@@ -80,9 +92,16 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let optimizer = parse_optimizer(&args.optimizer, None, None, None)?;
     let budget = args.device_memory.as_deref().map(parse_size).transpose()?;
     let devices = parse_devices(&args.devices, budget)?;
+    if devices.len().checked_mul(args.chunks).is_none_or(|n| n > MAX_STAGES) {
+        return Err(usage(format!(
+            "--chunks {} on {} devices makes more than {MAX_STAGES} stages, the limit (MAX_STAGES); give fewer chunks",
+            args.chunks,
+            devices.len()
+        )));
+    }
     // The graph's layers are built (their weights allocated on the host): the memory plan runs
     // each layer once on a micro-batch to see which tensors it shares.
-    let graph = spec.build(0).map_err(|e| usage(e.to_string()))?;
+    let graph = spec.build(0).map_err(|e| usage(format!("--model {}: {}", args.model, engine_reason(e))))?;
     let config = PipelineConfig {
         schedule: args.schedule,
         n_chunks: args.chunks,
@@ -111,16 +130,24 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// An engine error's reason alone when it is an invalid argument (the message names the flag
+/// itself), else the whole message.
+fn engine_reason(e: conveyor::engine::Error) -> String {
+    match e {
+        conveyor::engine::Error::InvalidArgument { reason, .. } => reason,
+        other => other.to_string(),
+    }
+}
+
 /// Puts the flags that set the budget in front of a [`conveyor::engine::Error::DoesNotFit`], so the
 /// message says it is about memory and which flag to change; other errors pass unchanged.
 fn explain_memory(err: conveyor::engine::Error, args: &PlanArgs, budget: Option<u64>) -> anyhow::Error {
     let is_memory = matches!(err, conveyor::engine::Error::DoesNotFit { .. });
-    let err = anyhow::Error::new(err);
     if !is_memory {
-        return err;
+        return engine_input_error(err);
     }
     let budget = budget.map_or("unlimited".to_string(), format_bytes);
-    err.context(format!(
+    anyhow::Error::new(err).context(format!(
         "{} with {} does not fit the memory of --devices {} (--device-memory {budget} each)",
         args.model, args.optimizer, args.devices
     ))
@@ -131,7 +158,7 @@ fn explain_memory(err: conveyor::engine::Error, args: &PlanArgs, budget: Option<
 /// the link model again would count every transfer twice.
 fn simulate_plan(plan: &Plan, args: &PlanArgs, n_devices: usize) -> anyhow::Result<SimulationReport> {
     let schedule = Schedule::new(args.schedule, n_devices, args.microbatches, args.chunks)
-        .map_err(|e| usage(format!("--schedule/--microbatches/--chunks: {e}")))?;
+        .map_err(|e| usage(schedule_message(&e)))?;
     let costs = CostModel::per_stage(
         plan.stages.iter().map(|s| StageCosts::new(s.forward_s, s.backward_input_s, s.backward_weight_s)).collect(),
     );

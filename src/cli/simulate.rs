@@ -5,10 +5,10 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
+use conveyor::limits::{MAX_SIMULATED_MICRO_BATCHES, MAX_SIMULATED_PAIRS, MAX_STAGES, MAX_TERMINAL_COLUMNS};
 use conveyor_schedules::export::{SvgOptions, TraceOptions, chrome_trace, svg_gantt, terminal_chart};
 use conveyor_schedules::{
-    CostModel, Link, MessageBytes, Schedule, ScheduleError, ScheduleKind, StageCosts, render_timeline, simulate,
-    validate,
+    CostModel, Link, MessageBytes, Schedule, ScheduleKind, StageCosts, render_timeline, simulate, validate,
 };
 
 /// Channel capacity the schedule is validated with before it is simulated: the tightest
@@ -21,7 +21,9 @@ pub struct SimulateArgs {
     /// Schedule to simulate: gpipe, 1f1b, interleaved, zb-h1 or zb-h2.
     #[arg(long, value_name = "NAME")]
     pub schedule: ScheduleKind,
-    /// Pipeline depth P: the number of devices (with interleaved, each device holds V chunks).
+    /// Pipeline depth P: the number of devices (with interleaved, each device holds V chunks). At
+    /// most 1024 stages (P x V), 65,536 micro-batches and 2^18 (micro-batch, stage) pairs: a run
+    /// past them would take more than about a second.
     #[arg(long, value_name = "P")]
     pub stages: usize,
     /// Micro-batches M per optimizer step.
@@ -35,10 +37,10 @@ pub struct SimulateArgs {
     #[arg(long, value_name = "F,B,W", default_value = "1,1,1")]
     pub costs: String,
     /// Link latency per message between devices, seconds.
-    #[arg(long, value_name = "SECONDS", default_value_t = 0.0)]
+    #[arg(long, value_name = "SECONDS", default_value_t = 0.0, allow_negative_numbers = true)]
     pub latency: f64,
     /// Link bandwidth, bytes per second (default: unlimited).
-    #[arg(long, value_name = "BYTES_PER_S")]
+    #[arg(long, value_name = "BYTES_PER_S", allow_negative_numbers = true)]
     pub bandwidth: Option<f64>,
     /// Bytes of every activation and gradient message between stages.
     #[arg(long, value_name = "N", default_value_t = 0)]
@@ -52,7 +54,7 @@ pub struct SimulateArgs {
     /// Write the timeline as Chrome trace / Perfetto JSON (open in ui.perfetto.dev).
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
-    /// Draw a compact Gantt chart sized to the terminal ($COLUMNS, default 100).
+    /// Draw a compact Gantt chart sized to the terminal ($COLUMNS, default 100, at most 1000).
     #[arg(long, conflicts_with = "json")]
     pub show: bool,
 }
@@ -81,22 +83,23 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     if bandwidth.is_nan() || bandwidth <= 0.0 {
         return Err(super::usage(format!("--bandwidth must be > 0 bytes per second, got {bandwidth}")));
     }
-    let schedule = Schedule::new(args.schedule, args.stages, args.microbatches, n_chunks).map_err(|err| {
-        // Undefined shapes are the user's to fix: name the flag.
-        let hint = match err {
-            ScheduleError::ZeroParameter { parameter: "n_devices", .. } => " (--stages)",
-            ScheduleError::ZeroParameter { parameter: "n_micro_batches", .. } => " (--microbatches)",
-            ScheduleError::ZeroParameter { parameter: "n_chunks", .. } => " (--chunks)",
-            _ => "",
-        };
-        super::usage(format!("{err}{hint}"))
-    })?;
+    check_size(args.stages, n_chunks, args.microbatches)?;
+    // Undefined shapes are the user's to fix: the message names the flag.
+    let schedule = Schedule::new(args.schedule, args.stages, args.microbatches, n_chunks)
+        .map_err(|err| super::usage(super::messages::schedule_message(&err)))?;
     validate(&schedule, VALIDATION_CHANNEL_CAPACITY)
         .with_context(|| format!("generated {} schedule failed validation", schedule.kind()))?;
     let costs = CostModel::uniform(stage_costs)
         .with_link(Link { latency_s: args.latency, bandwidth_bytes_per_s: bandwidth })
         .with_message_bytes(MessageBytes { activation_bytes: args.message_bytes, gradient_bytes: args.message_bytes });
     let report = simulate(&schedule, &costs).context("simulating the schedule")?;
+    if !report.makespan_s.is_finite() {
+        return Err(super::usage(format!(
+            "--costs {} --latency {} --message-bytes {} over --bandwidth {bandwidth}: the step's time overflows to {} s; \
+             give smaller costs or latency, or more bandwidth",
+            args.costs, args.latency, args.message_bytes, report.makespan_s
+        )));
+    }
     if let Some(path) = &args.svg {
         let options = SvgOptions { title: chart_title(&schedule), ..SvgOptions::default() };
         super::write_atomically(path, "--svg", &svg_gantt(&report.timeline, &options))?;
@@ -148,8 +151,36 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         let columns = std::env::var("COLUMNS")
             .ok()
             .and_then(|columns| columns.trim().parse::<usize>().ok())
-            .unwrap_or(DEFAULT_TERMINAL_COLUMNS);
+            .unwrap_or(DEFAULT_TERMINAL_COLUMNS)
+            .min(MAX_TERMINAL_COLUMNS);
         print!("{}", terminal_chart(&report.timeline, columns));
+    }
+    Ok(())
+}
+
+/// Refuses a schedule past the limits before it is built: at most [`MAX_STAGES`] stages (devices
+/// x chunks), [`MAX_SIMULATED_MICRO_BATCHES`] micro-batches and [`MAX_SIMULATED_PAIRS`]
+/// (micro-batch, stage) pairs. Zeros pass, for `Schedule::new` to name.
+fn check_size(n_devices: usize, n_chunks: usize, n_micro_batches: usize) -> anyhow::Result<()> {
+    let stages = n_devices.checked_mul(n_chunks).filter(|&n| n <= MAX_STAGES).ok_or_else(|| {
+        super::usage(format!(
+            "--stages {n_devices} with {n_chunks} chunk(s) per device is over the limit of {MAX_STAGES} stages (MAX_STAGES); \
+             give fewer stages or chunks"
+        ))
+    })?;
+    if n_micro_batches > MAX_SIMULATED_MICRO_BATCHES {
+        return Err(super::usage(format!(
+            "--microbatches {n_micro_batches} is over the limit of {MAX_SIMULATED_MICRO_BATCHES} micro-batches \
+             (MAX_SIMULATED_MICRO_BATCHES); give fewer"
+        )));
+    }
+    if stages * n_micro_batches > MAX_SIMULATED_PAIRS {
+        return Err(super::usage(format!(
+            "--stages {n_devices} x --chunks {n_chunks} x --microbatches {n_micro_batches} = {} (micro-batch, stage) pairs \
+             is over the limit of {MAX_SIMULATED_PAIRS} (MAX_SIMULATED_PAIRS, about a second of simulation); \
+             give fewer stages or micro-batches",
+            stages * n_micro_batches
+        )));
     }
     Ok(())
 }

@@ -28,14 +28,31 @@ pub fn terminal_chart(timeline: &Timeline, width: usize) -> String {
     }
     let mut kinds_seen: Vec<OpKind> = Vec::new();
     let mut out = String::new();
+    // Each column looks only at the events that can overlap it: a sweep over the device's events
+    // by start time, so a chart costs O(columns + events) per device, not their product.
+    let mut column_events: Vec<(usize, f64)> = Vec::new();
     for (device_idx, events) in device_events.iter().enumerate() {
         write!(out, "{:<name_width$} |", format!("dev{device_idx}")).expect("writing to a String");
+        let mut by_start: Vec<usize> = (0..events.len()).collect();
+        by_start.sort_by(|&a, &b| events[a].start_s.total_cmp(&events[b].start_s));
+        let mut first = 0;
         for column_idx in 0..n_columns {
             let start = origin + column_idx as f64 * column_s;
             let end = start + column_s;
-            let overlap = |event: &&&TimelineEvent| (event.end_s.min(end) - event.start_s.max(start)).max(0.0);
-            let covered: f64 = events.iter().map(|event| overlap(&event)).sum();
-            let widest = events.iter().max_by(|a, b| overlap(a).total_cmp(&overlap(b)));
+            while first < by_start.len() && events[by_start[first]].end_s <= start {
+                first += 1;
+            }
+            column_events.clear();
+            for &event_idx in by_start[first..].iter().take_while(|&&i| events[i].start_s < end) {
+                let event = events[event_idx];
+                column_events.push((event_idx, (event.end_s.min(end) - event.start_s.max(start)).max(0.0)));
+            }
+            // In the events' own order, as a scan of all of them would sum and pick: the widest
+            // overlap, the last of equals.
+            column_events.sort_unstable_by_key(|&(event_idx, _)| event_idx);
+            let covered: f64 = column_events.iter().map(|&(_, overlap)| overlap).sum();
+            let widest =
+                column_events.iter().max_by(|a, b| a.1.total_cmp(&b.1)).map(|&(event_idx, _)| events[event_idx]);
             match widest {
                 Some(event) if covered >= column_s / 2.0 => {
                     if !kinds_seen.contains(&event.op) {
@@ -105,5 +122,53 @@ mod tests {
             F forward, B backward, . idle; odd micro-batches lower case; 1 column = 1 s
         "#]]
         .assert_eq(&chart);
+    }
+
+    /// The chart's columns as a scan of every event per column draws them (the sweep's reference).
+    fn columns_by_scan(timeline: &Timeline, width: usize) -> Vec<String> {
+        let name_width = format!("dev{}", timeline.n_devices.saturating_sub(1)).len();
+        let n_columns = width.saturating_sub(name_width + 3).max(MIN_COLUMNS);
+        let origin = origin_s(&timeline.events);
+        let makespan = timeline.makespan_s();
+        let column_s = if makespan > 0.0 { makespan / n_columns as f64 } else { 1.0 };
+        (0..timeline.n_devices)
+            .map(|device_idx| {
+                let events: Vec<&TimelineEvent> = timeline
+                    .events
+                    .iter()
+                    .filter(|e| e.device_idx == device_idx && e.op.is_compute() && e.duration_s() > 0.0)
+                    .collect();
+                (0..n_columns)
+                    .map(|column_idx| {
+                        let start = origin + column_idx as f64 * column_s;
+                        let end = start + column_s;
+                        let overlap = |e: &&TimelineEvent| (e.end_s.min(end) - e.start_s.max(start)).max(0.0);
+                        let covered: f64 = events.iter().map(overlap).sum();
+                        match events.iter().max_by(|a, b| overlap(a).total_cmp(&overlap(b))) {
+                            Some(event) if covered >= column_s / 2.0 => letter(event),
+                            _ => '.',
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_sweep_draws_what_a_scan_of_every_event_draws() {
+        for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved, ScheduleKind::ZbH2] {
+            for (n_devices, n_micro_batches) in [(2, 4), (3, 6), (4, 8)] {
+                let n_chunks = if kind == ScheduleKind::Interleaved { 2 } else { 1 };
+                let schedule = Schedule::new(kind, n_devices, n_micro_batches, n_chunks).unwrap();
+                let costs = CostModel::uniform(StageCosts::new(1.0, 1.7, 0.3));
+                let report = simulate(&schedule, &costs).unwrap();
+                for width in [10, 23, 40, 97, 300] {
+                    let chart = terminal_chart(&report.timeline, width);
+                    let drawn: Vec<String> =
+                        chart.lines().take(n_devices).map(|line| line.split('|').nth(1).unwrap().to_string()).collect();
+                    assert_eq!(drawn, columns_by_scan(&report.timeline, width), "{kind} p={n_devices} width {width}");
+                }
+            }
+        }
     }
 }

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Args;
-use conveyor::engine::Device;
+pub use conveyor::cli_input::{LrSchedule, OnNonFinite, parse_devices, parse_size};
 use conveyor::engine::optim::{AdamConfig, OptimizerConfig, SgdConfig};
 
 use crate::cli::usage;
@@ -29,11 +29,12 @@ pub struct TrainArgs {
     #[arg(long, value_name = "F")]
     pub test_fraction: Option<f64>,
     /// Number of classes of a data file (default: the largest label plus one); a label at or above
-    /// it is an error.
+    /// it is an error. At most 2^20 (1,048,576), and so are labels.
     #[arg(long, value_name = "C")]
     pub classes: Option<usize>,
     /// Devices: `cpu:N` for N CPU devices (one core each), a list such as `cpu:0,cpu:1` or
-    /// `cuda:0,1`, or `list` to print the available devices and exit.
+    /// `cuda:0,1`, or `list` to print the available devices and exit. At most 1024 devices, and
+    /// at most 1024 pipeline stages (devices x --chunks).
     #[arg(long, default_value = "cpu:2")]
     pub devices: String,
     /// Memory budget of each device, e.g. `512MiB` or `2GiB` (default: unlimited).
@@ -66,7 +67,8 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
     /// Total optimizer steps (overrides --epochs; with --resume, the total including the steps
-    /// already taken). 0 trains nothing (with --init and --save: convert a file).
+    /// already taken). 0 trains nothing (with --init and --save: convert a file). At most 2^40,
+    /// as is --epochs times the steps per epoch.
     #[arg(long)]
     pub steps: Option<u64>,
     /// Passes over the training data (when --steps is not given).
@@ -109,7 +111,15 @@ pub struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     pub init: Option<PathBuf>,
     /// Continue from a checkpoint written by --checkpoint, up to --steps total, with the
-    /// optimizer state, step count and data position restored.
+    /// optimizer state, step count and data position restored. The run must train as the saved
+    /// one did: the same data (compared by content, so the file may move), model, --optimizer,
+    /// --lr, --lr-schedule, --momentum, --weight-decay, --batch, --microbatches (another split sums
+    /// gradients in another order), --seed and shuffling; a resume that changes any of them is
+    /// refused, listing the differences. What may change: --steps/--epochs, the outputs (--save,
+    /// --checkpoint, --checkpoint-every, --metrics, --trace, --svg), --eval-every, --log-every,
+    /// --on-nonfinite, and the layout: --devices, --stages, --schedule, --chunks, --placement,
+    /// --recompute, --core-slots, --device-memory (the weights come out bit-identical) and
+    /// --tensor-parallel (equal up to f32 rounding).
     #[arg(long, value_name = "FILE")]
     pub resume: Option<PathBuf>,
     /// Save the trained model here at the end (atomically): exactly a PyTorch state dict, the
@@ -147,98 +157,6 @@ pub struct TrainArgs {
     pub on_nonfinite: String,
 }
 
-/// `--on-nonfinite`: what a step with a non-finite loss or gradient does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OnNonFinite {
-    /// Stop the run (after writing the outputs from the last good step).
-    Error,
-    /// Skip the step; stop after this many skipped in a row.
-    Skip { max_in_a_row: u64 },
-}
-
-impl std::str::FromStr for OnNonFinite {
-    type Err = anyhow::Error;
-    fn from_str(text: &str) -> anyhow::Result<Self> {
-        let bad =
-            || usage(format!("--on-nonfinite `{text}`: use error, skip or skip:N with N at least 1 (e.g. skip:5)"));
-        match text.split_once(':') {
-            None if text == "error" => Ok(OnNonFinite::Error),
-            None if text == "skip" => Ok(OnNonFinite::Skip { max_in_a_row: 10 }),
-            Some(("skip", n)) => {
-                let max_in_a_row = n.trim().parse().ok().filter(|&n: &u64| n > 0).ok_or_else(bad)?;
-                Ok(OnNonFinite::Skip { max_in_a_row })
-            }
-            _ => Err(bad()),
-        }
-    }
-}
-
-/// Parses a size like `512MiB`, `2GiB`, `1000000` (bytes), `64KiB`, `1.5GB`.
-pub fn parse_size(text: &str) -> anyhow::Result<u64> {
-    let t = text.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (number, unit) = t.split_at(split);
-    let value: f64 =
-        number.parse().map_err(|_| usage(format!("--device-memory `{text}`: expected a size like 512MiB or 2GiB")))?;
-    let factor = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "kib" | "k" => 1024.0,
-        "mib" | "m" => 1024.0 * 1024.0,
-        "gib" | "g" => 1024.0 * 1024.0 * 1024.0,
-        "kb" => 1e3,
-        "mb" => 1e6,
-        "gb" => 1e9,
-        other => {
-            return Err(usage(format!("--device-memory `{text}`: unknown unit `{other}`; use B, KiB, MiB or GiB")));
-        }
-    };
-    if value <= 0.0 || !value.is_finite() {
-        return Err(usage(format!("--device-memory `{text}`: the size must be positive")));
-    }
-    Ok((value * factor) as u64)
-}
-
-/// Parses `cpu:N` (N devices), `cuda:0,1` (a list of GPUs) or a list of single devices such as
-/// `cpu:0,cpu:1` or `cpu:0,cuda:0`, each with the budget.
-pub fn parse_devices(spec: &str, budget: Option<u64>) -> anyhow::Result<Vec<Device>> {
-    let bad = || {
-        usage(format!(
-            "--devices `{spec}`: use cpu:N for N CPU devices, cuda:0,1 for GPUs, a list such as cpu:0,cpu:1, or list"
-        ))
-    };
-    let items: Vec<&str> = spec.split(',').map(str::trim).collect();
-    if items.len() > 1 && items.iter().all(|item| item.contains(':')) {
-        let devices = items
-            .iter()
-            .map(|item| Device::parse(item, budget).map_err(|e| usage(format!("--devices `{spec}`: {e}"))))
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        for (i, device) in devices.iter().enumerate() {
-            if devices[..i].iter().any(|d| d.to_string() == device.to_string()) {
-                return Err(usage(format!("--devices `{spec}`: {device} is listed twice; list each device once")));
-            }
-        }
-        return Ok(devices);
-    }
-    let (kind, rest) = spec.split_once(':').ok_or_else(bad)?;
-    match kind {
-        "cpu" => {
-            let n: usize = rest.trim().parse().map_err(|_| bad())?;
-            if n == 0 {
-                return Err(usage(format!("--devices `{spec}`: at least one device is needed")));
-            }
-            Ok((0..n).map(|i| Device::cpu_with_budget(i, budget)).collect())
-        }
-        "cuda" => rest
-            .split(',')
-            .map(|idx| {
-                let ordinal: usize = idx.trim().parse().map_err(|_| bad())?;
-                Device::cuda(ordinal, budget).map_err(|e| usage(e.to_string()))
-            })
-            .collect(),
-        _ => Err(bad()),
-    }
-}
-
 /// Parses the optimizer flags into a configuration, refusing invalid values with exit code 2.
 pub fn parse_optimizer(
     name: &str,
@@ -246,6 +164,13 @@ pub fn parse_optimizer(
     momentum: Option<f64>,
     weight_decay: Option<f64>,
 ) -> anyhow::Result<OptimizerConfig> {
+    if let Some(momentum) = momentum
+        && name != "momentum"
+    {
+        return Err(usage(format!(
+            "--momentum {momentum} applies only to --optimizer momentum, not {name}; drop --momentum or use --optimizer momentum"
+        )));
+    }
     let wd = weight_decay.unwrap_or(0.0);
     let config = match name {
         "sgd" => OptimizerConfig::Sgd(SgdConfig::new(lr.unwrap_or(0.05)).with_weight_decay(wd)),
@@ -258,90 +183,18 @@ pub fn parse_optimizer(
         ),
         other => return Err(usage(format!("--optimizer `{other}`: use sgd, momentum, adam or adamw"))),
     };
-    config.validate().map_err(|e| usage(format!("--lr/--momentum/--weight-decay: {e}")))?;
+    config.validate().map_err(|e| match e {
+        // Name the flag that set the value: the optimizer's message names the hyperparameter.
+        conveyor::engine::Error::InvalidArgument { name: parameter, reason } => {
+            let flag = match parameter.as_str() {
+                "lr" => "--lr",
+                "momentum" => "--momentum",
+                "weight_decay" => "--weight-decay",
+                _ => "--optimizer",
+            };
+            usage(format!("{flag}: {reason} (--optimizer {name})"))
+        }
+        other => usage(format!("--optimizer {name}: {other}")),
+    })?;
     Ok(config)
-}
-
-/// A learning-rate schedule with torch's semantics: the rate of step `t` (0-based) of `total`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum LrSchedule {
-    /// The base rate throughout.
-    Constant,
-    /// `CosineAnnealingLR(T_max = total, eta_min = 0)`: `base · (1 + cos(π·t / total)) / 2`.
-    Cosine,
-    /// `StepLR(step_size, gamma)`: `base · gamma^⌊t / step_size⌋`.
-    Step {
-        /// Steps between decays.
-        step_size: u64,
-        /// Factor per decay.
-        gamma: f64,
-    },
-}
-
-impl LrSchedule {
-    /// The learning rate of step `step_idx` of a run of `total_steps`.
-    pub fn lr(&self, base: f64, step_idx: u64, total_steps: u64) -> f64 {
-        match *self {
-            LrSchedule::Constant => base,
-            LrSchedule::Cosine => {
-                let t = step_idx.min(total_steps) as f64 / total_steps.max(1) as f64;
-                base * (1.0 + (std::f64::consts::PI * t).cos()) / 2.0
-            }
-            LrSchedule::Step { step_size, gamma } => base * gamma.powi((step_idx / step_size) as i32),
-        }
-    }
-}
-
-impl std::str::FromStr for LrSchedule {
-    type Err = anyhow::Error;
-    fn from_str(text: &str) -> anyhow::Result<Self> {
-        let bad = || usage(format!("--lr-schedule `{text}`: use constant, cosine or step:N,GAMMA (e.g. step:100,0.5)"));
-        match text.split_once(':') {
-            None if text == "constant" => Ok(LrSchedule::Constant),
-            None if text == "cosine" => Ok(LrSchedule::Cosine),
-            Some(("step", rest)) => {
-                let (n, gamma) = rest.split_once(',').ok_or_else(bad)?;
-                let step_size: u64 = n.trim().parse().ok().filter(|&n| n > 0).ok_or_else(bad)?;
-                let gamma: f64 =
-                    gamma.trim().parse().ok().filter(|g: &f64| g.is_finite() && *g > 0.0).ok_or_else(bad)?;
-                Ok(LrSchedule::Step { step_size, gamma })
-            }
-            _ => Err(bad()),
-        }
-    }
-}
-
-impl std::fmt::Display for LrSchedule {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            LrSchedule::Constant => f.write_str("constant"),
-            LrSchedule::Cosine => f.write_str("cosine"),
-            LrSchedule::Step { step_size, gamma } => write!(f, "step:{step_size},{gamma}"),
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn schedules_follow_torch() {
-        let cosine: LrSchedule = "cosine".parse().unwrap();
-        assert_eq!(cosine.lr(0.1, 0, 10), 0.1);
-        assert!((cosine.lr(0.1, 5, 10) - 0.05).abs() < 1e-12);
-        let step: LrSchedule = "step:3,0.5".parse().unwrap();
-        assert_eq!([0, 2, 3, 6].map(|t| step.lr(1.0, t, 10)), [1.0, 1.0, 0.5, 0.25]);
-        assert_eq!(step.to_string().parse::<LrSchedule>().unwrap(), step);
-        assert!("linear".parse::<LrSchedule>().is_err());
-    }
-
-    #[test]
-    fn device_lists() {
-        let devices = parse_devices("cpu:0,cpu:1", None).unwrap();
-        assert_eq!(devices.iter().map(ToString::to_string).collect::<Vec<_>>(), ["cpu:0", "cpu:1"]);
-        assert_eq!(parse_devices("cpu:3", None).unwrap().len(), 3);
-        assert!(parse_devices("cpu:0,cpu:0", None).is_err());
-        assert!(parse_devices("tpu:0,cpu:1", None).is_err());
-    }
 }

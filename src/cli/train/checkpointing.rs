@@ -8,9 +8,12 @@
 //!
 //! - the parameters under PyTorch's state-dict names (`0.weight`, `conv1.bias`, ...);
 //! - the optimizer state as `optimizer.<param>.<field>` (see `conveyor::engine::optim`);
-//! - metadata under `conveyor.train.*`: the step count, epoch and batch within the epoch (the data
-//!   position: a shuffled epoch's order is a function of the seed and the epoch), the seed, batch
-//!   size, shuffling, training rows, model spec, data, optimizer, learning rate and its schedule.
+//! - metadata under `conveyor.train.*` ([`RunState`]): the step count, epoch and batch within the
+//!   epoch (the data position: a shuffled epoch's order is a function of the seed and the epoch),
+//!   the seed, batch size, micro-batches, shuffling, training rows and a fingerprint of their
+//!   contents, model spec, data, optimizer, learning rate and its schedule, momentum and weight
+//!   decay. A resume that would change any of these (other than the position and the total) is
+//!   refused with the list of differences; see `conveyor::cli_input::RunState` for what may change.
 //!
 //! Resuming restores the parameters, every stage's optimizer state, the trainer's step index
 //! (dropout masks derive from it) and the data position, so a resumed run continues bit for bit
@@ -19,7 +22,7 @@
 //! `--init` and `--resume` refuse a file with NaN or infinity in any tensor (parameters or
 //! optimizer state), naming the file, the tensor and the element (exit status 2): every step
 //! trained from it would be non-finite, and the trainer would refuse each one.
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -29,95 +32,14 @@ use conveyor::engine::placement::Plan;
 use conveyor::engine::runtime::Trainer;
 use conveyor::engine::{DType, Device, Shape, Tensor};
 
+pub use conveyor::cli_input::RunState;
+
 use crate::cli::usage;
-
-/// Prefix of this module's metadata keys.
-const KEY_PREFIX: &str = "conveyor.train.";
-
-/// Where a run stands and what it was run with: saved as checkpoint metadata.
-#[derive(Clone, Debug, PartialEq)]
-pub struct RunState {
-    /// Optimizer steps taken.
-    pub step: u64,
-    /// Batches per epoch (training rows / batch).
-    pub steps_per_epoch: u64,
-    /// Seed of initialisation, shuffling and dropout.
-    pub seed: u64,
-    /// Rows per batch.
-    pub batch: usize,
-    /// Whether epochs are shuffled.
-    pub shuffle: bool,
-    /// Training rows.
-    pub train_rows: usize,
-    /// The model spec.
-    pub model: String,
-    /// The `--data` flag.
-    pub data: String,
-    /// The `--optimizer` flag.
-    pub optimizer: String,
-    /// The base learning rate.
-    pub lr: f64,
-    /// The learning-rate schedule.
-    pub lr_schedule: String,
-    /// The run's total steps (the schedule's horizon).
-    pub total_steps: u64,
-}
-
-impl RunState {
-    fn to_metadata(&self) -> BTreeMap<String, String> {
-        let epoch = self.step / self.steps_per_epoch.max(1);
-        let batch_in_epoch = self.step % self.steps_per_epoch.max(1);
-        [
-            ("step", self.step.to_string()),
-            ("epoch", epoch.to_string()),
-            ("batch_in_epoch", batch_in_epoch.to_string()),
-            ("steps_per_epoch", self.steps_per_epoch.to_string()),
-            ("seed", self.seed.to_string()),
-            ("batch", self.batch.to_string()),
-            ("shuffle", self.shuffle.to_string()),
-            ("train_rows", self.train_rows.to_string()),
-            ("model", self.model.clone()),
-            ("data", self.data.clone()),
-            ("optimizer", self.optimizer.clone()),
-            ("lr", self.lr.to_string()),
-            ("lr_schedule", self.lr_schedule.clone()),
-            ("total_steps", self.total_steps.to_string()),
-        ]
-        .into_iter()
-        .map(|(key, value)| (format!("{KEY_PREFIX}{key}"), value))
-        .collect()
-    }
-
-    fn from_checkpoint(checkpoint: &Checkpoint) -> anyhow::Result<RunState> {
-        let get = |key: &str| -> anyhow::Result<String> {
-            checkpoint.metadata_value::<String>(&format!("{KEY_PREFIX}{key}")).map_err(|e| {
-                usage(format!("--resume: {e}; resume from a checkpoint written by conveyor train --checkpoint"))
-            })
-        };
-        let number = |key: &str| -> anyhow::Result<u64> {
-            get(key)?.parse().map_err(|_| usage(format!("--resume: metadata `{KEY_PREFIX}{key}` is not a number")))
-        };
-        Ok(RunState {
-            step: number("step")?,
-            steps_per_epoch: number("steps_per_epoch")?,
-            seed: number("seed")?,
-            batch: number("batch")? as usize,
-            shuffle: get("shuffle")? == "true",
-            train_rows: number("train_rows")? as usize,
-            model: get("model")?,
-            data: get("data")?,
-            optimizer: get("optimizer")?,
-            lr: get("lr")?.parse().map_err(|_| usage("--resume: metadata `lr` is not a number"))?,
-            lr_schedule: get("lr_schedule")?,
-            total_steps: number("total_steps")?,
-        })
-    }
-}
 
 /// Reads just the model spec a checkpoint was saved with (to build the model before resuming).
 pub fn model_of(path: &Path) -> anyhow::Result<String> {
     let checkpoint = load(path, "--resume")?;
-    Ok(RunState::from_checkpoint(&checkpoint)?.model)
+    Ok(RunState::from_metadata(checkpoint.metadata(), &path.display().to_string())?.model)
 }
 
 fn load(path: &Path, flag: &str) -> anyhow::Result<Checkpoint> {
@@ -177,8 +99,9 @@ pub fn save(path: &Path, trainer: &Trainer, state: &RunState, weights_only: bool
     })
 }
 
-/// Restores a checkpoint into `trainer`: checks its run state matches `expected` (model, data
-/// position, seed, shuffling) and that every tensor is finite, then loads parameters and every
+/// Restores a checkpoint into `trainer`: checks its run state matches `expected` in everything
+/// that decides the training's arithmetic ([`RunState::differences`]) and that every tensor is
+/// finite, then loads parameters and every
 /// stage's optimizer state strictly and sets the step index. Returns the checkpoint's run state.
 pub fn resume(
     path: &Path,
@@ -188,24 +111,15 @@ pub fn resume(
     expected: &RunState,
 ) -> anyhow::Result<RunState> {
     let mut checkpoint = load(path, "--resume")?;
-    let saved = RunState::from_checkpoint(&checkpoint)?;
-    let mismatches: Vec<String> = [
-        ("--model", saved.model.clone(), expected.model.clone()),
-        ("--batch", saved.batch.to_string(), expected.batch.to_string()),
-        ("--seed", saved.seed.to_string(), expected.seed.to_string()),
-        ("--no-shuffle", (!saved.shuffle).to_string(), (!expected.shuffle).to_string()),
-        ("--optimizer", saved.optimizer.clone(), expected.optimizer.clone()),
-        ("training rows", saved.train_rows.to_string(), expected.train_rows.to_string()),
-    ]
-    .into_iter()
-    .filter(|(_, a, b)| a != b)
-    .map(|(flag, a, b)| format!("{flag}: checkpoint {a}, this run {b}"))
-    .collect();
-    if !mismatches.is_empty() {
+    let saved = RunState::from_metadata(checkpoint.metadata(), &path.display().to_string())?;
+    let differences = saved.differences(expected);
+    if !differences.is_empty() {
         return Err(usage(format!(
-            "--resume {}: the checkpoint was saved by a different run ({}); give the same flags to continue it",
+            "--resume {}: the checkpoint was saved by a different run, and continuing it with these flags \
+             would not train as that run would ({}); give the same flags to continue it (what may change: \
+             --steps, --epochs, outputs, evaluation, logging, devices, stages, schedule, placement)",
             path.display(),
-            mismatches.join("; ")
+            differences.join("; ")
         )));
     }
     let mut expected_tensors: Vec<TensorSpec> = Vec::new();

@@ -3,6 +3,7 @@
 use std::path::Path;
 
 use conveyor::data::{self, DIGITS_TRAIN_ROWS, Dataset};
+use conveyor::limits::{MAX_CLASSES, MAX_GENERATED_VALUES, parse_count};
 use conveyor::zoo::ModelSpec;
 
 use crate::cli::usage;
@@ -22,6 +23,21 @@ pub fn load(spec: &str, seed: u64, test_fraction: Option<f64>, classes: Option<u
     {
         return Err(usage(format!("--test-fraction {fraction}: give a fraction from 0 up to (not including) 1")));
     }
+    if let Some(classes) = classes
+        && !(1..=MAX_CLASSES).contains(&classes)
+    {
+        return Err(usage(format!("--classes {classes}: give a class count from 1 to {MAX_CLASSES} (MAX_CLASSES)")));
+    }
+    let reason = |e: conveyor::engine::Error| match e {
+        conveyor::engine::Error::InvalidArgument { reason, .. } => reason,
+        other => other.to_string(),
+    };
+    let counts = |rest: &str, form: &str| -> anyhow::Result<Vec<usize>> {
+        rest.split(',')
+            .map(|p| parse_count(p, MAX_GENERATED_VALUES, "MAX_GENERATED_VALUES"))
+            .collect::<Result<_, _>>()
+            .map_err(|why| usage(format!("--data `{spec}`: {why}; use {form} with positive integers")))
+    };
     let own_split = |name: &str| -> anyhow::Result<()> {
         match (test_fraction, classes) {
             (Some(_), _) => Err(usage(format!("--test-fraction: {name} has its own test split; drop the flag"))),
@@ -40,11 +56,7 @@ pub fn load(spec: &str, seed: u64, test_fraction: Option<f64>, classes: Option<u
         return Ok(Splits { train, test: Some(test) });
     }
     let all = if let Some(rest) = spec.strip_prefix("tokens:") {
-        let parts: Vec<usize> = rest
-            .split(',')
-            .map(|p| p.trim().parse::<usize>())
-            .collect::<Result<_, _>>()
-            .map_err(|_| usage(format!("--data `{spec}`: use tokens:N,T,VOCAB,C with positive integers")))?;
+        let parts = counts(rest, "tokens:N,T,VOCAB,C")?;
         let [n, t, vocab, c] = parts[..] else {
             return Err(usage(format!(
                 "--data `{spec}`: use tokens:N,T,VOCAB,C (sequences, tokens, vocabulary, classes)"
@@ -53,25 +65,21 @@ pub fn load(spec: &str, seed: u64, test_fraction: Option<f64>, classes: Option<u
         if classes.is_some() {
             return Err(usage("--classes: tokens:N,T,VOCAB,C sets the classes; drop the flag"));
         }
-        data::synthetic_tokens(n, t, vocab, c, seed).map_err(|e| usage(e.to_string()))?
+        data::synthetic_tokens(n, t, vocab, c, seed).map_err(|e| usage(format!("--data `{spec}`: {}", reason(e))))?
     } else if let Some(rest) = spec.strip_prefix("synthetic:") {
-        let parts: Vec<usize> = rest
-            .split(',')
-            .map(|p| p.trim().parse::<usize>())
-            .collect::<Result<_, _>>()
-            .map_err(|_| usage(format!("--data `{spec}`: use synthetic:N,D,C with positive integers")))?;
+        let parts = counts(rest, "synthetic:N,D,C")?;
         let [n, d, c] = parts[..] else {
             return Err(usage(format!("--data `{spec}`: use synthetic:N,D,C (samples, features, classes)")));
         };
         if classes.is_some() {
             return Err(usage("--classes: synthetic:N,D,C sets the classes; drop the flag"));
         }
-        data::synthetic(n, d, c, seed).map_err(|e| usage(e.to_string()))?
+        data::synthetic(n, d, c, seed).map_err(|e| usage(format!("--data `{spec}`: {}", reason(e))))?
     } else {
         let path = Path::new(spec);
         if path.is_dir() {
             own_split("an MNIST directory")?;
-            let (train, test) = data::mnist_idx(path).map_err(|e| usage(format!("--data {spec}: {e}")))?;
+            let (train, test) = data::mnist_idx(path).map_err(|e| usage(format!("--data {spec}: {}", reason(e))))?;
             return Ok(Splits { train, test: Some(test) });
         }
         if !path.exists() {
@@ -79,17 +87,18 @@ pub fn load(spec: &str, seed: u64, test_fraction: Option<f64>, classes: Option<u
                 "--data `{spec}`: no such file or directory; use digits, synthetic:N,D,C, a FILE.safetensors or an MNIST directory"
             )));
         }
-        if classes == Some(0) {
-            return Err(usage("--classes must be at least 1"));
-        }
-        data::from_safetensors(path, classes).map_err(|e| usage(format!("--data: {e}")))?
+        data::from_safetensors(path, classes).map_err(|e| usage(format!("--data: {}", reason(e))))?
     };
     let n_test = (all.len() as f64 * test_fraction.unwrap_or(0.0)).round() as usize;
     if n_test == 0 {
         return Ok(Splits { train: all, test: None });
     }
     if n_test >= all.len() {
-        return Err(usage(format!("--test-fraction leaves no training rows of the {}", all.len())));
+        return Err(usage(format!(
+            "--test-fraction {} holds out all {} rows, leaving none to train on; give a smaller fraction",
+            test_fraction.unwrap_or(0.0),
+            all.len()
+        )));
     }
     let cut = all.len() - n_test;
     Ok(Splits { train: all.slice(0, cut), test: Some(all.slice(cut, all.len())) })
@@ -112,7 +121,8 @@ pub fn fit_to_model(
         }
         if dataset.feature_shape != input_shape {
             return Err(usage(format!(
-                "--model {model_text} takes inputs of shape {input_shape:?} but the data has {:?}",
+                "--model {model_text} takes inputs of shape {input_shape:?} but the data has {:?}; give a model \
+                 whose input is the data's (e.g. leave --model out for the default one)",
                 dataset.feature_shape
             )));
         }
@@ -120,12 +130,25 @@ pub fn fit_to_model(
     if let Some(classes) = classes_flag
         && classes != n_outputs
     {
-        return Err(usage(format!("--classes {classes} but --model {model_text} has {n_outputs} outputs")));
+        return Err(usage(format!(
+            "--classes {classes} but --model {model_text} has {n_outputs} outputs; give a model with {classes} outputs"
+        )));
     }
     for dataset in std::iter::once(&mut splits.train).chain(splits.test.as_mut()) {
+        if let ModelSpec::Transformer(config) = spec {
+            // Token ids outside the vocabulary are found now, not at the step that meets them.
+            dataset.check_token_ids(config.vocab, "--data").map_err(|e| match e {
+                conveyor::engine::Error::InvalidArgument { reason, .. } => {
+                    usage(format!("{reason} (--model {model_text})"))
+                }
+                other => anyhow::Error::new(other),
+            })?;
+        }
         if let Some((row, label)) = dataset.labels.iter().enumerate().find(|(_, l)| **l >= n_outputs) {
             return Err(usage(format!(
-                "labels out of range: row {row} has label {label} but --model {model_text} has {n_outputs} outputs (classes 0..{n_outputs})"
+                "labels out of range: row {row} has label {label} but --model {model_text} has {n_outputs} outputs \
+                 (classes 0..{n_outputs}); give a model with at least {} outputs",
+                label + 1
             )));
         }
         dataset.n_classes = n_outputs;

@@ -13,6 +13,7 @@
 //! stdout never stops the run).
 mod args;
 mod checkpointing;
+mod checks;
 mod data_source;
 mod outputs;
 mod progress;
@@ -74,11 +75,15 @@ fn list_devices() {
 /// Maps planning and building errors the user can fix (bad schedule, does not fit, bad
 /// placement) to usage errors.
 fn input_error(e: conveyor::engine::Error) -> anyhow::Error {
+    super::messages::engine_input_error(e)
+}
+
+/// An engine error's reason alone when it is an invalid argument (the CLI names the flag itself),
+/// else the whole message.
+fn engine_reason(e: conveyor::engine::Error) -> String {
     match e {
-        conveyor::engine::Error::Schedule(_)
-        | conveyor::engine::Error::DoesNotFit { .. }
-        | conveyor::engine::Error::InvalidArgument { .. } => usage(e.to_string()),
-        other => anyhow::Error::new(other),
+        conveyor::engine::Error::InvalidArgument { reason, .. } => reason,
+        other => other.to_string(),
     }
 }
 
@@ -137,35 +142,25 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             _ => data_source::default_model(&splits.train),
         },
     };
-    let spec: ModelSpec = model_text.parse().map_err(|e: conveyor::engine::Error| usage(e.to_string()))?;
+    let spec: ModelSpec =
+        model_text.parse().map_err(|e| usage(format!("--model: invalid model spec {}", engine_reason(e))))?;
     let schedule: ScheduleKind = args.schedule.parse().map_err(|e| usage(format!("--schedule: {e}")))?;
     if args.chunks == 0 {
-        return Err(usage("--chunks must be at least 1"));
+        return Err(usage("--chunks 0: each device needs at least 1 chunk; give --chunks 1 or more"));
     }
     if args.chunks > 1 && !schedule.supports_chunks() {
         return Err(usage(format!("--chunks {} needs --schedule interleaved", args.chunks)));
     }
-    let recompute: Recompute = args.recompute.parse().map_err(|e: conveyor::engine::Error| usage(e.to_string()))?;
+    let recompute: Recompute =
+        args.recompute.parse().map_err(|e| usage(format!("--recompute {}", engine_reason(e))))?;
     let core_slots: conveyor::engine::runtime::CoreSlotPolicy =
-        args.core_slots.parse().map_err(|e: conveyor::engine::Error| usage(format!("--core-slots: {e}")))?;
+        args.core_slots.parse().map_err(|e| usage(format!("--core-slots {}", engine_reason(e))))?;
     let lr_schedule: LrSchedule = args.lr_schedule.parse()?;
     let on_nonfinite: OnNonFinite = args.on_nonfinite.parse()?;
     let budget = args.device_memory.as_deref().map(parse_size).transpose()?;
     let mut devices = parse_devices(&args.devices, budget)?;
     let k = args.tensor_parallel;
-    if k == 0 {
-        return Err(usage("--tensor-parallel must be at least 1"));
-    }
-    if let Some(stages) = args.stages {
-        if stages == 0 || stages * k > devices.len() {
-            return Err(usage(format!(
-                "--stages {stages} with --tensor-parallel {k} needs {} devices but --devices gives {}",
-                stages * k,
-                devices.len()
-            )));
-        }
-        devices.truncate(stages * k);
-    }
+    devices.truncate(checks::devices_used(args.stages, k, args.chunks, &args.devices, devices.len())?);
     if devices.len() % k != 0 {
         return Err(usage(format!(
             "--tensor-parallel {k}: the {} devices do not split into groups of {k}; give stages x {k} devices",
@@ -176,7 +171,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         return Err(usage("--placement FILE is not supported with --tensor-parallel yet; use --placement auto"));
     }
     if args.microbatches == 0 || args.batch == 0 {
-        return Err(usage("--batch and --microbatches must be at least 1"));
+        return Err(usage(format!(
+            "--batch {} --microbatches {}: a batch needs at least 1 row and 1 micro-batch; give both at least 1",
+            args.batch, args.microbatches
+        )));
     }
     if args.microbatches > args.batch {
         return Err(usage(format!(
@@ -186,20 +184,27 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     }
     for (flag, value) in [("--eval-every", args.eval_every), ("--checkpoint-every", args.checkpoint_every)] {
         if value == Some(0) {
-            return Err(usage(format!("{flag} must be at least 1")));
+            return Err(usage(format!("{flag} must be at least 1, got 0; give {flag} N with N >= 1 or leave it out")));
         }
     }
     if args.checkpoint_every.is_some() && args.checkpoint.is_none() {
-        return Err(usage("--checkpoint-every needs --save FILE to write to"));
+        return Err(usage(
+            "--checkpoint-every needs --checkpoint FILE to write the checkpoints to; add --checkpoint FILE or drop --checkpoint-every",
+        ));
     }
     let optimizer = parse_optimizer(&args.optimizer, args.lr, args.momentum, args.weight_decay)?;
     let base_lr = optimizer.lr();
-    let graph = spec.build(args.seed).map_err(|e| usage(e.to_string()))?;
+    let graph = spec.build(args.seed).map_err(|e| usage(format!("--model {model_text}: {}", engine_reason(e))))?;
     let n_outputs = graph.node(graph.output()?)?.output_shape.dims().iter().product::<usize>();
     data_source::fit_to_model(&mut splits, &spec, &model_text, n_outputs, args.classes)?;
     let data_source::Splits { train, test } = splits;
     if args.batch > train.len() {
-        return Err(usage(format!("--batch {} is larger than the {} training rows", args.batch, train.len())));
+        return Err(usage(format!(
+            "--batch {} is larger than the {} training rows; give --batch at most {}",
+            args.batch,
+            train.len(),
+            train.len()
+        )));
     }
     let config = PipelineConfig {
         schedule,
@@ -226,7 +231,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         .map(|group| group.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("+"))
         .collect();
     let steps_per_epoch = (train.len() / args.batch) as u64;
-    let total_steps = args.steps.unwrap_or(args.epochs * steps_per_epoch);
+    let total_steps = checks::total_steps(args.steps, args.epochs, steps_per_epoch)?;
+    let (momentum, weight_decay) = checks::hyperparameters(&optimizer);
     let mut state = RunState {
         step: 0,
         steps_per_epoch,
@@ -240,6 +246,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         lr: base_lr,
         lr_schedule: lr_schedule.to_string(),
         total_steps,
+        micro_batches: Some(args.microbatches),
+        momentum: Some(momentum),
+        weight_decay: Some(weight_decay),
+        data_fingerprint: Some(conveyor::cli_input::data_fingerprint(&train)),
     };
     let homes = ParamHomes::new(&trainer, &plan)?;
     let mut resumed_note = None;
