@@ -280,6 +280,13 @@ pub const DATA_LABELS: &str = "labels";
 /// it is an error), otherwise the largest label plus one.
 pub fn from_safetensors(path: &Path, n_classes: Option<usize>) -> Result<Dataset> {
     let source = path.display().to_string();
+    // A device or a pipe (`/dev/zero`, a FIFO) could be read without end: only regular files.
+    if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
+        return Err(Error::invalid(
+            "data file",
+            format!("{source}: not a regular file (a directory, device or pipe); give a .safetensors file"),
+        ));
+    }
     let buffer = std::fs::read(path).map_err(|e| {
         Error::invalid("data file", format!("{source}: cannot read it ({e}); give an existing .safetensors file"))
     })?;

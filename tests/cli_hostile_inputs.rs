@@ -391,6 +391,11 @@ fn cases() -> Vec<Case> {
             "--costs", "1e308,1e308,1e308"], "the step's time overflows"),
         Case { name: "simulate: the largest allowed size answers", setup: nothing, exit: 0, phrase: "bubble fraction", unchanged: &[],
             args: &["simulate", "--schedule", "1f1b", "--stages", "1024", "--microbatches", "8"] },
+        refused("train: --data a device read without end", &["train", "--data", "/dev/zero", "--steps", "1"], "not a regular file"),
+        Case { name: "simulate: --svg and --trace on one file", setup: nothing, exit: 2, phrase: "name the same file",
+            unchanged: &["x.out"],
+            args: &["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--svg", "{dir}/x.out",
+                "--trace", "{dir}/./x.out"] },
     ]
 }
 

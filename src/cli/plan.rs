@@ -1,6 +1,7 @@
 //! `conveyor plan`: places a zoo model on devices (automatically, or from a placement file) and
 //! prints each stage's layers, memory and predicted times, then the step time and bubble fraction
 //! the schedule simulator predicts for that placement.
+use super::console::outln;
 use std::path::Path;
 
 use anyhow::Context;
@@ -123,7 +124,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     };
     let report = simulate_plan(&plan, &args, devices.len())?;
     if args.json {
-        println!("{}", serde_json::to_string(&plan_json(&plan, &report, &args, &graph, devices.len()))?);
+        outln!("{}", serde_json::to_string(&plan_json(&plan, &report, &args, &graph, devices.len()))?);
     } else {
         print_table(&plan, &report, &args, plan.config.micro_batch_rows, devices.len());
     }
@@ -237,7 +238,7 @@ fn recompute_name(recompute: Recompute) -> &'static str {
 
 fn print_table(plan: &Plan, report: &SimulationReport, args: &PlanArgs, micro_batch_rows: usize, n_devices: usize) {
     let placement = if args.placement == "auto" { "automatic placement".to_string() } else { args.placement.clone() };
-    println!(
+    outln!(
         "conveyor plan: {} on {} ({} stages), {}{}, {} micro-batches of {micro_batch_rows} rows, {}, recompute {}; {placement}",
         args.model,
         args.devices,
@@ -293,36 +294,36 @@ fn print_table(plan: &Plan, report: &SimulationReport, args: &PlanArgs, micro_ba
             ]
         })
         .collect();
-    print!("{}", render_table(&header, &rows));
-    println!(
+    crate::cli::console::out(&render_table(&header, &rows));
+    outln!(
         "memory: the most each stage holds at once (persistent: parameters, gradients, optimizer state, \
          the commit's undo snapshot, packed weight caches; at its busiest moment of a step: activations kept for \
          backward, messages and data waiting, the running op's working set)"
     );
     if args.chunks > 1 {
         let peaks: Vec<String> = plan.device_peaks(n_devices).iter().map(|d| format_bytes(d[0])).collect();
-        println!("per device (chunks together): [{}]", peaks.join(", "));
+        outln!("per device (chunks together): [{}]", peaks.join(", "));
     }
     for note in memory_notes(plan) {
-        println!("{note}");
+        outln!("{note}");
     }
     let bottleneck = plan
         .stages
         .iter()
         .max_by(|a, b| a.time_per_micro_batch_s().total_cmp(&b.time_per_micro_batch_s()))
         .expect("a plan has at least one stage");
-    println!(
+    outln!(
         "times per micro-batch: F forward, B input gradient, W weight gradient (F and B include transfers in); \
          slowest stage {} at {} (F+B+W)",
         bottleneck.stage_idx,
         format_seconds(bottleneck.time_per_micro_batch_s())
     );
-    println!(
+    outln!(
         "predicted step: {} ({} simulated with these stage times)",
         format_seconds(report.makespan_s),
         args.schedule
     );
-    println!("predicted bubble fraction: {:.4}", report.bubble_fraction);
+    outln!("predicted bubble fraction: {:.4}", report.bubble_fraction);
 }
 
 /// Left-aligns text columns (stage, device, layers) and right-aligns the figures.

@@ -1,6 +1,7 @@
 //! `conveyor simulate`: builds a schedule, validates it and prints the simulated timeline;
 //! optionally writes it as an SVG Gantt chart (`--svg`) and a Chrome trace (`--trace`), and
 //! draws a compact chart (`--show`).
+use super::console::outln;
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -100,6 +101,15 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             args.costs, args.latency, args.message_bytes, report.makespan_s
         )));
     }
+    if let (Some(svg), Some(trace)) = (&args.svg, &args.trace)
+        && super::train::same_output(svg, trace)
+    {
+        return Err(super::usage(format!(
+            "--svg {} and --trace {} name the same file; give each its own path",
+            svg.display(),
+            trace.display()
+        )));
+    }
     if let Some(path) = &args.svg {
         let options = SvgOptions { title: chart_title(&schedule), ..SvgOptions::default() };
         super::write_atomically(path, "--svg", &svg_gantt(&report.timeline, &options))?;
@@ -121,10 +131,10 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             "peak_inflight_per_device": report.peak_inflight_per_device,
             "events": report.timeline.events,
         });
-        println!("{}", serde_json::to_string(&output)?);
+        outln!("{}", serde_json::to_string(&output)?);
         return Ok(());
     }
-    println!(
+    outln!(
         "schedule {}: p = {} devices, m = {} micro-batches, v = {} chunks per device ({} stages)",
         schedule.kind(),
         schedule.n_devices(),
@@ -132,20 +142,23 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         schedule.n_chunks(),
         schedule.n_stages()
     );
-    println!(
+    outln!(
         "costs F = {} s, B = {} s, W = {} s; F forward, B fused backward, I input gradient, W weight gradient, \
          :c chunk, . idle",
-        stage_costs.forward_s, stage_costs.backward_input_s, stage_costs.backward_weight_s
+        stage_costs.forward_s,
+        stage_costs.backward_input_s,
+        stage_costs.backward_weight_s
     );
-    print!("{}", render_timeline(&report.timeline));
-    println!("makespan: {} s", report.makespan_s);
-    println!(
+    crate::cli::console::out(&render_timeline(&report.timeline));
+    outln!("makespan: {} s", report.makespan_s);
+    outln!(
         "bubble fraction: {:.4} (inside each device's busy span: {:.4})",
-        report.bubble_fraction, report.interior_bubble_fraction
+        report.bubble_fraction,
+        report.interior_bubble_fraction
     );
-    println!("peak in-flight micro-batches per stage: {:?}", report.peak_inflight);
+    outln!("peak in-flight micro-batches per stage: {:?}", report.peak_inflight);
     if schedule.n_chunks() > 1 {
-        println!("peak in-flight (micro-batch, stage) pairs per device: {:?}", report.peak_inflight_per_device);
+        outln!("peak in-flight (micro-batch, stage) pairs per device: {:?}", report.peak_inflight_per_device);
     }
     if args.show {
         let columns = std::env::var("COLUMNS")
@@ -153,7 +166,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             .and_then(|columns| columns.trim().parse::<usize>().ok())
             .unwrap_or(DEFAULT_TERMINAL_COLUMNS)
             .min(MAX_TERMINAL_COLUMNS);
-        print!("{}", terminal_chart(&report.timeline, columns));
+        crate::cli::console::out(&terminal_chart(&report.timeline, columns));
     }
     Ok(())
 }

@@ -35,6 +35,7 @@ use conveyor::schedules::{
     simulate_with_core_slots,
 };
 use conveyor::zoo::ModelSpec;
+pub(crate) use outputs::same_output;
 use progress::Progress;
 
 use super::console::{errln, outln};
@@ -325,6 +326,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     // A non-finite step under `--on-nonfinite error` (or too many skipped): the run stops after
     // writing its outputs from the last good step.
     let mut diverged: Option<conveyor::engine::Error> = None;
+    let mut periodic_failure: Option<anyhow::Error> = None;
     for step in first_step..total_steps {
         if let Some(signal) = interrupt::requested() {
             interrupted = Some(signal);
@@ -381,7 +383,15 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 }
                 continue;
             }
-            Err(error) => return Err(error.into()),
+            // The trainer's parameters are no longer one step's: nothing may be saved from them.
+            Err(error @ conveyor::engine::Error::Poisoned { .. }) => return Err(error.into()),
+            // Any other failed step changed nothing (steps are all-or-nothing): stop, and still
+            // write every output from the last good step, so a trained model is never lost.
+            Err(error) => {
+                errln!("error: step {} failed: {error}; writing the outputs from step {}", step + 1, state.step);
+                diverged = Some(error);
+                break;
+            }
         };
         if let Some(recorder) = &recorder {
             last_step_end_s = recorder.now_s();
@@ -442,8 +452,18 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             && (step + 1) % every == 0
             && step + 1 != total_steps
         {
-            checkpointing::save(path, &trainer, &state, false, "--checkpoint")?;
-            tracing::info!(step = step + 1, path = %path.display(), "checkpoint saved");
+            // A periodic checkpoint that cannot be written (a full disk) leaves the previous file
+            // whole and does not stop the training; the run still ends with that error.
+            match checkpointing::save(path, &trainer, &state, false, "--checkpoint") {
+                Ok(()) => tracing::info!(step = step + 1, path = %path.display(), "checkpoint saved"),
+                Err(error) => {
+                    errln!(
+                        "warning: the checkpoint of step {} was not written ({error:#}); training goes on",
+                        step + 1
+                    );
+                    periodic_failure.get_or_insert(error);
+                }
+            }
         }
         if recent_reports.len() == BUBBLE_STEPS {
             recent_reports.pop_front();
@@ -566,7 +586,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             "summary": true,
             "steps": state.step,
             "skipped_steps": skipped_steps,
-            "stopped_non_finite": diverged.as_ref().map(|e| e.to_string()),
+            "stopped_non_finite": diverged.as_ref().filter(|e| matches!(e, conveyor::engine::Error::NonFiniteStep { .. })).map(|e| e.to_string()),
+            "stopped_by_error": diverged.as_ref().filter(|e| !matches!(e, conveyor::engine::Error::NonFiniteStep { .. })).map(|e| e.to_string()),
             "interrupted": interrupted.map(interrupt::signal_name),
             "final_loss": last_report.as_ref().map(|r| r.loss),
             "test_accuracy": accuracy,
@@ -599,7 +620,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             outln!("wrote the last step's chart to {}", path.display());
         }));
     }
-    let first_failure = (!failures.is_empty()).then(|| failures.remove(0));
+    let first_failure = (!failures.is_empty()).then(|| failures.remove(0)).or(periodic_failure);
     for other in &failures {
         errln!("error: {other:#}");
     }

@@ -42,6 +42,11 @@ fn identity(path: &Path) -> Option<Identity> {
     Some(Identity::Name(directory.join(target.resolved.file_name()?)))
 }
 
+/// True when two output paths name the same file (for `simulate --svg X --trace X` and the like).
+pub(crate) fn same_output(a: &Path, b: &Path) -> bool {
+    matches!((identity(a), identity(b)), (Some(x), Some(y)) if x == y)
+}
+
 /// The outputs of a run, by flag.
 fn outputs(args: &TrainArgs) -> Vec<(&'static str, &Path)> {
     [
