@@ -277,6 +277,53 @@ fn a_failed_apply_is_rolled_back_and_training_continues_bit_for_bit_also_after_a
 }
 
 #[test]
+fn a_failed_checkpoint_write_keeps_the_previous_checkpoint_and_resumes_bit_for_bit() {
+    with_watchdog(Duration::from_secs(60), || {
+        let dir = std::env::temp_dir().join(format!("conveyor-fault-checkpoint-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ck.safetensors");
+        let save = |t: &Trainer| -> conveyor::engine::Result<()> {
+            let all: Vec<(String, Tensor)> = t.parameters()?.into_iter().chain(t.optimizer_state()?).collect();
+            let named: Vec<(&str, &Tensor)> = all.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            conveyor::engine::checkpoint::save(&path, &named)
+        };
+        let batches: Vec<_> = (0..5).map(|seed| data(8, &[6], 10, seed)).collect();
+        let mut t = adam_trainer(ScheduleKind::ZbH1, 1);
+        for (x, y) in &batches[..2] {
+            t.train_step(x, y).unwrap();
+        }
+        save(&t).unwrap();
+        let good = std::fs::read(&path).unwrap();
+        t.train_step(&batches[2].0, &batches[2].1).unwrap();
+        let state = full_state(&t);
+        conveyor::engine::output_file::inject_write_fault(Some(good.len() as u64 / 2));
+        let err = save(&t).unwrap_err();
+        assert!(matches!(err, Error::Io { .. }), "a typed I/O error: {err}");
+        assert!(err.to_string().contains("injected write failure"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), good, "the previous checkpoint was damaged");
+        let left: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left.len(), 1, "a temporary file was left behind: {left:?}");
+        assert!(full_state(&t) == state, "a failed save changed the trainer");
+        // Resume from the checkpoint that survived: the same steps give the same bits.
+        let mut checkpoint = conveyor::engine::checkpoint::load(&path, &Device::host()).unwrap();
+        let mut resumed = adam_trainer(ScheduleKind::ZbH1, 1);
+        let names: Vec<String> = resumed.parameter_names().to_vec();
+        let params: Vec<(String, Tensor)> = names.iter().map(|n| (n.clone(), checkpoint.take(n).unwrap())).collect();
+        resumed.load_parameters(params).unwrap();
+        resumed.load_optimizer_state(checkpoint).unwrap();
+        resumed.set_step_idx(2);
+        for (x, y) in &batches[2..] {
+            resumed.train_step(x, y).unwrap();
+        }
+        for (x, y) in &batches[3..] {
+            t.train_step(x, y).unwrap();
+        }
+        assert!(full_state(&resumed) == full_state(&t), "the resumed run differs");
+        std::fs::remove_dir_all(&dir).unwrap();
+    });
+}
+
+#[test]
 fn one_f_one_b_holds_p_over_m_of_gpipe_activations_on_stage_zero() {
     with_watchdog(Duration::from_secs(60), || {
         let (n_devices, n_micro_batches) = (4, 8);

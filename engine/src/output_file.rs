@@ -279,6 +279,8 @@ pub fn remove_stale_temporaries(directory: &Path) -> usize {
 /// temporary file is removed and the target keeps its previous contents.
 pub struct OutputFile {
     file: Option<File>,
+    /// Bytes written so far (for [`inject_write_fault`]).
+    written: u64,
     target: OutputTarget,
     /// The temporary file while it is ours to remove.
     temporary: Option<PathBuf>,
@@ -290,12 +292,12 @@ impl OutputFile {
         let target = resolve_output(path)?;
         if !target.kind.is_atomic() {
             let file = OpenOptions::new().write(true).open(&target.resolved).map_err(io_error(&target.resolved))?;
-            return Ok(OutputFile { file: Some(file), target, temporary: None });
+            return Ok(OutputFile { file: Some(file), written: 0, target, temporary: None });
         }
         let file_name = target.resolved.file_name().unwrap_or(OsStr::new("output"));
         let temporary = target.directory().join(temporary_name(file_name));
         let file = OpenOptions::new().write(true).create_new(true).open(&temporary).map_err(io_error(&temporary))?;
-        Ok(OutputFile { file: Some(file), target, temporary: Some(temporary) })
+        Ok(OutputFile { file: Some(file), written: 0, target, temporary: Some(temporary) })
     }
 
     /// Where the bytes go.
@@ -334,13 +336,46 @@ impl OutputFile {
     }
 }
 
+thread_local! {
+    /// The byte count after which this thread's next output write fails ([`inject_write_fault`]).
+    static WRITE_FAULT: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+}
+
+/// Makes the next output written on this thread fail once it has written `after_bytes` bytes (as
+/// a full disk would, part of the data already in the temporary file), for testing what a failed
+/// write leaves behind; `None` clears it. The fault strikes once.
+pub fn inject_write_fault(after_bytes: Option<u64>) {
+    WRITE_FAULT.with(|fault| fault.set(after_bytes));
+}
+
+impl OutputFile {
+    /// Fails the write of `bytes` if an injected fault strikes within it, after writing the bytes
+    /// up to the fault.
+    fn injected_fault(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        let Some(limit) = WRITE_FAULT.with(std::cell::Cell::get) else { return Ok(()) };
+        if self.written + bytes.len() as u64 <= limit {
+            return Ok(());
+        }
+        WRITE_FAULT.with(|fault| fault.set(None));
+        let before = (limit.saturating_sub(self.written) as usize).min(bytes.len());
+        self.file.as_mut().expect("an uncommitted output has its file").write_all(&bytes[..before])?;
+        Err(std::io::Error::new(std::io::ErrorKind::StorageFull, "injected write failure"))
+    }
+}
+
 impl Write for OutputFile {
     fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.file.as_mut().expect("an uncommitted output has its file").write(bytes)
+        self.injected_fault(bytes)?;
+        let n = self.file.as_mut().expect("an uncommitted output has its file").write(bytes)?;
+        self.written += n as u64;
+        Ok(n)
     }
 
     fn write_all(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        self.file.as_mut().expect("an uncommitted output has its file").write_all(bytes)
+        self.injected_fault(bytes)?;
+        self.file.as_mut().expect("an uncommitted output has its file").write_all(bytes)?;
+        self.written += bytes.len() as u64;
+        Ok(())
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
