@@ -242,19 +242,9 @@ fn runtime_routes_follow_graph_edges_even_where_they_skip_stages() {
 // ---------------------------------------------------------------------------------------------
 // engine/: "the engine never names a concrete layer; it sees `dyn Layer`."
 
-/// Engine code that names a concrete layer today: (file, line fragment, why).
-const KNOWN_LAYER_NAMES: [(&str, &str, &str); 2] = [
-    (
-        "engine/src/placement/profile.rs",
-        "layer.kind() == \"Embedding\"",
-        "the profiler feeds embeddings zero ids by the layer's kind; the Layer trait should say what input a layer takes",
-    ),
-    (
-        "engine/src/placement/memory/probe.rs",
-        "layer.kind() == \"Embedding\"",
-        "the memory probe copies the profiler's special case for embeddings",
-    ),
-];
+/// Engine code that names a concrete layer today: (file, line fragment, why). None: the profiler
+/// and the memory probe ask `Layer::takes_indices` what input to make up.
+const KNOWN_LAYER_NAMES: [(&str, &str, &str); 0] = [];
 
 #[test]
 fn engine_never_names_a_concrete_layer() {
@@ -322,7 +312,7 @@ struct LockSite {
     departure: bool,
 }
 
-const LOCKS: [LockSite; 8] = [
+const LOCKS: [LockSite; 11] = [
     LockSite {
         path: "engine/src/runtime/core_slots.rs",
         item: "*",
@@ -351,6 +341,24 @@ const LOCKS: [LockSite; 8] = [
         path: "engine/src/device/cuda/nccl.rs",
         item: "group",
         why: "creates the per-rank locks above",
+        departure: false,
+    },
+    LockSite {
+        path: "engine/src/device/memory.rs",
+        item: "MemoryAccount",
+        why: "per-thread tallies of one probed call: taken only while the memory planner tallies (an atomic flag skips it otherwise)",
+        departure: false,
+    },
+    LockSite {
+        path: "engine/src/device/memory.rs",
+        item: "new",
+        why: "creates the tally lock above",
+        departure: false,
+    },
+    LockSite {
+        path: "engine/src/device/memory.rs",
+        item: "lock_threads",
+        why: "takes the tally lock above (planning only)",
         departure: false,
     },
     LockSite {

@@ -6,7 +6,7 @@
 //! `Device::peak_memory` after the evaluation) against the plan's figure for that device
 //! (`Plan::device_peaks`):
 //!
-//! `floor * planned <= measured <= planned`, `floor` = 0.85 (0.70 with tensor parallelism).
+//! `floor * planned <= measured <= planned`, `floor` = 0.85 (0.80 with tensor parallelism).
 //!
 //! The upper bound is the guarantee: an allocation past the planned budget fails the step with
 //! `OutOfDeviceMemory`, so an under-estimate shows up as an error before it shows up as a ratio.
@@ -14,10 +14,12 @@
 //! bounds actually happens, so the workers share one core slot (`CoreSlotPolicy::Slots(1)`): a
 //! worker then runs until it blocks, and the others find every message their neighbours could
 //! have sent waiting, as the plan assumes. Two slacks remain, both from bounding what timing
-//! decides: with tensor parallelism a split layer's working set is bounded by all the bytes its
-//! call reserves (its threads' interleaving decides the real peak; a third more for a split
-//! conv), and a device that always finds its input waiting never sees its neighbours run as far
-//! ahead as they could.
+//! decides: a device that always finds its input waiting never sees its neighbours run as far
+//! ahead as they could (with tensor parallelism this sets the lowest ratio, 0.805: a group's first
+//! device holding only a `flatten` and the classifier, CNN interleaved, planned for four waiting
+//! messages of which the run realises three), and a split layer's collective messages count
+//! from their send to the end of the call (its threads' interleaving decides when they are
+//! freed; see `engine/src/placement/memory/probe.rs`).
 //!
 //! `cargo test --test memory_plan_bound -- --nocapture` prints the lowest and highest ratios
 //! (`SWEEP=<text>` runs only the configurations whose label contains it).
@@ -35,7 +37,7 @@ use conveyor::zoo::ModelSpec;
 /// The lower bound on measured / planned.
 const FLOOR: f64 = 0.85;
 /// The same with tensor parallelism (see the module docs).
-const FLOOR_TENSOR_PARALLEL: f64 = 0.70;
+const FLOOR_TENSOR_PARALLEL: f64 = 0.80;
 const STEPS: usize = 3;
 const SEEDS: [u64; 2] = [1, 2];
 const PIPELINE_DEVICES: usize = 2;

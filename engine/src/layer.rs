@@ -81,6 +81,13 @@ pub trait Layer: Send + std::fmt::Debug {
         1
     }
 
+    /// Whether the layer's inputs are integer ids carried as f32 (token ids for an embedding),
+    /// not values: code that runs a layer on made-up inputs (the profiler, the memory probe)
+    /// feeds such a layer zeros, an id every table has. Default: false.
+    fn takes_indices(&self) -> bool {
+        false
+    }
+
     /// The per-sample output shape for per-sample input shapes, or a shape error naming what was expected.
     fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape>;
 

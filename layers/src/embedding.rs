@@ -86,6 +86,10 @@ impl Layer for Embedding {
         "Embedding"
     }
 
+    fn takes_indices(&self) -> bool {
+        true
+    }
+
     fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape> {
         Ok(Shape::new(self.output_dims(&expect_shapes("Embedding", input_shapes, 1)?[0])))
     }
@@ -102,7 +106,11 @@ impl Layer for Embedding {
         expect_inputs("Embedding", inputs, 1)?;
         let ids = inputs[0];
         if ids.shape().rank() == 0 {
-            return Err(Error::shape("Embedding", "ids with a batch dimension, e.g. [batch, tokens]", ids.shape().to_string()));
+            return Err(Error::shape(
+                "Embedding",
+                "ids with a batch dimension, e.g. [batch, tokens]",
+                ids.shape().to_string(),
+            ));
         }
         let weight = &self.params[0].value;
         check_same_device("Embedding", ids, weight)?;

@@ -24,7 +24,7 @@ use std::sync::Arc;
 pub(crate) use cuda::CudaStorage;
 pub use cuda::{CudaBuffer, CudaDevice, CudaElement, CudaStream, DeviceMatRef, GemmElement};
 pub(crate) use host::HostStorage;
-pub use memory::{MemoryAccount, Reservation};
+pub use memory::{MemoryAccount, Reservation, ThreadTally};
 
 use crate::{Error, Result};
 

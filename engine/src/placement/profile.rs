@@ -32,7 +32,7 @@ pub fn profile_graph(graph: &Graph, rows: usize, repeats: usize) -> Result<Vec<(
         let mut host_inputs = Vec::new();
         for pred in graph.predecessors(id) {
             let shape = graph.node(pred)?.output_shape.with_leading_dim(rows);
-            host_inputs.push(if layer.kind() == "Embedding" {
+            host_inputs.push(if layer.takes_indices() {
                 Tensor::zeros(shape, crate::DType::F32, &host)?
             } else {
                 init::uniform(shape, -1.0, 1.0, &mut rng, &host)?

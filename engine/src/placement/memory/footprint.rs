@@ -58,13 +58,22 @@ pub(crate) struct StageFootprint {
     pub peak_backward_input_recompute: Vec<u64>,
     /// Most held during the weight pass (from the backward's stash).
     pub peak_backward_weight: Vec<u64>,
+    /// The gradients the input-gradient pass sends to producer stages: a fused backward holds
+    /// them through its weight pass (`Stage::backward_input` returns them when both are done).
+    pub sent_backward: Vec<u64>,
 }
 
 impl StageFootprint {
-    /// Most held during a fused backward (input-gradient and weight passes in one op).
+    /// Most held during a fused backward (input-gradient and weight passes in one op, the
+    /// gradients for producer stages sent after both).
     pub fn peak_backward(&self, recompute: bool) -> Vec<u64> {
         let input = if recompute { &self.peak_backward_input_recompute } else { &self.peak_backward_input };
-        input.iter().zip(&self.peak_backward_weight).map(|(a, b)| (*a).max(*b)).collect()
+        input
+            .iter()
+            .zip(&self.peak_backward_weight)
+            .zip(&self.sent_backward)
+            .map(|((a, b), sent)| (*a).max(b + sent))
+            .collect()
     }
 }
 
@@ -248,9 +257,9 @@ fn forward(arena: &mut Arena, shape: &StageShape<'_>, recompute: bool) -> MicroB
     state
 }
 
-/// `Stage::recompute` (when the saved state was dropped) and `Stage::backward_input`, then the
-/// sends.
-fn backward_input(arena: &mut Arena, shape: &StageShape<'_>, state: &mut MicroBatch) {
+/// `Stage::recompute` (when the saved state was dropped) and `Stage::backward_input`; returns the
+/// gradients to send (the caller releases them when they are sent).
+fn backward_input(arena: &mut Arena, shape: &StageShape<'_>, state: &mut MicroBatch) -> Vec<Sid> {
     // The gradients may arrive while the micro-batch is recomputed.
     let mut received: Vec<(usize, Sid)> = Vec::new();
     for (j, node) in shape.nodes.iter().enumerate() {
@@ -303,7 +312,7 @@ fn backward_input(arena: &mut Arena, shape: &StageShape<'_>, state: &mut MicroBa
         }
         arena.note();
     }
-    outgoing.into_iter().flatten().for_each(|sid| arena.release(sid));
+    outgoing.into_iter().flatten().collect()
 }
 
 /// `Stage::backward_weight`: each node's weight pass, then the micro-batch's state is freed.
@@ -326,9 +335,12 @@ pub(crate) fn footprint(shape: &StageShape<'_>) -> StageFootprint {
     let peak_forward = arena.peak.clone();
     let stash_forward = arena.live.clone();
     arena.reset_peak();
-    backward_input(&mut arena, shape, &mut state);
+    let sent = backward_input(&mut arena, shape, &mut state);
     let peak_backward_input = arena.peak.clone();
+    let with_sent = arena.live.clone();
+    sent.into_iter().for_each(|sid| arena.release(sid));
     let stash_backward = arena.live.clone();
+    let sent_backward = with_sent.iter().zip(&stash_backward).map(|(w, s)| w - s).collect();
     arena.reset_peak();
     backward_weight(&mut arena, shape, state);
     let peak_backward_weight = arena.peak.clone();
@@ -347,6 +359,7 @@ pub(crate) fn footprint(shape: &StageShape<'_>) -> StageFootprint {
         peak_backward_input,
         peak_backward_input_recompute,
         peak_backward_weight,
+        sent_backward,
     }
 }
 
@@ -406,5 +419,9 @@ mod tests {
         assert_eq!(f.peak_backward_input, vec![230]);
         // Kept: saved 110 and output gradients 10 + 10.
         assert_eq!(f.stash_backward, vec![130]);
+        // A fused backward still holds the Linear's input gradient (100, sent after the weight
+        // pass) while the weight pass runs.
+        assert_eq!(f.sent_backward, vec![100]);
+        assert_eq!(f.peak_backward(false), vec![230.max(f.peak_backward_weight[0] + 100)]);
     }
 }

@@ -10,11 +10,16 @@
 //! Layers whose parameters live on devices (tensor-parallel layers, already built on their group)
 //! are measured on those devices' own ledgers, which nothing else uses before the trainer starts.
 //! A split layer's call runs one thread per device, and the peak one run reaches depends on how
-//! they interleave (measured: 32 or 40 KiB on the second device for the same conv backward); the
-//! bytes the call reserves in all do not, and bound the peak of every interleaving, so that is
-//! what counts as the call's working set ([`crate::device::MemoryAccount::reserved_total`]). It
-//! over-counts buffers freed before later ones are reserved: a third more for a split conv.
+//! they interleave (a collective's message is reserved on the receiver's ledger when its sender
+//! gets there). What counts as the call's working set on a device is the sum over threads of each
+//! thread's highest net bytes on that ledger ([`crate::device::ThreadTally::bound`]): each shard
+//! reserves and releases in its own program's order whatever the others do, so each thread's
+//! highest is the same in every interleaving, and their sum bounds the device at every moment of
+//! every interleaving. It counts a message from its send to the end of the call (its sender
+//! never releases it): for a split conv's input gradient that is 20 KiB against a worst
+//! interleaving of 16 KiB (the old bound, every byte the call reserved, was 28 KiB).
 use super::{InputGradMemory, NodeMemory, OutputMemory, Rank, SavedMemory};
+use crate::device::ThreadTally;
 use crate::graph::{Graph, NodeId};
 use crate::{DType, Device, ForwardCtx, Layer, Result, Saved, Tensor, init};
 
@@ -56,7 +61,7 @@ pub fn measure_node_memory_on(
         let mut values = Vec::with_capacity(predecessors.len());
         for pred in &predecessors {
             let shape = graph.node(*pred)?.output_shape.with_leading_dim(rows);
-            values.push(if layer.kind() == "Embedding" {
+            values.push(if layer.takes_indices() {
                 Tensor::zeros(shape, DType::F32, &group[0])?
             } else {
                 init::uniform(shape, -1.0, 1.0, &mut rng, &group[0])?
@@ -69,18 +74,20 @@ pub fn measure_node_memory_on(
     Ok(out)
 }
 
-/// Bytes in use on each device of the group, and the peaks reset to them.
-/// Each device's bytes reserved so far (see [`reserved_since`]), or zeros without ledgers.
-fn start(group: &[Device], ledger: bool) -> Vec<u64> {
-    group.iter().map(|d| if ledger { d.memory().reserved_total() } else { 0 }).collect()
+/// One [`ThreadTally`] per device of the group while a call runs, or none without ledgers.
+fn start(group: &[Device], ledger: bool) -> Result<Vec<ThreadTally>> {
+    if !ledger {
+        return Ok(Vec::new());
+    }
+    group.iter().map(|d| d.memory().tally_threads()).collect()
 }
 
-/// Bytes `device` reserved since `base` (from [`start`]), frees not subtracted. The peak one run
-/// of a call reaches depends on how its threads interleave (whether a collective's message
-/// arrives before the receiver freed its last buffer); the bytes it reserves in all do not, and
-/// bound the peak of every interleaving.
-fn reserved_since(device: &Device, base: u64) -> u64 {
-    device.memory().reserved_total().saturating_sub(base)
+/// With ledgers: each device's tally bound (at least `floor`); without: `floor`.
+fn peaks_or(tallies: Vec<ThreadTally>, floor: &[u64]) -> Vec<u64> {
+    if tallies.is_empty() {
+        return floor.to_vec();
+    }
+    tallies.iter().zip(floor).map(|(t, f)| t.bound().max(*f)).collect()
 }
 
 fn rank_of(group: &[Device], tensor: &Tensor) -> Rank {
@@ -103,7 +110,7 @@ fn probe(
     }
     // Forward.
     let in_use_before: Vec<u64> = group.iter().map(Device::memory_in_use).collect();
-    let base = start(group, ledger);
+    let tallies = start(group, ledger)?;
     let (output, saved) = layer.forward(&refs, &ForwardCtx::train(1))?;
     let output_memory = match inputs.iter().position(|x| x.shares_storage_with(&output)) {
         Some(i) => OutputMemory::ShareOfInput(i),
@@ -117,7 +124,8 @@ fn probe(
     let saved_memory = classify_saved(&saved, inputs, &output, group, &mut new_bytes);
     let mut saved_memory = saved_memory;
     let forward_peak = if ledger {
-        let peaks: Vec<u64> = group.iter().zip(&base).map(|(d, b)| reserved_since(d, *b)).collect();
+        let peaks: Vec<u64> = tallies.iter().map(ThreadTally::bound).collect();
+        drop(tallies);
         // Bytes the call left reserved beyond what it returned and saved: held by the saved state
         // in ways its tensors do not show; count them as the layer's own.
         for (rank, (d, b)) in group.iter().zip(&in_use_before).enumerate() {
@@ -133,7 +141,7 @@ fn probe(
     // Input gradient.
     let grad_output = Tensor::full(1.0, output.shape().clone(), output.dtype(), output.device())?;
     drop(output);
-    let base = start(group, ledger);
+    let tallies = start(group, ledger)?;
     let input_grads = layer.backward_input_for(&saved, &grad_output, needed)?;
     let mut grad_bytes = vec![0u64; k];
     let input_grads_memory: Vec<InputGradMemory> = (0..inputs.len())
@@ -146,7 +154,7 @@ fn probe(
             }
         })
         .collect();
-    let backward_input_peak = peaks_or(group, &base, ledger, &grad_bytes);
+    let backward_input_peak = peaks_or(tallies, &grad_bytes);
     drop(input_grads);
     // Weight gradient, into gradients allocated beside the parameters.
     let mut grads = layer
@@ -154,9 +162,9 @@ fn probe(
         .iter()
         .map(|p| Tensor::zeros(p.value.shape().clone(), p.value.dtype(), p.value.device()))
         .collect::<Result<Vec<_>>>()?;
-    let base = start(group, ledger);
+    let tallies = start(group, ledger)?;
     layer.backward_weight(&saved, &grad_output, &mut grads)?;
-    let backward_weight_peak = peaks_or(group, &base, ledger, &vec![0; k]);
+    let backward_weight_peak = peaks_or(tallies, &vec![0; k]);
     Ok(NodeMemory {
         rows,
         output: output_memory,
@@ -168,14 +176,6 @@ fn probe(
         backward_weight_peak,
         params,
     })
-}
-
-/// With ledgers: each device's bytes reserved since `base` (at least `floor`); without: `floor`.
-fn peaks_or(group: &[Device], base: &[u64], ledger: bool, floor: &[u64]) -> Vec<u64> {
-    if !ledger {
-        return floor.to_vec();
-    }
-    group.iter().zip(base).zip(floor).map(|((d, b), f)| reserved_since(d, *b).max(*f)).collect()
 }
 
 /// Each saved tensor as a share of an input, of the output, or bytes of its own (counted once
