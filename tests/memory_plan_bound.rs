@@ -6,26 +6,28 @@
 //! `Device::peak_memory` after the evaluation) against the plan's figure for that device
 //! (`Plan::device_peaks`):
 //!
-//! `floor * planned <= measured <= planned`, `floor` = 0.85 (0.80 with tensor parallelism).
+//! `0.85 * planned <= measured <= planned`, with and without tensor parallelism.
 //!
 //! The upper bound is the guarantee: an allocation past the planned budget fails the step with
 //! `OutOfDeviceMemory`, so an under-estimate shows up as an error before it shows up as a ratio.
 //! The lower bound keeps the plan honest. It can only be met where the worst case the plan
 //! bounds actually happens, so the workers share one core slot (`CoreSlotPolicy::Slots(1)`): a
 //! worker then runs until it blocks, and the others find every message their neighbours could
-//! have sent waiting, as the plan assumes. Two slacks remain, both from bounding what timing
-//! decides: a device that always finds its input waiting never sees its neighbours run as far
-//! ahead as they could (with tensor parallelism this sets the lowest ratio, 0.805: a group's first
-//! device holding only a `flatten` and the classifier, CNN interleaved, planned for four waiting
-//! messages of which the run realises three), and a split layer's collective messages count
-//! from their send to the end of the call (its threads' interleaving decides when they are
-//! freed; see `engine/src/placement/memory/probe.rs`).
+//! have sent waiting, as the plan assumes. A device that always finds its input waiting still
+//! never lets its neighbours run as far ahead as they could (CNN interleaved: a group's device
+//! holding only a `flatten` and the classifier is planned for four waiting messages, of which a
+//! free-running step realises three: 0.805). Where a device stays under the floor, the run pauses
+//! its worker before each instruction of its program in turn (`Trainer::inject_stall`), so the
+//! others run on until they block, and keeps the highest peak: the worst case then happens, and
+//! the lowest ratios are 0.870 without tensor parallelism and 0.862 with it. A split layer's
+//! collective messages count from their send to the end of the call (its threads' interleaving
+//! decides when they are freed; see `engine/src/placement/memory/probe.rs`).
 //!
 //! `cargo test --test memory_plan_bound -- --nocapture` prints the lowest and highest ratios
 //! (`SWEEP=<text>` runs only the configurations whose label contains it).
 use conveyor::engine::optim::OptimizerConfig;
 use conveyor::engine::placement::{DeviceSpec, Plan, place_with_costs};
-use conveyor::engine::runtime::{CoreSlotPolicy, Recompute, Trainer};
+use conveyor::engine::runtime::{CoreSlotPolicy, Recompute, StallInjection, Trainer};
 use conveyor::engine::{Device, Tensor};
 use conveyor::pipeline::{
     PipelineConfig, build_trainer_tensor_parallel, build_trainer_with_plan, node_costs, plan, plan_tensor_parallel,
@@ -36,8 +38,8 @@ use conveyor::zoo::ModelSpec;
 
 /// The lower bound on measured / planned.
 const FLOOR: f64 = 0.85;
-/// The same with tensor parallelism (see the module docs).
-const FLOOR_TENSOR_PARALLEL: f64 = 0.80;
+/// The same with tensor parallelism.
+const FLOOR_TENSOR_PARALLEL: f64 = 0.85;
 const STEPS: usize = 3;
 const SEEDS: [u64; 2] = [1, 2];
 const PIPELINE_DEVICES: usize = 2;
@@ -146,8 +148,37 @@ fn run(spec: &ModelSpec, config: &PipelineConfig, k: usize, seed: u64, budget: u
         *m = (*m).max(device.peak_memory());
     }
     let planned: Vec<u64> = plan.device_peaks(PIPELINE_DEVICES).into_iter().flatten().collect();
+    // Where a device stayed under the floor, the worst case the plan bounds may simply not have
+    // happened: a device that never pauses never lets its neighbours run as far ahead as they
+    // could. Pause its worker before each instruction of its program in turn (the others run on
+    // until they block), and keep the highest peak those steps reach.
+    let floor = if k == 1 { FLOOR } else { FLOOR_TENSOR_PARALLEL };
+    for worker in 0..PIPELINE_DEVICES {
+        let group = worker * k..(worker + 1) * k;
+        if group.clone().all(|d| measured[d] as f64 >= floor * planned[d] as f64) {
+            continue;
+        }
+        for instruction_idx in 0..trainer.schedule().programs()[worker].len() {
+            trainer.inject_stall(Some(StallInjection { device_idx: worker, instruction_idx, seconds: STALL_S }));
+            let (x, y) = batch(spec, seed * 100 + instruction_idx as u64);
+            let report = trainer
+                .train_step(&x, &y)
+                .unwrap_or_else(|e| panic!("{label}: a paused step failed at the planned budget {budget}: {e}"));
+            for d in group.clone() {
+                measured[d] = measured[d].max(report.peak_memory[d]);
+            }
+            trainer.predict(&x).unwrap_or_else(|e| panic!("{label}: a paused evaluation failed: {e}"));
+            for d in group.clone() {
+                measured[d] = measured[d].max(trainer.devices()[d].peak_memory());
+            }
+        }
+        trainer.inject_stall(None);
+    }
     measured.into_iter().zip(planned).collect()
 }
+
+/// How long a worker pauses when the run looks for its worst case.
+const STALL_S: f64 = 0.005;
 
 /// The lowest and highest ratio seen, with where.
 #[derive(Default)]

@@ -149,6 +149,19 @@ impl FaultInjection {
     }
 }
 
+/// A deliberate pause, for testing what timing decides (how far neighbours run ahead, and so how
+/// many messages wait on a device): the worker of `device_idx` gives up its core and sleeps for
+/// `seconds` before the instruction at `instruction_idx` of its program, every step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StallInjection {
+    /// The worker (pipeline device or tensor-parallel group).
+    pub device_idx: usize,
+    /// The position in that worker's program before which it pauses.
+    pub instruction_idx: usize,
+    /// How long it pauses.
+    pub seconds: f64,
+}
+
 /// What one optimizer step reports.
 #[derive(Clone, Debug)]
 pub struct StepReport {

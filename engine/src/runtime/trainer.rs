@@ -11,7 +11,7 @@ use crossbeam::channel::{self, Receiver, Sender};
 use super::core_slots::CoreSlots;
 use super::stage::{NodeExec, Payload, Route, Stage};
 use super::worker::{self, Command, Commit, Links, Report, StepJob};
-use super::{CoreSlotPolicy, FaultInjection, Recompute, StepReport};
+use super::{CoreSlotPolicy, FaultInjection, Recompute, StallInjection, StepReport};
 use crate::checkpoint::Checkpoint;
 use crate::graph::{Graph, NodeId};
 use crate::optim::{Optimizer, OptimizerConfig};
@@ -388,6 +388,7 @@ impl TrainerBuilder {
             auto_slots_op_flops,
             step_idx: 0,
             fault: None,
+            stall: None,
             poisoned: None,
             graph: self.graph,
             param_order,
@@ -442,6 +443,7 @@ pub struct Trainer {
     auto_slots_op_flops: Option<f64>,
     step_idx: u64,
     fault: Option<FaultInjection>,
+    stall: Option<StallInjection>,
     /// Why the parameters are no longer one step's (a failed apply that could not be rolled back).
     poisoned: Option<String>,
     /// The graph's structure (its layers live on the workers).
@@ -539,6 +541,12 @@ impl Trainer {
     /// Makes the next steps fail as described (for testing fault handling); `None` clears it.
     pub fn inject_fault(&mut self, fault: Option<FaultInjection>) {
         self.fault = fault;
+    }
+
+    /// Makes the next steps pause one worker as described (for testing what timing decides, such
+    /// as the most messages a device holds); `None` clears it.
+    pub fn inject_stall(&mut self, stall: Option<StallInjection>) {
+        self.stall = stall;
     }
 
     /// Splits `rows` into `n` micro-batches: sizes differ by at most one, the first
@@ -677,6 +685,7 @@ impl Trainer {
                 abort: abort_rx.clone(),
                 commit: commit_rx,
                 fault: self.fault,
+                stall: self.stall,
                 started,
                 max_grad_norm: self.max_grad_norm,
                 use_core_slots: slots_this_step.is_some(),

@@ -48,6 +48,7 @@ pub(crate) struct StepJob {
     pub abort: Receiver<()>,
     pub commit: Receiver<Commit>,
     pub fault: Option<FaultInjection>,
+    pub stall: Option<super::StallInjection>,
     pub started: Instant,
     pub max_grad_norm: Option<f64>,
     /// Whether this step's compute ops take core slots (when the trainer has them).
@@ -312,7 +313,11 @@ fn execute(
     // first served, as `simulate_with_core_slots` assumes.
     let mut seat = CoreSeat::new(core_slots, device_idx);
     let local = |stages: &[Stage], stage_idx: usize| stages.iter().position(|s| s.stage_idx == stage_idx);
-    for instruction in &job.program {
+    for (instruction_idx, instruction) in job.program.iter().enumerate() {
+        if let Some(stall) = job.stall.filter(|s| s.device_idx == device_idx && s.instruction_idx == instruction_idx) {
+            seat.release();
+            std::thread::sleep(std::time::Duration::from_secs_f64(stall.seconds));
+        }
         let op = instruction.op_kind();
         let micro_batch_idx = instruction.micro_batch_idx();
         if op == OpKind::OptimizerStep {
@@ -369,8 +374,7 @@ fn execute(
                 let mut queued_at = None;
                 for route in &stages[s].recv_from {
                     let key = (route.peer_stage_idx, stage_idx, false);
-                    let ((mb, payload), queued) =
-                        seat.recv(&job.links.receivers[&key], key, &job.abort)?;
+                    let ((mb, payload), queued) = seat.recv(&job.links.receivers[&key], key, &job.abort)?;
                     queued_at = queued.or(queued_at);
                     check_order(&stages[s], mb, micro_batch_idx)?;
                     inputs.extend(payload);
@@ -423,8 +427,7 @@ fn execute(
                 let mut queued_at = None;
                 for peer in peers {
                     let key = (peer, stage_idx, true);
-                    let ((mb, payload), queued) =
-                        seat.recv(&job.links.receivers[&key], key, &job.abort)?;
+                    let ((mb, payload), queued) = seat.recv(&job.links.receivers[&key], key, &job.abort)?;
                     queued_at = queued.or(queued_at);
                     check_order(&stages[s], mb, micro_batch_idx)?;
                     received.push(payload);
