@@ -13,9 +13,44 @@ pub fn rng(seed: u64) -> StdRng {
     StdRng::seed_from_u64(seed)
 }
 
+thread_local! {
+    /// Set by [`with_unwritten_parameters`] on this thread.
+    static UNWRITTEN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `build` with every initialiser of this module returning zeros, in zeroed allocations the
+/// operating system maps only when they are written: a model built inside (for instance to plan
+/// its placement from its shapes) costs next to no memory however large its parameters are, as
+/// long as nothing writes them. The random generator is not advanced, so such a model is for
+/// shapes and costs, not for training.
+pub fn with_unwritten_parameters<T>(build: impl FnOnce() -> T) -> T {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            UNWRITTEN.with(|flag| flag.set(self.0));
+        }
+    }
+    let _restore = Restore(UNWRITTEN.with(|flag| flag.replace(true)));
+    build()
+}
+
+/// True inside [`with_unwritten_parameters`] on this thread: a layer being built then derives
+/// nothing from its parameters (which would write memory for a model built only for its shapes).
+pub fn building_unwritten() -> bool {
+    UNWRITTEN.with(std::cell::Cell::get)
+}
+
+/// Zeros in place of random values under [`with_unwritten_parameters`].
+fn unwritten(shape: &Shape, device: &Device) -> Option<Result<Tensor>> {
+    UNWRITTEN.with(std::cell::Cell::get).then(|| Tensor::zeros(shape.clone(), crate::DType::F32, device))
+}
+
 /// An f32 tensor with elements drawn from U(low, high).
 pub fn uniform(shape: impl Into<Shape>, low: f32, high: f32, rng: &mut StdRng, device: &Device) -> Result<Tensor> {
     let shape = shape.into();
+    if let Some(zeros) = unwritten(&shape, device) {
+        return zeros;
+    }
     let data = (0..shape.numel()).map(|_| if low < high { rng.random_range(low..high) } else { low }).collect();
     Tensor::from_vec(data, shape, device)
 }
@@ -23,6 +58,9 @@ pub fn uniform(shape: impl Into<Shape>, low: f32, high: f32, rng: &mut StdRng, d
 /// An f32 tensor with elements drawn from N(0, std²) (Box-Muller).
 pub fn normal(shape: impl Into<Shape>, std: f32, rng: &mut StdRng, device: &Device) -> Result<Tensor> {
     let shape = shape.into();
+    if let Some(zeros) = unwritten(&shape, device) {
+        return zeros;
+    }
     let data = (0..shape.numel())
         .map(|_| {
             let u1: f32 = rng.random_range(f32::EPSILON..1.0);
@@ -34,13 +72,23 @@ pub fn normal(shape: impl Into<Shape>, std: f32, rng: &mut StdRng, device: &Devi
 }
 
 /// PyTorch's `kaiming_uniform_(a = sqrt(5))` for a weight with `fan_in` inputs per output.
-pub fn kaiming_uniform_default(shape: impl Into<Shape>, fan_in: usize, rng: &mut StdRng, device: &Device) -> Result<Tensor> {
+pub fn kaiming_uniform_default(
+    shape: impl Into<Shape>,
+    fan_in: usize,
+    rng: &mut StdRng,
+    device: &Device,
+) -> Result<Tensor> {
     let bound = fan_in_bound(fan_in);
     uniform(shape, -bound, bound, rng, device)
 }
 
 /// PyTorch's default bias initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
-pub fn bias_uniform_default(shape: impl Into<Shape>, fan_in: usize, rng: &mut StdRng, device: &Device) -> Result<Tensor> {
+pub fn bias_uniform_default(
+    shape: impl Into<Shape>,
+    fan_in: usize,
+    rng: &mut StdRng,
+    device: &Device,
+) -> Result<Tensor> {
     let bound = fan_in_bound(fan_in);
     uniform(shape, -bound, bound, rng, device)
 }

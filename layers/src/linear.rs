@@ -107,7 +107,11 @@ impl Linear {
             params.push(Parameter { name: "bias".into(), value: bias });
         }
         let mut layer = Linear { in_features, out_features, params, packed: None, packed_fresh: false, packing: true };
-        layer.refresh()?;
+        // A model built only for its shapes gets no packed copies (they are rebuilt by the first
+        // refresh once the weights are real).
+        if !init::building_unwritten() {
+            layer.refresh()?;
+        }
         Ok(layer)
     }
 

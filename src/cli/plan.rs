@@ -100,9 +100,12 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             devices.len()
         )));
     }
-    // The graph's layers are built (their weights allocated on the host): the memory plan runs
-    // each layer once on a micro-batch to see which tensors it shares.
-    let graph = spec.build(0).map_err(|e| usage(format!("--model {}: {}", args.model, engine_reason(e))))?;
+    // The graph is built for its shapes: its parameters are zeros the operating system maps only
+    // when written, so planning a model costs no memory for its weights. The memory plan runs
+    // each layer up to `MAX_PROBED_PARAMETER_BYTES` once on a micro-batch to see which tensors it
+    // shares (reading zeros), and bounds larger ones from their shapes.
+    let graph = conveyor::engine::init::with_unwritten_parameters(|| spec.build(0))
+        .map_err(|e| usage(format!("--model {}: {}", args.model, engine_reason(e))))?;
     let config = PipelineConfig {
         schedule: args.schedule,
         n_chunks: args.chunks,

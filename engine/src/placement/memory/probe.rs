@@ -23,8 +23,14 @@ use crate::device::ThreadTally;
 use crate::graph::{Graph, NodeId};
 use crate::{DType, Device, ForwardCtx, Layer, Result, Saved, Tensor, init};
 
+/// Layers with more parameter bytes than this, or more bytes of inputs and output on one
+/// micro-batch, are not run to be measured (see [`measure_node_memory_on`]); their memory figures
+/// come from their [`crate::LayerCost`].
+pub const MAX_PROBED_PARAMETER_BYTES: u64 = 256 << 20;
+
 /// [`NodeMemory`] of every layer node of `graph` (whose layers are on the host) on micro-batches
-/// of `rows` rows, measured by running each once.
+/// of `rows` rows, measured by running each once (each with at most
+/// [`MAX_PROBED_PARAMETER_BYTES`] of parameters, and of inputs and output; larger ones are left out).
 pub fn measure_node_memory(graph: &Graph, rows: usize) -> Result<Vec<(NodeId, NodeMemory)>> {
     measure_node_memory_on(graph, rows, |_| None)
 }
@@ -45,6 +51,18 @@ pub fn measure_node_memory_on(
     let mut out = Vec::new();
     for id in graph.topological_order()? {
         let Some(layer) = graph.layer(id) else { continue };
+        // Running a layer this large would allocate its gradient (and read all its weights) just
+        // to measure it: its memory stays the `LayerCost` bound, which holds without measuring.
+        let param_bytes: usize = layer.parameters().iter().map(|p| p.value.size_in_bytes()).sum();
+        // Likewise a layer whose inputs and output on one micro-batch are that large.
+        let mut data_bytes = graph.cost(id)?.output_bytes_per_sample.saturating_mul(rows as u64);
+        for pred in graph.predecessors(id) {
+            let per_sample = graph.node(pred)?.output_shape.numel() as u64 * 4;
+            data_bytes = data_bytes.saturating_add(per_sample.saturating_mul(rows as u64));
+        }
+        if param_bytes as u64 > MAX_PROBED_PARAMETER_BYTES || data_bytes > MAX_PROBED_PARAMETER_BYTES {
+            continue;
+        }
         let on_host = layer.parameters().iter().all(|p| p.value.device().same_device(&host));
         let group = if on_host {
             vec![host.clone()]
