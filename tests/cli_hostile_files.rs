@@ -11,10 +11,11 @@
 //! Streams and signals need more than the harness gives (redirections, a signal mid-run) and have
 //! their own tests below.
 mod cli_cases_support;
+mod train_cli_support;
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::FileTypeExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -323,38 +324,6 @@ fn hostile_output_paths() {
 // ---------------------------------------------------------------------------------------------
 // What the table cannot see: the files written, the temporary files removed.
 
-/// A fresh directory, removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("conveyor-hostile-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-
-    fn join(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-
-    /// Every entry, sorted.
-    fn entries(&self) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(&self.0)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        names
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn conveyor_in(dir: &Path, args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_conveyor")).args(args).current_dir(dir).output().unwrap()
 }
@@ -371,9 +340,9 @@ fn checkpoint_step(path: &Path) -> u64 {
 
 #[test]
 fn a_link_is_kept_and_its_target_holds_the_model() {
-    let dir = Scratch::new("link-target");
-    symlink_chain(&dir.0);
-    let out = conveyor_in(&dir.0, train!["--checkpoint", "link2"]);
+    let dir = train_cli_support::temp_dir("hostile-link-target");
+    symlink_chain(&dir);
+    let out = conveyor_in(&dir, train!["--checkpoint", "link2"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(std::fs::symlink_metadata(dir.join("link2")).unwrap().file_type().is_symlink());
     assert!(std::fs::symlink_metadata(dir.join("link1")).unwrap().file_type().is_symlink());
@@ -383,19 +352,19 @@ fn a_link_is_kept_and_its_target_holds_the_model() {
 
 #[test]
 fn a_stale_temporary_file_of_a_killed_run_is_removed_by_the_next_run_writing_there() {
-    let dir = Scratch::new("stale");
-    let stale = dir.join(&temporary("model.st", DEAD_PID));
+    let dir = train_cli_support::temp_dir("hostile-stale");
+    let stale = dir.join(temporary("model.st", DEAD_PID));
     std::fs::write(&stale, "half a checkpoint").unwrap();
     set_age(&stale, Duration::from_secs(3600));
-    let out = conveyor_in(&dir.0, train!["--save", "model.st", "--metrics", "m.jsonl"]);
+    let out = conveyor_in(&dir, train!["--save", "model.st", "--metrics", "m.jsonl"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(dir.entries(), ["m.jsonl", "model.st"], "the stale file is gone, no new one left");
 }
 
 #[test]
 fn an_output_that_fails_at_the_end_does_not_stop_the_others() {
-    let dir = Scratch::new("one-fails");
-    let out = conveyor_in(&dir.0, train!["--metrics", "/dev/full", "--save", "model.st", "--svg", "chart.svg"]);
+    let dir = train_cli_support::temp_dir("hostile-one-fails");
+    let out = conveyor_in(&dir, train!["--metrics", "/dev/full", "--save", "model.st", "--svg", "chart.svg"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("--metrics /dev/full"), "{stderr}");
@@ -407,7 +376,7 @@ fn an_output_that_fails_at_the_end_does_not_stop_the_others() {
 
 #[test]
 fn a_fifo_is_written_straight_through_to_its_reader() {
-    let dir = Scratch::new("fifo");
+    let dir = train_cli_support::temp_dir("hostile-fifo");
     let fifo = dir.join("metrics.fifo");
     let c_path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
     // SAFETY: a valid NUL-terminated path.
@@ -416,7 +385,7 @@ fn a_fifo_is_written_straight_through_to_its_reader() {
         let fifo = fifo.clone();
         std::thread::spawn(move || std::fs::read_to_string(fifo).unwrap())
     };
-    let out = conveyor_in(&dir.0, train!["--metrics", "metrics.fifo"]);
+    let out = conveyor_in(&dir, train!["--metrics", "metrics.fifo"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let lines: Vec<serde_json::Value> =
         reader.join().unwrap().lines().map(|line| serde_json::from_str(line).unwrap()).collect();
@@ -427,7 +396,7 @@ fn a_fifo_is_written_straight_through_to_its_reader() {
 #[test]
 fn a_directory_without_write_permission_is_refused_before_step_1() {
     // Root writes anywhere: run conveyor as `nobody` then (with setpriv), or skip.
-    let dir = Scratch::new("read-only");
+    let dir = train_cli_support::temp_dir("hostile-read-only");
     std::fs::create_dir(dir.join("ro")).unwrap();
     std::fs::write(dir.join("ro/ck.st"), "previous").unwrap();
     use std::os::unix::fs::PermissionsExt;
@@ -453,7 +422,7 @@ fn a_directory_without_write_permission_is_refused_before_step_1() {
         Command::new(env!("CARGO_BIN_EXE_conveyor"))
     };
     let started = Instant::now();
-    let out = command.args(&args).current_dir(&dir.0).output().unwrap();
+    let out = command.args(&args).current_dir(&dir).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("cannot write --checkpoint ro/ck.st"), "{stderr}");
@@ -537,8 +506,8 @@ fn closed_or_full_streams_never_stop_a_run_and_the_status_says_what_failed() {
         (Sink::Full, Sink::Full, 1, ""),
     ];
     for (k, (stdout, stderr, exit, phrase)) in table.into_iter().enumerate() {
-        let dir = Scratch::new(&format!("streams-{k}"));
-        let (code, stderr_text) = run_with_streams(&dir.0, stdout, stderr);
+        let dir = train_cli_support::temp_dir(&format!("hostile-streams-{k}"));
+        let (code, stderr_text) = run_with_streams(&dir, stdout, stderr);
         let case = format!("stdout {stdout:?}, stderr {stderr:?}");
         assert_eq!(code, Some(exit), "{case}: {stderr_text}");
         assert!(!stderr_text.contains("panicked"), "{case}: {stderr_text}");
@@ -605,7 +574,7 @@ fn wait_with_limit(child: &mut Child, limit: Duration) -> std::process::ExitStat
 
 /// Checks the outputs of a run stopped at a whole step: the model and checkpoint load at that
 /// step, the metrics are whole lines ending in a summary that says so, the trace is valid JSON.
-fn assert_outputs_whole_at_one_step(dir: &Scratch, signal_name: &str) -> u64 {
+fn assert_outputs_whole_at_one_step(dir: &train_cli_support::TempDir, signal_name: &str) -> u64 {
     let step = checkpoint_step(&dir.join("ck.st"));
     assert!(step >= 1, "at least the first step (its line was printed)");
     let model = std::fs::read(dir.join("model.st")).unwrap();
@@ -627,8 +596,8 @@ fn assert_outputs_whole_at_one_step(dir: &Scratch, signal_name: &str) -> u64 {
 
 #[test]
 fn sigint_stops_between_steps_and_writes_every_output() {
-    let dir = Scratch::new("sigint");
-    let (mut child, stdout) = start_long_run(&dir.0, "synthetic:64,8,4", &[]);
+    let dir = train_cli_support::temp_dir("hostile-sigint");
+    let (mut child, stdout) = start_long_run(&dir, "synthetic:64,8,4", &[]);
     signal(&child, libc::SIGINT);
     let status = wait_with_limit(&mut child, Duration::from_secs(20));
     let stdout = stdout.join().unwrap();
@@ -649,14 +618,14 @@ fn sigint_stops_between_steps_and_writes_every_output() {
     }
     // And the checkpoint resumes.
     let steps = (step + 1).to_string();
-    let out = conveyor_in(&dir.0, &train_args("synthetic:64,8,4", &steps, "0", &["--resume", "ck.st"]));
+    let out = conveyor_in(&dir, &train_args("synthetic:64,8,4", &steps, "0", &["--resume", "ck.st"]));
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 #[test]
 fn sigterm_stops_the_same_way_with_status_143() {
-    let dir = Scratch::new("sigterm");
-    let (mut child, stdout) = start_long_run(&dir.0, "synthetic:64,8,4", &[]);
+    let dir = train_cli_support::temp_dir("hostile-sigterm");
+    let (mut child, stdout) = start_long_run(&dir, "synthetic:64,8,4", &[]);
     signal(&child, libc::SIGTERM);
     let status = wait_with_limit(&mut child, Duration::from_secs(20));
     let _ = stdout.join();
@@ -667,9 +636,9 @@ fn sigterm_stops_the_same_way_with_status_143() {
 #[test]
 fn a_signal_during_evaluation_stops_it() {
     // Evaluating 18,000 held-out rows after every step: the signal most likely lands in one.
-    let dir = Scratch::new("sigint-eval");
+    let dir = train_cli_support::temp_dir("hostile-sigint-eval");
     let (mut child, stdout) =
-        start_long_run(&dir.0, "synthetic:20000,8,4", &["--test-fraction", "0.9", "--eval-every", "1"]);
+        start_long_run(&dir, "synthetic:20000,8,4", &["--test-fraction", "0.9", "--eval-every", "1"]);
     signal(&child, libc::SIGINT);
     let status = wait_with_limit(&mut child, Duration::from_secs(20));
     let _ = stdout.join();
@@ -679,9 +648,9 @@ fn a_signal_during_evaluation_stops_it() {
 
 #[test]
 fn a_second_signal_exits_at_once_and_leaves_every_file_whole() {
-    let dir = Scratch::new("second-signal");
-    checkpoint_at_step_2(&dir.0);
-    let (mut child, stdout) = start_long_run(&dir.0, "synthetic:64,8,4", &[]);
+    let dir = train_cli_support::temp_dir("hostile-second-signal");
+    checkpoint_at_step_2(&dir);
+    let (mut child, stdout) = start_long_run(&dir, "synthetic:64,8,4", &[]);
     signal(&child, libc::SIGINT);
     signal(&child, libc::SIGINT);
     let status = wait_with_limit(&mut child, Duration::from_secs(20));

@@ -17,7 +17,7 @@ use conveyor::engine::runtime::{FaultInjection, FaultPoint, Recompute, Trainer};
 use conveyor::engine::{Device, Error, Tensor};
 use conveyor::layers::CrossEntropyLoss;
 use conveyor::schedules::{OpKind, ScheduleKind};
-use conveyor::zoo::{ModelSpec, TensorParallelSplits, mlp};
+use conveyor::zoo::{ModelSpec, mlp};
 
 /// Runs `f` on a thread and fails the test if it does not finish within `limit`.
 fn with_watchdog(limit: Duration, f: impl FnOnce() + Send + 'static) {
@@ -193,28 +193,9 @@ fn faults_in_tensor_parallel_stages_abort_cleanly() {
     });
 }
 
-/// `n_stages` stages of `k` devices each, every layer split over its stage's group.
+/// `n_stages` stages of `k` devices each over `spec`, every layer split over its stage's group.
 fn split_trainer(spec: &ModelSpec, n_stages: usize, k: usize, kind: ScheduleKind) -> Trainer {
-    let devices: Vec<Device> = (0..n_stages * k).map(Device::cpu).collect();
-    let whole = spec.build(3).unwrap();
-    let stages = even_stages(&whole, n_stages);
-    let mut splits = TensorParallelSplits::new();
-    for (stage_idx, nodes) in stages.iter().enumerate() {
-        for &id in nodes {
-            splits.insert(whole.node(id).unwrap().name.clone(), devices[stage_idx * k..(stage_idx + 1) * k].to_vec());
-        }
-    }
-    let graph = spec.build_split(3, &splits).unwrap();
-    Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
-        .devices(devices)
-        .tensor_parallel(k)
-        .stages(stages)
-        .schedule(kind, 1)
-        .micro_batches(2)
-        .optimizer(OptimizerConfig::adam(1e-2))
-        .seed(11)
-        .build()
-        .unwrap()
+    common::split_trainer(spec, n_stages, k, kind, 2, OptimizerConfig::adam(1e-2))
 }
 
 /// A trainer with Adam (state in every field) over a 4-stage MLP.

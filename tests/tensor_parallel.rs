@@ -28,28 +28,9 @@ fn optimizer() -> OptimizerConfig {
     OptimizerConfig::Sgd(SgdConfig::new(0.05).with_momentum(0.9))
 }
 
-/// `n_stages` stages of `k` devices each over `spec` split everywhere it can be, stages cut evenly.
+/// `n_stages` stages of `k` devices each over `spec`, every layer split over its stage's group.
 fn split_trainer(spec: &ModelSpec, n_stages: usize, k: usize, kind: ScheduleKind) -> Trainer {
-    let devices: Vec<Device> = (0..n_stages * k).map(Device::cpu).collect();
-    let whole = spec.build(3).unwrap();
-    let stages = even_stages(&whole, n_stages);
-    let mut splits = TensorParallelSplits::new();
-    for (stage_idx, nodes) in stages.iter().enumerate() {
-        for &id in nodes {
-            splits.insert(whole.node(id).unwrap().name.clone(), devices[stage_idx * k..(stage_idx + 1) * k].to_vec());
-        }
-    }
-    let graph = spec.build_split(3, &splits).unwrap();
-    Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
-        .devices(devices)
-        .tensor_parallel(k)
-        .stages(stages)
-        .schedule(kind, 1)
-        .micro_batches(MICRO_BATCHES)
-        .optimizer(optimizer())
-        .seed(11)
-        .build()
-        .unwrap()
+    common::split_trainer(spec, n_stages, k, kind, MICRO_BATCHES, optimizer())
 }
 
 fn train(trainer: &mut Trainer, spec: &ModelSpec) -> Vec<(String, Vec<f32>)> {

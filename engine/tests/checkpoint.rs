@@ -1,9 +1,13 @@
 //! Checkpoints: bit-exact round trips for every dtype, strict loads that name the offending tensor,
 //! corrupt and truncated files refused with `Error::Checkpoint`, atomic saves that leave the
 //! previous file intact and no temporary file behind, and optimizer state that resumes exactly.
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+
+use common::TempDir;
 
 use conveyor_engine::checkpoint::{
     self, Checkpoint, FORMAT_VERSION, FORMAT_VERSION_KEY, TensorSpec, write_file_atomically,
@@ -11,40 +15,6 @@ use conveyor_engine::checkpoint::{
 use conveyor_engine::optim::{AdamConfig, Optimizer, OptimizerConfig, SgdConfig, optimizer_state_name};
 use conveyor_engine::{DType, Device, Error, Tensor};
 use half::{bf16, f16};
-
-/// A fresh, empty directory under the system temp dir, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(label: &str) -> TempDir {
-        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let path = std::env::temp_dir().join(format!("conveyor-checkpoint-test-{label}-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).unwrap();
-        TempDir(path)
-    }
-
-    fn join(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-
-    /// Every entry in the directory, sorted.
-    fn entries(&self) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(&self.0)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        names
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn sample_tensors(device: &Device) -> Vec<(String, Tensor)> {
     let f32_values = vec![1.5, -0.0, f32::MIN_POSITIVE, f32::MAX, -3.25e-7, f32::INFINITY];

@@ -2,9 +2,13 @@
 //! followed and kept, character devices written straight through and never replaced, directories
 //! and block devices refused, unwritable directories caught by the probe, and the temporary files
 //! of killed writers removed once stale and never while their writer may live.
+mod common;
+
 use std::io::Write;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use common::TempDir;
 use std::time::{Duration, SystemTime};
 
 use conveyor_engine::Error;
@@ -12,37 +16,6 @@ use conveyor_engine::output_file::{
     self, OutputFile, OutputKind, STALE_AFTER, check_output, remove_stale_temporaries, resolve_output, temporary_name,
     write_output,
 };
-
-/// A fresh, empty directory under the system temp dir, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(label: &str) -> TempDir {
-        let path = std::env::temp_dir().join(format!("conveyor-output-file-test-{label}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).unwrap();
-        TempDir(path)
-    }
-
-    fn join(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-
-    fn entries(&self) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(&self.0)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        names
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn write_text(path: &Path, text: &str) -> conveyor_engine::Result<()> {
     write_output(path, |file| file.write_all(text.as_bytes()))

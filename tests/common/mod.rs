@@ -89,3 +89,35 @@ pub fn max_rel_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
     }
     worst
 }
+
+/// `n_stages` stages of `k` CPU devices each over `spec`, every layer split over its stage's
+/// group, stages cut evenly (tensor parallelism inside a pipeline).
+pub fn split_trainer(
+    spec: &conveyor::zoo::ModelSpec,
+    n_stages: usize,
+    k: usize,
+    kind: ScheduleKind,
+    n_micro_batches: usize,
+    optimizer: OptimizerConfig,
+) -> Trainer {
+    let devices: Vec<Device> = (0..n_stages * k).map(Device::cpu).collect();
+    let whole = spec.build(3).unwrap();
+    let stages = even_stages(&whole, n_stages);
+    let mut splits = conveyor::zoo::TensorParallelSplits::new();
+    for (stage_idx, nodes) in stages.iter().enumerate() {
+        for &id in nodes {
+            splits.insert(whole.node(id).unwrap().name.clone(), devices[stage_idx * k..(stage_idx + 1) * k].to_vec());
+        }
+    }
+    let graph = spec.build_split(3, &splits).unwrap();
+    Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
+        .devices(devices)
+        .tensor_parallel(k)
+        .stages(stages)
+        .schedule(kind, 1)
+        .micro_batches(n_micro_batches)
+        .optimizer(optimizer)
+        .seed(11)
+        .build()
+        .unwrap()
+}

@@ -48,6 +48,18 @@ impl AsRef<Path> for TempDir {
     }
 }
 
+impl TempDir {
+    /// Every entry in the directory, sorted.
+    pub fn entries(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(&self.0)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+}
+
 impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
