@@ -23,6 +23,7 @@ mod core_seat;
 mod core_slots;
 mod stage;
 mod trainer;
+mod transfer;
 mod worker;
 
 pub use trainer::{AUTO_SLOTS_MIN_OP_FLOPS, Trainer, TrainerBuilder};

@@ -1,0 +1,205 @@
+//! Parameters and optimizer state in and out of the workers: gathered onto the host under
+//! unsplit names, loaded back by name, and the closures the trainer runs on every worker between
+//! steps (each worker owns its stages, so everything goes to it as a command over its channel).
+use std::sync::Arc;
+
+use crossbeam::channel;
+
+use super::stage::Stage;
+use super::trainer::Trainer;
+use super::worker::{self, Command};
+use crate::checkpoint::Checkpoint;
+use crate::optim::Optimizer;
+use crate::{Error, Result, Tensor};
+
+impl Trainer {
+    /// Runs `f` on every worker's stages and gathers the answers, worker 0 first. A panic in `f`
+    /// is caught on the worker (which stays alive) and returned as [`Error::WorkerPanicked`].
+    pub(super) fn on_every_worker<T: Send + 'static>(
+        &self,
+        f: impl Fn(&mut [Stage]) -> T + Send + Sync + 'static,
+    ) -> Result<Vec<T>> {
+        let f = Arc::new(f);
+        let mut answers = Vec::with_capacity(self.workers.len());
+        for (device_idx, worker) in self.workers.iter().enumerate() {
+            let (tx, rx) = channel::bounded(1);
+            let f = Arc::clone(&f);
+            worker
+                .commands
+                .send(Command::With(Box::new(move |stages| {
+                    let answer = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(stages)))
+                        .map_err(worker::panic_message);
+                    let _ = tx.send(answer);
+                })))
+                .map_err(|_| Error::invalid("worker", format!("the worker of device {device_idx} has stopped")))?;
+            answers.push(rx);
+        }
+        // A worker's device is its group's first.
+        let device_of = |device_idx: usize| self.devices[device_idx * self.tensor_parallel].to_string();
+        answers
+            .into_iter()
+            .enumerate()
+            .map(|(device_idx, rx)| match rx.recv() {
+                Ok(Ok(answer)) => Ok(answer),
+                Ok(Err(message)) => Err(Error::WorkerPanicked { device_idx, device: device_of(device_idx), message }),
+                Err(_) => Err(Error::invalid("worker", format!("the worker of device {device_idx} has stopped"))),
+            })
+            .collect()
+    }
+
+    /// Every parameter gathered from all stages onto the host, as `(node.param, tensor)` in graph
+    /// order (PyTorch state-dict names when nodes are named like module children). Split layers
+    /// give their unsplit tensors under the unsplit names ([`crate::Layer::export_parameters`]), so
+    /// the result does not depend on the tensor-parallel degree.
+    pub fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        let parts = self.on_every_worker(move |stages| -> Result<Vec<(String, Tensor)>> {
+            let mut out = Vec::new();
+            for stage in stages.iter() {
+                for node in &stage.nodes {
+                    for (name, tensor) in node.layer.export_parameters()? {
+                        out.push((format!("{}.{name}", node.name), tensor));
+                    }
+                }
+            }
+            Ok(out)
+        })?;
+        let mut gathered = Vec::new();
+        for part in parts {
+            gathered.extend(part?);
+        }
+        gathered.sort_by_key(|(name, _)| self.param_order.iter().position(|o| o == name).unwrap_or(usize::MAX));
+        Ok(gathered)
+    }
+
+    /// Bytes and messages each split layer's devices have sent in collectives since the layer was
+    /// built, as `(node, per-rank traffic)` for every node that has any, in stage order.
+    pub fn collective_traffic(&self) -> Result<Vec<(String, Vec<crate::collective::Traffic>)>> {
+        let parts = self.on_every_worker(|stages| {
+            let mut out = Vec::new();
+            for stage in stages.iter() {
+                for node in &stage.nodes {
+                    let traffic = node.layer.collective_traffic();
+                    if !traffic.is_empty() {
+                        out.push((stage.stage_idx, node.name.clone(), traffic));
+                    }
+                }
+            }
+            out
+        })?;
+        let mut all: Vec<_> = parts.into_iter().flatten().collect();
+        all.sort_by_key(|(stage_idx, _, _)| *stage_idx);
+        Ok(all.into_iter().map(|(_, name, traffic)| (name, traffic)).collect())
+    }
+
+    /// Sets parameters by name (shapes and dtypes must match; names not given stay as they are).
+    pub fn load_parameters(&mut self, tensors: Vec<(String, Tensor)>) -> Result<()> {
+        let tensors = Arc::new(tensors);
+        for (name, _) in tensors.iter() {
+            if !self.param_order.contains(name) {
+                return Err(Error::invalid("parameters", format!("the model has no parameter `{name}`")));
+            }
+        }
+        let results = self.on_every_worker(move |stages| -> Result<()> {
+            for stage in stages.iter_mut() {
+                for node in &mut stage.nodes {
+                    for (name, shape) in node.layer.export_parameter_shapes() {
+                        let full = format!("{}.{name}", node.name);
+                        if let Some((_, t)) = tensors.iter().find(|(n, _)| *n == full) {
+                            if *t.shape() != shape {
+                                return Err(Error::shape(
+                                    format!("parameter `{full}`"),
+                                    shape.to_string(),
+                                    t.shape().to_string(),
+                                ));
+                            }
+                            node.layer.import_parameter(&name, t)?;
+                        }
+                    }
+                    node.layer.refresh()?;
+                }
+            }
+            Ok(())
+        })?;
+        results.into_iter().collect()
+    }
+
+    /// Every stage's optimizer state on the host under the unsplit parameter names of
+    /// [`Trainer::parameters`] (`optimizer.<node>.<param>.<field>`, as
+    /// [`Optimizer::export_state`] names them): split layers' per-shard buffers are gathered the way
+    /// the layers gather their parameters ([`Optimizer::export_layer_state`]), so the result does
+    /// not depend on the tensor-parallel degree.
+    pub fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>> {
+        let parts = self.on_every_worker(|stages| -> Result<Vec<(String, Tensor)>> {
+            let mut out = Vec::new();
+            for stage in stages.iter_mut() {
+                let mut offset = 0;
+                for node in &mut stage.nodes {
+                    out.extend(stage.optimizer.export_layer_state(&node.name, node.layer.as_mut(), offset)?);
+                    offset += node.layer.parameters().len();
+                }
+            }
+            Ok(out)
+        })?;
+        let mut gathered = Vec::new();
+        for part in parts {
+            gathered.extend(part?);
+        }
+        Ok(gathered)
+    }
+
+    /// Loads every stage's optimizer state from `checkpoint` (names as [`Trainer::optimizer_state`]
+    /// gives them), splitting it over split layers' shards; takes the tensors it uses and leaves
+    /// the others.
+    pub fn load_optimizer_state(&mut self, checkpoint: Checkpoint) -> Result<Checkpoint> {
+        // The checkpoint travels from worker to worker through channels: each takes its stages'
+        // tensors and hands the rest back, so no worker shares it with another.
+        let mut checkpoint = checkpoint;
+        for (device_idx, worker) in self.workers.iter().enumerate() {
+            let (tx, rx) = channel::bounded(1);
+            let stopped = || Error::invalid("worker", format!("the worker of device {device_idx} has stopped"));
+            worker
+                .commands
+                .send(Command::With(Box::new(move |stages| {
+                    let mut checkpoint = checkpoint;
+                    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<()> {
+                        for stage in stages.iter_mut() {
+                            let mut offset = 0;
+                            for node in &mut stage.nodes {
+                                let layer = node.layer.as_mut();
+                                stage.optimizer.import_layer_state(&node.name, layer, offset, &mut checkpoint)?;
+                                offset += node.layer.parameters().len();
+                            }
+                        }
+                        Ok(())
+                    }));
+                    let _ = tx.send((outcome.map_err(worker::panic_message), checkpoint));
+                })))
+                .map_err(|_| stopped())?;
+            let (outcome, rest) = rx.recv().map_err(|_| stopped())?;
+            checkpoint = rest;
+            let device = self.devices[device_idx * self.tensor_parallel].to_string();
+            outcome.map_err(|message| Error::WorkerPanicked { device_idx, device, message })??;
+        }
+        Ok(checkpoint)
+    }
+
+    /// Runs `f` on every stage's optimizer on its worker (state export and import for checkpoints).
+    /// The names are those of [`crate::Layer::parameters`]: for split layers, one per shard (the
+    /// same name on each shard), so optimizer state of split layers is per shard here; checkpoints
+    /// use [`Trainer::optimizer_state`] and [`Trainer::load_optimizer_state`], which are not.
+    pub fn with_optimizers<T: Send + 'static>(
+        &self,
+        f: impl Fn(&mut Optimizer, &[String]) -> T + Send + Sync + 'static,
+    ) -> Result<Vec<T>> {
+        let answers = self.on_every_worker(move |stages| {
+            stages
+                .iter_mut()
+                .map(|stage| {
+                    let names: Vec<String> = stage.named_parameters().map(|(n, _)| n).collect();
+                    f(&mut stage.optimizer, &names)
+                })
+                .collect::<Vec<T>>()
+        })?;
+        Ok(answers.into_iter().flatten().collect())
+    }
+}
