@@ -138,7 +138,10 @@ pub fn run_table(cases: &[Case]) {
             .chunks(cases.len().div_ceil(4).max(1))
             .map(|chunk| {
                 scope.spawn(move || {
-                    chunk.iter().filter_map(|c| run_case(c).err().map(|e| format!("[{}] {e}", c.name))).collect::<Vec<_>>()
+                    chunk
+                        .iter()
+                        .filter_map(|c| run_case(c).err().map(|e| format!("[{}] {e}", c.name)))
+                        .collect::<Vec<_>>()
                 })
             })
             .collect();
