@@ -558,7 +558,8 @@ impl UndoSnapshot {
             n = i + 1;
         }
         self.params.truncate(n);
-        self.holds_old = vec![false; n];
+        self.holds_old.clear();
+        self.holds_old.resize(n, false);
         self.optimizer.reserve(optimizer)?;
         self.valid = true;
         Ok(())

@@ -237,6 +237,21 @@ fn guarded<T>(
     }
 }
 
+/// An injected fault at a message (`Send`, `Receive`) of one stage and micro-batch, reported as
+/// [`guarded`] reports it; free when no fault is injected (the usual case, on every message).
+fn injected(
+    fault: Option<FaultInjection>,
+    stage_idx: usize,
+    device: &Device,
+    at: FaultPoint,
+    micro_batch_idx: usize,
+) -> std::result::Result<(), OpFailure> {
+    match fault.filter(|f| f.strikes(stage_idx, at, Some(micro_batch_idx))) {
+        Some(_) => guarded(stage_idx, device, at, Some(micro_batch_idx), fault, || Ok(())),
+        None => Ok(()),
+    }
+}
+
 /// [`guarded`] for a compute op on one stage.
 fn guarded_mut<T>(
     stage: &mut Stage,
@@ -366,8 +381,7 @@ fn execute(
         match instruction {
             Instruction::Forward { .. } => {
                 if !stages[s].recv_from.is_empty() {
-                    let device = stages[s].device.clone();
-                    guarded(stage_idx, &device, FaultPoint::Receive, Some(micro_batch_idx), job.fault, || Ok(()))?;
+                    injected(job.fault, stage_idx, &stages[s].device, FaultPoint::Receive, micro_batch_idx)?;
                 }
                 let wait = rec.start_wait(stage_idx, micro_batch_idx);
                 let mut inputs: Payload = Vec::new();
@@ -421,8 +435,7 @@ fn execute(
                 let mut peers: Vec<usize> = stages[s].send_to.iter().map(|r| r.peer_stage_idx).collect();
                 peers.sort_unstable_by(|a, b| b.cmp(a));
                 if !peers.is_empty() {
-                    let device = stages[s].device.clone();
-                    guarded(stage_idx, &device, FaultPoint::Receive, Some(micro_batch_idx), job.fault, || Ok(()))?;
+                    injected(job.fault, stage_idx, &stages[s].device, FaultPoint::Receive, micro_batch_idx)?;
                 }
                 let mut queued_at = None;
                 for peer in peers {
@@ -631,8 +644,7 @@ fn send_all(
     gradient: bool,
 ) -> std::result::Result<(), OpFailure> {
     for (to_stage, payload) in messages {
-        let from_device = &job.stage_devices[from_stage];
-        guarded(from_stage, from_device, FaultPoint::Send, Some(micro_batch_idx), job.fault, || Ok(()))?;
+        injected(job.fault, from_stage, &job.stage_devices[from_stage], FaultPoint::Send, micro_batch_idx)?;
         let target = &job.stage_devices[to_stage];
         let moved =
             payload.into_iter().map(|(id, t)| Ok((id, t.move_to_device(target)?))).collect::<Result<Payload>>()?;
