@@ -8,4 +8,7 @@ pub mod cli_input;
 pub mod data;
 pub mod limits;
 pub mod pipeline;
+pub mod sequential;
 pub mod zoo;
+
+pub use sequential::Sequential;
