@@ -192,6 +192,17 @@ pub enum Error {
         /// That rank's error, as text.
         reason: String,
     },
+    /// A layer implements neither [`crate::Layer::backward`] nor the two halves
+    /// [`crate::Layer::backward_input`] and [`crate::Layer::backward_weight`], whose defaults call
+    /// each other.
+    #[error(
+        "layer {layer} has no backward pass: implement `Layer::backward` (input and weight gradients together) \
+         or both `Layer::backward_input` and `Layer::backward_weight`"
+    )]
+    BackwardNotImplemented {
+        /// The layer's kind.
+        layer: String,
+    },
     /// The schedule could not be built or validated.
     #[error(transparent)]
     Schedule(#[from] conveyor_schedules::ScheduleError),

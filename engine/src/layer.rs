@@ -2,8 +2,40 @@
 //! need from a layer. Concrete layers live in `conveyor-layers`; the engine never names one.
 //!
 //! The backward pass is two calls, [`Layer::backward_input`] and [`Layer::backward_weight`], so
-//! zero-bubble schedules can run them at different times.
-use crate::{Device, Result, Shape, Tensor};
+//! zero-bubble schedules can run them at different times. A layer may instead implement the one
+//! combined [`Layer::backward`]; each side has defaults in terms of the other (see
+//! [`Layer::backward`] for the rule and its cost).
+//!
+//! A custom layer needs only `forward` and one backward: every other method has a default (its
+//! kind from its type name, a shape-preserving `output_shape`, no parameters, a cost estimate).
+//!
+//! ```
+//! use conveyor_engine::{DType, ForwardCtx, Layer, Parameter, Result, Saved, Tensor};
+//!
+//! /// LayerScale (CaiT): `y = x * gamma`, one learned factor per feature.
+//! #[derive(Debug)]
+//! struct LayerScale(Vec<Parameter>);
+//!
+//! impl Layer for LayerScale {
+//!     fn parameters(&self) -> &[Parameter] { &self.0 }
+//!     fn parameters_mut(&mut self) -> &mut [Parameter] { &mut self.0 }
+//!     fn forward(&self, x: &[&Tensor], _: &ForwardCtx) -> Result<(Tensor, Saved)> {
+//!         Ok((x[0].mul_rows(&self.0[0].value)?, Saved { tensors: vec![x[0].share()] }))
+//!     }
+//!     fn backward(&self, saved: &Saved, grad: &Tensor, param_grads: &mut [Tensor]) -> Result<Vec<Option<Tensor>>> {
+//!         param_grads[0].accumulate_column_sums(&saved.tensors[0].mul(grad)?)?;
+//!         Ok(vec![Some(grad.mul_rows(&self.0[0].value)?)])
+//!     }
+//! }
+//!
+//! let gamma = Tensor::full(0.1, [4], DType::F32, &conveyor_engine::Device::host())?;
+//! let layer = LayerScale(vec![Parameter { name: "gamma".into(), value: gamma }]);
+//! assert_eq!(layer.kind(), "LayerScale");
+//! # Ok::<(), conveyor_engine::Error>(())
+//! ```
+use std::cell::RefCell;
+
+use crate::{Device, Error, Result, Shape, Tensor};
 
 /// A named parameter, with the name PyTorch's module would give it (`weight`, `bias`).
 #[derive(Debug)]
@@ -73,8 +105,13 @@ pub struct LayerCost {
 /// A differentiable layer. Shapes passed to [`Layer::output_shape`] and [`Layer::cost`] are per
 /// sample (no batch dimension); tensors passed to forward and backward carry the batch first.
 pub trait Layer: Send + std::fmt::Debug {
-    /// The layer's kind, e.g. `Linear`.
-    fn kind(&self) -> &'static str;
+    /// The layer's kind, e.g. `Linear`. Default: the type's name without its module path.
+    fn kind(&self) -> &'static str {
+        let name = std::any::type_name::<Self>();
+        // `crate::module::Name<crate::Other>`: the last segment before any generic arguments.
+        let base = name.split('<').next().unwrap_or(name);
+        base.rsplit("::").next().unwrap_or(base)
+    }
 
     /// How many inputs the layer takes (1 for most; 2 for residual Add).
     fn n_inputs(&self) -> usize {
@@ -88,20 +125,63 @@ pub trait Layer: Send + std::fmt::Debug {
         false
     }
 
-    /// The per-sample output shape for per-sample input shapes, or a shape error naming what was expected.
-    fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape>;
+    /// The per-sample output shape for per-sample input shapes, or a shape error naming what was
+    /// expected. Default: the first input's shape (a shape-preserving layer).
+    fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape> {
+        input_shapes
+            .first()
+            .cloned()
+            .ok_or_else(|| Error::invalid(format!("{} inputs", self.kind()), "no input shape given"))
+    }
 
-    /// The parameters, in PyTorch's order.
-    fn parameters(&self) -> &[Parameter];
+    /// The parameters, in PyTorch's order. Default: none.
+    fn parameters(&self) -> &[Parameter] {
+        &[]
+    }
 
-    /// The parameters, mutable (for optimizers and checkpoint loading).
-    fn parameters_mut(&mut self) -> &mut [Parameter];
+    /// The parameters, mutable (for optimizers and checkpoint loading). Default: none; a layer
+    /// with parameters implements both this and [`Layer::parameters`].
+    fn parameters_mut(&mut self) -> &mut [Parameter] {
+        &mut []
+    }
 
     /// Forward pass on a batch; returns the output and what backward needs.
     fn forward(&self, inputs: &[&Tensor], ctx: &ForwardCtx) -> Result<(Tensor, Saved)>;
 
+    /// The whole backward pass: returns the gradient with respect to each input (`None` for
+    /// inputs that take no gradient) and ADDS the gradients with respect to the parameters into
+    /// `param_grads` (aligned with [`Layer::parameters`], on their devices).
+    ///
+    /// A layer implements either this or the two halves, [`Layer::backward_input`] and
+    /// [`Layer::backward_weight`]; each side's default is written in terms of the other:
+    /// - this default runs `backward_input`, then `backward_weight`;
+    /// - the halves' defaults run this method, `backward_input` with scratch parameter gradients
+    ///   it drops, `backward_weight` dropping the input gradients.
+    ///
+    /// So a layer with only `backward` trains under every schedule, but where a zero-bubble
+    /// schedule runs the halves at different times it computes its backward twice; implement the
+    /// halves when that cost matters. A layer that implements neither gets
+    /// [`Error::BackwardNotImplemented`] (never an endless recursion).
+    fn backward(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<Vec<Option<Tensor>>> {
+        let _guard = DefaultBackwardGuard::enter(self.kind(), self as *const Self as *const ())?;
+        let grads = self.backward_input(saved, grad_output)?;
+        self.backward_weight(saved, grad_output, param_grads)?;
+        Ok(grads)
+    }
+
     /// Gradients with respect to each input (`None` for inputs that take no gradient).
-    fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>>;
+    ///
+    /// Default: [`Layer::backward`] with scratch parameter gradients (zeros like the parameters)
+    /// that it drops.
+    fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let _guard = DefaultBackwardGuard::enter(self.kind(), self as *const Self as *const ())?;
+        let mut scratch = self
+            .parameters()
+            .iter()
+            .map(|p| Tensor::zeros(p.value.shape().clone(), p.value.dtype(), p.value.device()))
+            .collect::<Result<Vec<_>>>()?;
+        self.backward(saved, grad_output, &mut scratch)
+    }
 
     /// [`Layer::backward_input`] for the inputs whose `needed` entry is true; the others get
     /// `None`. The runtime passes false for inputs nothing upstream consumes (a graph input such
@@ -121,10 +201,38 @@ pub trait Layer: Send + std::fmt::Debug {
 
     /// Adds the gradients with respect to the parameters into `param_grads` (aligned with
     /// [`Layer::parameters`]). Layers without parameters do nothing.
-    fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()>;
+    ///
+    /// Default: nothing for a layer without parameters; otherwise [`Layer::backward`], dropping
+    /// the input gradients.
+    fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()> {
+        if self.parameters().is_empty() {
+            return Ok(());
+        }
+        let _guard = DefaultBackwardGuard::enter(self.kind(), self as *const Self as *const ())?;
+        self.backward(saved, grad_output, param_grads).map(drop)
+    }
 
-    /// Cost estimates for per-sample input shapes.
-    fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost>;
+    /// Cost estimates for per-sample input shapes (the planner's FLOP and memory estimates; the
+    /// memory plan measures activations by running the layer, so these matter for time balance).
+    ///
+    /// Default: an elementwise-or-dense guess from the shapes: per sample, a forward of one flop
+    /// per output element plus two per parameter element, each backward half the same; the
+    /// inputs as saved activations; the parameters' bytes; no workspace.
+    fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {
+        let output = self.output_shape(input_shapes)?.numel() as u64;
+        let param_elements: u64 = self.parameters().iter().map(|p| p.value.numel() as u64).sum();
+        let flops = output.saturating_add(param_elements.saturating_mul(2));
+        let f32_bytes = crate::DType::F32.size_in_bytes() as u64;
+        Ok(LayerCost {
+            forward_flops_per_sample: flops,
+            backward_input_flops_per_sample: flops,
+            backward_weight_flops_per_sample: if param_elements == 0 { 0 } else { flops },
+            param_bytes: self.parameters().iter().map(|p| p.value.size_in_bytes() as u64).sum(),
+            activation_bytes_per_sample: input_shapes.iter().map(|s| s.numel() as u64 * f32_bytes).sum(),
+            output_bytes_per_sample: output * f32_bytes,
+            workspace_bytes: 0,
+        })
+    }
 
     /// Rebuilds state derived from the parameters (such as a transposed copy of a weight kept
     /// for a faster GEMM layout). The runtime calls it after every optimizer step and parameter
@@ -200,6 +308,40 @@ pub trait Layer: Send + std::fmt::Debug {
     /// (rank order); empty for a layer on one device (the default).
     fn collective_traffic(&self) -> Vec<crate::collective::Traffic> {
         Vec::new()
+    }
+}
+
+thread_local! {
+    /// The layers (by address) whose default backward is running on this thread: a default that
+    /// finds its own layer here would call itself through the other default forever.
+    static DEFAULT_BACKWARD_ACTIVE: RefCell<Vec<*const ()>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Marks a layer's default backward as running on this thread until dropped; refuses to enter a
+/// second default of the same layer (it implements neither [`Layer::backward`] nor the halves).
+struct DefaultBackwardGuard(*const ());
+
+impl DefaultBackwardGuard {
+    fn enter(kind: &'static str, layer: *const ()) -> Result<DefaultBackwardGuard> {
+        DEFAULT_BACKWARD_ACTIVE.with(|active| {
+            let mut active = active.borrow_mut();
+            if active.contains(&layer) {
+                return Err(Error::BackwardNotImplemented { layer: kind.to_string() });
+            }
+            active.push(layer);
+            Ok(DefaultBackwardGuard(layer))
+        })
+    }
+}
+
+impl Drop for DefaultBackwardGuard {
+    fn drop(&mut self) {
+        DEFAULT_BACKWARD_ACTIVE.with(|active| {
+            let mut active = active.borrow_mut();
+            if let Some(position) = active.iter().rposition(|&layer| layer == self.0) {
+                active.remove(position);
+            }
+        });
     }
 }
 

@@ -335,6 +335,9 @@ impl CudaStream {
     pub fn add(&self, _lhs: &Buf<f32>, _rhs: &Buf<f32>, _output: &mut Buf<f32>) -> Result<()> {
         match self.never {}
     }
+    pub fn mul(&self, _lhs: &Buf<f32>, _rhs: &Buf<f32>, _output: &mut Buf<f32>) -> Result<()> {
+        match self.never {}
+    }
     pub fn add_assign(&self, _dst: &mut Buf<f32>, _src: &Buf<f32>) -> Result<()> {
         match self.never {}
     }

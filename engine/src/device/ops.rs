@@ -2,7 +2,8 @@
 //! device in one `match`: matrix products ([`Tensor::matmul`], [`Tensor::matmul_accumulate`]),
 //! bias-gradient column sums ([`Tensor::accumulate_column_sums`]), elementwise activations and
 //! their gradients ([`Tensor::activation`], [`Activation`]) and softmax cross-entropy
-//! ([`Tensor::softmax_cross_entropy`]). They are methods of [`Tensor`]; this module holds them and
+//! ([`Tensor::softmax_cross_entropy`]), and the elementwise products a custom layer composes with
+//! ([`Tensor::mul`], [`Tensor::mul_rows`]). They are methods of [`Tensor`]; this module holds them and
 //! the two types they take.
 //!
 //! # Dispatch rule
@@ -350,6 +351,86 @@ impl Tensor {
                 stream.cross_entropy(logits, &labels, n_classes, normalizer, &mut loss, &mut grad)?;
                 let loss_sum = stream.download(&loss)?.iter().map(|&loss| f64::from(loss)).sum();
                 Ok((loss_sum, Tensor::from_cuda_f32(grad, self.shape().clone(), self.device())?))
+            }
+        }
+    }
+
+    /// `self * other` elementwise (equal shapes): a new tensor on `self`'s device (on a CPU device
+    /// computed in f32 and rounded back to `self`'s dtype; on a GPU f32 only).
+    ///
+    /// ```
+    /// use conveyor_engine::{Device, Tensor};
+    ///
+    /// let host = Device::host();
+    /// let a = Tensor::from_vec(vec![1.0, 2.0, 3.0], [3], &host)?;
+    /// let b = Tensor::from_vec(vec![4.0, 5.0, 6.0], [3], &host)?;
+    /// assert_eq!(a.mul(&b)?.to_vec_f32(), [4.0, 10.0, 18.0]);
+    /// # Ok::<(), conveyor_engine::Error>(())
+    /// ```
+    pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
+        let op = "mul";
+        if self.shape() != other.shape() {
+            return Err(Error::shape(op, self.shape().to_string(), other.shape().to_string()));
+        }
+        match self.device() {
+            Device::Cpu(_) => {
+                let (lhs, rhs) = (self.host_f32(op)?, other.host_f32(op)?);
+                let product = Tensor::from_f32_init(self.shape().clone(), self.device(), |dst| {
+                    uninit::map2(dst, &lhs, &rhs, |a, b| a * b)
+                })?;
+                product.into_dtype(self.dtype())
+            }
+            Device::Cuda(cuda) => {
+                let (lhs, rhs) = (gpu_f32(op, self, self.device())?, gpu_f32(op, other, self.device())?);
+                let stream = cuda.thread_stream()?;
+                let mut out = cuda.alloc_zeros::<f32>(lhs.len())?;
+                stream.mul(lhs, rhs, &mut out)?;
+                Tensor::from_cuda_f32(out, self.shape().clone(), self.device())
+            }
+        }
+    }
+
+    /// Every row of `self` (its last dimension) multiplied elementwise by `row` (a vector of that
+    /// length), as PyTorch broadcasts `x * gamma`: a new tensor on `self`'s device.
+    ///
+    /// ```
+    /// use conveyor_engine::{Device, Tensor};
+    ///
+    /// let host = Device::host();
+    /// let x = Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0], [2, 2], &host)?;
+    /// let gamma = Tensor::from_vec(vec![10.0, 0.5], [2], &host)?;
+    /// assert_eq!(x.mul_rows(&gamma)?.to_vec_f32(), [10.0, 1.0, 30.0, 2.0]);
+    /// # Ok::<(), conveyor_engine::Error>(())
+    /// ```
+    pub fn mul_rows(&self, row: &Tensor) -> Result<Tensor> {
+        let op = "mul_rows";
+        let cols = row.numel();
+        if row.dims().len() != 1 || self.dims().last() != Some(&cols) {
+            return Err(Error::shape(
+                op,
+                format!("a vector as long as the last dimension of {}", self.shape()),
+                row.shape().to_string(),
+            ));
+        }
+        match self.device() {
+            Device::Cpu(_) => {
+                if cols == 0 {
+                    return Tensor::zeros(self.shape().clone(), self.dtype(), self.device());
+                }
+                let (x, row) = (self.host_f32(op)?, row.host_f32(op)?);
+                let values: Vec<f32> =
+                    x.chunks_exact(cols).flat_map(|x| x.iter().zip(row.iter()).map(|(a, b)| a * b)).collect();
+                let product = Tensor::from_vec(values, self.shape().clone(), self.device())?;
+                product.into_dtype(self.dtype())
+            }
+            Device::Cuda(cuda) => {
+                let (x, row) = (gpu_f32(op, self, self.device())?, gpu_f32(op, row, self.device())?);
+                let stream = cuda.thread_stream()?;
+                let mut rows = cuda.alloc_zeros::<f32>(x.len())?;
+                stream.broadcast_rows(row, &mut rows)?;
+                let mut out = cuda.alloc_zeros::<f32>(x.len())?;
+                stream.mul(x, &rows, &mut out)?;
+                Tensor::from_cuda_f32(out, self.shape().clone(), self.device())
             }
         }
     }

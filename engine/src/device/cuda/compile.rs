@@ -40,6 +40,7 @@ macro_rules! kernels {
 
 kernels! {
     AddF32 => ("elementwise.cu", "add_f32"),
+    MulF32 => ("elementwise.cu", "mul_f32"),
     AddAssignF32 => ("elementwise.cu", "add_assign_f32"),
     ScaleF32 => ("elementwise.cu", "scale_f32"),
     ReluForwardF32 => ("elementwise.cu", "relu_forward_f32"),

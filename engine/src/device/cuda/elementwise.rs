@@ -61,6 +61,11 @@ impl CudaStream {
         self.binary(Kernel::AddF32, lhs, rhs, output)
     }
 
+    /// `output = lhs * rhs`, elementwise.
+    pub fn mul(&self, lhs: &CudaBuffer<f32>, rhs: &CudaBuffer<f32>, output: &mut CudaBuffer<f32>) -> Result<()> {
+        self.binary(Kernel::MulF32, lhs, rhs, output)
+    }
+
     /// `dst += src`, elementwise.
     pub fn add_assign(&self, dst: &mut CudaBuffer<f32>, src: &CudaBuffer<f32>) -> Result<()> {
         let kernel = Kernel::AddAssignF32;

@@ -1,9 +1,13 @@
-// Elementwise kernels for CUDA devices: add, scale, activations and their gradients, dropout.
+// Elementwise kernels for CUDA devices: add, multiply, scale, activations and their gradients, dropout.
 // One thread per element; grid-stride loops so any launch size covers any length.
 #define GRID_STRIDE(i, n) for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n); i += (size_t)blockDim.x * gridDim.x)
 
 extern "C" __global__ void add_f32(const float* a, const float* b, float* out, size_t n) {
     GRID_STRIDE(i, n) { out[i] = a[i] + b[i]; }
+}
+
+extern "C" __global__ void mul_f32(const float* a, const float* b, float* out, size_t n) {
+    GRID_STRIDE(i, n) { out[i] = a[i] * b[i]; }
 }
 
 extern "C" __global__ void add_assign_f32(float* dst, const float* src, size_t n) {
