@@ -9,6 +9,8 @@ pub mod data;
 pub mod limits;
 pub mod pipeline;
 pub mod sequential;
+/// Gradient checks for layers, custom ones included: `conveyor::testing::gradcheck(&mut layer, &shapes)`.
+pub use conveyor_engine::testing;
 pub mod zoo;
 
 pub use sequential::Sequential;

@@ -203,6 +203,26 @@ pub enum Error {
         /// The layer's kind.
         layer: String,
     },
+    /// A layer's analytic gradient disagrees with finite differences of its forward pass, or two
+    /// of its backward paths disagree ([`crate::testing::gradcheck`]).
+    #[error(
+        "gradient check of {layer} failed: {what}, element {element}: backward gives {analytic:.6e}, expected \
+         {numeric:.6e} (tolerance {tolerance:.1e})"
+    )]
+    GradientCheck {
+        /// The layer's kind.
+        layer: String,
+        /// Which gradient (`input 0`, `parameter `gamma``, or two paths compared).
+        what: String,
+        /// The flat element index.
+        element: usize,
+        /// The value the layer's backward gave.
+        analytic: f64,
+        /// The value it should be (finite differences, or the other backward path).
+        numeric: f64,
+        /// The tolerance it exceeded.
+        tolerance: f64,
+    },
     /// The schedule could not be built or validated.
     #[error(transparent)]
     Schedule(#[from] conveyor_schedules::ScheduleError),

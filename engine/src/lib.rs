@@ -21,6 +21,7 @@ pub mod placement;
 pub mod runtime;
 mod shape;
 mod tensor;
+pub mod testing;
 pub mod trace;
 
 pub use device::{CpuDevice, CudaDevice, Device};

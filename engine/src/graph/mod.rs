@@ -62,7 +62,10 @@ impl Graph {
             return Err(Error::invalid("node name", "names must be non-empty"));
         }
         if self.by_name.contains_key(name) {
-            return Err(Error::invalid("node name", format!("`{name}` is already in the graph; give each node a unique name")));
+            return Err(Error::invalid(
+                "node name",
+                format!("`{name}` is already in the graph; give each node a unique name"),
+            ));
         }
         let id = NodeId(self.graph.add_node(Node { name: name.to_string(), op, output_shape }));
         self.by_name.insert(name.to_string(), id);
@@ -90,7 +93,10 @@ impl Graph {
         let mut shapes = Vec::with_capacity(inputs.len());
         for &input in inputs {
             let node = self.graph.node_weight(input.0).ok_or_else(|| {
-                Error::invalid(format!("inputs of node `{name}`"), format!("node #{} is not in this graph", input.index()))
+                Error::invalid(
+                    format!("inputs of node `{name}`"),
+                    format!("node #{} is not in this graph", input.index()),
+                )
             })?;
             shapes.push(node.output_shape.clone());
         }
@@ -178,9 +184,14 @@ impl Graph {
 
     /// A topological order (inputs first); an error naming a node on a cycle if there is one.
     pub fn topological_order(&self) -> Result<Vec<NodeId>> {
-        petgraph::algo::toposort(&self.graph, None).map(|order| order.into_iter().map(NodeId).collect()).map_err(|cycle| {
-            Error::invalid("graph", format!("cycle through node `{}`; a graph must be acyclic", self.graph[cycle.node_id()].name))
-        })
+        petgraph::algo::toposort(&self.graph, None).map(|order| order.into_iter().map(NodeId).collect()).map_err(
+            |cycle| {
+                Error::invalid(
+                    "graph",
+                    format!("cycle through node `{}`; a graph must be acyclic", self.graph[cycle.node_id()].name),
+                )
+            },
+        )
     }
 
     /// Checks the graph is runnable: an output is set, there are no cycles, every node contributes
@@ -200,7 +211,10 @@ impl Graph {
             if !reaches[id.index()] {
                 return Err(Error::invalid(
                     "graph",
-                    format!("node `{}` is dangling: its output never reaches the output node; remove it or connect it", node.name),
+                    format!(
+                        "node `{}` is dangling: its output never reaches the output node; remove it or connect it",
+                        node.name
+                    ),
                 ));
             }
             if let NodeOp::Layer(Some(layer)) = &node.op {
@@ -208,7 +222,12 @@ impl Graph {
                 if n_in != layer.n_inputs() {
                     return Err(Error::invalid(
                         "graph",
-                        format!("node `{}` has {n_in} inputs connected but {} needs {}", node.name, layer.kind(), layer.n_inputs()),
+                        format!(
+                            "node `{}` has {n_in} inputs connected but {} needs {}",
+                            node.name,
+                            layer.kind(),
+                            layer.n_inputs()
+                        ),
                     ));
                 }
             }
@@ -253,7 +272,8 @@ impl Graph {
 
     /// Per-sample cost estimates of a layer node (zero for inputs).
     pub fn cost(&self, id: NodeId) -> Result<LayerCost> {
-        let shapes: Vec<Shape> = self.predecessors(id).into_iter().map(|p| self.graph[p.0].output_shape.clone()).collect();
+        let shapes: Vec<Shape> =
+            self.predecessors(id).into_iter().map(|p| self.graph[p.0].output_shape.clone()).collect();
         match self.layer(id) {
             Some(layer) => layer.cost(&shapes),
             None => Ok(LayerCost::default()),
