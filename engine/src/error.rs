@@ -74,6 +74,25 @@ pub enum Error {
         /// Why it is invalid and what would be valid.
         reason: String,
     },
+    /// A device or list of devices does not follow the grammar of [`crate::device::DeviceList`].
+    #[error("devices `{text}`: {problem}")]
+    InvalidDeviceList {
+        /// The text as given.
+        text: String,
+        /// The comma-separated item that is wrong (0 first), when it is one item.
+        item_idx: Option<usize>,
+        /// What is wrong.
+        problem: crate::device::DeviceListProblem,
+    },
+    /// A placement file (one line of node names per stage) could not be used; an unreadable one
+    /// is an [`Error::Io`].
+    #[error("placement file {path}: {problem}")]
+    PlacementFile {
+        /// The file.
+        path: String,
+        /// What is wrong with it.
+        problem: crate::placement::PlacementFileProblem,
+    },
     /// A checkpoint file could not be used.
     #[error("checkpoint {path}: {reason}")]
     Checkpoint {
