@@ -200,16 +200,9 @@ pub fn build_trainer_tensor_parallel(
 ) -> Result<(Plan, Trainer)> {
     let (plan, graph) = plan_tensor_parallel(spec, seed, &devices, tensor_parallel, config)?;
     let stages = plan.stages.iter().map(|s| s.nodes.clone()).collect();
-    let trainer = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
-        .devices(devices)
+    let trainer = builder(graph, devices, config)
         .tensor_parallel(tensor_parallel)
         .stages(stages)
-        .schedule(config.schedule, config.n_chunks)
-        .micro_batches(config.n_micro_batches)
-        .optimizer(config.optimizer)
-        .recompute(config.recompute)
-        .seed(config.seed)
-        .core_slots(config.core_slots)
         .derived_caches(plan.derived_caches())
         .commit_snapshot(plan.commit_snapshots())
         .build()?;
