@@ -25,11 +25,12 @@ impl TrainerBuilder {
     /// layer times), as node ids without planning ([`Placement::Stages`], what
     /// [`TrainerBuilder::stages`] does), or a plan made before ([`Placement::Plan`]).
     ///
-    /// Every placement but `Stages` is planned by `build` with the builder's devices, schedule,
-    /// chunks, micro-batches, optimizer and recomputation, and needs
-    /// [`TrainerBuilder::batch_rows`]; the plan's derived caches and commit snapshots replace
-    /// any set with [`TrainerBuilder::derived_caches`] and [`TrainerBuilder::commit_snapshot`],
-    /// and [`Trainer::plan`] returns it. Planned placements need tensor-parallel degree 1 (the
+    /// `Manual`, `Auto` and `File` are planned by `build` with the builder's devices (their
+    /// budgets), schedule, chunks, micro-batches, optimizer and recomputation (with modes per
+    /// stage, the one keeping the most), and need [`TrainerBuilder::batch_rows`]; a `Plan` is
+    /// used as made. The plan's derived caches and commit snapshots replace any set with
+    /// [`TrainerBuilder::derived_caches`] and [`TrainerBuilder::commit_snapshot`], and
+    /// [`Trainer::plan`] returns it. Giving both `.placement(..)` and `.stages(..)` is an error. Planned placements need tensor-parallel degree 1 (the
     /// facade's `build_trainer_tensor_parallel` plans split models).
     ///
     /// ```
