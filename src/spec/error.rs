@@ -266,7 +266,7 @@ pub enum SpecError {
         /// The placement file, or `stages` for stages listed in the spec.
         placement: String,
         /// The planner's error.
-        source: conveyor_engine::Error,
+        source: Box<conveyor_engine::Error>,
     },
     /// Input the parsers of [`crate::cli_input`] refuse (data, devices): the message names the
     /// flag, the value and the fix.

@@ -297,18 +297,6 @@ pub struct OptimizerSection {
     pub lr_schedule: LrSchedule,
 }
 
-impl Default for LrSchedule {
-    fn default() -> Self {
-        LrSchedule::Cosine
-    }
-}
-
-impl Default for OnNonFinite {
-    fn default() -> Self {
-        OnNonFinite::Error
-    }
-}
-
 /// `[checkpoint]`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]

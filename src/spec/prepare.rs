@@ -148,7 +148,7 @@ fn place_and_build(
     // The same memory model as `auto`: measured layer memory, the recompute mode, the undo
     // snapshot and caches kept only where they fit.
     let plan = plan_manually(&graph, &stages, &devices, config)
-        .map_err(|source| SpecError::Placement { placement: name, source })?;
+        .map_err(|source| SpecError::Placement { placement: name, source: Box::new(source) })?;
     let trainer = build_trainer_with_plan(graph, devices, &plan, config)?;
     Ok((plan, trainer))
 }

@@ -82,6 +82,16 @@ impl RunSpec {
     }
 
     /// Reads a spec from a TOML file (at most [`MAX_SPEC_FILE_BYTES`]); errors name the path.
+    ///
+    /// ```
+    /// use conveyor::RunSpec;
+    ///
+    /// // The default run, every key written out and explained.
+    /// let spec = RunSpec::from_file("examples/run.toml")?;
+    /// assert_eq!(spec, RunSpec::default());
+    /// assert!(RunSpec::from_file("no/such/run.toml").unwrap_err().to_string().contains("no/such/run.toml"));
+    /// # Ok::<(), conveyor::spec::SpecError>(())
+    /// ```
     pub fn from_file(path: impl AsRef<Path>) -> Result<RunSpec, SpecError> {
         let path = path.as_ref();
         let unreadable = |reason: String| SpecError::Read { path: path.to_path_buf(), reason };

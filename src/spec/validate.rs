@@ -227,7 +227,8 @@ mod tests {
 
     #[test]
     fn cross_field_checks_name_flag_and_key() {
-        let cases: Vec<(fn(&mut RunSpec), &str)> = vec![
+        type Change = fn(&mut RunSpec);
+        let cases: Vec<(Change, &str)> = vec![
             (|s| s.checkpoint.every = Some(5), "checkpoint.every needs checkpoint.path"),
             (|s| s.training.eval_every = Some(0), "--eval-every must be at least 1"),
             (|s| s.pipeline.microbatches = 64, "more than the 32 rows"),
