@@ -53,9 +53,10 @@ pub fn parse_devices(spec: &str, budget: Option<u64>) -> Result<Vec<Device>, Usa
 }
 
 /// `--on-nonfinite`: what a step with a non-finite loss or gradient does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum OnNonFinite {
     /// Stop the run (after writing the outputs from the last good step).
+    #[default]
     Error,
     /// Skip the step; stop after this many skipped in a row.
     Skip {
@@ -82,11 +83,12 @@ impl std::str::FromStr for OnNonFinite {
 }
 
 /// A learning-rate schedule with torch's semantics: the rate of step `t` (0-based) of `total`.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub enum LrSchedule {
     /// The base rate throughout.
     Constant,
     /// `CosineAnnealingLR(T_max = total, eta_min = 0)`: `base · (1 + cos(π·t / total)) / 2`.
+    #[default]
     Cosine,
     /// `StepLR(step_size, gamma)`: `base · gamma^⌊t / step_size⌋`.
     Step {
