@@ -15,12 +15,15 @@
 //! many caches as fit (largest FLOPs first), and reports what it dropped.
 mod auto;
 mod cost;
+mod fit;
 mod manual;
 mod memory;
 mod profile;
 
 pub use auto::{place_automatically, place_with_costs};
 pub use cost::{DeviceSpec, Link, NodeCosts, OptimizerMemory, PlanConfig, StageMemory, format_bytes};
+pub(crate) use fit::DoesNotFitMessage;
+pub use fit::{FitHint, MemoryBreakdown, PlacedBy, StageFit};
 pub use manual::{place_manually, place_manually_with_costs};
 pub use memory::{
     InputGradMemory, NodeMemory, OutputMemory, Rank, SavedMemory, ScheduleMemory, measure_node_memory,
