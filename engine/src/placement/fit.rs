@@ -279,19 +279,6 @@ mod tests {
     }
 
     #[test]
-    fn manual_message_names_the_stage_and_its_budget_as_before() {
-        let stages = [stage(1, None), StageFit { device: "cpu:1".into(), ..stage(3 << 20, Some(2 << 20)) }];
-        let hints = manual_hints();
-        let message = DoesNotFitMessage { placed_by: PlacedBy::Manual, stage: 1, stages: &stages, hints: &hints };
-        assert_eq!(
-            message.to_string(),
-            "the model does not fit: on 2 stage(s) the best placement needs 3.0 MiB on stage 1 (cpu:1) on its largest \
-             stage against budgets 2.0 MiB; what would help: move layers to another stage, use automatic placement, \
-             recomputation or smaller micro-batches"
-        );
-    }
-
-    #[test]
     fn breakdown_total_is_the_stage_memory_total() {
         let memory = StageMemory {
             params: 1,
