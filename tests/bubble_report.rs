@@ -4,7 +4,7 @@
 //! measured op costs lands within a few points of the measured bubble.
 mod common;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use common::{data, even_stages};
 use conveyor::engine::Device;
@@ -13,6 +13,10 @@ use conveyor::engine::runtime::{CostBasis, StepReport, Trainer};
 use conveyor::layers::CrossEntropyLoss;
 use conveyor::schedules::{OpKind, ScheduleKind};
 use conveyor::zoo::mlp;
+
+/// The tests train one at a time: two trainers at once would share the cores the comparison of
+/// measured and simulated bubbles needs one each of.
+static SERIAL: Mutex<()> = Mutex::new(());
 
 const N_MICRO_BATCHES: usize = 4;
 const ROWS: usize = 128;
@@ -43,6 +47,7 @@ fn steps(trainer: &mut Trainer, n: usize) -> Vec<StepReport> {
 
 #[test]
 fn busy_and_idle_make_the_step_and_theory_is_the_simulators() {
+    let _serial = SERIAL.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
         let mut trainer = trainer(kind);
         let reports = steps(&mut trainer, 3);
@@ -83,6 +88,7 @@ fn busy_and_idle_make_the_step_and_theory_is_the_simulators() {
 
 #[test]
 fn the_simulator_fed_measured_costs_lands_near_the_measured_bubble() {
+    let _serial = SERIAL.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let mut trainer = trainer(ScheduleKind::OneFOneB);
     // A warm-up step first: the first touches every page of the parameters and activations.
@@ -92,15 +98,14 @@ fn the_simulator_fed_measured_costs_lands_near_the_measured_bubble() {
         println!("skipped the comparison: {cores} core for 2 devices, the simulator then shares the cores");
         return;
     }
+    assert!(matches!(bubbles.cost_basis, CostBasis::Delivery { .. }), "{:?}", bubbles.cost_basis);
+    assert!(bubbles.cores_idle.is_none());
     // Whether the workers had a core each: their ops' CPU time against their wall time (a busy
     // machine takes the cores away mid-op, and wakes a waiting worker late).
-    let cpu_s: f64 = reports.iter().flat_map(|r| &r.op_cpu_times).map(|t| t.cpu_s).sum();
-    let wall_s: f64 = reports
-        .iter()
-        .flat_map(|r| &r.timeline.events)
-        .filter(|e| e.op.is_compute() && e.op != OpKind::OptimizerStep)
-        .map(|e| e.duration_s())
-        .sum();
+    let layer_op = |op: OpKind| op.is_compute() && op != OpKind::OptimizerStep;
+    let cpu_s: f64 = reports.iter().flat_map(|r| &r.op_cpu_times).filter(|t| layer_op(t.op)).map(|t| t.cpu_s).sum();
+    let wall_s: f64 =
+        reports.iter().flat_map(|r| &r.timeline.events).filter(|e| layer_op(e.op)).map(|e| e.duration_s()).sum();
     if cpu_s < 0.8 * wall_s {
         println!(
             "skipped the comparison: the ops got {:.0}% of a core each (other processes share the {cores} cores), \
@@ -109,14 +114,13 @@ fn the_simulator_fed_measured_costs_lands_near_the_measured_bubble() {
         );
         return;
     }
-    assert!(matches!(bubbles.cost_basis, CostBasis::Delivery { .. }), "{:?}", bubbles.cost_basis);
-    assert!(bubbles.cores_idle.is_none());
     let points = (bubbles.simulated_fraction - bubbles.measured_fraction).abs() * 100.0;
     assert!(points < 5.0, "{points:.1} points apart: {bubbles}\n{}", bubbles.gap);
 }
 
 #[test]
 fn no_reports_or_another_schedule_is_an_error_not_a_panic() {
+    let _serial = SERIAL.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let trainer = trainer(ScheduleKind::GPipe);
     assert!(trainer.bubbles(&[]).is_err());
     let mut other = Trainer::builder(mlp(&[256, 512, 10], 3).unwrap(), Arc::new(CrossEntropyLoss::new()))
