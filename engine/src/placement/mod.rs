@@ -20,6 +20,7 @@
 mod auto;
 mod cost;
 mod file;
+mod fit;
 mod manual;
 mod memory;
 pub mod pipeline_plan;
@@ -28,6 +29,8 @@ mod profile;
 pub use auto::{place_automatically, place_with_costs};
 pub use cost::{DeviceSpec, Link, NodeCosts, OptimizerMemory, PlanConfig, StageMemory, format_bytes};
 pub use file::{MAX_PLACEMENT_FILE_BYTES, MAX_STAGES, PlacementFileProblem, parse_placement, read_placement_file};
+pub(crate) use fit::DoesNotFitMessage;
+pub use fit::{FitHint, MemoryBreakdown, PlacedBy, StageFit};
 pub use manual::{place_manually, place_manually_with_costs};
 pub use memory::{
     InputGradMemory, NodeMemory, OutputMemory, Rank, SavedMemory, ScheduleMemory, measure_node_memory,

@@ -7,7 +7,8 @@
 //! Code map: `args.rs` holds the flags and how they override the spec (and the optimizer parser
 //! `conveyor plan` shares); `checkpointing.rs` holds `--save`, `--resume` and `--init`;
 //! `outputs.rs` checks every output path before the run and streams the metrics and the trace;
-//! `progress.rs` the progress bars; `summary.rs` the accuracy and bubble summary. This file wires
+//! `progress.rs` the progress bars; `summary.rs` the accuracy (the bubble summary is the engine's
+//! `Trainer::bubbles`). This file wires
 //! them into one run.
 //!
 //! Whatever ends the run (its last step, a non-finite step, Ctrl-C or SIGTERM), the outputs are
@@ -27,11 +28,8 @@ use checkpointing::{ParamHomes, RunState};
 use conveyor::data;
 use conveyor::engine::Device;
 use conveyor::engine::trace::{MemoryPoint, TimelineRecorder, timeline_filter};
-use conveyor::pipeline::simulated_inflight;
 use conveyor::schedules::export::{MemorySample, SvgOptions, svg_gantt};
-use conveyor::schedules::{
-    CostModel, Schedule, StageCosts, Timeline, TimelineEvent, simulate, simulate_on_cores, simulate_with_core_slots,
-};
+use conveyor::schedules::{Schedule, Timeline, TimelineEvent};
 use conveyor::spec::SpecError;
 pub(crate) use outputs::same_output;
 use progress::Progress;
@@ -103,8 +101,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let model_text = run.model_text().to_string();
     let optimizer = run.optimizer;
     let base_lr = run.base_lr();
-    let k = spec.pipeline.tensor_parallel;
-    // The pipeline's width: one worker per group of `k` devices.
+    // The pipeline's width: one worker per group of --tensor-parallel devices.
     let n_devices = run.pipeline_devices;
     // One label per worker: its device, or its group of devices joined with `+`.
     let worker_labels: Vec<String> = run
@@ -370,73 +367,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         outln!("test accuracy {:.2}% ({} rows)", acc * 100.0, test.as_ref().map_or(0, data::Dataset::len));
     }
     let sched = Schedule::new(schedule, n_devices, spec.pipeline.microbatches, spec.pipeline.chunks)?;
-    let mut bubble = None;
-    if let Some(report) = &last_report {
-        // Bubble summary: measured over the last steps, against theory and the simulator fed each
-        // step's measured op costs.
-        let theory = simulate(&sched, &CostModel::uniform(StageCosts::UNIT))?.bubble_fraction;
-        // With a core per worker, the measured wall durations are the op costs. With more workers
-        // than cores the trainer gives compute ops core slots (first come first served), so an op
-        // still runs on a core of its own and the simulator queues ops for the same slots.
-        // Without slots (disabled), each op's thread CPU time is its cost and the simulator shares
-        // the cores between running ops.
-        let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        let predict = |report: &conveyor::engine::runtime::StepReport| -> anyhow::Result<(f64, String)> {
-            Ok(if let Some(slots) = report.core_slots {
-                let costs = summary::measured_costs(&report.timeline, sched.n_stages());
-                let wake_s = report.core_wake_latency_s.unwrap_or(0.0);
-                let simulated = simulate_with_core_slots(&sched, &costs, slots, wake_s)?;
-                (
-                    simulated.bubble_fraction,
-                    format!("measured op times, {slots} core slots, {:.2} ms wake-up", wake_s * 1e3),
-                )
-            } else if n_devices > cores {
-                let simulated = simulate_on_cores(&sched, &summary::cpu_costs(report, sched.n_stages()), cores)?;
-                (simulated.bubble_fraction, format!("op CPU times, {cores} cores shared"))
-            } else {
-                // Each device sleeps while it waits: a message reaches it when the OS wakes it.
-                let latency_s = summary::delivery_latency_s(&report.timeline);
-                let costs = summary::measured_costs(&report.timeline, sched.n_stages())
-                    .with_link(conveyor::schedules::Link { latency_s, bandwidth_bytes_per_s: f64::INFINITY });
-                let simulated = simulate(&sched, &costs)?;
-                (simulated.bubble_fraction, format!("measured op times, {:.2} ms delivery", latency_s * 1e3))
-            })
-        };
-        let (mut measured, mut predicted, mut cost_basis) = (0.0, 0.0, String::new());
-        for recent in &recent_reports {
-            let (p, basis) = predict(recent)?;
-            measured += recent.timeline.bubble_fraction() / recent_reports.len() as f64;
-            predicted += p / recent_reports.len() as f64;
-            cost_basis = basis;
-        }
-        if report.core_slots.is_none() && n_devices > cores {
-            // With workers sharing cores, a device "idles" while its thread waits for a core too;
-            // compare the cores' idle time instead: 1 - CPU time of all ops / (cores x makespan).
-            let simulated = simulate_on_cores(&sched, &summary::cpu_costs(report, sched.n_stages()), cores)?;
-            let cpu_total: f64 = report.op_cpu_times.iter().map(|t| t.cpu_s).sum();
-            let measured_core_idle = 1.0 - cpu_total / (cores as f64 * report.timeline.makespan_s());
-            let simulated_core_idle = 1.0 - cpu_total / (cores as f64 * simulated.makespan_s);
-            outln!(
-                "cores idle on the last step ({n_devices} workers on {cores} cores): measured {:.1}%, simulated with shared cores {:.1}%",
-                measured_core_idle * 100.0,
-                simulated_core_idle * 100.0
-            );
-        }
-        let inflight = simulated_inflight(schedule, n_devices, spec.pipeline.microbatches, spec.pipeline.chunks)?;
-        outln!(
-            "bubble (mean of the last {} steps): measured {:.1}%, simulator with {cost_basis} {:.1}%, schedule theory (equal costs) {:.1}%",
-            recent_reports.len(),
-            measured * 100.0,
-            predicted * 100.0,
-            theory * 100.0
-        );
-        summary::print_devices(report, &worker_labels, k, &inflight, &|line| outln!("{line}"));
-        if k > 1 {
-            for (device, peak) in trainer.devices().iter().zip(&report.peak_memory) {
-                outln!("  {device}: peak memory {}", conveyor::engine::placement::format_bytes(*peak));
-            }
-        }
-        bubble = Some((measured, predicted));
+    // Bubble summary: measured over the last steps, against theory and the simulator fed each
+    // step's measured op costs.
+    let bubble =
+        if recent_reports.is_empty() { None } else { Some(trainer.bubbles(recent_reports.make_contiguous())?) };
+    if let Some(bubble) = &bubble {
+        outln!("{bubble}");
     }
     // The outputs, most valuable first; a failure is reported and the others are still written.
     let mut failures: Vec<anyhow::Error> = Vec::new();
@@ -466,8 +402,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             "final_loss": last_report.as_ref().map(|r| r.loss),
             "test_accuracy": accuracy,
             "peak_memory_bytes": last_report.as_ref().map(|r| r.peak_memory.clone()),
-            "bubble_fraction": bubble.map(|b| b.0),
-            "predicted_bubble_fraction": bubble.map(|b| b.1),
+            "bubble_fraction": bubble.as_ref().map(|b| b.measured_fraction),
+            "predicted_bubble_fraction": bubble.as_ref().map(|b| b.simulated_fraction),
             "samples_per_s": samples as f64 / compute_s.max(f64::MIN_POSITIVE),
         });
         out.line(&summary);
