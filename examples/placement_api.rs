@@ -86,12 +86,23 @@ fn main() -> Result<()> {
     let plan = place_automatically(&graph, &devices(3, Some(budget)), &config)?;
     print_plan("automatic placement on 3 devices", &plan);
 
-    // 5. A model that fits nowhere: the error carries the best placement's per-stage needs, the
-    //    budgets, and what would help (more devices, larger budgets, recomputation, less state).
-    match place_automatically(&graph, &devices(2, Some(budget)), &config) {
-        Err(Error::DoesNotFit { n_stages, smallest_need, budgets, suggestion }) => {
-            println!("on {n_stages} devices it does not fit: needs {smallest_need} against {budgets}");
-            println!("suggestion: {suggestion}\n");
+    // 5. A model that fits nowhere (two devices of half that budget): the error carries the best
+    //    placement's worst stage, its need by kind against its budget, every stage's need, and what
+    //    would help (more devices, larger budgets, recomputation, less state), as numbers a
+    //    program can act on.
+    match place_automatically(&graph, &devices(2, Some(budget / 2)), &config) {
+        Err(Error::DoesNotFit { n_stages, stage, device, needed_bytes, budget_bytes, breakdown, hints, .. }) => {
+            println!(
+                "on {n_stages} devices it does not fit: stage {stage} on {device} needs {} against {} \
+                 (parameters {}, gradients {}, Adam state {}, activations {})",
+                format_bytes(needed_bytes),
+                format_bytes(budget_bytes),
+                format_bytes(breakdown.parameters),
+                format_bytes(breakdown.gradients),
+                format_bytes(breakdown.optimizer_state),
+                format_bytes(breakdown.activations),
+            );
+            println!("what would help: {hints:?}\n");
         }
         other => println!("unexpectedly: {other:?}\n"),
     }

@@ -7,10 +7,10 @@
 //!
 //! Run: `cargo run --release --example too_big_for_one_device`
 use conveyor::data;
-use conveyor::engine::Device;
 use conveyor::engine::optim::OptimizerConfig;
 use conveyor::engine::placement::format_bytes;
 use conveyor::engine::runtime::Recompute;
+use conveyor::engine::{Device, Error};
 use conveyor::pipeline::{PipelineConfig, build_trainer, memory_notes, plan};
 use conveyor::schedules::ScheduleKind;
 use conveyor::zoo::mlp;
@@ -36,7 +36,23 @@ fn main() -> anyhow::Result<()> {
     let one = vec![Device::cpu_with_budget(0, Some(budget))];
     match plan(&mlp(&widths, 0)?, &one, &config) {
         Ok(_) => anyhow::bail!("expected the model not to fit one device"),
-        Err(err) => println!("on one device of {}: {err}\n", format_bytes(budget)),
+        Err(err) => {
+            println!("on one device of {}: {err}", format_bytes(budget));
+            // The same figures as numbers, for a program to act on.
+            let Error::DoesNotFit { needed_bytes, budget_bytes, breakdown, .. } = &err else { return Err(err.into()) };
+            println!(
+                "  needed {} against {}: parameters {}, gradients {}, Adam state {}, activations {}, packed copies {}, \
+                 undo snapshot {}\n",
+                format_bytes(*needed_bytes),
+                format_bytes(*budget_bytes),
+                format_bytes(breakdown.parameters),
+                format_bytes(breakdown.gradients),
+                format_bytes(breakdown.optimizer_state),
+                format_bytes(breakdown.activations),
+                format_bytes(breakdown.caches),
+                format_bytes(breakdown.undo_snapshot),
+            );
+        }
     }
 
     let devices: Vec<Device> = (0..4).map(|i| Device::cpu_with_budget(i, Some(budget))).collect();

@@ -7,11 +7,13 @@
 //! checked (`checked_mul`), so within the limits nothing overflows; raising a limit is safe as far
 //! as overflow goes, and costs only the time or memory the larger input asks for.
 
-/// Devices in `--devices` (`train`, `plan`): `cpu:N` with N at most this, or a list this long.
-pub const MAX_DEVICES: usize = 1024;
+/// Devices in `--devices` (`train`, `plan`): `cpu:N` with N at most this, or a list this long
+/// (the engine's device grammar checks it).
+pub use conveyor_engine::device::MAX_DEVICES;
 
-/// Pipeline stages, devices (or `--stages`) times `--chunks` (`train`, `plan`, `simulate`).
-pub const MAX_STAGES: usize = 1024;
+/// Pipeline stages, devices (or `--stages`) times `--chunks` (`train`, `plan`, `simulate`), and
+/// lines of a placement file.
+pub use conveyor_engine::placement::MAX_STAGES;
 
 /// Micro-batches per step in `conveyor simulate` (`train` and `plan` are bounded by the batch).
 pub const MAX_SIMULATED_MICRO_BATCHES: usize = 1 << 16;
@@ -52,7 +54,7 @@ pub const MAX_STEPS: u64 = 1 << 40;
 pub const MAX_BATCH_ROWS: usize = 1 << 24;
 
 /// Bytes of a placement file (`--placement FILE`); one line per stage is a few KiB.
-pub const MAX_PLACEMENT_FILE_BYTES: u64 = 1 << 20;
+pub use conveyor_engine::placement::MAX_PLACEMENT_FILE_BYTES;
 
 /// Bytes a gzipped MNIST file may decompress to (MNIST's training images are 47 MB).
 pub const MAX_DECOMPRESSED_BYTES: u64 = 1 << 32;

@@ -4,209 +4,59 @@
 //! With tensor parallelism ([`build_trainer_tensor_parallel`]) each stage holds a group of `k`
 //! consecutive devices: the planner sees each group as one device `k` times as fast and large,
 //! and the model is rebuilt with its wide layers split over the group of the stage they landed on.
+//!
+//! The planning itself lives in the engine ([`conveyor_engine::placement::pipeline_plan`]), where
+//! `TrainerBuilder::placement` uses it; this module re-exports it, builds trainers through the
+//! builder, and adds what needs the zoo's [`ModelSpec`]: tensor-parallel planning.
 use std::sync::Arc;
 
 use conveyor_engine::graph::Graph;
-use conveyor_engine::optim::OptimizerConfig;
-use conveyor_engine::placement::{
-    DeviceSpec, Link, NodeCosts, OptimizerMemory, Plan, PlanConfig, format_bytes, measure_node_memory,
-    measure_node_memory_on, place_manually_with_costs, place_with_costs, profile_graph,
+pub use conveyor_engine::placement::pipeline_plan::{
+    CPU_FLOPS_PER_S, PipelineConfig, memory_notes, node_costs, optimizer_memory, plan, plan_by_time, plan_manually,
+    planner_inputs, planner_inputs_for, simulated_inflight,
 };
-use conveyor_engine::runtime::{CoreSlotPolicy, Recompute, Trainer};
+use conveyor_engine::placement::{
+    DeviceSpec, NodeCosts, OptimizerMemory, Placement, Plan, PlanConfig, measure_node_memory_on,
+    place_manually_with_costs, place_with_costs,
+};
+use conveyor_engine::runtime::{Trainer, TrainerBuilder};
 use conveyor_engine::{Device, Error, Result};
 use conveyor_layers::CrossEntropyLoss;
-use conveyor_schedules::{CostModel, Schedule, ScheduleKind, StageCosts, simulate};
+use conveyor_schedules::ScheduleKind;
 
 use crate::zoo::{ModelSpec, TensorParallelSplits};
 
-/// Sustained single-core f32 throughput the planner assumes for a CPU device.
-pub const CPU_FLOPS_PER_S: f64 = 50e9;
-
-/// How to run a model.
-#[derive(Clone, Debug)]
-pub struct PipelineConfig {
-    /// The schedule.
-    pub schedule: ScheduleKind,
-    /// Chunks per device (interleaved only).
-    pub n_chunks: usize,
-    /// Micro-batches per batch.
-    pub n_micro_batches: usize,
-    /// Rows per batch (sets the micro-batch size the planner budgets for).
-    pub batch_rows: usize,
-    /// The optimizer.
-    pub optimizer: OptimizerConfig,
-    /// Activation recomputation.
-    pub recompute: Recompute,
-    /// Seed for dropout.
-    pub seed: u64,
-    /// Core slots for CPU workers ([`conveyor_engine::runtime::CoreSlotPolicy`]).
-    pub core_slots: CoreSlotPolicy,
+/// A builder for `graph` on `devices` with `config`'s settings and cross-entropy loss.
+fn builder(graph: Graph, devices: Vec<Device>, config: &PipelineConfig) -> TrainerBuilder {
+    Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
+        .devices(devices)
+        .schedule(config.schedule, config.n_chunks)
+        .micro_batches(config.n_micro_batches)
+        .batch_rows(config.batch_rows)
+        .optimizer(config.optimizer)
+        .recompute(config.recompute)
+        .seed(config.seed)
+        .core_slots(config.core_slots)
 }
 
-/// Peak micro-batches in flight per stage under `kind`, from the schedule simulator.
-pub fn simulated_inflight(
-    kind: ScheduleKind,
-    n_devices: usize,
-    n_micro_batches: usize,
-    n_chunks: usize,
-) -> Result<Vec<usize>> {
-    let schedule = Schedule::new(kind, n_devices, n_micro_batches, n_chunks)?;
-    Ok(simulate(&schedule, &CostModel::uniform(StageCosts::UNIT))?.peak_inflight)
-}
-
-/// The planner's optimizer-state class of an optimizer configuration.
-pub fn optimizer_memory(optimizer: &OptimizerConfig) -> OptimizerMemory {
-    match optimizer.state_bytes_per_param_byte() {
-        0 => OptimizerMemory::Sgd,
-        1 => OptimizerMemory::Momentum,
-        _ => OptimizerMemory::Adam,
-    }
-}
-
-/// The planner's devices and settings for `devices` under a schedule: one spec per stage
-/// (stage `s` on device `s % n_devices`, a device's budget shared by its chunks), where every
-/// micro-batch is at each instruction of the schedule (for the memory plan), in-flight counts
-/// from the schedule simulator, the default in-process link, no recomputation (set
-/// `PlanConfig::recompute` for another mode). `conveyor train` and `conveyor plan` both plan
-/// through this, so they agree on every figure.
-pub fn planner_inputs(
-    devices: &[Device],
-    schedule: ScheduleKind,
-    n_chunks: usize,
-    n_micro_batches: usize,
-    batch_rows: usize,
-    optimizer: OptimizerMemory,
-) -> Result<(Vec<DeviceSpec>, PlanConfig)> {
-    let n_devices = devices.len();
-    let n_stages = n_devices * n_chunks;
-    let inflight = simulated_inflight(schedule, n_devices, n_micro_batches, n_chunks)?;
-    let micro_batch_rows = batch_rows.div_ceil(n_micro_batches.max(1)).max(1);
-    let plan_config = PlanConfig::new(
-        micro_batch_rows,
-        n_stages,
-        |p| if p == n_stages { inflight.clone() } else { vec![n_micro_batches; p] },
-        optimizer,
-        Link::default(),
-    )
-    .with_schedule(&Schedule::new(schedule, n_devices, n_micro_batches, n_chunks)?);
-    let specs = (0..n_stages)
-        .map(|s| {
-            let device = &devices[s % n_devices];
-            let budget = device.memory_budget().map(|b| b / n_chunks as u64);
-            DeviceSpec { name: device.to_string(), flops_per_s: CPU_FLOPS_PER_S, budget_bytes: budget }
-        })
-        .collect();
-    Ok((specs, plan_config))
-}
-
-/// [`planner_inputs`] for `config` (its schedule, micro-batches, rows, optimizer and recompute mode).
-pub fn planner_inputs_for(devices: &[Device], config: &PipelineConfig) -> Result<(Vec<DeviceSpec>, PlanConfig)> {
-    let (specs, mut plan_config) = planner_inputs(
-        devices,
-        config.schedule,
-        config.n_chunks,
-        config.n_micro_batches,
-        config.batch_rows,
-        optimizer_memory(&config.optimizer),
-    )?;
-    plan_config.recompute = config.recompute;
-    Ok((specs, plan_config))
-}
-
-/// The planner's node costs of `graph` with the memory each layer uses measured by running it
-/// once on a micro-batch of `micro_batch_rows` rows ([`measure_node_memory`]: which saved
-/// tensors share their inputs and outputs, so shared bytes are counted once). The layers must
-/// be on the host (as a freshly built graph's are).
-pub fn node_costs(graph: &Graph, micro_batch_rows: usize) -> Result<NodeCosts> {
-    NodeCosts::of_graph(graph)?.with_measured_memory(&measure_node_memory(graph, micro_batch_rows)?)
-}
-
-/// Plans `graph` on `devices` (one stage per device and chunk) under their budgets.
-pub fn plan(graph: &Graph, devices: &[Device], config: &PipelineConfig) -> Result<Plan> {
-    let (specs, plan_config) = planner_inputs_for(devices, config)?;
-    place_with_costs(&node_costs(graph, plan_config.micro_batch_rows)?, &specs, &plan_config)
-}
-
-/// Plans `graph` with the layers of each stage named in `stages` (as a placement file gives
-/// them; see [`conveyor_engine::placement::place_manually`]), with the same memory figures as
-/// [`plan`].
-pub fn plan_manually(
-    graph: &Graph,
-    stages: &[Vec<String>],
-    devices: &[Device],
-    config: &PipelineConfig,
-) -> Result<Plan> {
-    let (specs, plan_config) = planner_inputs_for(devices, config)?;
-    let costs = node_costs(graph, plan_config.micro_batch_rows)?;
-    place_manually_with_costs(graph, &costs, stages, &specs, &plan_config)
-}
-
-/// Plans `graph` like [`plan`], but from layer times measured on this machine (torchgpipe's
-/// balance by time: [`profile_graph`] times every layer's forward, input-gradient and weight-gradient
-/// passes on micro-batches of the planned size) instead of FLOP estimates.
-pub fn plan_by_time(graph: &Graph, devices: &[Device], config: &PipelineConfig) -> Result<Plan> {
-    let (specs, plan_config) = planner_inputs_for(devices, config)?;
-    let times = profile_graph(graph, plan_config.micro_batch_rows, 5)?;
-    let costs = node_costs(graph, plan_config.micro_batch_rows)?.with_measured_times(&times, CPU_FLOPS_PER_S)?;
-    place_with_costs(&costs, &specs, &plan_config)
-}
-
-/// Plans the graph and starts a trainer with that placement.
+/// Plans the graph ([`plan`]) and starts a trainer with that placement: the builder with
+/// [`Placement::auto`].
 pub fn build_trainer(graph: Graph, devices: Vec<Device>, config: &PipelineConfig) -> Result<(Plan, Trainer)> {
-    let plan = plan(&graph, &devices, config)?;
-    let trainer = build_trainer_with_plan(graph, devices, &plan, config)?;
+    let trainer = builder(graph, devices, config).placement(Placement::auto()).build()?;
+    let plan = trainer.plan().cloned().ok_or_else(|| Error::invalid("placement", "the trainer kept no plan"))?;
     Ok((plan, trainer))
 }
 
 /// Starts a trainer for `graph` placed by `plan` (from [`plan`], [`plan_by_time`] or manual
-/// placement), with the derived caches and undo snapshots the plan keeps.
+/// placement), with the derived caches and undo snapshots the plan keeps: the builder with
+/// [`Placement::Plan`].
 pub fn build_trainer_with_plan(
     graph: Graph,
     devices: Vec<Device>,
     plan: &Plan,
     config: &PipelineConfig,
 ) -> Result<Trainer> {
-    let stages = plan.stages.iter().map(|s| s.nodes.clone()).collect();
-    Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
-        .devices(devices)
-        .stages(stages)
-        .schedule(config.schedule, config.n_chunks)
-        .micro_batches(config.n_micro_batches)
-        .optimizer(config.optimizer)
-        .recompute(config.recompute)
-        .seed(config.seed)
-        .core_slots(config.core_slots)
-        .derived_caches(plan.derived_caches())
-        .commit_snapshot(plan.commit_snapshots())
-        .build()
-}
-
-/// What the memory plan decided, one line per stage that dropped something to fit: its packed
-/// weight caches (slower, same results) or its commit undo snapshot (a failed update then
-/// cannot be rolled back on that stage). Empty when the plan keeps everything.
-pub fn memory_notes(plan: &Plan) -> Vec<String> {
-    let mut notes = Vec::new();
-    for stage in &plan.stages {
-        let mut dropped = Vec::new();
-        if !stage.dropped_caches.is_empty() {
-            dropped.push(format!(
-                "the derived caches of {} ({}; those layers run a little slower)",
-                stage.dropped_caches.join(" "),
-                format_bytes(stage.memory.workspace_dropped)
-            ));
-        }
-        if !stage.keeps_commit_snapshot() {
-            let bytes: u64 = stage.device_memory().map(|m| m.commit_snapshot_dropped).sum();
-            dropped.push(format!(
-                "its commit undo snapshot ({}; a failed update cannot be rolled back there)",
-                format_bytes(bytes)
-            ));
-        }
-        if !dropped.is_empty() {
-            notes.push(format!("stage {} drops {} to fit its memory", stage.stage_idx, dropped.join(" and ")));
-        }
-    }
-    notes
+    builder(graph, devices, config).placement(Placement::Plan(Box::new(plan.clone()))).build()
 }
 
 /// [`planner_inputs`] for a pipeline of tensor-parallel groups: `devices` in groups of
@@ -350,16 +200,9 @@ pub fn build_trainer_tensor_parallel(
 ) -> Result<(Plan, Trainer)> {
     let (plan, graph) = plan_tensor_parallel(spec, seed, &devices, tensor_parallel, config)?;
     let stages = plan.stages.iter().map(|s| s.nodes.clone()).collect();
-    let trainer = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
-        .devices(devices)
+    let trainer = builder(graph, devices, config)
         .tensor_parallel(tensor_parallel)
         .stages(stages)
-        .schedule(config.schedule, config.n_chunks)
-        .micro_batches(config.n_micro_batches)
-        .optimizer(config.optimizer)
-        .recompute(config.recompute)
-        .seed(config.seed)
-        .core_slots(config.core_slots)
         .derived_caches(plan.derived_caches())
         .commit_snapshot(plan.commit_snapshots())
         .build()?;

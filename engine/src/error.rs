@@ -74,6 +74,25 @@ pub enum Error {
         /// Why it is invalid and what would be valid.
         reason: String,
     },
+    /// A device or list of devices does not follow the grammar of [`crate::device::DeviceList`].
+    #[error("devices `{text}`: {problem}")]
+    InvalidDeviceList {
+        /// The text as given.
+        text: String,
+        /// The comma-separated item that is wrong (0 first), when it is one item.
+        item_idx: Option<usize>,
+        /// What is wrong.
+        problem: crate::device::DeviceListProblem,
+    },
+    /// A placement file (one line of node names per stage) could not be used; an unreadable one
+    /// is an [`Error::Io`].
+    #[error("placement file {path}: {problem}")]
+    PlacementFile {
+        /// The file.
+        path: String,
+        /// What is wrong with it.
+        problem: crate::placement::PlacementFileProblem,
+    },
     /// A checkpoint file could not be used.
     #[error("checkpoint {path}: {reason}")]
     Checkpoint {
@@ -83,19 +102,32 @@ pub enum Error {
         reason: String,
     },
     /// No placement of the model on the given devices keeps every stage under its memory budget.
+    /// For an automatic placement the figures are those of the placement whose worst stage is
+    /// smallest against its budget, and `stage` is that worst stage.
     #[error(
-        "the model does not fit: on {n_stages} stage(s) the best placement needs {smallest_need} on its largest stage \
-         against budgets {budgets}; what would help: {suggestion}"
+        "{}",
+        crate::placement::DoesNotFitMessage { placed_by: *placed_by, stage: *stage, stages, hints }
     )]
     DoesNotFit {
         /// Number of stages asked for.
         n_stages: usize,
-        /// Per-stage memory of the placement whose largest stage is smallest, formatted.
-        smallest_need: String,
-        /// The devices' budgets, formatted.
-        budgets: String,
-        /// What would make it fit.
-        suggestion: String,
+        /// The stage that does not fit.
+        stage: usize,
+        /// Its device (or tensor-parallel group), e.g. `cpu:1`.
+        device: String,
+        /// What the stage needs on its device with the largest need, bytes (the sum of `breakdown`).
+        needed_bytes: u64,
+        /// That device's budget, bytes.
+        budget_bytes: u64,
+        /// `needed_bytes` by kind: parameters, gradients, optimizer state, activations, caches,
+        /// messages, undo snapshot, scratch.
+        breakdown: Box<crate::placement::MemoryBreakdown>,
+        /// Every stage of the placement, stage 0 first: its device, need and budget.
+        stages: Vec<crate::placement::StageFit>,
+        /// What would make it fit, in the order the message gives them.
+        hints: Vec<crate::placement::FitHint>,
+        /// Whether the planner chose the placement or the user gave it.
+        placed_by: crate::placement::PlacedBy,
     },
     /// A pipeline stage failed during a step; the step was abandoned and no parameter changed.
     #[error(

@@ -55,7 +55,7 @@ fn devices_have_separate_ledgers_and_copies_count_on_the_target() {
 
 #[test]
 fn cuda_without_the_feature_or_a_driver_is_a_clear_error() {
-    match Device::parse("cuda:0", None) {
+    match Device::parse("cuda:0") {
         Err(err) if cfg!(feature = "cuda") => {
             assert!(err.to_string().contains("no CUDA driver") || err.to_string().contains("could not be opened"), "{err}")
         }
@@ -63,7 +63,7 @@ fn cuda_without_the_feature_or_a_driver_is_a_clear_error() {
         // A machine with a GPU and the feature on: the device opens.
         Ok(device) => assert!(cfg!(feature = "cuda") && device.to_string() == "cuda:0"),
     }
-    let err = Device::parse("tpu:0", None).unwrap_err();
+    let err = Device::parse("tpu:0").unwrap_err();
     assert!(err.to_string().contains("unknown device kind"), "{err}");
 }
 

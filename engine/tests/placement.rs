@@ -1,7 +1,9 @@
 //! Graph building and stage placement: shape inference errors, manual placement checks, automatic
 //! placement against brute force, and memory budgets.
 use conveyor_engine::graph::Graph;
-use conveyor_engine::placement::{DeviceSpec, Link, OptimizerMemory, PlanConfig, place_automatically, place_manually};
+use conveyor_engine::placement::{
+    DeviceSpec, FitHint, Link, OptimizerMemory, PlacedBy, PlanConfig, place_automatically, place_manually,
+};
 use conveyor_engine::{Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 
 /// A layer that only has costs: `flops` per sample for each pass, `params` f32 parameters,
@@ -163,9 +165,78 @@ fn model_four_times_one_budget_fits_on_four_devices_not_one() {
     }
     let err = place_automatically(&g, &devices(1, Some(budget)), &cfg).unwrap_err();
     match &err {
-        Error::DoesNotFit { n_stages: 1, suggestion, .. } => assert!(suggestion.contains("more stages"), "{err}"),
+        Error::DoesNotFit { n_stages: 1, hints, .. } => assert!(hints.contains(&FitHint::MoreStages), "{err}"),
         other => panic!("expected DoesNotFit, got {other}"),
     }
+}
+
+#[test]
+fn does_not_fit_carries_numbers_a_program_can_act_on_and_the_same_message() {
+    // 4 layers of 1M parameters with Adam: 16 MiB each with gradients and both moments.
+    let g = chain(&[1000; 4], &[1 << 20; 4]);
+    let cfg = config(8, OptimizerMemory::Adam);
+    let err = place_automatically(&g, &devices(2, Some(12 << 20)), &cfg).unwrap_err();
+    let Error::DoesNotFit {
+        n_stages,
+        stage,
+        device,
+        needed_bytes,
+        budget_bytes,
+        breakdown,
+        stages,
+        hints,
+        placed_by,
+        ..
+    } = &err
+    else {
+        panic!("expected DoesNotFit, got {err}");
+    };
+    assert_eq!((*n_stages, *placed_by, stages.len()), (2, PlacedBy::Automatic, 2));
+    assert!(*stage < 2);
+    assert_eq!(*device, format!("cpu:{stage}"));
+    assert!(needed_bytes > budget_bytes, "{needed_bytes} <= {budget_bytes}");
+    assert_eq!(*budget_bytes, 12 << 20);
+    assert_eq!(breakdown.total(), *needed_bytes);
+    // Two layers a stage: 8 MiB of parameters, as much gradient, twice as much Adam state.
+    assert_eq!(breakdown.parameters, 8 << 20);
+    assert_eq!((breakdown.gradients, breakdown.optimizer_state), (8 << 20, 16 << 20));
+    assert!(breakdown.activations > 0 && breakdown.activations < 1 << 20);
+    assert_eq!(stages[*stage].needed_bytes, *needed_bytes);
+    assert!(stages.iter().all(|s| s.needed_bytes <= *needed_bytes && s.budget_bytes == Some(12 << 20)));
+    assert_eq!(hints[0], FitHint::SplitLayer { layer: "l0".into(), bytes: 16 << 20 });
+    assert!(hints.contains(&FitHint::MoreStages) && hints.contains(&FitHint::LighterOptimizer));
+    // The message is the one the error carried as text before it carried numbers.
+    assert_eq!(
+        err.to_string(),
+        "the model does not fit: on 2 stage(s) the best placement needs [32.0 MiB, 32.0 MiB] on its largest stage \
+         against budgets [12.0 MiB, 12.0 MiB]; what would help: one layer alone needs 16.0 MiB for parameters, \
+         gradients and optimizer state: split it with tensor parallelism; more stages (devices), larger budgets, \
+         activation recomputation, smaller micro-batches, or an optimizer with less state (plain SGD)"
+    );
+    let sgd = place_automatically(&g, &devices(2, Some(10 << 20)), &config(8, OptimizerMemory::Sgd)).unwrap_err();
+    assert!(
+        sgd.to_string().ends_with(
+            "needs [16.0 MiB, 16.0 MiB] on its largest stage against budgets [10.0 MiB, 10.0 MiB]; what would help: \
+             more stages (devices), larger budgets, activation recomputation, smaller micro-batches"
+        ),
+        "{sgd}"
+    );
+
+    // A manual placement names its stage over budget: l1..l3 on stage 1 need 48 MiB.
+    let names = vec![vec!["l0".to_string()], vec!["l1".to_string(), "l2".to_string(), "l3".to_string()]];
+    let err = place_manually(&g, &names, &devices(2, Some(40 << 20)), &cfg).unwrap_err();
+    let Error::DoesNotFit { stage: 1, device, needed_bytes, breakdown, placed_by: PlacedBy::Manual, hints, .. } = &err
+    else {
+        panic!("expected stage 1 not to fit, got {err}");
+    };
+    assert_eq!((device.as_str(), breakdown.total(), breakdown.parameters), ("cpu:1", *needed_bytes, 12 << 20));
+    assert!(hints.contains(&FitHint::MoveLayers));
+    assert_eq!(
+        err.to_string(),
+        "the model does not fit: on 2 stage(s) the best placement needs 48.0 MiB on stage 1 (cpu:1) on its largest \
+         stage against budgets 40.0 MiB; what would help: move layers to another stage, use automatic placement, \
+         recomputation or smaller micro-batches"
+    );
 }
 
 #[test]

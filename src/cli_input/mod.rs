@@ -11,7 +11,7 @@ mod run_state;
 mod values;
 
 pub use placement::{parse_placement, read_placement_file};
-pub use run_state::{RUN_STATE_KEY_PREFIX, RunState, data_fingerprint};
+pub use run_state::{RUN_STATE_KEY_PREFIX, RunState, SPEC_KEY, data_fingerprint};
 pub use values::{LrSchedule, OnNonFinite, parse_devices, parse_size};
 
 /// A problem with what the user gave: the message says what was wrong and how to fix it.

@@ -19,6 +19,9 @@ use crate::data::Dataset;
 /// Prefix of the run state's metadata keys.
 pub const RUN_STATE_KEY_PREFIX: &str = "conveyor.train.";
 
+/// Metadata key of the run's spec as TOML ([`crate::RunSpec::for_checkpoint`]).
+pub const SPEC_KEY: &str = "conveyor.spec";
+
 /// Where a run stands and what it was run with: saved as checkpoint metadata. The optional fields
 /// are absent from checkpoints written before they were recorded; a resume checks what is there.
 #[derive(Clone, Debug, PartialEq)]
@@ -55,6 +58,9 @@ pub struct RunState {
     pub weight_decay: Option<f64>,
     /// [`data_fingerprint`] of the training rows.
     pub data_fingerprint: Option<String>,
+    /// The run's spec as TOML, saved under [`SPEC_KEY`] (absent from older checkpoints). Not
+    /// compared by [`RunState::differences`]: the fields above are what a resume must keep.
+    pub spec: Option<String>,
 }
 
 impl RunState {
@@ -82,7 +88,10 @@ impl RunState {
         entries.extend(self.momentum.map(|m| ("momentum", m.to_string())));
         entries.extend(self.weight_decay.map(|w| ("weight_decay", w.to_string())));
         entries.extend(self.data_fingerprint.clone().map(|f| ("data_fingerprint", f)));
-        entries.into_iter().map(|(key, value)| (format!("{RUN_STATE_KEY_PREFIX}{key}"), value)).collect()
+        let mut metadata: BTreeMap<String, String> =
+            entries.into_iter().map(|(key, value)| (format!("{RUN_STATE_KEY_PREFIX}{key}"), value)).collect();
+        metadata.extend(self.spec.clone().map(|spec| (SPEC_KEY.to_string(), spec)));
+        metadata
     }
 
     /// Reads the run state from a checkpoint's metadata; `source` names the file in errors.
@@ -140,6 +149,7 @@ impl RunState {
             momentum: optional_real("momentum")?,
             weight_decay: optional_real("weight_decay")?,
             data_fingerprint: optional("data_fingerprint"),
+            spec: metadata.get(SPEC_KEY).cloned(),
         })
     }
 
@@ -230,13 +240,16 @@ mod tests {
             momentum: Some(0.0),
             weight_decay: Some(0.0),
             data_fingerprint: Some("fnv1a64:0000000000000001".to_string()),
+            spec: Some("[training]\nbatch = 8\n".to_string()),
         }
     }
 
     #[test]
     fn metadata_round_trips_and_differences_are_listed() {
         let saved = state();
-        let read = RunState::from_metadata(&saved.to_metadata(), "ck").unwrap();
+        let metadata = saved.to_metadata();
+        assert_eq!(metadata[SPEC_KEY], "[training]\nbatch = 8\n", "the spec is saved under its own key");
+        let read = RunState::from_metadata(&metadata, "ck").unwrap();
         assert_eq!(read, saved);
         let mut run = saved.clone();
         run.total_steps = 100;

@@ -1,8 +1,8 @@
 //! Flag values: `--device-memory` sizes, `--devices` lists, `--lr-schedule`, `--on-nonfinite`.
-use conveyor_engine::Device;
+use conveyor_engine::device::DeviceListProblem;
+use conveyor_engine::{Device, Error};
 
 use super::{UsageError, usage};
-use crate::limits::{MAX_DEVICES, parse_count};
 
 /// Parses a size like `512MiB`, `2GiB`, `1000000` (bytes), `64KiB`, `1.5GB`: at least one byte and
 /// below 2^64 bytes.
@@ -37,70 +37,26 @@ pub fn parse_size(text: &str) -> Result<u64, UsageError> {
     Ok(bytes as u64)
 }
 
-/// Parses `cpu:N` (N devices), `cuda:0,1` (a list of GPUs) or a list of single devices such as
-/// `cpu:0,cpu:1` or `cpu:0,cuda:0`, each with the budget; at most [`MAX_DEVICES`] devices.
+/// Parses `--devices` with the engine's device grammar ([`Device::parse_list_with_budget`]):
+/// `cpu:N` (N devices), `cpu:0-3`, `cuda:0,1` (a list of GPUs) or a list of single devices such
+/// as `cpu:0,cpu:1` or `cpu:0,cuda:0`, each with the budget; at most [`MAX_DEVICES`](crate::limits::MAX_DEVICES) devices.
+/// The message names the flag and the value.
 pub fn parse_devices(spec: &str, budget: Option<u64>) -> Result<Vec<Device>, UsageError> {
-    let bad = || {
-        usage(format!(
-            "--devices `{spec}`: use cpu:N for N CPU devices, cuda:0,1 for GPUs, a list such as cpu:0,cpu:1, or list"
-        ))
-    };
-    let items: Vec<&str> = spec.split(',').map(str::trim).collect();
-    if items.len() > MAX_DEVICES {
-        return Err(usage(format!(
-            "--devices `{}...`: {} devices are over the limit of {MAX_DEVICES} devices (MAX_DEVICES)",
-            spec.chars().take(40).collect::<String>(),
-            items.len()
-        )));
-    }
-    if items.len() > 1 && items.iter().all(|item| item.contains(':')) {
-        let devices = items
-            .iter()
-            .map(|item| Device::parse(item, budget).map_err(|e| usage(format!("--devices `{spec}`: {e}"))))
-            .collect::<Result<Vec<_>, _>>()?;
-        for (i, device) in devices.iter().enumerate() {
-            if devices[..i].iter().any(|d| d.to_string() == device.to_string()) {
-                return Err(usage(format!("--devices `{spec}`: {device} is listed twice; list each device once")));
-            }
-        }
-        return Ok(devices);
-    }
-    let (kind, rest) = spec.split_once(':').ok_or_else(bad)?;
-    match kind {
-        "cpu" => {
-            if rest.trim() == "0" {
-                return Err(usage(format!(
-                    "--devices `{spec}`: at least one device is needed; give cpu:N with N from 1 to {MAX_DEVICES}"
-                )));
-            }
-            let n = parse_count(rest, MAX_DEVICES, "MAX_DEVICES").map_err(|why| {
-                usage(format!("--devices `{spec}`: {why}; give cpu:N with N from 1 to {MAX_DEVICES} CPU devices"))
-            })?;
-            Ok((0..n).map(|i| Device::cpu_with_budget(i, budget)).collect())
-        }
-        "cuda" => {
-            let devices = rest
-                .split(',')
-                .map(|idx| {
-                    let ordinal: usize = idx.trim().parse().map_err(|_| bad())?;
-                    Device::cuda(ordinal, budget).map_err(|e| usage(format!("--devices `{spec}`: {e}")))
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            for (i, device) in devices.iter().enumerate() {
-                if devices[..i].iter().any(|d| d.to_string() == device.to_string()) {
-                    return Err(usage(format!("--devices `{spec}`: {device} is listed twice; list each device once")));
-                }
-            }
-            Ok(devices)
-        }
-        _ => Err(bad()),
-    }
+    Device::parse_list_with_budget(spec, budget).map_err(|e| match e {
+        Error::InvalidDeviceList { problem: DeviceListProblem::TooMany { count, limit }, .. } => usage(format!(
+            "--devices `{}...`: {count} devices are over the limit of {limit} devices (MAX_DEVICES)",
+            spec.chars().take(40).collect::<String>()
+        )),
+        Error::InvalidDeviceList { problem, .. } => usage(format!("--devices `{spec}`: {problem}")),
+        other => usage(format!("--devices `{spec}`: {other}")),
+    })
 }
 
 /// `--on-nonfinite`: what a step with a non-finite loss or gradient does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum OnNonFinite {
     /// Stop the run (after writing the outputs from the last good step).
+    #[default]
     Error,
     /// Skip the step; stop after this many skipped in a row.
     Skip {
@@ -127,11 +83,12 @@ impl std::str::FromStr for OnNonFinite {
 }
 
 /// A learning-rate schedule with torch's semantics: the rate of step `t` (0-based) of `total`.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub enum LrSchedule {
     /// The base rate throughout.
     Constant,
     /// `CosineAnnealingLR(T_max = total, eta_min = 0)`: `base · (1 + cos(π·t / total)) / 2`.
+    #[default]
     Cosine,
     /// `StepLR(step_size, gamma)`: `base · gamma^⌊t / step_size⌋`.
     Step {
@@ -217,6 +174,11 @@ mod tests {
         assert!(parse_devices("cpu:100000", None).unwrap_err().0.contains("over the limit of 1024"));
         assert!(parse_devices("cpu:0", None).unwrap_err().0.contains("at least one device"));
         assert!(parse_devices("cpu:-1", None).unwrap_err().0.contains("not a positive integer"));
+        assert_eq!(
+            parse_devices("gpu:2", None).unwrap_err().0,
+            "--devices `gpu:2`: unknown device kind `gpu`; use cpu:N or cuda:N"
+        );
+        assert_eq!(parse_devices("cpu:0-2,cuda:0", None).map(|d| d.len()).unwrap_or(4), 4);
     }
 
     #[test]

@@ -4,13 +4,14 @@
 //! N CPU devices driven by N worker threads use N cores. The CUDA variant always exists; whether it
 //! can be constructed is decided in exactly one place, the `cuda` module chosen below.
 //!
-//! Code map: `memory.rs` (ledgers and reservations), `host.rs` (`HostStorage`, tensor elements in
+//! Code map: `list.rs` (the device grammar: `cuda:1`, `cpu:0-3`, lists), `memory.rs` (ledgers and reservations), `host.rs` (`HostStorage`, tensor elements in
 //! host memory and the host side of every upload and download), [`ops`] (the tensor-level
 //! arithmetic layers use, each op dispatched on its device in one `match`), `kernels/` (the CUDA
 //! kernel sources), and `cuda_enabled.rs` / `cuda_disabled.rs` with `cuda/` (the CUDA backend,
 //! including `CudaStorage`, the payload of `Tensor`'s CUDA storage, and each thread's streams).
 mod host;
 pub mod kernels;
+mod list;
 mod memory;
 pub mod ops;
 
@@ -24,9 +25,10 @@ use std::sync::Arc;
 pub(crate) use cuda::CudaStorage;
 pub use cuda::{CudaBuffer, CudaDevice, CudaElement, CudaStream, DeviceMatRef, GemmElement};
 pub(crate) use host::HostStorage;
+pub use list::{DeviceId, DeviceKind, DeviceList, DeviceListProblem, MAX_DEVICES};
 pub use memory::{MemoryAccount, Reservation, ThreadTally};
 
-use crate::{Error, Result};
+use crate::Result;
 
 /// A CPU device: one worker core and a memory ledger.
 #[derive(Clone, Debug)]
@@ -115,28 +117,6 @@ impl Device {
     /// True when both handles are the same device (the same ledger).
     pub fn same_device(&self, other: &Device) -> bool {
         Arc::ptr_eq(self.memory(), other.memory())
-    }
-
-    /// Parses one device: `cpu`, `cpu:N` or `cuda:N`.
-    pub fn parse(spec: &str, budget_bytes: Option<u64>) -> Result<Device> {
-        let spec = spec.trim();
-        let (kind, ordinal) = match spec.split_once(':') {
-            Some((kind, idx)) => {
-                let ordinal = idx.parse::<usize>().map_err(|_| {
-                    Error::invalid(
-                        "device",
-                        format!("`{spec}`: `{idx}` is not a device index; write e.g. cpu:0 or cuda:1"),
-                    )
-                })?;
-                (kind, ordinal)
-            }
-            None => (spec, 0),
-        };
-        match kind {
-            "cpu" => Ok(Device::cpu_with_budget(ordinal, budget_bytes)),
-            "cuda" => Device::cuda(ordinal, budget_bytes),
-            _ => Err(Error::invalid("device", format!("`{spec}`: unknown device kind `{kind}`; use cpu:N or cuda:N"))),
-        }
     }
 }
 

@@ -6,7 +6,8 @@
 //! that fit. Each stage's time and memory depend only on its own range, its device and its
 //! position (the schedule's in-flight count), so the recurrence is exact: the result is optimal
 //! for the cost model among contiguous placements, which for a chain are all placements.
-use super::cost::{NodeCosts, PlanConfig, format_bytes, plan_from_cuts};
+use super::cost::{NodeCosts, PlanConfig, plan_from_cuts};
+use super::fit::{PlacedBy, automatic_hints, does_not_fit};
 use super::{DeviceSpec, Plan};
 use crate::graph::Graph;
 use crate::{Error, Result};
@@ -57,7 +58,7 @@ pub fn place_with_costs(costs: &NodeCosts, devices: &[DeviceSpec], config: &Plan
         }
     }
     if !best[n_stages][n_nodes].is_finite() {
-        return Err(does_not_fit(costs, devices, config)?);
+        return Err(closest_placement(costs, devices, config)?);
     }
     let mut cuts = vec![n_nodes];
     let mut j = n_nodes;
@@ -70,8 +71,8 @@ pub fn place_with_costs(costs: &NodeCosts, devices: &[DeviceSpec], config: &Plan
 }
 
 /// The error for a model that fits no placement: the placement whose worst need-to-budget ratio is
-/// smallest, its per-stage needs, and what would help.
-fn does_not_fit(costs: &NodeCosts, devices: &[DeviceSpec], config: &PlanConfig) -> Result<Error> {
+/// smallest, its worst stage, every stage's need, and what would help.
+fn closest_placement(costs: &NodeCosts, devices: &[DeviceSpec], config: &PlanConfig) -> Result<Error> {
     let n_stages = devices.len();
     let n_nodes = costs.len();
     let ratio = |need: u64, device: &DeviceSpec| device.budget_bytes.map_or(0.0, |b| need as f64 / b.max(1) as f64);
@@ -98,27 +99,13 @@ fn does_not_fit(costs: &NodeCosts, devices: &[DeviceSpec], config: &PlanConfig) 
     }
     cuts.reverse();
     let plan = plan_from_cuts(costs, config, devices, &cuts)?;
-    let needs: Vec<String> = plan.stages.iter().map(|s| format_bytes(s.largest_total())).collect();
-    let budgets: Vec<String> =
-        devices.iter().map(|d| d.budget_bytes.map_or("unlimited".to_string(), format_bytes)).collect();
-    let largest_layer = (0..n_nodes).map(|n| costs.param_bytes(n, n + 1)).max().unwrap_or(0);
-    let per_param = 2 + config.optimizer.state_factor();
-    let smallest_budget = devices.iter().filter_map(|d| d.budget_bytes).min().unwrap_or(u64::MAX);
-    let mut suggestion = String::new();
-    if largest_layer * per_param > smallest_budget {
-        suggestion.push_str(&format!(
-            "one layer alone needs {} for parameters, gradients and optimizer state: split it with tensor parallelism; ",
-            format_bytes(largest_layer * per_param)
-        ));
-    }
-    suggestion.push_str("more stages (devices), larger budgets, activation recomputation, smaller micro-batches");
-    if config.optimizer.state_factor() > 0 {
-        suggestion.push_str(", or an optimizer with less state (plain SGD)");
-    }
-    Ok(Error::DoesNotFit {
-        n_stages,
-        smallest_need: format!("[{}]", needs.join(", ")),
-        budgets: format!("[{}]", budgets.join(", ")),
-        suggestion,
-    })
+    // The stage with the largest need against its budget (a stage without a budget always fits).
+    let worst = (0..plan.stages.len())
+        .filter(|&s| devices[s].budget_bytes.is_some())
+        .max_by(|&a, &b| {
+            let of = |s: usize| ratio(plan.stages[s].largest_total(), &devices[s]);
+            of(a).total_cmp(&of(b))
+        })
+        .unwrap_or(0);
+    Ok(does_not_fit(&plan, worst, PlacedBy::Automatic, automatic_hints(costs, devices, config)))
 }

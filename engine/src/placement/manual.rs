@@ -1,6 +1,7 @@
 //! Manual placement: the user names the nodes of each stage (or ranges `first..last` of the
 //! topological order); we check the placement respects the graph order and report its costs.
-use super::cost::{NodeCosts, PlanConfig, format_bytes, plan_from_cuts};
+use super::cost::{NodeCosts, PlanConfig, plan_from_cuts};
+use super::fit::{PlacedBy, does_not_fit, manual_hints};
 use super::{DeviceSpec, Plan};
 use crate::graph::Graph;
 use crate::{Error, Result};
@@ -105,23 +106,10 @@ pub fn place_manually_with_costs(
     }
     let plan = plan_from_cuts(&reordered, config, devices, &cuts)?;
     for stage in &plan.stages {
-        let device = &devices[stage.device_idx];
-        if let Some(budget) = device.budget_bytes
+        if let Some(budget) = plan.devices[stage.device_idx].budget_bytes
             && stage.largest_total() > budget
         {
-            return Err(Error::DoesNotFit {
-                n_stages: stages.len(),
-                smallest_need: format!(
-                    "{} on stage {} ({})",
-                    format_bytes(stage.largest_total()),
-                    stage.stage_idx,
-                    device.name
-                ),
-                budgets: format_bytes(budget),
-                suggestion:
-                    "move layers to another stage, use automatic placement, recomputation or smaller micro-batches"
-                        .to_string(),
-            });
+            return Err(does_not_fit(&plan, stage.stage_idx, PlacedBy::Manual, manual_hints()));
         }
     }
     Ok(plan)

@@ -13,19 +13,30 @@
 //! instruction of the schedule by activations, waiting messages and data, and the running op.
 //! The snapshot and the caches are optional: the plan keeps the snapshot when it fits, then as
 //! many caches as fit (largest FLOPs first), and reports what it dropped.
+//!
+//! A run chooses its stages with a [`Placement`] (by hand, a placement file, or automatically by
+//! predicted memory and FLOPs or by measured times); `pipeline_plan.rs` turns it, the devices and
+//! the run's settings ([`PipelineConfig`]) into a [`Plan`], and `file.rs` reads placement files.
 mod auto;
 mod cost;
+mod file;
+mod fit;
 mod manual;
 mod memory;
+pub mod pipeline_plan;
 mod profile;
 
 pub use auto::{place_automatically, place_with_costs};
 pub use cost::{DeviceSpec, Link, NodeCosts, OptimizerMemory, PlanConfig, StageMemory, format_bytes};
+pub use file::{MAX_PLACEMENT_FILE_BYTES, MAX_STAGES, PlacementFileProblem, parse_placement, read_placement_file};
+pub(crate) use fit::DoesNotFitMessage;
+pub use fit::{FitHint, MemoryBreakdown, PlacedBy, StageFit};
 pub use manual::{place_manually, place_manually_with_costs};
 pub use memory::{
     InputGradMemory, NodeMemory, OutputMemory, Rank, SavedMemory, ScheduleMemory, measure_node_memory,
     measure_node_memory_on,
 };
+pub use pipeline_plan::{CPU_FLOPS_PER_S, PipelineConfig, PlaceBy, Placement, plan_placement};
 pub use profile::{NodeTimes, profile_graph};
 
 use crate::graph::NodeId;

@@ -19,13 +19,16 @@
 //! allocates each gradient on its parameter's device, reports peak memory for every device of
 //! every group, and exports and imports parameters through [`crate::Layer::export_parameters`] and
 //! [`crate::Layer::import_parameter`], so checkpoints carry unsplit tensors under unsplit names.
+mod bubbles;
 mod core_seat;
 mod core_slots;
+mod measured_costs;
 mod stage;
 mod trainer;
 mod transfer;
 mod worker;
 
+pub use bubbles::{BubbleGap, BubbleReport, CoresIdle, CostBasis, DevicePeak, DeviceTime, bubbles_over};
 pub use trainer::{AUTO_SLOTS_MIN_OP_FLOPS, Trainer, TrainerBuilder};
 
 use conveyor_schedules::OpKind;

@@ -16,6 +16,10 @@ use crate::graph::{Graph, NodeId};
 use crate::optim::{Optimizer, OptimizerConfig};
 use crate::{Device, Error, Loss, Result, Tensor};
 
+// Placement on the builder (`TrainerBuilder::placement`, `plan`, `Trainer::plan`): runtime/placement.rs.
+#[path = "placement.rs"]
+mod placement;
+
 /// How long the coordinator waits for a worker's report before declaring the step hung.
 const REPORT_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -36,6 +40,7 @@ pub struct TrainerBuilder {
     core_slots: CoreSlotPolicy,
     commit_snapshot: Option<Vec<bool>>,
     derived_caches: Vec<(NodeId, bool)>,
+    placement: placement::PlacementChoice,
 }
 
 impl TrainerBuilder {
@@ -162,6 +167,7 @@ impl TrainerBuilder {
                 ),
             ));
         }
+        let plan = self.apply_placement()?;
         let groups: Vec<Vec<Device>> = self.devices.chunks(k).map(<[Device]>::to_vec).collect();
         // The schedule's devices are the groups.
         let n_devices = groups.len();
@@ -175,7 +181,10 @@ impl TrainerBuilder {
             Some(stages) => stages,
             None if n_stages == 1 => vec![layer_order.clone()],
             None => {
-                return Err(Error::invalid("stages", format!("{n_stages} stages need a placement; call .stages(...)")));
+                return Err(Error::invalid(
+                    "stages",
+                    format!("{n_stages} stages need a placement; call .placement(...) or .stages(...)"),
+                ));
             }
         };
         if stage_nodes.len() != n_stages {
@@ -391,6 +400,7 @@ impl TrainerBuilder {
             poisoned: None,
             graph: self.graph,
             param_order,
+            plan,
         })
     }
 }
@@ -449,6 +459,8 @@ pub struct Trainer {
     graph: Graph,
     /// Full parameter names in graph order, recorded before the layers moved to the workers.
     pub(super) param_order: Vec<String>,
+    /// The plan of a planned placement (`TrainerBuilder::placement`).
+    plan: Option<crate::placement::Plan>,
 }
 
 /// Under [`CoreSlotPolicy::Auto`], the smallest mean compute op (flops of one F, B or W of a
@@ -479,6 +491,7 @@ impl Trainer {
             core_slots: CoreSlotPolicy::Auto,
             commit_snapshot: None,
             derived_caches: Vec::new(),
+            placement: Default::default(),
         }
     }
 

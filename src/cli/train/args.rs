@@ -1,16 +1,29 @@
-//! The flags of `conveyor train` and their parsers (sizes, devices, optimizers, learning-rate
-//! schedules), shared with `conveyor plan`.
-use std::path::PathBuf;
+//! The flags of `conveyor train` and how they override a run spec ([`TrainArgs::to_spec`]),
+//! with the value parsers shared with `conveyor plan`.
+use std::path::{Path, PathBuf};
 
 use clap::Args;
+use conveyor::cli_input::SPEC_KEY;
 pub use conveyor::cli_input::{LrSchedule, OnNonFinite, parse_devices, parse_size};
-use conveyor::engine::optim::{AdamConfig, OptimizerConfig, SgdConfig};
+use conveyor::engine::optim::OptimizerConfig;
+use conveyor::spec::{OptimizerKind, OptimizerSection, PlacementSpec, Precision};
+use conveyor::{RunSpec, engine};
 
 use crate::cli::usage;
 
-/// Arguments of `conveyor train`.
+/// Arguments of `conveyor train`. Every flag given overrides its field of the run spec (the
+/// `--config` file, else the `--resume` checkpoint's spec when no --model is given, else
+/// [`RunSpec::default`]); the defaults stated are those of [`RunSpec::default`].
 #[derive(Args, Debug)]
 pub struct TrainArgs {
+    /// Read the run spec from this TOML file (see examples/run.toml); flags given override its
+    /// fields.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Print the run spec this command line means as TOML (after --config and the flags,
+    /// validated) and exit without training; `--config` reads it back.
+    #[arg(long)]
+    pub print_config: bool,
     /// Model: `mlp:D0,D1,...,Dn` (Linear/ReLU stack), `cnn` (LeNet-like, 1x8x8 inputs), `resnet` or
     /// `transformer[:VOCAB,T,D,H,L,C]`. Default: the checkpoint's model with --resume, `cnn` for
     /// 1x8x8 images, else `mlp:D,128,128,C` over the flattened inputs.
@@ -22,8 +35,9 @@ pub struct TrainArgs {
     /// and `labels` i64 [N], or an MNIST directory of IDX files (train-images-idx3-ubyte,
     /// train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, each optionally .gz;
     /// pixels scaled to [0, 1]).
-    #[arg(long, default_value = "digits")]
-    pub data: String,
+    /// [default: digits]
+    #[arg(long)]
+    pub data: Option<String>,
     /// Hold out this fraction of the rows of a data file or synthetic data for evaluation, taken
     /// from the END of the data (digits and MNIST have their own test split).
     #[arg(long, value_name = "F")]
@@ -35,8 +49,9 @@ pub struct TrainArgs {
     /// Devices: `cpu:N` for N CPU devices (one core each), a list such as `cpu:0,cpu:1` or
     /// `cuda:0,1`, or `list` to print the available devices and exit. At most 1024 devices, and
     /// at most 1024 pipeline stages (devices x --chunks).
-    #[arg(long, default_value = "cpu:2")]
-    pub devices: String,
+    /// [default: cpu:2]
+    #[arg(long)]
+    pub devices: Option<String>,
     /// Memory budget of each device, e.g. `512MiB` or `2GiB` (default: unlimited).
     #[arg(long, value_name = "SIZE")]
     pub device_memory: Option<String>,
@@ -46,45 +61,54 @@ pub struct TrainArgs {
     pub stages: Option<usize>,
     /// Split every Linear and Conv2d of each stage across a group of K devices (Megatron
     /// column/row pairs, channel-split convolutions); stages x K must not exceed the devices.
-    #[arg(long, value_name = "K", default_value_t = 1)]
-    pub tensor_parallel: usize,
+    /// [default: 1]
+    #[arg(long, value_name = "K")]
+    pub tensor_parallel: Option<usize>,
     /// Placement of layers on stages: `auto` (minimise the slowest stage under the budgets, from
     /// FLOP estimates), `time` (the same from layer times measured on this machine first:
     /// balance by time), or a file as `conveyor plan --placement` reads: one line per stage
     /// listing node names or ranges `first..last` separated by spaces (`#` starts a comment).
-    #[arg(long, value_name = "auto|time|FILE", default_value = "auto")]
-    pub placement: String,
+    /// [default: auto]
+    #[arg(long, value_name = "auto|time|FILE")]
+    pub placement: Option<String>,
     /// Schedule: gpipe, 1f1b, interleaved, zb-h1 or zb-h2.
-    #[arg(long, default_value = "1f1b")]
-    pub schedule: String,
+    /// [default: 1f1b]
+    #[arg(long)]
+    pub schedule: Option<String>,
     /// Model chunks per device (interleaved schedule only).
-    #[arg(long, default_value_t = 1)]
-    pub chunks: usize,
+    /// [default: 1]
+    #[arg(long)]
+    pub chunks: Option<usize>,
     /// Micro-batches per batch.
-    #[arg(long, default_value_t = 8)]
-    pub microbatches: usize,
+    /// [default: 8]
+    #[arg(long)]
+    pub microbatches: Option<usize>,
     /// Rows per batch (one optimizer step).
-    #[arg(long, default_value_t = 32)]
-    pub batch: usize,
+    /// [default: 32]
+    #[arg(long)]
+    pub batch: Option<usize>,
     /// Total optimizer steps (overrides --epochs; with --resume, the total including the steps
     /// already taken). 0 trains nothing (with --init and --save: convert a file). At most 2^40,
     /// as is --epochs times the steps per epoch.
     #[arg(long)]
     pub steps: Option<u64>,
     /// Passes over the training data (when --steps is not given).
-    #[arg(long, default_value_t = 30)]
-    pub epochs: u64,
+    /// [default: 30]
+    #[arg(long)]
+    pub epochs: Option<u64>,
     /// Optimizer: sgd, momentum (SGD with momentum 0.9, or --momentum), adam or adamw.
-    #[arg(long, default_value = "adam")]
-    pub optimizer: String,
+    /// [default: adam]
+    #[arg(long)]
+    pub optimizer: Option<String>,
     /// Learning rate (default 0.005 for adam/adamw, 0.05 for sgd/momentum).
     #[arg(long, allow_negative_numbers = true)]
     pub lr: Option<f64>,
     /// Learning-rate schedule over the run's total steps, stepped after every optimizer step as
     /// torch's schedulers are: `constant`, `cosine` (CosineAnnealingLR with T_max = total steps,
     /// eta_min 0) or `step:N,GAMMA` (StepLR: multiply by GAMMA every N steps).
-    #[arg(long, value_name = "NAME", default_value = "cosine")]
-    pub lr_schedule: String,
+    /// [default: cosine]
+    #[arg(long, value_name = "NAME")]
+    pub lr_schedule: Option<String>,
     /// Momentum for `--optimizer momentum` (default 0.9).
     #[arg(long)]
     pub momentum: Option<f64>,
@@ -92,19 +116,27 @@ pub struct TrainArgs {
     #[arg(long, allow_negative_numbers = true)]
     pub weight_decay: Option<f64>,
     /// Activation recomputation: never, except-last or always.
-    #[arg(long, default_value = "never")]
-    pub recompute: String,
+    /// [default: never]
+    #[arg(long)]
+    pub recompute: Option<String>,
     /// Core slots for CPU workers: auto (one per core when workers outnumber cores), off (let the
     /// OS share the cores), or a number (at most that many ops compute at once, first come first
     /// served).
-    #[arg(long, default_value = "auto")]
-    pub core_slots: String,
+    /// [default: auto]
+    #[arg(long)]
+    pub core_slots: Option<String>,
     /// Seed for initialisation, shuffling, synthetic data and dropout.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// [default: 0]
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Take batches in data order from the first row instead of shuffling.
     #[arg(long)]
     pub no_shuffle: bool,
+    /// Number format of parameters and arithmetic: f32 (bf16 and f16 mixed precision are a later
+    /// issue and refused).
+    /// [default: f32]
+    #[arg(long, value_name = "NAME")]
+    pub precision: Option<String>,
     /// Start from these parameters (a safetensors file with PyTorch state-dict names, e.g. from
     /// `safetensors.torch.save_file(model.state_dict(), FILE)`); names and shapes must match the
     /// model exactly.
@@ -119,7 +151,9 @@ pub struct TrainArgs {
     /// --checkpoint, --checkpoint-every, --metrics, --trace, --svg), --eval-every, --log-every,
     /// --on-nonfinite, and the layout: --devices, --stages, --schedule, --chunks, --placement,
     /// --recompute, --core-slots, --device-memory (the weights come out bit-identical) and
-    /// --tensor-parallel (equal up to f32 rounding).
+    /// --tensor-parallel (equal up to f32 rounding). Without --model or --config the run starts
+    /// from the spec the checkpoint stores (its data, model, optimizer, batch, layout...; not its
+    /// outputs), and the flags given override it.
     #[arg(long, value_name = "FILE")]
     pub resume: Option<PathBuf>,
     /// Save the trained model here at the end (atomically): exactly a PyTorch state dict, the
@@ -146,55 +180,149 @@ pub struct TrainArgs {
     #[arg(long)]
     pub svg: Option<PathBuf>,
     /// Print a progress line every this many steps (0: only the summary).
-    #[arg(long, default_value_t = 100)]
-    pub log_every: u64,
+    /// [default: 100]
+    #[arg(long)]
+    pub log_every: Option<u64>,
     /// What a step whose loss or gradients are not finite (NaN or infinity) does; such a step is
     /// never committed. `error`: stop, naming the step, the stage and the first parameter affected,
     /// still write --save/--checkpoint from the last good step, exit status 3. `skip[:N]`: skip the
     /// step like a loss scaler (its batch is consumed, the parameters stay), count it in the
     /// metrics, and stop as `error` does after N skipped steps in a row (default 10).
-    #[arg(long, value_name = "POLICY", default_value = "error")]
-    pub on_nonfinite: String,
+    /// [default: error]
+    #[arg(long, value_name = "POLICY")]
+    pub on_nonfinite: Option<String>,
 }
 
-/// Parses the optimizer flags into a configuration, refusing invalid values with exit code 2.
+impl TrainArgs {
+    /// The run spec this command line means: the base spec (`--config`, else the spec a
+    /// `--resume` checkpoint stores when no --model is given, else the default) with every flag
+    /// given written over its field. Not yet validated.
+    pub fn to_spec(&self) -> anyhow::Result<RunSpec> {
+        let mut spec = match (&self.config, &self.resume, &self.model) {
+            (Some(path), _, _) => RunSpec::from_file(path).map_err(|e| usage(format!("--config {e}")))?,
+            // With --init too, validation refuses the pair before the checkpoint is read.
+            (None, Some(path), None) if self.init.is_none() => spec_of_checkpoint(path)?,
+            _ => RunSpec::default(),
+        };
+        self.override_fields(&mut spec)?;
+        Ok(spec)
+    }
+
+    /// Writes every flag given over its field of `spec`, parsing values as the flags always have.
+    fn override_fields(&self, spec: &mut RunSpec) -> anyhow::Result<()> {
+        fn set<T: Clone>(field: &mut T, flag: &Option<T>) {
+            if let Some(value) = flag {
+                *field = value.clone();
+            }
+        }
+        fn set_some<T: Clone>(field: &mut Option<T>, flag: &Option<T>) {
+            if flag.is_some() {
+                field.clone_from(flag);
+            }
+        }
+        set_some(&mut spec.model.spec, &self.model);
+        set(&mut spec.data.source, &self.data);
+        set_some(&mut spec.data.test_fraction, &self.test_fraction);
+        set_some(&mut spec.data.classes, &self.classes);
+        let pipeline = &mut spec.pipeline;
+        set(&mut pipeline.devices, &self.devices);
+        if let Some(text) = &self.device_memory {
+            pipeline.device_memory = Some(parse_size(text)?);
+        }
+        set_some(&mut pipeline.stages, &self.stages);
+        set(&mut pipeline.tensor_parallel, &self.tensor_parallel);
+        if let Some(text) = &self.placement {
+            pipeline.placement = PlacementSpec::from_text(text);
+        }
+        if let Some(text) = &self.schedule {
+            pipeline.schedule = text.parse().map_err(|e| usage(format!("--schedule: {e}")))?;
+        }
+        set(&mut pipeline.chunks, &self.chunks);
+        set(&mut pipeline.microbatches, &self.microbatches);
+        if let Some(text) = &self.recompute {
+            pipeline.recompute = text.parse().map_err(|e| usage(format!("--recompute {}", reason(e))))?;
+        }
+        if let Some(text) = &self.core_slots {
+            pipeline.core_slots = text.parse().map_err(|e| usage(format!("--core-slots {}", reason(e))))?;
+        }
+        let training = &mut spec.training;
+        set(&mut training.batch, &self.batch);
+        set_some(&mut training.steps, &self.steps);
+        set(&mut training.epochs, &self.epochs);
+        set(&mut training.seed, &self.seed);
+        if self.no_shuffle {
+            training.shuffle = false;
+        }
+        if let Some(text) = &self.precision {
+            training.precision = text.parse::<Precision>().map_err(|why| usage(format!("--precision {why}")))?;
+        }
+        if let Some(text) = &self.on_nonfinite {
+            training.on_nonfinite = text.parse()?;
+        }
+        set_some(&mut training.eval_every, &self.eval_every);
+        set(&mut training.log_every, &self.log_every);
+        let optimizer = &mut spec.optimizer;
+        if let Some(text) = &self.optimizer {
+            optimizer.name = text.parse::<OptimizerKind>().map_err(|why| usage(format!("--optimizer {why}")))?;
+        }
+        set_some(&mut optimizer.lr, &self.lr);
+        set_some(&mut optimizer.momentum, &self.momentum);
+        set_some(&mut optimizer.weight_decay, &self.weight_decay);
+        if let Some(text) = &self.lr_schedule {
+            optimizer.lr_schedule = text.parse()?;
+        }
+        let checkpoint = &mut spec.checkpoint;
+        set_some(&mut checkpoint.init, &self.init);
+        set_some(&mut checkpoint.resume, &self.resume);
+        set_some(&mut checkpoint.path, &self.checkpoint);
+        set_some(&mut checkpoint.every, &self.checkpoint_every);
+        let outputs = &mut spec.outputs;
+        set_some(&mut outputs.save, &self.save);
+        set_some(&mut outputs.metrics, &self.metrics);
+        set_some(&mut outputs.trace, &self.trace);
+        set_some(&mut outputs.svg, &self.svg);
+        Ok(())
+    }
+}
+
+/// The spec a checkpoint was trained with, as the base of a resume: its `conveyor.spec`
+/// metadata, or for a checkpoint written before specs were stored, the default spec with the
+/// checkpoint's model.
+fn spec_of_checkpoint(path: &Path) -> anyhow::Result<RunSpec> {
+    let checkpoint = engine::checkpoint::load(path, &engine::Device::host())
+        .map_err(|e| usage(format!("--resume {}: {e}", path.display())))?;
+    match checkpoint.metadata().get(SPEC_KEY) {
+        Some(text) => RunSpec::from_toml_str(text).map_err(|e| {
+            usage(format!(
+                "--resume {}: its `{SPEC_KEY}` metadata: {e}; give --model and the run's flags",
+                path.display()
+            ))
+        }),
+        None => {
+            let mut spec = RunSpec::default();
+            spec.model.spec = Some(super::checkpointing::model_of(path)?);
+            Ok(spec)
+        }
+    }
+}
+
+/// An engine error's reason alone when it is an invalid argument (the message names the flag).
+fn reason(error: engine::Error) -> String {
+    match error {
+        engine::Error::InvalidArgument { reason, .. } => reason,
+        other => other.to_string(),
+    }
+}
+
+/// Parses the optimizer flags into a configuration, refusing invalid values with exit code 2
+/// (`conveyor plan`'s `--optimizer`; `conveyor train` reads them through the run spec).
 pub fn parse_optimizer(
     name: &str,
     lr: Option<f64>,
     momentum: Option<f64>,
     weight_decay: Option<f64>,
 ) -> anyhow::Result<OptimizerConfig> {
-    if let Some(momentum) = momentum
-        && name != "momentum"
-    {
-        return Err(usage(format!(
-            "--momentum {momentum} applies only to --optimizer momentum, not {name}; drop --momentum or use --optimizer momentum"
-        )));
-    }
-    let wd = weight_decay.unwrap_or(0.0);
-    let config = match name {
-        "sgd" => OptimizerConfig::Sgd(SgdConfig::new(lr.unwrap_or(0.05)).with_weight_decay(wd)),
-        "momentum" => OptimizerConfig::Sgd(
-            SgdConfig::new(lr.unwrap_or(0.05)).with_momentum(momentum.unwrap_or(0.9)).with_weight_decay(wd),
-        ),
-        "adam" => OptimizerConfig::Adam(AdamConfig::adam(lr.unwrap_or(0.005)).with_weight_decay(wd)),
-        "adamw" => OptimizerConfig::AdamW(
-            AdamConfig::adamw(lr.unwrap_or(0.005)).with_weight_decay(weight_decay.unwrap_or(0.01)),
-        ),
-        other => return Err(usage(format!("--optimizer `{other}`: use sgd, momentum, adam or adamw"))),
-    };
-    config.validate().map_err(|e| match e {
-        // Name the flag that set the value: the optimizer's message names the hyperparameter.
-        conveyor::engine::Error::InvalidArgument { name: parameter, reason } => {
-            let flag = match parameter.as_str() {
-                "lr" => "--lr",
-                "momentum" => "--momentum",
-                "weight_decay" => "--weight-decay",
-                _ => "--optimizer",
-            };
-            usage(format!("{flag}: {reason} (--optimizer {name})"))
-        }
-        other => usage(format!("--optimizer {name}: {other}")),
-    })?;
-    Ok(config)
+    let name = name.parse::<OptimizerKind>().map_err(|why| usage(format!("--optimizer {why}")))?;
+    let section = OptimizerSection { name, lr, momentum, weight_decay, ..OptimizerSection::default() };
+    section.config().map_err(|e| usage(e.to_string()))
 }

@@ -1,11 +1,15 @@
 //! `conveyor train`: trains a model from the zoo on a dataset across devices with a pipeline
 //! schedule, printing progress, accuracy, throughput and the bubble summary.
 //!
-//! Code map: `args.rs` holds the flags and their parsers (shared with `conveyor plan`);
-//! `data_source.rs` turns `--data` into splits and fits them to the model; `checkpointing.rs`
-//! holds `--save`, `--resume` and `--init`; `outputs.rs` checks every output path before the run
-//! and streams the metrics and the trace; `progress.rs` the progress bars; `summary.rs` the
-//! accuracy and bubble summary. This file wires them into one run.
+//! A thin layer over the run spec: flags -> [`conveyor::RunSpec`] (over `--config`) -> validate ->
+//! prepare (data, model, placement, trainer; `conveyor::spec`) -> the training loop here.
+//!
+//! Code map: `args.rs` holds the flags and how they override the spec (and the optimizer parser
+//! `conveyor plan` shares); `checkpointing.rs` holds `--save`, `--resume` and `--init`;
+//! `outputs.rs` checks every output path before the run and streams the metrics and the trace;
+//! `progress.rs` the progress bars; `summary.rs` the accuracy (the bubble summary is the engine's
+//! `Trainer::bubbles`). This file wires
+//! them into one run.
 //!
 //! Whatever ends the run (its last step, a non-finite step, Ctrl-C or SIGTERM), the outputs are
 //! written in order of value: `--save`, `--checkpoint`, `--metrics`, `--trace`, `--svg`; one that
@@ -13,8 +17,6 @@
 //! stdout never stops the run).
 mod args;
 mod checkpointing;
-mod checks;
-mod data_source;
 mod outputs;
 mod progress;
 mod summary;
@@ -25,20 +27,14 @@ pub use args::{LrSchedule, OnNonFinite, TrainArgs, parse_devices, parse_optimize
 use checkpointing::{ParamHomes, RunState};
 use conveyor::data;
 use conveyor::engine::Device;
-use conveyor::engine::placement::Plan;
-use conveyor::engine::runtime::{Recompute, Trainer};
 use conveyor::engine::trace::{MemoryPoint, TimelineRecorder, timeline_filter};
-use conveyor::pipeline::{PipelineConfig, build_trainer, build_trainer_with_plan, plan_by_time, simulated_inflight};
 use conveyor::schedules::export::{MemorySample, SvgOptions, svg_gantt};
-use conveyor::schedules::{
-    CostModel, Schedule, ScheduleKind, StageCosts, Timeline, TimelineEvent, simulate, simulate_on_cores,
-    simulate_with_core_slots,
-};
-use conveyor::zoo::ModelSpec;
+use conveyor::schedules::{Schedule, Timeline, TimelineEvent};
+use conveyor::spec::SpecError;
 pub(crate) use outputs::same_output;
 use progress::Progress;
 
-use super::console::{errln, outln};
+use super::console::{self, errln, outln};
 use super::{interrupt, usage};
 
 /// Installs the process's `tracing` subscriber: logs to stderr filtered by `RUST_LOG` (default
@@ -73,193 +69,77 @@ fn list_devices() {
     }
 }
 
-/// Maps planning and building errors the user can fix (bad schedule, does not fit, bad
-/// placement) to usage errors.
-fn input_error(e: conveyor::engine::Error) -> anyhow::Error {
-    super::messages::engine_input_error(e)
-}
-
-/// An engine error's reason alone when it is an invalid argument (the CLI names the flag itself),
-/// else the whole message.
-fn engine_reason(e: conveyor::engine::Error) -> String {
+/// A spec error for the user: planning and building errors they can fix (bad schedule, does not
+/// fit) named by their flags as ever; everything else a usage error (exit status 2).
+fn spec_error(e: SpecError) -> anyhow::Error {
     match e {
-        conveyor::engine::Error::InvalidArgument { reason, .. } => reason,
-        other => other.to_string(),
+        SpecError::Engine(e) => super::messages::engine_input_error(e),
+        other => usage(other.to_string()),
     }
 }
 
-/// Places the graph (automatically, or from a `--placement` file) and starts the trainer.
-fn place_and_build(
-    graph: conveyor::engine::graph::Graph,
-    devices: Vec<Device>,
-    config: &PipelineConfig,
-    placement: &str,
-) -> anyhow::Result<(Plan, Trainer)> {
-    if placement == "auto" {
-        return build_trainer(graph, devices, config).map_err(input_error);
-    }
-    if placement == "time" {
-        let plan = plan_by_time(&graph, &devices, config).map_err(input_error)?;
-        let trainer = build_trainer_with_plan(graph, devices, &plan, config).map_err(input_error)?;
-        return Ok((plan, trainer));
-    }
-    let path = std::path::Path::new(placement);
-    let stages = super::placement_file::read_placement_file(path)?;
-    // The same memory model as `auto`: measured layer memory, the recompute mode, the undo snapshot
-    // and caches kept only where they fit.
-    let plan = conveyor::pipeline::plan_manually(&graph, &stages, &devices, config)
-        .map_err(|e| usage(format!("--placement {}: {e}", path.display())))?;
-    let trainer = build_trainer_with_plan(graph, devices, &plan, config).map_err(input_error)?;
-    Ok((plan, trainer))
-}
-
-/// Sets every stage's learning rate.
-fn set_lr(trainer: &Trainer, lr: f64) -> anyhow::Result<()> {
-    for result in trainer.with_optimizers(move |optimizer, _| optimizer.set_lr(lr))? {
-        result?;
-    }
-    Ok(())
-}
-
-/// Runs `conveyor train`.
+/// Runs `conveyor train`: the flags become a run spec (over `--config`), which is validated,
+/// printed (`--print-config`) or prepared and trained.
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
-    if args.devices == "list" {
+    if args.devices.as_deref() == Some("list") {
         list_devices();
         return Ok(());
     }
+    let spec = args.to_spec()?;
+    spec.validate().map_err(spec_error)?;
+    if args.print_config {
+        console::out(&spec.to_toml_string().map_err(spec_error)?);
+        return Ok(());
+    }
     // Every output path, before anything is loaded or trained.
-    outputs::check(&args)?;
-    let recorder = install_subscriber(args.trace.is_some() || args.svg.is_some());
-    if args.init.is_some() && args.resume.is_some() {
-        return Err(usage("--init and --resume both set the parameters; give one"));
-    }
-    let mut splits = data_source::load(&args.data, args.seed, args.test_fraction, args.classes)?;
-    let model_text = match (&args.model, &args.resume) {
-        (Some(model), _) => model.clone(),
-        (None, Some(path)) => checkpointing::model_of(path)?,
-        (None, None) => match args.data.strip_prefix("tokens:").map(|r| r.split(',').collect::<Vec<_>>()) {
-            // Token data: a small transformer over its vocabulary and sequence length.
-            Some(p) if p.len() == 4 => format!("transformer:{},{},32,4,2,{}", p[2].trim(), p[1].trim(), p[3].trim()),
-            _ => data_source::default_model(&splits.train),
-        },
-    };
-    let spec: ModelSpec =
-        model_text.parse().map_err(|e| usage(format!("--model: invalid model spec {}", engine_reason(e))))?;
-    let schedule: ScheduleKind = args.schedule.parse().map_err(|e| usage(format!("--schedule: {e}")))?;
-    if args.chunks == 0 {
-        return Err(usage("--chunks 0: each device needs at least 1 chunk; give --chunks 1 or more"));
-    }
-    if args.chunks > 1 && !schedule.supports_chunks() {
-        return Err(usage(format!("--chunks {} needs --schedule interleaved", args.chunks)));
-    }
-    let recompute: Recompute =
-        args.recompute.parse().map_err(|e| usage(format!("--recompute {}", engine_reason(e))))?;
-    let core_slots: conveyor::engine::runtime::CoreSlotPolicy =
-        args.core_slots.parse().map_err(|e| usage(format!("--core-slots {}", engine_reason(e))))?;
-    let lr_schedule: LrSchedule = args.lr_schedule.parse()?;
-    let on_nonfinite: OnNonFinite = args.on_nonfinite.parse()?;
-    let budget = args.device_memory.as_deref().map(parse_size).transpose()?;
-    let mut devices = parse_devices(&args.devices, budget)?;
-    let k = args.tensor_parallel;
-    devices.truncate(checks::devices_used(args.stages, k, args.chunks, &args.devices, devices.len())?);
-    if devices.len() % k != 0 {
-        return Err(usage(format!(
-            "--tensor-parallel {k}: the {} devices do not split into groups of {k}; give stages x {k} devices",
-            devices.len()
-        )));
-    }
-    if k > 1 && args.placement != "auto" {
-        return Err(usage("--placement FILE is not supported with --tensor-parallel yet; use --placement auto"));
-    }
-    if args.microbatches == 0 || args.batch == 0 {
-        return Err(usage(format!(
-            "--batch {} --microbatches {}: a batch needs at least 1 row and 1 micro-batch; give both at least 1",
-            args.batch, args.microbatches
-        )));
-    }
-    if args.microbatches > args.batch {
-        return Err(usage(format!(
-            "--microbatches {} is more than the {} rows of a batch; use at most --microbatches {}",
-            args.microbatches, args.batch, args.batch
-        )));
-    }
-    for (flag, value) in [("--eval-every", args.eval_every), ("--checkpoint-every", args.checkpoint_every)] {
-        if value == Some(0) {
-            return Err(usage(format!("{flag} must be at least 1, got 0; give {flag} N with N >= 1 or leave it out")));
-        }
-    }
-    if args.checkpoint_every.is_some() && args.checkpoint.is_none() {
-        return Err(usage(
-            "--checkpoint-every needs --checkpoint FILE to write the checkpoints to; add --checkpoint FILE or drop --checkpoint-every",
-        ));
-    }
-    let optimizer = parse_optimizer(&args.optimizer, args.lr, args.momentum, args.weight_decay)?;
-    let base_lr = optimizer.lr();
-    let graph = spec.build(args.seed).map_err(|e| usage(format!("--model {model_text}: {}", engine_reason(e))))?;
-    let n_outputs = graph.node(graph.output()?)?.output_shape.dims().iter().product::<usize>();
-    data_source::fit_to_model(&mut splits, &spec, &model_text, n_outputs, args.classes)?;
-    let data_source::Splits { train, test } = splits;
-    if args.batch > train.len() {
-        return Err(usage(format!(
-            "--batch {} is larger than the {} training rows; give --batch at most {}",
-            args.batch,
-            train.len(),
-            train.len()
-        )));
-    }
-    let config = PipelineConfig {
-        schedule,
-        n_chunks: args.chunks,
-        n_micro_batches: args.microbatches,
-        batch_rows: args.batch,
-        optimizer,
-        recompute,
-        seed: args.seed,
-        core_slots,
-    };
-    // The pipeline's width: one worker per group of `k` devices.
-    let n_devices = devices.len() / k;
-    let (plan, mut trainer) = if k > 1 {
-        drop(graph);
-        conveyor::pipeline::build_trainer_tensor_parallel(&spec, args.seed, devices, k, &config).map_err(input_error)?
-    } else {
-        place_and_build(graph, devices, &config, &args.placement)?
-    };
+    outputs::check(&spec)?;
+    let recorder = install_subscriber(spec.outputs.trace.is_some() || spec.outputs.svg.is_some());
+    let mut run = spec.prepare().map_err(spec_error)?;
+    let (schedule, lr_schedule, on_nonfinite) =
+        (spec.pipeline.schedule, spec.optimizer.lr_schedule, spec.training.on_nonfinite);
+    let (batch, microbatches) = (spec.training.batch, spec.pipeline.microbatches);
+    let model_text = run.model_text().to_string();
+    let optimizer = run.optimizer;
+    let base_lr = run.base_lr();
+    // The pipeline's width: one worker per group of --tensor-parallel devices.
+    let n_devices = run.pipeline_devices;
     // One label per worker: its device, or its group of devices joined with `+`.
-    let worker_labels: Vec<String> = trainer
+    let worker_labels: Vec<String> = run
+        .trainer
         .device_groups()
         .iter()
         .map(|group| group.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("+"))
         .collect();
-    let steps_per_epoch = (train.len() / args.batch) as u64;
-    let total_steps = checks::total_steps(args.steps, args.epochs, steps_per_epoch)?;
-    let (momentum, weight_decay) = checks::hyperparameters(&optimizer);
+    let (steps_per_epoch, total_steps) = (run.steps_per_epoch, run.total_steps);
+    let (momentum, weight_decay) = conveyor::spec::hyperparameters(&optimizer);
     let mut state = RunState {
         step: 0,
         steps_per_epoch,
-        seed: args.seed,
-        batch: args.batch,
-        shuffle: !args.no_shuffle,
-        train_rows: train.len(),
+        seed: spec.training.seed,
+        batch,
+        shuffle: spec.training.shuffle,
+        train_rows: run.train.len(),
         model: model_text.clone(),
-        data: args.data.clone(),
-        optimizer: args.optimizer.clone(),
+        data: spec.data.source.clone(),
+        optimizer: spec.optimizer.name.to_string(),
         lr: base_lr,
         lr_schedule: lr_schedule.to_string(),
         total_steps,
-        micro_batches: Some(args.microbatches),
+        micro_batches: Some(microbatches),
         momentum: Some(momentum),
         weight_decay: Some(weight_decay),
-        data_fingerprint: Some(conveyor::cli_input::data_fingerprint(&train)),
+        data_fingerprint: Some(conveyor::cli_input::data_fingerprint(&run.train)),
+        // What the run is, without this invocation's files: a resume from it writes only its own.
+        spec: run.spec.for_checkpoint().to_toml_string().ok(),
     };
-    let homes = ParamHomes::new(&trainer, &plan)?;
+    let homes = ParamHomes::new(&run.trainer, &run.plan)?;
     let mut resumed_note = None;
-    if let Some(path) = &args.init {
-        let n = checkpointing::init(path, &mut trainer)?;
+    if let Some(path) = &spec.checkpoint.init {
+        let n = checkpointing::init(path, &mut run.trainer)?;
         resumed_note = Some(format!("initialised {n} parameter tensors from {}", path.display()));
     }
-    if let Some(path) = &args.resume {
-        let saved = checkpointing::resume(path, &mut trainer, &homes, &optimizer, &state)?;
+    if let Some(path) = &spec.checkpoint.resume {
+        let saved = checkpointing::resume(path, &mut run.trainer, &homes, &optimizer, &state)?;
         state.step = saved.step;
         let mut note = format!("resumed from {} at step {}", path.display(), saved.step);
         let horizon_matters = lr_schedule == LrSchedule::Cosine && saved.total_steps != total_steps;
@@ -271,40 +151,42 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
         resumed_note = Some(note);
     }
+    let test = run.test.take();
     let first_step = state.step;
     outln!(
         "conveyor train: {model_text} on {} ({} train rows{}), {n_devices} device(s), {schedule}{}, {} micro-batches of {} rows, {} lr {base_lr} ({lr_schedule})",
-        args.data,
-        train.len(),
+        spec.data.source,
+        run.train.len(),
         test.as_ref().map(|t| format!(", {} test rows", t.len())).unwrap_or_default(),
-        if args.chunks > 1 { format!(" x{} chunks", args.chunks) } else { String::new() },
-        args.microbatches,
-        args.batch.div_ceil(args.microbatches),
+        if spec.pipeline.chunks > 1 { format!(" x{} chunks", spec.pipeline.chunks) } else { String::new() },
+        microbatches,
+        batch.div_ceil(microbatches),
         optimizer.name(),
     );
-    for stage in &plan.stages {
+    for stage in &run.plan.stages {
         outln!(
             "  stage {} on {}: {} ({} parameters)",
             stage.stage_idx,
-            worker_labels[trainer.schedule().device_of_stage(stage.stage_idx)],
+            worker_labels[run.trainer.schedule().device_of_stage(stage.stage_idx)],
             stage.node_names.join(" "),
             stage.n_params
         );
     }
-    for note in conveyor::pipeline::memory_notes(&plan) {
+    for note in conveyor::pipeline::memory_notes(&run.plan) {
         outln!("  {note}");
     }
     if let Some(note) = resumed_note {
         outln!("{note}");
     }
-    if first_step >= total_steps && args.resume.is_some() {
+    if first_step >= total_steps && spec.checkpoint.resume.is_some() {
         outln!("the checkpoint is already at step {first_step} of --steps {total_steps}; nothing to train");
     }
     // From here a first SIGINT or SIGTERM stops the run between steps, with its outputs written.
     interrupt::install().map_err(|e| anyhow::anyhow!("could not install the signal handler: {e}"))?;
     let mut interrupted = None;
-    let mut metrics = args.metrics.as_deref().map(|path| outputs::LineOutput::create("--metrics", path)).transpose()?;
-    let mut trace = match &args.trace {
+    let mut metrics =
+        spec.outputs.metrics.as_deref().map(|path| outputs::LineOutput::create("--metrics", path)).transpose()?;
+    let mut trace = match &spec.outputs.trace {
         Some(path) => Some(outputs::TraceStream::create(path, n_devices, worker_labels.clone())?),
         None => None,
     };
@@ -318,9 +200,6 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let mut recent_reports: std::collections::VecDeque<conveyor::engine::runtime::StepReport> = Default::default();
     let mut samples = 0u64;
     let mut compute_s = 0.0;
-    let mut order = Vec::new();
-    let mut order_epoch = None;
-    let mut current_lr = base_lr;
     let (mut last_step_start_s, mut last_step_end_s) = (0.0, 0.0);
     let (mut skipped_steps, mut skipped_in_a_row) = (0u64, 0u64);
     // A non-finite step under `--on-nonfinite error` (or too many skipped): the run stops after
@@ -335,20 +214,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         if let Some(recorder) = &recorder {
             last_step_start_s = recorder.now_s();
         }
-        let epoch = step / steps_per_epoch.max(1);
-        let within = (step % steps_per_epoch.max(1)) as usize;
-        if order_epoch != Some(epoch) {
-            order = data::epoch_order(train.len(), !args.no_shuffle, args.seed, epoch);
-            order_epoch = Some(epoch);
-        }
-        let lr = lr_schedule.lr(base_lr, step, total_steps);
-        if lr != current_lr {
-            set_lr(&trainer, lr)?;
-            current_lr = lr;
-        }
-        let indices = &order[within * args.batch..(within + 1) * args.batch];
-        let (x, y) = train.batch(indices)?;
-        let report = match trainer.train_step(&x, &y) {
+        let (epoch, lr) = (run.epoch(step), run.lr(step));
+        // The step's batch at the step's learning rate, as a library loop over the spec gets them.
+        let (x, y) = run.step_batch(step)?;
+        let report = match run.trainer.train_step(&x, &y) {
             Ok(report) => {
                 skipped_in_a_row = 0;
                 report
@@ -369,7 +238,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 // trainer's step count follows the run's, as a resume sets it.
                 skipped_steps += 1;
                 skipped_in_a_row += 1;
-                trainer.set_step_idx(step + 1);
+                run.trainer.set_step_idx(step + 1);
                 state.step = step + 1;
                 progress.println(format!("step {} skipped: {error}", step + 1));
                 if let Some(out) = metrics.as_mut() {
@@ -397,13 +266,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             last_step_end_s = recorder.now_s();
         }
         state.step = step + 1;
-        samples += args.batch as u64;
+        samples += batch as u64;
         compute_s += report.step_s;
         progress.step_done(step + 1, steps_per_epoch, report.loss);
-        let eval_now = args.eval_every.is_some_and(|n| (step + 1) % n == 0);
+        let eval_now = spec.training.eval_every.is_some_and(|n| (step + 1) % n == 0);
         // None also when a signal stopped the evaluation midway.
         let eval_accuracy = match (&test, eval_now) {
-            (Some(test), true) => summary::accuracy(&mut trainer, test, args.batch, args.microbatches)?,
+            (Some(test), true) => summary::accuracy(&mut run.trainer, test, batch, microbatches)?,
             _ => None,
         };
         if let Some(recorder) = &recorder {
@@ -425,7 +294,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 "loss": report.loss,
                 "lr": lr,
                 "step_s": report.step_s,
-                "samples_per_s": args.batch as f64 / report.step_s,
+                "samples_per_s": batch as f64 / report.step_s,
                 "grad_norm": report.grad_norm,
                 "bubble_fraction": report.timeline.bubble_fraction(),
                 "skipped_steps": skipped_steps,
@@ -435,26 +304,27 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             }
             out.line(&line);
         }
-        let log_now = args.log_every > 0 && ((step + 1) % args.log_every == 0 || step + 1 == total_steps);
+        let log_every = spec.training.log_every;
+        let log_now = log_every > 0 && ((step + 1) % log_every == 0 || step + 1 == total_steps);
         if log_now || eval_accuracy.is_some() {
             let mut line = format!(
                 "step {:>5}/{total_steps}  epoch {epoch}  loss {:.4}  lr {lr:.2e}  {:.0} samples/s",
                 step + 1,
                 report.loss,
-                args.batch as f64 / report.step_s
+                batch as f64 / report.step_s
             );
             if let Some(accuracy) = eval_accuracy {
                 line.push_str(&format!("  test accuracy {:.2}%", accuracy * 100.0));
             }
             progress.println(line);
         }
-        if let (Some(path), Some(every)) = (&args.checkpoint, args.checkpoint_every)
+        if let (Some(path), Some(every)) = (&spec.checkpoint.path, spec.checkpoint.every)
             && (step + 1) % every == 0
             && step + 1 != total_steps
         {
             // A periodic checkpoint that cannot be written (a full disk) leaves the previous file
             // whole and does not stop the training; the run still ends with that error.
-            match checkpointing::save(path, &trainer, &state, false, "--checkpoint") {
+            match checkpointing::save(path, &run.trainer, &state, false, "--checkpoint") {
                 Ok(()) => tracing::info!(step = step + 1, path = %path.display(), "checkpoint saved"),
                 Err(error) => {
                     errln!(
@@ -472,10 +342,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         last_report = Some(report);
     }
     progress.finish();
+    let mut trainer = run.trainer;
     let wall_s = started.elapsed().as_secs_f64();
     // A stopped run skips the final evaluation: the user asked for the outputs, now.
     let accuracy = match (&test, interrupted) {
-        (Some(test), None) => summary::accuracy(&mut trainer, test, args.batch, args.microbatches)?,
+        (Some(test), None) => summary::accuracy(&mut trainer, test, batch, microbatches)?,
         _ => None,
     };
     if let Some(recorder) = &recorder {
@@ -495,74 +366,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if let Some(acc) = accuracy {
         outln!("test accuracy {:.2}% ({} rows)", acc * 100.0, test.as_ref().map_or(0, data::Dataset::len));
     }
-    let sched = Schedule::new(schedule, n_devices, args.microbatches, args.chunks)?;
-    let mut bubble = None;
-    if let Some(report) = &last_report {
-        // Bubble summary: measured over the last steps, against theory and the simulator fed each
-        // step's measured op costs.
-        let theory = simulate(&sched, &CostModel::uniform(StageCosts::UNIT))?.bubble_fraction;
-        // With a core per worker, the measured wall durations are the op costs. With more workers
-        // than cores the trainer gives compute ops core slots (first come first served), so an op
-        // still runs on a core of its own and the simulator queues ops for the same slots.
-        // Without slots (disabled), each op's thread CPU time is its cost and the simulator shares
-        // the cores between running ops.
-        let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        let predict = |report: &conveyor::engine::runtime::StepReport| -> anyhow::Result<(f64, String)> {
-            Ok(if let Some(slots) = report.core_slots {
-                let costs = summary::measured_costs(&report.timeline, sched.n_stages());
-                let wake_s = report.core_wake_latency_s.unwrap_or(0.0);
-                let simulated = simulate_with_core_slots(&sched, &costs, slots, wake_s)?;
-                (
-                    simulated.bubble_fraction,
-                    format!("measured op times, {slots} core slots, {:.2} ms wake-up", wake_s * 1e3),
-                )
-            } else if n_devices > cores {
-                let simulated = simulate_on_cores(&sched, &summary::cpu_costs(report, sched.n_stages()), cores)?;
-                (simulated.bubble_fraction, format!("op CPU times, {cores} cores shared"))
-            } else {
-                // Each device sleeps while it waits: a message reaches it when the OS wakes it.
-                let latency_s = summary::delivery_latency_s(&report.timeline);
-                let costs = summary::measured_costs(&report.timeline, sched.n_stages())
-                    .with_link(conveyor::schedules::Link { latency_s, bandwidth_bytes_per_s: f64::INFINITY });
-                let simulated = simulate(&sched, &costs)?;
-                (simulated.bubble_fraction, format!("measured op times, {:.2} ms delivery", latency_s * 1e3))
-            })
-        };
-        let (mut measured, mut predicted, mut cost_basis) = (0.0, 0.0, String::new());
-        for recent in &recent_reports {
-            let (p, basis) = predict(recent)?;
-            measured += recent.timeline.bubble_fraction() / recent_reports.len() as f64;
-            predicted += p / recent_reports.len() as f64;
-            cost_basis = basis;
-        }
-        if report.core_slots.is_none() && n_devices > cores {
-            // With workers sharing cores, a device "idles" while its thread waits for a core too;
-            // compare the cores' idle time instead: 1 - CPU time of all ops / (cores x makespan).
-            let simulated = simulate_on_cores(&sched, &summary::cpu_costs(report, sched.n_stages()), cores)?;
-            let cpu_total: f64 = report.op_cpu_times.iter().map(|t| t.cpu_s).sum();
-            let measured_core_idle = 1.0 - cpu_total / (cores as f64 * report.timeline.makespan_s());
-            let simulated_core_idle = 1.0 - cpu_total / (cores as f64 * simulated.makespan_s);
-            outln!(
-                "cores idle on the last step ({n_devices} workers on {cores} cores): measured {:.1}%, simulated with shared cores {:.1}%",
-                measured_core_idle * 100.0,
-                simulated_core_idle * 100.0
-            );
-        }
-        let inflight = simulated_inflight(schedule, n_devices, args.microbatches, args.chunks)?;
-        outln!(
-            "bubble (mean of the last {} steps): measured {:.1}%, simulator with {cost_basis} {:.1}%, schedule theory (equal costs) {:.1}%",
-            recent_reports.len(),
-            measured * 100.0,
-            predicted * 100.0,
-            theory * 100.0
-        );
-        summary::print_devices(report, &worker_labels, k, &inflight, &|line| outln!("{line}"));
-        if k > 1 {
-            for (device, peak) in trainer.devices().iter().zip(&report.peak_memory) {
-                outln!("  {device}: peak memory {}", conveyor::engine::placement::format_bytes(*peak));
-            }
-        }
-        bubble = Some((measured, predicted));
+    let sched = Schedule::new(schedule, n_devices, spec.pipeline.microbatches, spec.pipeline.chunks)?;
+    // Bubble summary: measured over the last steps, against theory and the simulator fed each
+    // step's measured op costs.
+    let bubble =
+        if recent_reports.is_empty() { None } else { Some(trainer.bubbles(recent_reports.make_contiguous())?) };
+    if let Some(bubble) = &bubble {
+        outln!("{bubble}");
     }
     // The outputs, most valuable first; a failure is reported and the others are still written.
     let mut failures: Vec<anyhow::Error> = Vec::new();
@@ -571,17 +381,17 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             failures.push(error);
         }
     };
-    if let Some(path) = &args.save {
+    if let Some(path) = &spec.outputs.save {
         attempt(checkpointing::save(path, &trainer, &state, true, "--save").map(|()| {
             outln!("saved the parameters at step {} to {}", state.step, path.display());
         }));
     }
-    if let Some(path) = &args.checkpoint {
+    if let Some(path) = &spec.checkpoint.path {
         attempt(checkpointing::save(path, &trainer, &state, false, "--checkpoint").map(|()| {
             outln!("saved a training checkpoint at step {} to {}", state.step, path.display());
         }));
     }
-    if let (Some(mut out), Some(path)) = (metrics.take(), &args.metrics) {
+    if let (Some(mut out), Some(path)) = (metrics.take(), &spec.outputs.metrics) {
         let summary = serde_json::json!({
             "summary": true,
             "steps": state.step,
@@ -592,8 +402,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             "final_loss": last_report.as_ref().map(|r| r.loss),
             "test_accuracy": accuracy,
             "peak_memory_bytes": last_report.as_ref().map(|r| r.peak_memory.clone()),
-            "bubble_fraction": bubble.map(|b| b.0),
-            "predicted_bubble_fraction": bubble.map(|b| b.1),
+            "bubble_fraction": bubble.as_ref().map(|b| b.measured_fraction),
+            "predicted_bubble_fraction": bubble.as_ref().map(|b| b.simulated_fraction),
             "samples_per_s": samples as f64 / compute_s.max(f64::MIN_POSITIVE),
         });
         out.line(&summary);
@@ -601,10 +411,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             outln!("wrote the metrics of {} steps to {}", state.step - first_step, path.display());
         }));
     }
-    if let (Some(trace), Some(path)) = (trace.take(), &args.trace) {
+    if let (Some(trace), Some(path)) = (trace.take(), &spec.outputs.trace) {
         attempt(trace.finish().map(|ops| outln!("wrote a trace of {ops} ops to {}", path.display())));
     }
-    if let Some(path) = &args.svg {
+    if let Some(path) = &spec.outputs.svg {
         let mut last_step = Timeline::new(n_devices, sched.n_stages());
         last_step.events = last_step_events
             .iter()
@@ -614,7 +424,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 ..*e
             })
             .collect();
-        let title = format!("{schedule}, p={n_devices}, m={}, measured (last step)", args.microbatches);
+        let title = format!("{schedule}, p={n_devices}, m={microbatches}, measured (last step)");
         let options = SvgOptions { title, device_labels: worker_labels.clone(), ..SvgOptions::default() };
         attempt(super::write_atomically(path, "--svg", &svg_gantt(&last_step, &options)).map(|()| {
             outln!("wrote the last step's chart to {}", path.display());

@@ -21,8 +21,9 @@ use conveyor::engine::output_file::{self, OutputFile, OutputKind};
 use conveyor::schedules::TimelineEvent;
 use conveyor::schedules::export::{ChromeTraceWriter, MemorySample};
 
-use super::TrainArgs;
 use crate::cli::{output_error, usage};
+use conveyor::RunSpec;
+use conveyor::spec::PlacementSpec;
 
 /// How a file is told apart from another.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -48,13 +49,13 @@ pub(crate) fn same_output(a: &Path, b: &Path) -> bool {
 }
 
 /// The outputs of a run, by flag.
-fn outputs(args: &TrainArgs) -> Vec<(&'static str, &Path)> {
+fn outputs(spec: &RunSpec) -> Vec<(&'static str, &Path)> {
     [
-        ("--save", &args.save),
-        ("--checkpoint", &args.checkpoint),
-        ("--metrics", &args.metrics),
-        ("--trace", &args.trace),
-        ("--svg", &args.svg),
+        ("--save", &spec.outputs.save),
+        ("--checkpoint", &spec.checkpoint.path),
+        ("--metrics", &spec.outputs.metrics),
+        ("--trace", &spec.outputs.trace),
+        ("--svg", &spec.outputs.svg),
     ]
     .into_iter()
     .filter_map(|(flag, path)| path.as_deref().map(|path| (flag, path)))
@@ -62,11 +63,12 @@ fn outputs(args: &TrainArgs) -> Vec<(&'static str, &Path)> {
 }
 
 /// The files a run reads, by flag.
-fn inputs(args: &TrainArgs) -> Vec<(&'static str, PathBuf)> {
+fn inputs(spec: &RunSpec) -> Vec<(&'static str, PathBuf)> {
     let mut inputs = Vec::new();
-    let built_in = args.data == "digits" || args.data.starts_with("synthetic:") || args.data.starts_with("tokens:");
+    let source = &spec.data.source;
+    let built_in = source == "digits" || source.starts_with("synthetic:") || source.starts_with("tokens:");
     if !built_in {
-        let data = PathBuf::from(&args.data);
+        let data = PathBuf::from(source);
         if data.is_dir() {
             for name in conveyor::data::MNIST_FILES {
                 inputs.push(("--data", data.join(name)));
@@ -76,21 +78,21 @@ fn inputs(args: &TrainArgs) -> Vec<(&'static str, PathBuf)> {
             inputs.push(("--data", data));
         }
     }
-    for (flag, path) in [("--init", &args.init), ("--resume", &args.resume)] {
+    for (flag, path) in [("--init", &spec.checkpoint.init), ("--resume", &spec.checkpoint.resume)] {
         if let Some(path) = path {
             inputs.push((flag, path.clone()));
         }
     }
-    if args.placement != "auto" && args.placement != "time" {
-        inputs.push(("--placement", PathBuf::from(&args.placement)));
+    if let PlacementSpec::File(path) = &spec.pipeline.placement {
+        inputs.push(("--placement", path.clone()));
     }
     inputs
 }
 
 /// Checks every output path before the run starts (see the module docs).
-pub fn check(args: &TrainArgs) -> anyhow::Result<()> {
+pub fn check(spec: &RunSpec) -> anyhow::Result<()> {
     let mut checked: Vec<(&str, &Path, Option<Identity>)> = Vec::new();
-    for (flag, path) in outputs(args) {
+    for (flag, path) in outputs(spec) {
         let target = output_file::check_output(path).map_err(|e| {
             let error = output_error(flag, path, e);
             if !path.is_file() {
@@ -104,7 +106,7 @@ pub fn check(args: &TrainArgs) -> anyhow::Result<()> {
             checked.push((flag, path, identity(path)));
         }
     }
-    let inputs: Vec<(&str, PathBuf, Option<Identity>)> = inputs(args)
+    let inputs: Vec<(&str, PathBuf, Option<Identity>)> = inputs(spec)
         .into_iter()
         .map(|(flag, path)| {
             let id = identity(&path);

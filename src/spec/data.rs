@@ -1,12 +1,12 @@
-//! `--data`: turns the flag into a training split and an optional held-out split, and checks the
-//! data against the model (input shape, class count).
+//! `[data]` (`--data`): turns the source into a training split and an optional held-out split,
+//! checks the data against the model (input shape, class count), and picks the model a data set
+//! gets when none is named. Every problem is a [`UsageError`] naming the flag and the fix.
 use std::path::Path;
 
-use conveyor::data::{self, DIGITS_TRAIN_ROWS, Dataset};
-use conveyor::limits::{MAX_CLASSES, MAX_GENERATED_VALUES, parse_count};
-use conveyor::zoo::ModelSpec;
-
-use crate::cli::usage;
+use crate::cli_input::{UsageError, usage};
+use crate::data::{self, DIGITS_TRAIN_ROWS, Dataset};
+use crate::limits::{MAX_CLASSES, MAX_GENERATED_VALUES, parse_count};
+use crate::zoo::ModelSpec;
 
 /// The training rows and the held-out rows (if any) of `--data`.
 pub struct Splits {
@@ -16,8 +16,14 @@ pub struct Splits {
     pub test: Option<Dataset>,
 }
 
-/// Reads `--data` (see [`super::TrainArgs::data`]); every problem is a usage error (exit code 2).
-pub fn load(spec: &str, seed: u64, test_fraction: Option<f64>, classes: Option<usize>) -> anyhow::Result<Splits> {
+/// Reads `source` (see [`super::DataSection::source`]), holding out `test_fraction` of a data
+/// file or generated data; `seed` seeds generated data.
+pub fn load_data(
+    spec: &str,
+    seed: u64,
+    test_fraction: Option<f64>,
+    classes: Option<usize>,
+) -> Result<Splits, UsageError> {
     if let Some(fraction) = test_fraction
         && !(0.0..1.0).contains(&fraction)
     {
@@ -28,17 +34,17 @@ pub fn load(spec: &str, seed: u64, test_fraction: Option<f64>, classes: Option<u
     {
         return Err(usage(format!("--classes {classes}: give a class count from 1 to {MAX_CLASSES} (MAX_CLASSES)")));
     }
-    let reason = |e: conveyor::engine::Error| match e {
-        conveyor::engine::Error::InvalidArgument { reason, .. } => reason,
+    let reason = |e: conveyor_engine::Error| match e {
+        conveyor_engine::Error::InvalidArgument { reason, .. } => reason,
         other => other.to_string(),
     };
-    let counts = |rest: &str, form: &str| -> anyhow::Result<Vec<usize>> {
+    let counts = |rest: &str, form: &str| -> Result<Vec<usize>, UsageError> {
         rest.split(',')
             .map(|p| parse_count(p, MAX_GENERATED_VALUES, "MAX_GENERATED_VALUES"))
             .collect::<Result<_, _>>()
             .map_err(|why| usage(format!("--data `{spec}`: {why}; use {form} with positive integers")))
     };
-    let own_split = |name: &str| -> anyhow::Result<()> {
+    let own_split = |name: &str| -> Result<(), UsageError> {
         match (test_fraction, classes) {
             (Some(_), _) => Err(usage(format!("--test-fraction: {name} has its own test split; drop the flag"))),
             (_, Some(_)) => Err(usage(format!("--classes: {name} has 10 classes; drop the flag"))),
@@ -47,7 +53,7 @@ pub fn load(spec: &str, seed: u64, test_fraction: Option<f64>, classes: Option<u
     };
     if spec == "digits" {
         own_split("digits")?;
-        let all = data::digits()?;
+        let all = data::digits().map_err(|e| usage(format!("--data digits: {e}")))?;
         let (mut train, mut test) = (all.slice(0, DIGITS_TRAIN_ROWS), all.slice(DIGITS_TRAIN_ROWS, all.len()));
         // Standardise each pixel with statistics of the training rows only.
         let (mean, std) = train.feature_stats();
@@ -112,7 +118,7 @@ pub fn fit_to_model(
     model_text: &str,
     n_outputs: usize,
     classes_flag: Option<usize>,
-) -> anyhow::Result<()> {
+) -> Result<(), UsageError> {
     let input_shape = spec.input_shape();
     for dataset in std::iter::once(&mut splits.train).chain(splits.test.as_mut()) {
         let numel: usize = dataset.feature_shape.iter().product();
@@ -138,10 +144,10 @@ pub fn fit_to_model(
         if let ModelSpec::Transformer(config) = spec {
             // Token ids outside the vocabulary are found now, not at the step that meets them.
             dataset.check_token_ids(config.vocab, "--data").map_err(|e| match e {
-                conveyor::engine::Error::InvalidArgument { reason, .. } => {
+                conveyor_engine::Error::InvalidArgument { reason, .. } => {
                     usage(format!("{reason} (--model {model_text})"))
                 }
-                other => anyhow::Error::new(other),
+                other => usage(format!("--data: {other}")),
             })?;
         }
         if let Some((row, label)) = dataset.labels.iter().enumerate().find(|(_, l)| **l >= n_outputs) {
@@ -156,8 +162,15 @@ pub fn fit_to_model(
     Ok(())
 }
 
-/// The model a data set gets when `--model` is not given.
-pub fn default_model(train: &Dataset) -> String {
+/// The model a data set gets when `--model` is not given: for `tokens:N,T,VOCAB,C` a small
+/// transformer over its vocabulary and sequence length, `cnn` for 1x8x8 images, else
+/// `mlp:D,128,128,C` over the flattened inputs.
+pub fn default_model(source: &str, train: &Dataset) -> String {
+    if let Some(p) = source.strip_prefix("tokens:").map(|r| r.split(',').collect::<Vec<_>>())
+        && p.len() == 4
+    {
+        return format!("transformer:{},{},32,4,2,{}", p[2].trim(), p[1].trim(), p[3].trim());
+    }
     match train.feature_shape.as_slice() {
         [1, 8, 8] => "cnn".to_string(),
         shape => format!("mlp:{},128,128,{}", shape.iter().product::<usize>(), train.n_classes.max(2)),

@@ -1,0 +1,239 @@
+//! From a graph, devices and a run's settings to a [`Plan`]: the planner's devices and settings
+//! for a schedule ([`planner_inputs`]), the node costs with measured memory ([`node_costs`]), and
+//! the three ways to choose stages a [`Placement`] names (by hand, automatically under budgets
+//! from FLOP estimates, or from measured layer times). `TrainerBuilder::placement`, `conveyor
+//! train` and `conveyor plan` all plan through here, so they agree on every figure.
+use std::path::PathBuf;
+
+use conveyor_schedules::{CostModel, Schedule, ScheduleKind, StageCosts, simulate};
+
+use super::{
+    DeviceSpec, Link, NodeCosts, OptimizerMemory, Plan, PlanConfig, format_bytes, measure_node_memory,
+    place_manually_with_costs, place_with_costs, profile_graph, read_placement_file,
+};
+use crate::graph::{Graph, NodeId};
+use crate::optim::OptimizerConfig;
+use crate::runtime::{CoreSlotPolicy, Recompute};
+use crate::{Device, Result};
+
+/// Sustained single-core f32 throughput the planner assumes for a CPU device.
+pub const CPU_FLOPS_PER_S: f64 = 50e9;
+
+/// How often [`PlaceBy::Time`] runs each pass of each layer (the median is kept).
+const PROFILE_REPEATS: usize = 5;
+
+/// How to run a model: what the planner and the trainer need besides the graph and devices.
+#[derive(Clone, Debug)]
+pub struct PipelineConfig {
+    /// The schedule.
+    pub schedule: ScheduleKind,
+    /// Chunks per device (interleaved only).
+    pub n_chunks: usize,
+    /// Micro-batches per batch.
+    pub n_micro_batches: usize,
+    /// Rows per batch (sets the micro-batch size the planner budgets for).
+    pub batch_rows: usize,
+    /// The optimizer.
+    pub optimizer: OptimizerConfig,
+    /// Activation recomputation.
+    pub recompute: Recompute,
+    /// Seed for dropout.
+    pub seed: u64,
+    /// Core slots for CPU workers ([`CoreSlotPolicy`]).
+    pub core_slots: CoreSlotPolicy,
+}
+
+/// What automatic placement balances.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PlaceBy {
+    /// Stage times predicted from each layer's FLOP estimate, with every stage under its device's
+    /// memory budget (the memory plan: parameters, gradients, optimizer state, activations held
+    /// under the schedule, messages, caches). `conveyor train --placement auto`.
+    #[default]
+    Memory,
+    /// Like [`PlaceBy::Memory`], but with each layer's forward, input-gradient and weight-gradient
+    /// times measured on this machine on micro-batches of the planned size (torchgpipe's balance
+    /// by time). `conveyor train --placement time`.
+    Time,
+}
+
+/// How the layers are put on stages ([`crate::runtime::TrainerBuilder::placement`]).
+#[derive(Clone, Debug)]
+pub enum Placement {
+    /// The nodes of each stage by name, stage 0 first; an entry `first..last` names every layer
+    /// from `first` to `last` in topological order (as [`super::place_manually`] takes them).
+    Manual(Vec<Vec<String>>),
+    /// Chosen by the planner: one stage per device and chunk, balanced as `by` says.
+    Auto {
+        /// What the planner balances.
+        by: PlaceBy,
+    },
+    /// A placement file: one line of node names or ranges per stage (`conveyor plan --placement`).
+    File(PathBuf),
+    /// The layer nodes of each stage, used as given without planning (as
+    /// `TrainerBuilder::stages`): no plan, no memory check, every cache and snapshot kept.
+    Stages(Vec<Vec<NodeId>>),
+    /// A plan made before (for example by `TrainerBuilder::plan`), with its derived caches and
+    /// commit snapshots.
+    Plan(Box<Plan>),
+}
+
+impl Placement {
+    /// Automatic placement under memory budgets from FLOP estimates ([`PlaceBy::Memory`]).
+    pub fn auto() -> Placement {
+        Placement::Auto { by: PlaceBy::Memory }
+    }
+}
+
+/// Peak micro-batches in flight per stage under `kind`, from the schedule simulator.
+pub fn simulated_inflight(
+    kind: ScheduleKind,
+    n_devices: usize,
+    n_micro_batches: usize,
+    n_chunks: usize,
+) -> Result<Vec<usize>> {
+    let schedule = Schedule::new(kind, n_devices, n_micro_batches, n_chunks)?;
+    Ok(simulate(&schedule, &CostModel::uniform(StageCosts::UNIT))?.peak_inflight)
+}
+
+/// The planner's optimizer-state class of an optimizer configuration.
+pub fn optimizer_memory(optimizer: &OptimizerConfig) -> OptimizerMemory {
+    match optimizer.state_bytes_per_param_byte() {
+        0 => OptimizerMemory::Sgd,
+        1 => OptimizerMemory::Momentum,
+        _ => OptimizerMemory::Adam,
+    }
+}
+
+/// The planner's devices and settings for `devices` under a schedule: one spec per stage
+/// (stage `s` on device `s % n_devices`, a device's budget shared by its chunks), where every
+/// micro-batch is at each instruction of the schedule (for the memory plan), in-flight counts
+/// from the schedule simulator, the default in-process link, no recomputation (set
+/// `PlanConfig::recompute` for another mode).
+pub fn planner_inputs(
+    devices: &[Device],
+    schedule: ScheduleKind,
+    n_chunks: usize,
+    n_micro_batches: usize,
+    batch_rows: usize,
+    optimizer: OptimizerMemory,
+) -> Result<(Vec<DeviceSpec>, PlanConfig)> {
+    let n_devices = devices.len();
+    let n_stages = n_devices * n_chunks;
+    let inflight = simulated_inflight(schedule, n_devices, n_micro_batches, n_chunks)?;
+    let micro_batch_rows = batch_rows.div_ceil(n_micro_batches.max(1)).max(1);
+    let plan_config = PlanConfig::new(
+        micro_batch_rows,
+        n_stages,
+        |p| if p == n_stages { inflight.clone() } else { vec![n_micro_batches; p] },
+        optimizer,
+        Link::default(),
+    )
+    .with_schedule(&Schedule::new(schedule, n_devices, n_micro_batches, n_chunks)?);
+    let specs = (0..n_stages)
+        .map(|s| {
+            let device = &devices[s % n_devices];
+            let budget = device.memory_budget().map(|b| b / n_chunks as u64);
+            DeviceSpec { name: device.to_string(), flops_per_s: CPU_FLOPS_PER_S, budget_bytes: budget }
+        })
+        .collect();
+    Ok((specs, plan_config))
+}
+
+/// [`planner_inputs`] for `config` (its schedule, micro-batches, rows, optimizer and recompute mode).
+pub fn planner_inputs_for(devices: &[Device], config: &PipelineConfig) -> Result<(Vec<DeviceSpec>, PlanConfig)> {
+    let (specs, mut plan_config) = planner_inputs(
+        devices,
+        config.schedule,
+        config.n_chunks,
+        config.n_micro_batches,
+        config.batch_rows,
+        optimizer_memory(&config.optimizer),
+    )?;
+    plan_config.recompute = config.recompute;
+    Ok((specs, plan_config))
+}
+
+/// The planner's node costs of `graph` with the memory each layer uses measured by running it
+/// once on a micro-batch of `micro_batch_rows` rows ([`measure_node_memory`]: which saved
+/// tensors share their inputs and outputs, so shared bytes are counted once). The layers must
+/// be on the host (as a freshly built graph's are).
+pub fn node_costs(graph: &Graph, micro_batch_rows: usize) -> Result<NodeCosts> {
+    NodeCosts::of_graph(graph)?.with_measured_memory(&measure_node_memory(graph, micro_batch_rows)?)
+}
+
+/// Plans `graph` on `devices` (one stage per device and chunk) under their budgets, from FLOP
+/// estimates ([`PlaceBy::Memory`]).
+pub fn plan(graph: &Graph, devices: &[Device], config: &PipelineConfig) -> Result<Plan> {
+    let (specs, plan_config) = planner_inputs_for(devices, config)?;
+    place_with_costs(&node_costs(graph, plan_config.micro_batch_rows)?, &specs, &plan_config)
+}
+
+/// Plans `graph` with the layers of each stage named in `stages` (as a placement file gives
+/// them; see [`super::place_manually`]), with the same memory figures as [`plan`].
+pub fn plan_manually(
+    graph: &Graph,
+    stages: &[Vec<String>],
+    devices: &[Device],
+    config: &PipelineConfig,
+) -> Result<Plan> {
+    let (specs, plan_config) = planner_inputs_for(devices, config)?;
+    let costs = node_costs(graph, plan_config.micro_batch_rows)?;
+    place_manually_with_costs(graph, &costs, stages, &specs, &plan_config)
+}
+
+/// Plans `graph` like [`plan`], but from layer times measured on this machine ([`PlaceBy::Time`]:
+/// [`profile_graph`] times every layer's forward, input-gradient and weight-gradient passes on
+/// micro-batches of the planned size) instead of FLOP estimates.
+pub fn plan_by_time(graph: &Graph, devices: &[Device], config: &PipelineConfig) -> Result<Plan> {
+    let (specs, plan_config) = planner_inputs_for(devices, config)?;
+    let times = profile_graph(graph, plan_config.micro_batch_rows, PROFILE_REPEATS)?;
+    let costs = node_costs(graph, plan_config.micro_batch_rows)?.with_measured_times(&times, CPU_FLOPS_PER_S)?;
+    place_with_costs(&costs, &specs, &plan_config)
+}
+
+/// The plan `placement` makes for `graph` on `devices` under `config`: `None` for
+/// [`Placement::Stages`], which is used as given, unplanned.
+pub fn plan_placement(
+    graph: &Graph,
+    devices: &[Device],
+    config: &PipelineConfig,
+    placement: &Placement,
+) -> Result<Option<Plan>> {
+    Ok(Some(match placement {
+        Placement::Manual(stages) => plan_manually(graph, stages, devices, config)?,
+        Placement::Auto { by: PlaceBy::Memory } => plan(graph, devices, config)?,
+        Placement::Auto { by: PlaceBy::Time } => plan_by_time(graph, devices, config)?,
+        Placement::File(path) => plan_manually(graph, &read_placement_file(path)?, devices, config)?,
+        Placement::Stages(_) => return Ok(None),
+        Placement::Plan(plan) => (**plan).clone(),
+    }))
+}
+
+/// What the memory plan decided, one line per stage that dropped something to fit: its packed
+/// weight caches (slower, same results) or its commit undo snapshot (a failed update then
+/// cannot be rolled back on that stage). Empty when the plan keeps everything.
+pub fn memory_notes(plan: &Plan) -> Vec<String> {
+    let mut notes = Vec::new();
+    for stage in &plan.stages {
+        let mut dropped = Vec::new();
+        if !stage.dropped_caches.is_empty() {
+            dropped.push(format!(
+                "the derived caches of {} ({}; those layers run a little slower)",
+                stage.dropped_caches.join(" "),
+                format_bytes(stage.memory.workspace_dropped)
+            ));
+        }
+        if !stage.keeps_commit_snapshot() {
+            let bytes: u64 = stage.device_memory().map(|m| m.commit_snapshot_dropped).sum();
+            dropped.push(format!(
+                "its commit undo snapshot ({}; a failed update cannot be rolled back there)",
+                format_bytes(bytes)
+            ));
+        }
+        if !dropped.is_empty() {
+            notes.push(format!("stage {} drops {} to fit its memory", stage.stage_idx, dropped.join(" and ")));
+        }
+    }
+    notes
+}

@@ -1,0 +1,279 @@
+//! [`SpecError`]: what is wrong with a [`RunSpec`](super::RunSpec), in fields a program can act
+//! on (the numbers, the key, the flag). Each message names the `conveyor train` flag as the
+//! command line always has, then the TOML key in parentheses, and says what would fix it.
+use std::path::PathBuf;
+
+use conveyor_schedules::ScheduleKind;
+
+use super::Precision;
+use crate::cli_input::UsageError;
+
+/// A run spec that cannot be read, is inconsistent, or cannot be prepared.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SpecError {
+    /// A spec file that cannot be read (missing, a directory, too large, not UTF-8).
+    #[error("{}: {reason}; give a readable TOML run spec", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why it could not be read.
+        reason: String,
+    },
+    /// TOML that does not parse, an unknown key, or a value of the wrong type or refused by its
+    /// parser.
+    #[error(
+        "{origin}: {}{}{}",
+        if key.is_empty() { String::new() } else { format!("`{key}`{} ", flag.map(|f| format!(" ({f})")).unwrap_or_default()) },
+        match (line, column) { (Some(l), Some(c)) => format!("at line {l}, column {c}: "), _ => String::new() },
+        message
+    )]
+    Toml {
+        /// The file, or "the run spec" for text.
+        origin: String,
+        /// The key, dotted from the top (`pipeline.schedule`; an unknown key included); empty for
+        /// a syntax error.
+        key: String,
+        /// The `conveyor train` flag of the key, if it has one.
+        flag: Option<&'static str>,
+        /// 1-based line of the offending text.
+        line: Option<usize>,
+        /// 1-based column of the offending text.
+        column: Option<usize>,
+        /// What is wrong, and for values what would fix it.
+        message: String,
+    },
+    /// A spec that cannot be written as TOML (a path that is not UTF-8).
+    #[error("the run spec cannot be written as TOML: {reason}")]
+    Serialize {
+        /// Why.
+        reason: String,
+    },
+    /// Both `init` and `resume`.
+    #[error("--init and --resume both set the parameters; give one (checkpoint.init, checkpoint.resume)")]
+    InitAndResume,
+    /// A model spec that does not parse.
+    #[error("--model: invalid model spec {reason} (model.spec)")]
+    Model {
+        /// The spec text.
+        text: String,
+        /// Why it does not parse.
+        reason: String,
+    },
+    /// A model that cannot be built.
+    #[error("--model {text}: {reason}")]
+    ModelBuild {
+        /// The spec text.
+        text: String,
+        /// Why it cannot be built.
+        reason: String,
+    },
+    /// `test_fraction` outside `[0, 1)`.
+    #[error("--test-fraction {fraction}: give a fraction from 0 up to (not including) 1 (data.test_fraction)")]
+    TestFraction {
+        /// The fraction given.
+        fraction: f64,
+    },
+    /// `classes` outside `1..=limit`.
+    #[error("--classes {classes}: give a class count from 1 to {limit} (MAX_CLASSES; data.classes)")]
+    Classes {
+        /// The count given.
+        classes: usize,
+        /// [`crate::limits::MAX_CLASSES`].
+        limit: usize,
+    },
+    /// `chunks` = 0.
+    #[error("--chunks 0: each device needs at least 1 chunk; give --chunks 1 or more (pipeline.chunks)")]
+    ZeroChunks,
+    /// More than one chunk with a schedule of one stage per device.
+    #[error("--chunks {chunks} needs --schedule interleaved, not {schedule} (pipeline.chunks, pipeline.schedule)")]
+    ChunksNeedInterleaved {
+        /// The chunks given.
+        chunks: usize,
+        /// The schedule given.
+        schedule: ScheduleKind,
+    },
+    /// `tensor_parallel` = 0.
+    #[error(
+        "--tensor-parallel 0: each stage needs at least 1 device; give --tensor-parallel 1 or more (pipeline.tensor_parallel)"
+    )]
+    ZeroTensorParallel,
+    /// `tensor_parallel` over the device limit.
+    #[error(
+        "--tensor-parallel {tensor_parallel} is over the limit of {limit} devices (MAX_DEVICES); give at most the devices of --devices (pipeline.tensor_parallel)"
+    )]
+    TensorParallelOverLimit {
+        /// The degree given.
+        tensor_parallel: usize,
+        /// [`crate::limits::MAX_DEVICES`].
+        limit: usize,
+    },
+    /// `stages` = 0.
+    #[error(
+        "--stages 0: a pipeline needs at least 1 stage; give --stages 1 or more, or leave it out for one stage per device (pipeline.stages)"
+    )]
+    ZeroStages,
+    /// `stages` x `tensor_parallel` over the device limit.
+    #[error(
+        "--stages {stages} with --tensor-parallel {tensor_parallel} needs more than {limit} devices, the limit (MAX_DEVICES); give fewer stages (pipeline.stages)"
+    )]
+    StagesOverLimit {
+        /// The stages given.
+        stages: usize,
+        /// The tensor-parallel degree.
+        tensor_parallel: usize,
+        /// [`crate::limits::MAX_DEVICES`].
+        limit: usize,
+    },
+    /// More devices needed than listed.
+    #[error(
+        "--stages {stages} with --tensor-parallel {tensor_parallel} needs {needed} devices but --devices {devices} gives {available}; \
+         give more devices or fewer stages (pipeline.stages, pipeline.devices)"
+    )]
+    StagesNeedDevices {
+        /// The stages given.
+        stages: usize,
+        /// The tensor-parallel degree.
+        tensor_parallel: usize,
+        /// Devices needed.
+        needed: usize,
+        /// The device list.
+        devices: String,
+        /// Devices it gives.
+        available: usize,
+    },
+    /// devices x chunks over the stage limit.
+    #[error(
+        "--chunks {chunks} on {pipeline_devices} pipeline devices makes more than {limit} stages, the limit (MAX_STAGES); give fewer chunks (pipeline.chunks)"
+    )]
+    ChunksOverLimit {
+        /// The chunks given.
+        chunks: usize,
+        /// Pipeline devices (groups of `tensor_parallel`).
+        pipeline_devices: usize,
+        /// [`crate::limits::MAX_STAGES`].
+        limit: usize,
+    },
+    /// Devices that do not split into tensor-parallel groups.
+    #[error(
+        "--tensor-parallel {tensor_parallel}: the {devices} devices do not split into groups of {tensor_parallel}; give stages x {tensor_parallel} devices (pipeline.tensor_parallel)"
+    )]
+    TensorParallelGroups {
+        /// The degree given.
+        tensor_parallel: usize,
+        /// Devices used.
+        devices: usize,
+    },
+    /// A placement other than `auto` with tensor parallelism.
+    #[error("--placement FILE is not supported with --tensor-parallel yet; use --placement auto (pipeline.placement)")]
+    TensorParallelPlacement,
+    /// `batch` or `microbatches` = 0.
+    #[error(
+        "--batch {batch} --microbatches {microbatches}: a batch needs at least 1 row and 1 micro-batch; give both at least 1 (training.batch, pipeline.microbatches)"
+    )]
+    EmptyBatch {
+        /// Rows per batch.
+        batch: usize,
+        /// Micro-batches per batch.
+        microbatches: usize,
+    },
+    /// More micro-batches than rows.
+    #[error(
+        "--microbatches {microbatches} is more than the {batch} rows of a batch; use at most --microbatches {batch} (pipeline.microbatches)"
+    )]
+    MicrobatchesOverBatch {
+        /// Micro-batches per batch.
+        microbatches: usize,
+        /// Rows per batch.
+        batch: usize,
+    },
+    /// A batch larger than the training rows.
+    #[error("--batch {batch} is larger than the {rows} training rows; give --batch at most {rows} (training.batch)")]
+    BatchOverRows {
+        /// Rows per batch.
+        batch: usize,
+        /// Training rows.
+        rows: usize,
+    },
+    /// An `every` of 0 (`eval_every`, `checkpoint.every`).
+    #[error("{flag} must be at least 1, got 0; give {flag} N with N >= 1 or leave it out ({key})")]
+    ZeroEvery {
+        /// The TOML key.
+        key: &'static str,
+        /// The flag.
+        flag: &'static str,
+    },
+    /// `checkpoint.every` without `checkpoint.path`.
+    #[error(
+        "--checkpoint-every needs --checkpoint FILE to write the checkpoints to; add --checkpoint FILE or drop --checkpoint-every (checkpoint.every needs checkpoint.path)"
+    )]
+    CheckpointEveryWithoutPath,
+    /// `steps` over [`crate::limits::MAX_STEPS`].
+    #[error(
+        "--steps {steps} is over the limit of {limit} optimizer steps (MAX_STEPS); give fewer steps or epochs (training.steps)"
+    )]
+    StepsOverLimit {
+        /// Steps given.
+        steps: u64,
+        /// [`crate::limits::MAX_STEPS`].
+        limit: u64,
+    },
+    /// `epochs` x steps per epoch over [`crate::limits::MAX_STEPS`].
+    #[error(
+        "--epochs {epochs} of {steps_per_epoch} steps (training rows / --batch) is over the limit of {limit} optimizer steps (MAX_STEPS); give fewer steps or epochs (training.epochs)"
+    )]
+    EpochsOverLimit {
+        /// Epochs given.
+        epochs: u64,
+        /// Batches per epoch.
+        steps_per_epoch: u64,
+        /// [`crate::limits::MAX_STEPS`].
+        limit: u64,
+    },
+    /// `momentum` with an optimizer other than `momentum`.
+    #[error(
+        "--momentum {momentum} applies only to --optimizer momentum, not {optimizer}; drop --momentum or use --optimizer momentum (optimizer.momentum)"
+    )]
+    MomentumNotApplicable {
+        /// The momentum given.
+        momentum: f64,
+        /// The optimizer.
+        optimizer: super::OptimizerKind,
+    },
+    /// A hyperparameter the optimizer refuses.
+    #[error("{flag}: {reason} (--optimizer {optimizer}; {key})")]
+    Hyperparameter {
+        /// The TOML key (`optimizer.lr`).
+        key: &'static str,
+        /// The flag (`--lr`).
+        flag: &'static str,
+        /// The optimizer.
+        optimizer: super::OptimizerKind,
+        /// Why it is refused.
+        reason: String,
+    },
+    /// A precision not trained yet.
+    #[error(
+        "--precision {precision}: mixed precision is not supported yet (a later issue); use f32 (training.precision)"
+    )]
+    MixedPrecision {
+        /// The precision given.
+        precision: Precision,
+    },
+    /// A placement the planner refuses (unknown nodes, a stage that does not fit).
+    #[error("--placement {placement}: {source} (pipeline.placement)")]
+    Placement {
+        /// The placement file, or `stages` for stages listed in the spec.
+        placement: String,
+        /// The planner's error.
+        source: Box<conveyor_engine::Error>,
+    },
+    /// Input the parsers of [`crate::cli_input`] refuse (data, devices): the message names the
+    /// flag, the value and the fix.
+    #[error(transparent)]
+    Input(#[from] UsageError),
+    /// Planning or building the trainer failed (a schedule the layout cannot run, a model that
+    /// does not fit the budgets, ...).
+    #[error(transparent)]
+    Engine(#[from] conveyor_engine::Error),
+}

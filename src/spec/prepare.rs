@@ -1,0 +1,204 @@
+//! [`RunSpec::prepare`]: from a spec to a trainer ready for its first step (what `conveyor train`
+//! does before its loop): the data splits fitted to the model, the devices, the placement, the
+//! built [`Trainer`] and its [`Plan`]; and [`PreparedRun`], which feeds the trainer the run's
+//! batches at the run's learning rates, so a library loop trains exactly as the command does.
+use conveyor_engine::placement::Plan;
+use conveyor_engine::runtime::{StepReport, Trainer};
+use conveyor_engine::{Device, Tensor};
+
+use super::validate::{model_spec, reason};
+use super::{PlacementSpec, RunSpec, SpecError, data, devices_used, total_steps};
+use crate::cli_input::{parse_devices, read_placement_file};
+use crate::data::Dataset;
+use crate::pipeline::{
+    PipelineConfig, build_trainer, build_trainer_tensor_parallel, build_trainer_with_plan, plan_by_time, plan_manually,
+};
+use crate::zoo::ModelSpec;
+
+/// A run ready to train: the trainer, its plan and data, and the run's schedule of batches and
+/// learning rates. [`PreparedRun::train_step`] takes one step of the run; the fields are public
+/// for a loop of one's own (evaluation, checkpoints, logging).
+pub struct PreparedRun {
+    /// The spec with its model filled in (the data's default model when none was named).
+    pub spec: RunSpec,
+    /// The parsed model.
+    pub model: ModelSpec,
+    /// Rows batches are drawn from, fitted to the model.
+    pub train: Dataset,
+    /// Held-out rows, if the data has them.
+    pub test: Option<Dataset>,
+    /// Where every layer runs.
+    pub plan: Plan,
+    /// The trainer, at step 0 with the seed's initial parameters (load `init` or `resume` into it
+    /// before the first step).
+    pub trainer: Trainer,
+    /// The optimizer with its defaults filled in.
+    pub optimizer: conveyor_engine::optim::OptimizerConfig,
+    /// Batches per epoch (training rows / batch).
+    pub steps_per_epoch: u64,
+    /// The run's total steps (`steps`, or `epochs` x `steps_per_epoch`).
+    pub total_steps: u64,
+    /// Pipeline devices: workers, each a group of `tensor_parallel` devices.
+    pub pipeline_devices: usize,
+    /// The epoch whose batch order is cached, and that order.
+    order: Option<(u64, Vec<usize>)>,
+    /// The learning rate the optimizers run with now.
+    current_lr: f64,
+}
+
+impl RunSpec {
+    /// Prepares the run: validates the spec ([`RunSpec::validate`]), loads and splits the data,
+    /// parses the devices, builds the model from the seed, fits the data to it, places it
+    /// (`auto`, `time`, a file or listed stages; `tensor_parallel` groups with `auto`) and starts
+    /// the trainer. `init` and `resume` are not loaded here: the trainer starts from the seed.
+    ///
+    /// ```
+    /// use conveyor::RunSpec;
+    ///
+    /// let mut spec = RunSpec::default();
+    /// spec.model.spec = Some("mlp:4,8,2".into());
+    /// spec.data.source = "synthetic:32,4,2".into();
+    /// spec.training.batch = 8;
+    /// spec.pipeline.microbatches = 2;
+    /// let run = spec.prepare()?;
+    /// assert_eq!(run.plan.stages.len(), 2);
+    /// assert_eq!(run.total_steps, 30 * 4);
+    /// # Ok::<(), conveyor::spec::SpecError>(())
+    /// ```
+    pub fn prepare(&self) -> Result<PreparedRun, SpecError> {
+        self.validate()?;
+        let (pipeline, training) = (&self.pipeline, &self.training);
+        let mut splits = data::load_data(&self.data.source, training.seed, self.data.test_fraction, self.data.classes)?;
+        let model_text = match &self.model.spec {
+            Some(text) => text.clone(),
+            None => data::default_model(&self.data.source, &splits.train),
+        };
+        let model = model_spec(&model_text)?;
+        let mut devices = parse_devices(&pipeline.devices, pipeline.device_memory)?;
+        let k = pipeline.tensor_parallel;
+        devices.truncate(devices_used(self, devices.len())?);
+        if devices.len() % k != 0 {
+            return Err(SpecError::TensorParallelGroups { tensor_parallel: k, devices: devices.len() });
+        }
+        let optimizer = self.optimizer.config()?;
+        let graph = model
+            .build(training.seed)
+            .map_err(|e| SpecError::ModelBuild { text: model_text.clone(), reason: reason(e) })?;
+        let n_outputs = graph.node(graph.output()?)?.output_shape.dims().iter().product::<usize>();
+        data::fit_to_model(&mut splits, &model, &model_text, n_outputs, self.data.classes)?;
+        let data::Splits { train, test } = splits;
+        if training.batch > train.len() {
+            return Err(SpecError::BatchOverRows { batch: training.batch, rows: train.len() });
+        }
+        let steps_per_epoch = (train.len() / training.batch) as u64;
+        let total_steps = total_steps(training, steps_per_epoch)?;
+        let config = PipelineConfig {
+            schedule: pipeline.schedule,
+            n_chunks: pipeline.chunks,
+            n_micro_batches: pipeline.microbatches,
+            batch_rows: training.batch,
+            optimizer,
+            recompute: pipeline.recompute,
+            seed: training.seed,
+            core_slots: pipeline.core_slots,
+        };
+        let pipeline_devices = devices.len() / k;
+        let (plan, trainer) = if k > 1 {
+            drop(graph);
+            build_trainer_tensor_parallel(&model, training.seed, devices, k, &config)?
+        } else {
+            place_and_build(graph, devices, &config, &pipeline.placement)?
+        };
+        let mut spec = self.clone();
+        spec.model.spec = Some(model_text);
+        Ok(PreparedRun {
+            spec,
+            model,
+            train,
+            test,
+            plan,
+            trainer,
+            optimizer,
+            steps_per_epoch,
+            total_steps,
+            pipeline_devices,
+            order: None,
+            current_lr: optimizer.lr(),
+        })
+    }
+}
+
+/// Places the graph as `placement` says and starts the trainer.
+fn place_and_build(
+    graph: conveyor_engine::graph::Graph,
+    devices: Vec<Device>,
+    config: &PipelineConfig,
+    placement: &PlacementSpec,
+) -> Result<(Plan, Trainer), SpecError> {
+    let (stages, name) = match placement {
+        PlacementSpec::Auto => return Ok(build_trainer(graph, devices, config)?),
+        PlacementSpec::Time => {
+            let plan = plan_by_time(&graph, &devices, config)?;
+            let trainer = build_trainer_with_plan(graph, devices, &plan, config)?;
+            return Ok((plan, trainer));
+        }
+        PlacementSpec::File(path) => (read_placement_file(path)?, path.display().to_string()),
+        PlacementSpec::Manual(stages) => (stages.clone(), "stages".to_string()),
+    };
+    // The same memory model as `auto`: measured layer memory, the recompute mode, the undo
+    // snapshot and caches kept only where they fit.
+    let plan = plan_manually(&graph, &stages, &devices, config)
+        .map_err(|source| SpecError::Placement { placement: name, source: Box::new(source) })?;
+    let trainer = build_trainer_with_plan(graph, devices, &plan, config)?;
+    Ok((plan, trainer))
+}
+
+impl PreparedRun {
+    /// The model spec's text (`mlp:8,16,4`).
+    pub fn model_text(&self) -> &str {
+        self.spec.model.spec.as_deref().unwrap_or_default()
+    }
+
+    /// The optimizer's base learning rate.
+    pub fn base_lr(&self) -> f64 {
+        self.optimizer.lr()
+    }
+
+    /// The learning rate of step `step` (0-based) under the spec's schedule.
+    pub fn lr(&self, step: u64) -> f64 {
+        self.spec.optimizer.lr_schedule.lr(self.base_lr(), step, self.total_steps)
+    }
+
+    /// The epoch step `step` falls in.
+    pub fn epoch(&self, step: u64) -> u64 {
+        step / self.steps_per_epoch.max(1)
+    }
+
+    /// Readies step `step`: sets the optimizers' learning rate to [`PreparedRun::lr`] (when it
+    /// changed) and returns the step's batch, the rows of its place in its epoch's order
+    /// (shuffled from the seed and the epoch unless `shuffle` is off).
+    pub fn step_batch(&mut self, step: u64) -> conveyor_engine::Result<(Tensor, Vec<usize>)> {
+        let lr = self.lr(step);
+        if lr != self.current_lr {
+            for result in self.trainer.with_optimizers(move |optimizer, _| optimizer.set_lr(lr))? {
+                result?;
+            }
+            self.current_lr = lr;
+        }
+        let epoch = self.epoch(step);
+        let within = (step % self.steps_per_epoch.max(1)) as usize;
+        let training = &self.spec.training;
+        if self.order.as_ref().is_none_or(|(cached, _)| *cached != epoch) {
+            let order = crate::data::epoch_order(self.train.len(), training.shuffle, training.seed, epoch);
+            self.order = Some((epoch, order));
+        }
+        let order = &self.order.as_ref().expect("the epoch's order was just set").1;
+        self.train.batch(&order[within * training.batch..(within + 1) * training.batch])
+    }
+
+    /// Takes step `step` of the run: [`PreparedRun::step_batch`], then [`Trainer::train_step`].
+    pub fn train_step(&mut self, step: u64) -> conveyor_engine::Result<StepReport> {
+        let (inputs, labels) = self.step_batch(step)?;
+        self.trainer.train_step(&inputs, &labels)
+    }
+}
