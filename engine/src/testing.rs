@@ -8,7 +8,7 @@
 //! step of `1e-2` and the tolerance is `rtol · (|numeric| + max |numeric|) + atol` (defaults
 //! `1e-2` and `1e-3`), loose enough for f32 rounding, tight enough to catch a wrong formula, a
 //! missing term or a transposed product.
-use crate::{DType, Device, Error, ForwardCtx, Layer, Result, Shape, Tensor, init};
+use crate::{Device, Error, ForwardCtx, Layer, Result, Shape, Tensor, init};
 use rand::RngExt;
 
 /// Settings of a [`gradcheck_with`] run.
@@ -331,7 +331,7 @@ impl Check {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Parameter, Saved};
+    use crate::{DType, Parameter, Saved};
 
     /// `y = x * gamma`, with a backward that can be made wrong.
     #[derive(Debug)]
