@@ -96,7 +96,7 @@ pub fn gradcheck_with(
             format!("{} takes {} input(s), {} shapes given", layer.kind(), layer.n_inputs(), input_shapes.len()),
         ));
     }
-    if options.batch == 0 || !(options.step > 0.0) {
+    if options.batch == 0 || options.step.is_nan() || options.step <= 0.0 {
         return Err(Error::invalid(
             "gradcheck options",
             "the batch needs at least 1 row and the step must be positive",
@@ -283,7 +283,8 @@ impl Check {
         for (&a, &(element, n)) in analytic.iter().zip(numeric) {
             let error = (a - n).abs();
             let tolerance = self.options.rtol * (n.abs() + scale) + self.options.atol;
-            if !(error <= tolerance) {
+            // NaN fails too.
+            if error.is_nan() || error > tolerance {
                 return Err(Error::GradientCheck {
                     layer: self.layer.to_string(),
                     what: what.to_string(),
@@ -313,7 +314,7 @@ impl Check {
         for (element, (&a, &e)) in actual.iter().zip(expected).enumerate() {
             let (a, e) = (f64::from(a), f64::from(e));
             let tolerance = 1e-5 * (e.abs() + scale) + 1e-6;
-            if !((a - e).abs() <= tolerance) {
+            if (a - e).is_nan() || (a - e).abs() > tolerance {
                 return Err(Error::GradientCheck {
                     layer: self.layer.to_string(),
                     what: what.to_string(),
