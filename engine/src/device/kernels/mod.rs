@@ -2,7 +2,7 @@
 //! here, so every build carries them and a test can compile them to PTX without a GPU), and the
 //! public names of the CUDA backend that launches them. GEMMs go through cuBLAS, not these kernels.
 //!
-//! Each `__global__` kernel has one typed launch wrapper on [`CudaStream`] (the table in
+//! Each `__global__` kernel has one typed launch wrapper on `CudaStream` (the table in
 //! `device/cuda/compile.rs` lists them and a unit test holds it to these sources).
 
 /// Every kernel source, by file name.

@@ -30,7 +30,7 @@ pub const MAX_PROBED_PARAMETER_BYTES: u64 = 256 << 20;
 
 /// [`NodeMemory`] of every layer node of `graph` (whose layers are on the host) on micro-batches
 /// of `rows` rows, measured by running each once (each with at most
-/// [`MAX_PROBED_PARAMETER_BYTES`] of parameters, and of inputs and output; larger ones are left out).
+/// `MAX_PROBED_PARAMETER_BYTES` (256 MiB) of parameters, and of inputs and output; larger ones are left out).
 pub fn measure_node_memory(graph: &Graph, rows: usize) -> Result<Vec<(NodeId, NodeMemory)>> {
     measure_node_memory_on(graph, rows, |_| None)
 }
