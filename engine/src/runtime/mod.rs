@@ -22,10 +22,12 @@
 mod core_seat;
 mod core_slots;
 mod stage;
+mod stepping;
 mod trainer;
 mod transfer;
 mod worker;
 
+pub use stepping::{Batch, Evaluation, FitSummary, IntoBatch};
 pub use trainer::{AUTO_SLOTS_MIN_OP_FLOPS, Trainer, TrainerBuilder};
 
 use conveyor_schedules::OpKind;
