@@ -10,6 +10,7 @@
 use std::io::Read;
 use std::path::Path;
 
+use conveyor_engine::runtime::Batch;
 use conveyor_engine::{Device, Error, Result, Tensor};
 use rand::seq::SliceRandom;
 
@@ -70,6 +71,51 @@ impl Dataset {
         let mut shape = vec![indices.len()];
         shape.extend_from_slice(&self.feature_shape);
         Ok((Tensor::from_vec(features, shape, &Device::host())?, indices.iter().map(|&i| self.labels[i]).collect()))
+    }
+
+    /// One epoch of batches of `batch_rows` rows, ready for `Trainer::fit`: the rows in
+    /// [`epoch_order`] (shuffled with `seed` and `epoch`, or in data order), each batch the inputs
+    /// on the host and their class labels. The last `len % batch_rows` rows of the order are left
+    /// out, as the CLI does (PyTorch's `DataLoader(drop_last=True)`), so every step has the same
+    /// size; a `batch_rows` of 0 yields one error.
+    ///
+    /// ```
+    /// use std::ops::ControlFlow;
+    /// use std::sync::Arc;
+    /// use conveyor::engine::optim::OptimizerConfig;
+    /// use conveyor::engine::runtime::Trainer;
+    /// use conveyor::{Sequential, data, layers::CrossEntropyLoss};
+    ///
+    /// let digits = data::digits()?;
+    /// let train = digits.slice(0, data::DIGITS_TRAIN_ROWS);
+    /// let test = digits.slice(data::DIGITS_TRAIN_ROWS, digits.len());
+    /// let graph = Sequential::new([1, 8, 8]).flatten().linear(32).relu().linear(10).build(0)?;
+    /// let mut trainer = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
+    ///     .optimizer(OptimizerConfig::adam(0.01))
+    ///     .build()?;
+    /// for epoch in 0..2 {
+    ///     let summary = trainer.fit(train.batches(64, true, 0, epoch), |_| ControlFlow::Continue(()))?;
+    ///     assert_eq!(summary.steps, train.len() / 64);
+    /// }
+    /// let indices: Vec<usize> = (0..test.len()).collect();
+    /// let evaluation = trainer.evaluate(test.batch(&indices)?)?;
+    /// assert!(evaluation.accuracy().unwrap() > 0.8, "{evaluation:?}");
+    /// # Ok::<(), conveyor::engine::Error>(())
+    /// ```
+    pub fn batches(
+        &self,
+        batch_rows: usize,
+        shuffle: bool,
+        seed: u64,
+        epoch: u64,
+    ) -> impl Iterator<Item = Result<Batch>> + '_ {
+        let order = epoch_order(self.len(), shuffle, seed, epoch);
+        let n_batches = self.len().checked_div(batch_rows).unwrap_or(0);
+        let error = (batch_rows == 0).then(|| Err(Error::invalid("batch rows", "0: a batch needs at least one row")));
+        error.into_iter().chain((0..n_batches).map(move |i| {
+            let indices = &order[i * batch_rows..(i + 1) * batch_rows];
+            Ok(Batch::from(self.batch(indices)?))
+        }))
     }
 
     /// Per-feature mean and standard deviation over all rows (a constant feature gets std 1).

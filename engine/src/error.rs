@@ -33,6 +33,41 @@ pub enum Error {
         /// What it was given.
         got: String,
     },
+    /// A loss was given the other kind of targets than it needs (class labels or real values).
+    #[error("{loss} needs {expected} but was given {got}")]
+    WrongTargets {
+        /// The loss, e.g. `MseLoss`.
+        loss: String,
+        /// The kind it needs.
+        expected: crate::TargetKind,
+        /// The kind it was given.
+        got: crate::TargetKind,
+    },
+    /// A batch's targets do not have one row per input row.
+    #[error("{op}: {target_rows} target rows for {input_rows} input rows; give one target row per input row")]
+    TargetRows {
+        /// The call, e.g. `train_step`.
+        op: String,
+        /// Rows of the inputs.
+        input_rows: usize,
+        /// Rows of the targets.
+        target_rows: usize,
+    },
+    /// A loss's real-valued targets do not have the shape it needs (for an elementwise loss, the
+    /// output's).
+    #[error(
+        "{loss}: targets of shape {} for an output of shape {}; give targets of the output's shape",
+        crate::Shape::new(targets.clone()),
+        crate::Shape::new(output.clone())
+    )]
+    TargetShape {
+        /// The loss, e.g. `MseLoss`.
+        loss: String,
+        /// The output's dimensions (the micro-batch's rows first).
+        output: Vec<usize>,
+        /// The targets' dimensions.
+        targets: Vec<usize>,
+    },
     /// The operation does not support this dtype.
     #[error("{op} does not support dtype {dtype}; convert the tensor with `to_dtype(DType::F32)` first")]
     UnsupportedDType {

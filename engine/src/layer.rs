@@ -1,5 +1,6 @@
-//! The `Layer` and `Loss` traits: what the graph, the placement planner and the pipeline runtime
-//! need from a layer. Concrete layers live in `conveyor-layers`; the engine never names one.
+//! The `Layer` trait: what the graph, the placement planner and the pipeline runtime need from a
+//! layer (the `Loss` trait is in `loss.rs`). Concrete layers live in `conveyor-layers`; the engine
+//! never names one.
 //!
 //! The backward pass is two calls, [`Layer::backward_input`] and [`Layer::backward_weight`], so
 //! zero-bubble schedules can run them at different times. A layer may instead implement the one
@@ -343,12 +344,4 @@ impl Drop for DefaultBackwardGuard {
             }
         });
     }
-}
-
-/// A loss over a batch of outputs and integer class labels.
-pub trait Loss: Send + Sync + std::fmt::Debug {
-    /// Returns the summed loss divided by `normalizer`, and the gradient of that value with respect
-    /// to `output`. With `normalizer` = the full batch size, summing over micro-batches gives the
-    /// full-batch mean (PyTorch's `reduction="mean"`).
-    fn loss_and_grad(&self, output: &Tensor, labels: &[usize], normalizer: f32) -> Result<(f64, Tensor)>;
 }

@@ -45,7 +45,7 @@
 //! `u = 2⁻¹¹` for f16 and `2⁻⁸` for bf16 (the output is rounded once to the half format).
 //!
 //! ```
-//! use conveyor_engine::{Device, ForwardCtx, Layer, Loss, Tensor, init};
+//! use conveyor_engine::{Device, ForwardCtx, Layer, Loss, Targets, Tensor, init};
 //! use conveyor_layers::{CrossEntropyLoss, Linear, Relu};
 //! let mut rng = init::rng(0);
 //! let (hidden, head) = (Linear::new(4, 8, true, &mut rng)?, Linear::new(8, 3, true, &mut rng)?);
@@ -54,7 +54,7 @@
 //! let (h, saved_hidden) = hidden.forward(&[&x], &ctx)?;
 //! let (a, saved_relu) = Relu::new().forward(&[&h], &ctx)?;
 //! let (logits, saved_head) = head.forward(&[&a], &ctx)?;
-//! let (loss, dlogits) = CrossEntropyLoss::new().loss_and_grad(&logits, &[0, 2], 2.0)?;
+//! let (loss, dlogits) = CrossEntropyLoss::new().loss_and_grad(&logits, &Targets::Classes(vec![0, 2]), 2.0)?;
 //! assert!(loss > 0.0);
 //! let da = head.backward_input(&saved_head, &dlogits)?.remove(0).unwrap();
 //! let mut head_grads: Vec<Tensor> =
@@ -73,9 +73,11 @@ mod conv2d;
 mod dropout;
 mod embedding;
 mod flatten;
+mod fn_loss;
 mod layer_norm;
 mod linear;
 mod loss;
+mod mse;
 mod parallel;
 mod pool;
 mod residual;
@@ -88,9 +90,11 @@ pub use conv2d::{Conv2d, Conv2dOptions};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use flatten::Flatten;
+pub use fn_loss::FnLoss;
 pub use layer_norm::{LAYER_NORM_EPS, LayerNorm};
 pub use linear::Linear;
 pub use loss::CrossEntropyLoss;
+pub use mse::MseLoss;
 pub use parallel::{
     ChannelParallelConv2d, ChannelParallelConvStack, ColumnParallelLinear, ConvStackLayer, MlpActivation, ParallelMlp,
     RowParallelLinear,

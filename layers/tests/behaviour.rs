@@ -3,7 +3,7 @@
 mod common;
 
 use common::{random_values, tensor};
-use conveyor_engine::{DType, Device, Error, ForwardCtx, Layer, Loss, Shape, Tensor, init};
+use conveyor_engine::{DType, Device, Error, ForwardCtx, Layer, Loss, Shape, Targets, Tensor, init};
 use conveyor_layers::{
     Add, AvgPool2d, Conv2d, Conv2dOptions, CrossEntropyLoss, Dropout, Embedding, Flatten, Gelu, GlobalAvgPool2d, LayerNorm,
     Linear, MaxPool2d, Relu, Tanh,
@@ -148,13 +148,13 @@ fn bad_ids_and_labels_are_clear_errors() {
 
     let loss = CrossEntropyLoss::new();
     let logits = zeros(&[2, 3]);
-    let message = loss.loss_and_grad(&logits, &[0, 3], 2.0).unwrap_err().to_string();
+    let message = loss.loss_and_grad(&logits, &Targets::Classes(vec![0, 3]), 2.0).unwrap_err().to_string();
     assert!(message.contains("label 3") && message.contains("3 classes"), "{message}");
-    assert!(matches!(loss.loss_and_grad(&logits, &[0], 2.0), Err(Error::ShapeMismatch { .. })));
-    assert!(loss.loss_and_grad(&logits, &[0, 1], 0.0).is_err());
-    assert!(loss.loss_and_grad(&zeros(&[3]), &[0, 1, 2], 1.0).is_err());
+    assert!(matches!(loss.loss_and_grad(&logits, &Targets::Classes(vec![0]), 2.0), Err(Error::ShapeMismatch { .. })));
+    assert!(loss.loss_and_grad(&logits, &Targets::Classes(vec![0, 1]), 0.0).is_err());
+    assert!(loss.loss_and_grad(&zeros(&[3]), &Targets::Classes(vec![0, 1, 2]), 1.0).is_err());
     // Uniform logits over 3 classes: loss ln 3 per row.
-    let (value, _) = loss.loss_and_grad(&logits, &[0, 1], 2.0).unwrap();
+    let (value, _) = loss.loss_and_grad(&logits, &Targets::Classes(vec![0, 1]), 2.0).unwrap();
     assert!((value - 3f64.ln()).abs() < 1e-6);
 }
 

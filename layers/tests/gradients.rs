@@ -5,7 +5,7 @@
 mod common;
 
 use common::{Input, check_layer, distinct_values, random_values, tensor, to_f64, values_away_from_zero};
-use conveyor_engine::{ForwardCtx, Layer, Loss, Tensor, init};
+use conveyor_engine::{ForwardCtx, Layer, Loss, Targets, Tensor, init};
 use conveyor_layers::{
     Add, AvgPool2d, Conv2d, Conv2dOptions, CrossEntropyLoss, Dropout, Embedding, Flatten, Gelu, GlobalAvgPool2d, LayerNorm,
     Linear, MaxPool2d, Relu, Tanh,
@@ -290,7 +290,8 @@ fn cross_entropy_matches_reference_and_finite_differences() {
             .sum::<f64>()
             / normalizer as f64
     };
-    let (loss, grad) = CrossEntropyLoss::new().loss_and_grad(&tensor(&logits, &[rows, classes]), &labels, normalizer).unwrap();
+    let targets = Targets::Classes(labels.to_vec());
+    let (loss, grad) = CrossEntropyLoss::new().loss_and_grad(&tensor(&logits, &[rows, classes]), &targets, normalizer).unwrap();
     common::assert_close("cross-entropy loss", &[loss], &[reference(&logits)]);
     let mut z = logits.clone();
     let numeric: Vec<f64> = (0..z.len())
@@ -308,7 +309,7 @@ fn cross_entropy_matches_reference_and_finite_differences() {
 
     // Large logits stay finite (the row maximum is subtracted before exponentiating).
     let large = Tensor::from_vec(vec![1000.0, 0.0, -1000.0], [1, 3], &conveyor_engine::Device::host()).unwrap();
-    let (loss, grad) = CrossEntropyLoss::new().loss_and_grad(&large, &[1], 1.0).unwrap();
+    let (loss, grad) = CrossEntropyLoss::new().loss_and_grad(&large, &Targets::Classes(vec![1]), 1.0).unwrap();
     assert!((loss - 1000.0).abs() < 1e-3, "loss {loss}");
     assert!(grad.to_vec_f32().iter().all(|g| g.is_finite()));
 }

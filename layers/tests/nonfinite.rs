@@ -16,7 +16,7 @@
 use std::path::PathBuf;
 
 use conveyor_engine::checkpoint::{self, Checkpoint};
-use conveyor_engine::{Device, ForwardCtx, Layer, Loss, Tensor};
+use conveyor_engine::{Device, ForwardCtx, Layer, Loss, Targets, Tensor};
 use conveyor_layers::{AvgPool2d, CrossEntropyLoss, Dropout, Gelu, GlobalAvgPool2d, LayerNorm, MaxPool2d, Relu, Tanh};
 
 const RELATIVE_TOLERANCE: f32 = 1e-4;
@@ -190,7 +190,9 @@ fn cross_entropy_makes_a_row_with_nan_or_inf_logits_nan_like_torch() {
     let mut mismatches = Vec::new();
     for (row_idx, row) in logits.chunks_exact(n_classes).enumerate() {
         let output = Tensor::from_vec(row.to_vec(), [1, n_classes], &Device::host()).unwrap();
-        let (loss, grad) = CrossEntropyLoss::new().loss_and_grad(&output, &[labels[row_idx] as usize], 1.0).unwrap();
+        let (loss, grad) = CrossEntropyLoss::new()
+            .loss_and_grad(&output, &Targets::Classes(vec![labels[row_idx] as usize]), 1.0)
+            .unwrap();
         let span = row_idx * n_classes..(row_idx + 1) * n_classes;
         let what = format!("row {row_idx} {row:?}, label {}:", labels[row_idx]);
         mismatches.extend(compare(

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use conveyor::engine::graph::Graph;
 use conveyor::engine::optim::OptimizerConfig;
 use conveyor::engine::runtime::{CoreSlotPolicy, Trainer};
-use conveyor::engine::{Device, ForwardCtx, Layer, LayerCost, Loss, Parameter, Result, Saved, Shape, Tensor};
+use conveyor::engine::{Device, ForwardCtx, Layer, LayerCost, Loss, Parameter, Result, Saved, Shape, Targets, Tensor};
 use conveyor::schedules::{ChannelId, Direction, Schedule};
 
 /// Micro-batch `m` is `SCALE * m`; hop counts stay below it.
@@ -121,7 +121,7 @@ impl Layer for Probe {
 pub struct RestartLoss;
 
 impl Loss for RestartLoss {
-    fn loss_and_grad(&self, output: &Tensor, _labels: &[usize], _normalizer: f32) -> Result<(f64, Tensor)> {
+    fn loss_and_grad(&self, output: &Tensor, _targets: &Targets, _normalizer: f32) -> Result<(f64, Tensor)> {
         let (micro_batch_idx, _) = decode(output)?;
         let grad =
             Tensor::full(SCALE * micro_batch_idx as f32, output.shape().clone(), output.dtype(), output.device())?;

@@ -24,11 +24,13 @@ mod core_seat;
 mod core_slots;
 mod measured_costs;
 mod stage;
+mod stepping;
 mod trainer;
 mod transfer;
 mod worker;
 
 pub use bubbles::{BubbleGap, BubbleReport, CoresIdle, CostBasis, DevicePeak, DeviceTime, bubbles_over};
+pub use stepping::{Batch, Evaluation, FitSummary, IntoBatch};
 pub use trainer::{AUTO_SLOTS_MIN_OP_FLOPS, Trainer, TrainerBuilder};
 
 use conveyor_schedules::OpKind;

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use super::Recompute;
 use crate::graph::NodeId;
 use crate::optim::Optimizer;
-use crate::{Device, Error, ForwardCtx, Layer, Loss, Result, Saved, Tensor};
+use crate::{Device, Error, ForwardCtx, Layer, Loss, Result, Saved, Targets, Tensor};
 
 /// A layer node as its stage runs it.
 #[derive(Debug)]
@@ -41,8 +41,6 @@ struct MicroBatchState {
     saved: Vec<Option<Saved>>,
     /// Per local node: gradient of its output (accumulated, then kept for the weight pass).
     grad_out: Vec<Option<Tensor>>,
-    /// Labels, on the stage holding the graph output.
-    labels: Vec<usize>,
 }
 
 impl MicroBatchState {
@@ -240,7 +238,7 @@ impl Stage {
         ctx: &StepCtx<'_>,
         micro_batch_idx: usize,
         inputs: Payload,
-        labels: Vec<usize>,
+        targets: Option<Targets>,
     ) -> Result<ForwardOutcome> {
         let (saved, mut outputs) = self.run_layers(ctx, micro_batch_idx, &inputs)?;
         let mut loss_value = None;
@@ -253,7 +251,10 @@ impl Stage {
             let sent_elsewhere = self.send_to.iter().any(|r| r.nodes.contains(&output_id));
             let output = if sent_elsewhere { outputs[position].1.try_clone()? } else { outputs.remove(position).1 };
             if ctx.training {
-                let (loss, grad) = ctx.loss.loss_and_grad(&output, &labels, ctx.normalizer)?;
+                let targets = targets
+                    .ok_or_else(|| Error::invalid("targets", "a training step's output stage was given no targets"))?
+                    .move_to_device(&self.device)?;
+                let (loss, grad) = ctx.loss.loss_and_grad(&output, &targets, ctx.normalizer)?;
                 loss_value = Some(loss);
                 grad_out[self.local_index(output_id).expect("output node is local")] = Some(grad);
             } else {
@@ -274,7 +275,6 @@ impl Stage {
         }
         if ctx.training {
             let state = self.micro_batch(micro_batch_idx)?;
-            state.labels = labels;
             state.grad_out = grad_out;
             if recompute {
                 state.kept_inputs = inputs;

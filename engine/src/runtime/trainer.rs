@@ -14,7 +14,7 @@ use super::worker::{self, Command, Commit, Links, Report, StepJob};
 use super::{CoreSlotPolicy, FaultInjection, Recompute, StallInjection, StepReport};
 use crate::graph::{Graph, NodeId};
 use crate::optim::{Optimizer, OptimizerConfig};
-use crate::{Device, Error, Loss, Result, Tensor};
+use crate::{Device, Error, Loss, Result, Targets, Tensor};
 
 // Placement on the builder (`TrainerBuilder::placement`, `plan`, `Trainer::plan`): runtime/placement.rs.
 #[path = "placement.rs"]
@@ -401,6 +401,7 @@ impl TrainerBuilder {
             graph: self.graph,
             param_order,
             plan,
+            loss: self.loss,
         })
     }
 }
@@ -461,6 +462,8 @@ pub struct Trainer {
     pub(super) param_order: Vec<String>,
     /// The plan of a planned placement (`TrainerBuilder::placement`).
     plan: Option<crate::placement::Plan>,
+    /// The loss every worker holds (for [`Trainer::evaluate`]).
+    pub(super) loss: Arc<dyn Loss>,
 }
 
 /// Under [`CoreSlotPolicy::Auto`], the smallest mean compute op (flops of one F, B or W of a
@@ -585,19 +588,13 @@ impl Trainer {
             .collect())
     }
 
-    fn dispatch(&mut self, inputs: &Tensor, labels: Option<&[usize]>, training: bool) -> Result<StepOutcome> {
+    fn dispatch(&mut self, inputs: &Tensor, targets: Option<&Targets>, training: bool) -> Result<StepOutcome> {
         if let Some(reason) = &self.poisoned {
             return Err(Error::Poisoned { reason: reason.clone() });
         }
         let rows = inputs.shape().leading();
-        if let Some(labels) = labels
-            && labels.len() != rows
-        {
-            return Err(Error::shape(
-                "train_step",
-                format!("{rows} labels (one per input row)"),
-                format!("{}", labels.len()),
-            ));
+        if let Some(targets) = targets {
+            self.check_targets("train_step", rows, targets)?;
         }
         let input_nodes = self.graph.inputs();
         if input_nodes.len() != 1 {
@@ -674,10 +671,11 @@ impl Trainer {
                 }
             }
             let holds_output = my_stages.iter().any(|s| s.holds_output);
-            let mb_labels = match (labels, holds_output) {
-                (Some(labels), true) => {
-                    splits.iter().map(|&(start, len)| labels[start..start + len].to_vec()).collect()
-                }
+            let mb_targets = match (targets, holds_output) {
+                (Some(targets), true) => splits
+                    .iter()
+                    .map(|&(start, len)| targets.slice_rows(start, len).map(Some))
+                    .collect::<Result<Vec<_>>>()?,
                 _ => Vec::new(),
             };
             let (commit_tx, commit_rx) = channel::bounded(1);
@@ -690,7 +688,7 @@ impl Trainer {
                 n_micro_batches,
                 normalizer: rows as f32,
                 data,
-                labels: mb_labels,
+                targets: mb_targets,
                 links,
                 stage_devices: Arc::clone(&self.stage_devices),
                 stage_workers: Arc::clone(&self.stage_workers),
@@ -869,10 +867,24 @@ impl Trainer {
     /// One optimizer step on a batch: `inputs` `[batch, ...]` and one class label per row. The
     /// loss is the full-batch mean (each micro-batch's summed loss divided by the batch size).
     /// On any failure the step is abandoned with no parameter changed.
+    ///
+    /// [`Trainer::step`] takes any [`Targets`], such as real values for regression.
     pub fn train_step(&mut self, inputs: &Tensor, labels: &[usize]) -> Result<StepReport> {
-        let outcome = self.dispatch(inputs, Some(labels), true)?;
+        self.train_on(inputs, &Targets::Classes(labels.to_vec()))
+    }
+
+    /// [`Trainer::train_step`] with any targets (one row per input row).
+    pub(super) fn train_on(&mut self, inputs: &Tensor, targets: &Targets) -> Result<StepReport> {
+        let outcome = self.dispatch(inputs, Some(targets), true)?;
         self.step_idx += 1;
         Ok(outcome.report)
+    }
+
+    /// Checks `targets` for a batch of `rows` rows ([`Targets::check_rows`]) and against the
+    /// loss ([`Loss::check_targets`]); `op` names the caller in errors.
+    pub(super) fn check_targets(&self, op: &str, rows: usize, targets: &Targets) -> Result<()> {
+        targets.check_rows(op, rows)?;
+        self.loss.check_targets(&self.graph.node(self.graph.output()?)?.output_shape, targets)
     }
 
     /// Runs the forward pass only (evaluation mode: no dropout) and returns the graph's output

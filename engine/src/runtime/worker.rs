@@ -13,7 +13,7 @@ use super::core_seat::{Aborted, CoreSeat};
 use super::core_slots::CoreSlots;
 use super::stage::{Payload, Stage, StepCtx};
 use super::{FaultInjection, FaultPoint};
-use crate::{Device, Error, Loss, Result, Tensor};
+use crate::{Device, Error, Loss, Result, Targets, Tensor};
 
 /// A message between stages: one micro-batch's tensors.
 pub(crate) type Message = (usize, Payload);
@@ -38,8 +38,8 @@ pub(crate) struct StepJob {
     pub normalizer: f32,
     /// Per stage held by this worker: per micro-batch, the graph inputs it reads.
     pub data: HashMap<usize, Vec<Payload>>,
-    /// Per micro-batch labels (for the stage holding the output).
-    pub labels: Vec<Vec<usize>>,
+    /// Per micro-batch targets, on the host (for the stage holding the output, when training).
+    pub targets: Vec<Option<Targets>>,
     pub links: Links,
     /// Devices of every stage, to move messages onto the receiver's device.
     pub stage_devices: Arc<Vec<Device>>,
@@ -399,17 +399,16 @@ fn execute(
                     inputs.append(payload);
                 }
                 rec.end_wait(wait, queued_at);
-                let labels = if stages[s].output_node.is_some() {
-                    job.labels.get_mut(micro_batch_idx).map(std::mem::take).unwrap_or_default()
-                } else {
-                    Vec::new()
+                let targets = match stages[s].output_node {
+                    Some(_) => job.targets.get_mut(micro_batch_idx).and_then(Option::take),
+                    None => None,
                 };
                 let stage = &mut stages[s];
                 rec.take_core(&mut seat, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
                 let (messages, loss_value, eval_output) =
                     rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
                         guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
-                            Ok(stage.forward(&ctx, micro_batch_idx, inputs, labels)?)
+                            Ok(stage.forward(&ctx, micro_batch_idx, inputs, targets)?)
                         })
                     })?;
                 if let Some(l) = loss_value {
