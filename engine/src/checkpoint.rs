@@ -42,11 +42,29 @@ use safetensors::tensor::{Dtype as SafeDtype, SafeTensors, TensorView, View};
 use crate::output_file::{self, OutputFile};
 use crate::{DType, Device, Error, Result, Shape, Tensor};
 
+mod metadata;
+mod state_dict;
+
+pub use metadata::read_metadata;
+pub(crate) use state_dict::describe_mismatch;
+pub use state_dict::{LoadOptions, LoadReport, WrongShape};
+
 /// The metadata key under which [`save_with_metadata`] records the format version.
 pub const FORMAT_VERSION_KEY: &str = "conveyor.format_version";
 
 /// The format version this build writes and the newest it reads.
 pub const FORMAT_VERSION: u32 = 1;
+
+/// The metadata key under which a training checkpoint (`Trainer::checkpoint`) records the trainer's
+/// step index: optimizer steps taken.
+pub const STEP_KEY: &str = "conveyor.step";
+
+/// The metadata key under which a training checkpoint records the trainer's seed (dropout masks
+/// derive from the seed and the step index).
+pub const SEED_KEY: &str = "conveyor.seed";
+
+/// The metadata keys the writers own: a caller's metadata may not set them.
+pub const RESERVED_METADATA_KEYS: [&str; 3] = [FORMAT_VERSION_KEY, STEP_KEY, SEED_KEY];
 
 /// Name, shape and dtype a strict load expects of one tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -366,22 +384,23 @@ fn parse<'data>(path: &Path, buffer: &'data [u8]) -> Result<Parsed<'data>> {
     };
     let (_, header) = SafeTensors::read_metadata(buffer).map_err(corrupt)?;
     let metadata: BTreeMap<String, String> = header.metadata().clone().unwrap_or_default().into_iter().collect();
-    if let Some(version) = metadata.get(FORMAT_VERSION_KEY) {
-        match version.parse::<u32>() {
-            Ok(version) if version <= FORMAT_VERSION => {}
-            _ => {
-                return Err(checkpoint_error(
-                    path,
-                    format!(
-                        "format version `{version}` is not one this build reads (up to {FORMAT_VERSION}); \
-                         load it with a newer Conveyor"
-                    ),
-                ));
-            }
-        }
-    }
+    check_format_version(path, &metadata)?;
     let tensors = SafeTensors::deserialize(buffer).map_err(corrupt)?.tensors();
     Ok(Parsed { tensors, metadata })
+}
+
+/// An [`Error::Checkpoint`] when `metadata` names a format version newer than this build reads.
+fn check_format_version(path: &Path, metadata: &BTreeMap<String, String>) -> Result<()> {
+    match metadata.get(FORMAT_VERSION_KEY).map(|version| (version, version.parse::<u32>())) {
+        Some((version, parsed)) if !matches!(parsed, Ok(v) if v <= FORMAT_VERSION) => Err(checkpoint_error(
+            path,
+            format!(
+                "format version `{version}` is not one this build reads (up to {FORMAT_VERSION}); \
+                 load it with a newer Conveyor"
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 fn materialise(path: &Path, parsed: Parsed<'_>, device: &Device) -> Result<Checkpoint> {

@@ -22,7 +22,7 @@ mod summary;
 use std::time::Instant;
 
 pub use args::{LrSchedule, OnNonFinite, TrainArgs, parse_devices, parse_optimizer, parse_size};
-use checkpointing::{ParamHomes, RunState};
+use checkpointing::RunState;
 use conveyor::data;
 use conveyor::engine::Device;
 use conveyor::engine::placement::Plan;
@@ -252,14 +252,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         weight_decay: Some(weight_decay),
         data_fingerprint: Some(conveyor::cli_input::data_fingerprint(&train)),
     };
-    let homes = ParamHomes::new(&trainer, &plan)?;
     let mut resumed_note = None;
     if let Some(path) = &args.init {
         let n = checkpointing::init(path, &mut trainer)?;
         resumed_note = Some(format!("initialised {n} parameter tensors from {}", path.display()));
     }
     if let Some(path) = &args.resume {
-        let saved = checkpointing::resume(path, &mut trainer, &homes, &optimizer, &state)?;
+        let saved = checkpointing::resume(path, &mut trainer, &state)?;
         state.step = saved.step;
         let mut note = format!("resumed from {} at step {}", path.display(), saved.step);
         let horizon_matters = lr_schedule == LrSchedule::Cosine && saved.total_steps != total_steps;
@@ -454,7 +453,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         {
             // A periodic checkpoint that cannot be written (a full disk) leaves the previous file
             // whole and does not stop the training; the run still ends with that error.
-            match checkpointing::save(path, &trainer, &state, false, "--checkpoint") {
+            match checkpointing::save(path, &mut trainer, &state, false, "--checkpoint") {
                 Ok(()) => tracing::info!(step = step + 1, path = %path.display(), "checkpoint saved"),
                 Err(error) => {
                     errln!(
@@ -572,12 +571,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
     };
     if let Some(path) = &args.save {
-        attempt(checkpointing::save(path, &trainer, &state, true, "--save").map(|()| {
+        attempt(checkpointing::save(path, &mut trainer, &state, true, "--save").map(|()| {
             outln!("saved the parameters at step {} to {}", state.step, path.display());
         }));
     }
     if let Some(path) = &args.checkpoint {
-        attempt(checkpointing::save(path, &trainer, &state, false, "--checkpoint").map(|()| {
+        attempt(checkpointing::save(path, &mut trainer, &state, false, "--checkpoint").map(|()| {
             outln!("saved a training checkpoint at step {} to {}", state.step, path.display());
         }));
     }
