@@ -26,7 +26,13 @@
 //! [`load`] reads the whole file, checks it with `safetensors` (a truncated or corrupt file is an
 //! [`Error::Checkpoint`], never a panic), and builds each tensor on the given device (counted
 //! against its budget). [`load_exact`] first checks names, shapes and dtypes against an expected
-//! list and allocates nothing if they differ.
+//! list and allocates nothing if they differ. [`read_metadata`] reads the metadata map from the
+//! header alone, without the tensors.
+//!
+//! A trainer's loads go through `Trainer::load` and `Trainer::restore`
+//! ([`crate::runtime::Trainer`]), which match the file against the model by name and shape as
+//! PyTorch's `load_state_dict` does ([`LoadOptions`], [`LoadReport`],
+//! [`Error::StateDictMismatch`]).
 //!
 //! Loading does not judge values: a file may hold NaN or infinity (an experiment's record of a
 //! diverged run). Callers about to train from a file ask [`Checkpoint::first_non_finite`] and

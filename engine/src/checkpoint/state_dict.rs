@@ -17,7 +17,7 @@ pub struct WrongShape {
     pub got: Vec<usize>,
 }
 
-/// How a load matches a file to the model (see `Trainer::load_with`).
+/// How a load matches a file to the model ([`crate::runtime::Trainer::load_with`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LoadOptions {
     /// Refuse a file that does not hold exactly the model's tensors (PyTorch's

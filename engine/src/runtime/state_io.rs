@@ -290,7 +290,7 @@ impl Trainer {
     pub fn load_with(&mut self, path: impl AsRef<Path>, options: LoadOptions) -> Result<LoadReport> {
         let path = path.as_ref();
         let mut file = checkpoint::load(path, &Device::host())?;
-        let (parameters, _) = self.state_shapes()?;
+        let parameters = self.state_shapes()?.parameters;
         let is_optimizer_state = |name: &str| name.starts_with(OPTIMIZER_STATE_PREFIX);
         let report = file.match_state_dict(&parameters, is_optimizer_state);
         if options.strict && !report.is_exact() {
@@ -377,7 +377,7 @@ impl Trainer {
     pub fn restore(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let mut file = checkpoint::load(path, &Device::host())?;
-        let (parameters, fields) = self.state_shapes()?;
+        let StateShapes { parameters, fields } = self.state_shapes()?;
         let mut expected = parameters.clone();
         for (name, shape) in &parameters {
             expected.push((optimizer_state_name(name, STEP), Shape::new(Vec::new())));
@@ -406,9 +406,8 @@ impl Trainer {
         Ok(())
     }
 
-    /// Every parameter's unsplit name and shape, in graph order, and the optimizer's state fields
-    /// (every stage's optimizer has the builder's configuration).
-    fn state_shapes(&self) -> Result<(Vec<(String, Shape)>, &'static [&'static str])> {
+    /// Every parameter's unsplit name and shape, and the optimizer's state fields.
+    fn state_shapes(&self) -> Result<StateShapes> {
         let parts = self.on_every_worker(|stages| {
             let mut shapes = Vec::new();
             for stage in stages.iter() {
@@ -422,7 +421,7 @@ impl Trainer {
         let fields = parts.iter().find_map(|(_, fields)| *fields).unwrap_or(&[]);
         let mut shapes: Vec<(String, Shape)> = parts.into_iter().flat_map(|(shapes, _)| shapes).collect();
         shapes.sort_by_key(|(name, _)| self.param_order.iter().position(|o| o == name).unwrap_or(usize::MAX));
-        Ok((shapes, fields))
+        Ok(StateShapes { parameters: shapes, fields })
     }
 
     /// An [`Error::Poisoned`] when the parameters are no longer one step's (nothing to save).
@@ -432,6 +431,15 @@ impl Trainer {
             None => Ok(()),
         }
     }
+}
+
+/// What a trainer's files hold, by name and shape.
+struct StateShapes {
+    /// Every parameter's unsplit name and shape, in graph order.
+    parameters: Vec<(String, Shape)>,
+    /// The optimizer's state fields beside the step (every stage's optimizer has the builder's
+    /// configuration).
+    fields: &'static [&'static str],
 }
 
 /// Writes `tensors` and `metadata` to `path` atomically.
