@@ -110,7 +110,7 @@ fn init_files_with_wrong_names_or_shapes_exit_2_naming_the_tensor() {
     let missing = write("missing.safetensors", vec![entry("0.weight"), entry("0.bias"), entry("2.weight")]);
     let base = ["train", "--model", "mlp:8,16,4", "--data", "synthetic:32,8,4", "--steps", "1", "--batch", "8"];
     let renamed_err = assert_usage_error(&[&base[..], &["--init", arg(&renamed)]].concat(), "`2.weight` is missing");
-    assert!(renamed_err.contains("`fc2.weight` (f32 [4, 16]) is in the file but not expected"), "{renamed_err}");
+    assert!(renamed_err.contains("`fc2.weight` is in the file but not expected"), "{renamed_err}");
     assert_usage_error(&[&base[..], &["--init", arg(&reshaped)]].concat(), "`2.weight` has shape [16, 4] but [4, 16]");
     assert_usage_error(&[&base[..], &["--init", arg(&missing)]].concat(), "`2.bias` is missing");
     assert_usage_error(

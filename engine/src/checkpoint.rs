@@ -26,7 +26,13 @@
 //! [`load`] reads the whole file, checks it with `safetensors` (a truncated or corrupt file is an
 //! [`Error::Checkpoint`], never a panic), and builds each tensor on the given device (counted
 //! against its budget). [`load_exact`] first checks names, shapes and dtypes against an expected
-//! list and allocates nothing if they differ.
+//! list and allocates nothing if they differ. [`read_metadata`] reads the metadata map from the
+//! header alone, without the tensors.
+//!
+//! A trainer's loads go through `Trainer::load` and `Trainer::restore`
+//! ([`crate::runtime::Trainer`]), which match the file against the model by name and shape as
+//! PyTorch's `load_state_dict` does ([`LoadOptions`], [`LoadReport`],
+//! [`Error::StateDictMismatch`]).
 //!
 //! Loading does not judge values: a file may hold NaN or infinity (an experiment's record of a
 //! diverged run). Callers about to train from a file ask [`Checkpoint::first_non_finite`] and
@@ -42,11 +48,29 @@ use safetensors::tensor::{Dtype as SafeDtype, SafeTensors, TensorView, View};
 use crate::output_file::{self, OutputFile};
 use crate::{DType, Device, Error, Result, Shape, Tensor};
 
+mod metadata;
+mod state_dict;
+
+pub use metadata::read_metadata;
+pub(crate) use state_dict::describe_mismatch;
+pub use state_dict::{LoadOptions, LoadReport, WrongShape};
+
 /// The metadata key under which [`save_with_metadata`] records the format version.
 pub const FORMAT_VERSION_KEY: &str = "conveyor.format_version";
 
 /// The format version this build writes and the newest it reads.
 pub const FORMAT_VERSION: u32 = 1;
+
+/// The metadata key under which a training checkpoint (`Trainer::checkpoint`) records the trainer's
+/// step index: optimizer steps taken.
+pub const STEP_KEY: &str = "conveyor.step";
+
+/// The metadata key under which a training checkpoint records the trainer's seed (dropout masks
+/// derive from the seed and the step index).
+pub const SEED_KEY: &str = "conveyor.seed";
+
+/// The metadata keys the writers own: a caller's metadata may not set them.
+pub const RESERVED_METADATA_KEYS: [&str; 3] = [FORMAT_VERSION_KEY, STEP_KEY, SEED_KEY];
 
 /// Name, shape and dtype a strict load expects of one tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -366,22 +390,23 @@ fn parse<'data>(path: &Path, buffer: &'data [u8]) -> Result<Parsed<'data>> {
     };
     let (_, header) = SafeTensors::read_metadata(buffer).map_err(corrupt)?;
     let metadata: BTreeMap<String, String> = header.metadata().clone().unwrap_or_default().into_iter().collect();
-    if let Some(version) = metadata.get(FORMAT_VERSION_KEY) {
-        match version.parse::<u32>() {
-            Ok(version) if version <= FORMAT_VERSION => {}
-            _ => {
-                return Err(checkpoint_error(
-                    path,
-                    format!(
-                        "format version `{version}` is not one this build reads (up to {FORMAT_VERSION}); \
-                         load it with a newer Conveyor"
-                    ),
-                ));
-            }
-        }
-    }
+    check_format_version(path, &metadata)?;
     let tensors = SafeTensors::deserialize(buffer).map_err(corrupt)?.tensors();
     Ok(Parsed { tensors, metadata })
+}
+
+/// An [`Error::Checkpoint`] when `metadata` names a format version newer than this build reads.
+fn check_format_version(path: &Path, metadata: &BTreeMap<String, String>) -> Result<()> {
+    match metadata.get(FORMAT_VERSION_KEY).map(|version| (version, version.parse::<u32>())) {
+        Some((version, parsed)) if !matches!(parsed, Ok(v) if v <= FORMAT_VERSION) => Err(checkpoint_error(
+            path,
+            format!(
+                "format version `{version}` is not one this build reads (up to {FORMAT_VERSION}); \
+                 load it with a newer Conveyor"
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 fn materialise(path: &Path, parsed: Parsed<'_>, device: &Device) -> Result<Checkpoint> {

@@ -136,6 +136,30 @@ pub enum Error {
         /// What is wrong with it (naming the tensor where there is one).
         reason: String,
     },
+    /// A state dict does not hold exactly the model's tensors (a strict
+    /// [`crate::runtime::Trainer::load`], a resume): every name missing from the file, every name
+    /// the model does not have, and every tensor whose shape differs, as PyTorch's
+    /// `load_state_dict(strict=True)` reports them.
+    #[error("checkpoint {path}: {}", crate::checkpoint::describe_mismatch(missing, unexpected, wrong_shape))]
+    StateDictMismatch {
+        /// The file.
+        path: String,
+        /// The model's tensors the file lacks, in the model's order.
+        missing: Vec<String>,
+        /// The file's tensors the model does not have, in name order.
+        unexpected: Vec<String>,
+        /// The tensors whose shapes differ, in the model's order.
+        wrong_shape: Vec<crate::checkpoint::WrongShape>,
+    },
+    /// A file about to be trained from holds NaN or infinity: every step trained from it would be
+    /// non-finite. Nothing was loaded.
+    #[error("checkpoint {path}: {found}; every step trained from it would be non-finite")]
+    NonFiniteCheckpoint {
+        /// The file.
+        path: String,
+        /// The first such tensor (name order), with where and how many.
+        found: Box<crate::checkpoint::NonFiniteTensor>,
+    },
     /// No placement of the model on the given devices keeps every stage under its memory budget.
     /// For an automatic placement the figures are those of the placement whose worst stage is
     /// smallest against its budget, and `stage` is that worst stage.

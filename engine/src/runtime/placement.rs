@@ -61,7 +61,7 @@ impl TrainerBuilder {
     /// # #[derive(Debug)]
     /// # struct Zero;
     /// # impl Loss for Zero {
-    /// #     fn loss_and_grad(&self, y: &Tensor, _: &[usize], _: f32) -> conveyor_engine::Result<(f64, Tensor)> {
+    /// #     fn loss_and_grad(&self, y: &Tensor, _: &conveyor_engine::Targets, _: f32) -> conveyor_engine::Result<(f64, Tensor)> {
     /// #         Ok((0.0, Tensor::zeros(y.shape().clone(), y.dtype(), y.device())?))
     /// #     }
     /// # }
@@ -139,7 +139,7 @@ impl TrainerBuilder {
     /// # #[derive(Debug)]
     /// # struct Zero;
     /// # impl Loss for Zero {
-    /// #     fn loss_and_grad(&self, y: &Tensor, _: &[usize], _: f32) -> conveyor_engine::Result<(f64, Tensor)> {
+    /// #     fn loss_and_grad(&self, y: &Tensor, _: &conveyor_engine::Targets, _: f32) -> conveyor_engine::Result<(f64, Tensor)> {
     /// #         Ok((0.0, Tensor::zeros(y.shape().clone(), y.dtype(), y.device())?))
     /// #     }
     /// # }

@@ -20,6 +20,11 @@ use crate::{Device, Error, Loss, Result, Targets, Tensor};
 #[path = "placement.rs"]
 mod placement;
 
+// Save, load, checkpoint and resume (`Trainer::save`, `load`, `checkpoint`, `TrainerBuilder::resume`):
+// runtime/state_io.rs.
+#[path = "state_io.rs"]
+mod state_io;
+
 /// How long the coordinator waits for a worker's report before declaring the step hung.
 const REPORT_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -41,6 +46,7 @@ pub struct TrainerBuilder {
     commit_snapshot: Option<Vec<bool>>,
     derived_caches: Vec<(NodeId, bool)>,
     placement: placement::PlacementChoice,
+    state: state_io::StateChoice,
 }
 
 impl TrainerBuilder {
@@ -152,6 +158,8 @@ impl TrainerBuilder {
 
     /// Moves the layers onto their devices and starts the workers.
     pub fn build(mut self) -> Result<Trainer> {
+        let state = std::mem::take(&mut self.state);
+        state.check()?;
         self.graph.validate()?;
         self.optimizer.validate()?;
         if self.devices.is_empty() {
@@ -381,7 +389,7 @@ impl TrainerBuilder {
                 .map_err(|e| Error::invalid("worker thread", format!("could not start: {e}")))?;
             workers.push(WorkerHandle { commands: tx, thread: Some(handle) });
         }
-        Ok(Trainer {
+        state.apply(Trainer {
             workers,
             devices: self.devices,
             tensor_parallel: k,
@@ -402,6 +410,7 @@ impl TrainerBuilder {
             param_order,
             plan,
             loss: self.loss,
+            metadata: Default::default(),
         })
     }
 }
@@ -464,6 +473,8 @@ pub struct Trainer {
     plan: Option<crate::placement::Plan>,
     /// The loss every worker holds (for [`Trainer::evaluate`]).
     pub(super) loss: Arc<dyn Loss>,
+    /// Metadata saved with every file (`TrainerBuilder::metadata`).
+    metadata: std::collections::BTreeMap<String, String>,
 }
 
 /// Under [`CoreSlotPolicy::Auto`], the smallest mean compute op (flops of one F, B or W of a
@@ -495,6 +506,7 @@ impl Trainer {
             commit_snapshot: None,
             derived_caches: Vec::new(),
             placement: Default::default(),
+            state: Default::default(),
         }
     }
 

@@ -24,7 +24,7 @@ mod summary;
 use std::time::Instant;
 
 pub use args::{LrSchedule, OnNonFinite, TrainArgs, parse_devices, parse_optimizer, parse_size};
-use checkpointing::{ParamHomes, RunState};
+use checkpointing::RunState;
 use conveyor::data;
 use conveyor::engine::Device;
 use conveyor::engine::trace::{MemoryPoint, TimelineRecorder, timeline_filter};
@@ -132,14 +132,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         // What the run is, without this invocation's files: a resume from it writes only its own.
         spec: run.spec.for_checkpoint().to_toml_string().ok(),
     };
-    let homes = ParamHomes::new(&run.trainer, &run.plan)?;
     let mut resumed_note = None;
     if let Some(path) = &spec.checkpoint.init {
         let n = checkpointing::init(path, &mut run.trainer)?;
         resumed_note = Some(format!("initialised {n} parameter tensors from {}", path.display()));
     }
     if let Some(path) = &spec.checkpoint.resume {
-        let saved = checkpointing::resume(path, &mut run.trainer, &homes, &optimizer, &state)?;
+        let saved = checkpointing::resume(path, &mut run.trainer, &state)?;
         state.step = saved.step;
         let mut note = format!("resumed from {} at step {}", path.display(), saved.step);
         let horizon_matters = lr_schedule == LrSchedule::Cosine && saved.total_steps != total_steps;
@@ -324,7 +323,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         {
             // A periodic checkpoint that cannot be written (a full disk) leaves the previous file
             // whole and does not stop the training; the run still ends with that error.
-            match checkpointing::save(path, &run.trainer, &state, false, "--checkpoint") {
+            match checkpointing::save(path, &mut run.trainer, &state, false, "--checkpoint") {
                 Ok(()) => tracing::info!(step = step + 1, path = %path.display(), "checkpoint saved"),
                 Err(error) => {
                     errln!(
@@ -382,12 +381,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
     };
     if let Some(path) = &spec.outputs.save {
-        attempt(checkpointing::save(path, &trainer, &state, true, "--save").map(|()| {
+        attempt(checkpointing::save(path, &mut trainer, &state, true, "--save").map(|()| {
             outln!("saved the parameters at step {} to {}", state.step, path.display());
         }));
     }
     if let Some(path) = &spec.checkpoint.path {
-        attempt(checkpointing::save(path, &trainer, &state, false, "--checkpoint").map(|()| {
+        attempt(checkpointing::save(path, &mut trainer, &state, false, "--checkpoint").map(|()| {
             outln!("saved a training checkpoint at step {} to {}", state.step, path.display());
         }));
     }
