@@ -17,3 +17,13 @@ pub mod zoo;
 
 pub use sequential::Sequential;
 pub use spec::RunSpec;
+
+/// The README's examples, run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
+
+/// The library guide's examples (`docs/library-guide.md`), run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/library-guide.md")]
+pub struct LibraryGuideDoctests;

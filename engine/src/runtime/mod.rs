@@ -30,7 +30,7 @@ mod transfer;
 mod worker;
 
 pub use bubbles::{BubbleGap, BubbleReport, CoresIdle, CostBasis, DevicePeak, DeviceTime, bubbles_over};
-pub use stepping::{Batch, Evaluation, FitSummary, IntoBatch};
+pub use stepping::{Batch, Evaluation, FitSummary, IntoBatch, StepControl};
 pub use trainer::{AUTO_SLOTS_MIN_OP_FLOPS, Trainer, TrainerBuilder};
 
 use conveyor_schedules::OpKind;

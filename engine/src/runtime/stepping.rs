@@ -145,7 +145,8 @@ impl Trainer {
     }
 
     /// Trains on every batch `batches` yields, in order, calling `on_step` with each step's report;
-    /// stops when the iterator runs out or `on_step` returns [`ControlFlow::Break`].
+    /// stops when the iterator runs out or `on_step` returns [`ControlFlow::Break`] (a callback
+    /// that only logs returns `()`: `|report| println!("{}", report.loss)`; see [`StepControl`]).
     ///
     /// Items are anything [`IntoBatch`]: a [`Batch`], `(inputs, labels)`, `(inputs, values)`, or a
     /// `Result` of one from a data loader that can fail. The first error (the loader's or a
@@ -168,10 +169,11 @@ impl Trainer {
     /// assert!(summary.last.unwrap().loss < 1e-6);
     /// # Ok::<(), conveyor_engine::Error>(())
     /// ```
-    pub fn fit<I>(&mut self, batches: I, mut on_step: impl FnMut(&StepReport) -> ControlFlow<()>) -> Result<FitSummary>
+    pub fn fit<I, C>(&mut self, batches: I, mut on_step: impl FnMut(&StepReport) -> C) -> Result<FitSummary>
     where
         I: IntoIterator,
         I::Item: IntoBatch,
+        C: StepControl,
     {
         let started = Instant::now();
         let (mut steps, mut samples, mut loss_sum) = (0, 0, 0.0);
@@ -183,7 +185,7 @@ impl Trainer {
             steps += 1;
             samples += batch.rows();
             loss_sum += report.loss;
-            let flow = on_step(&report);
+            let flow = on_step(&report).control_flow();
             last = Some(report);
             if flow.is_break() {
                 stopped_early = true;
@@ -256,4 +258,23 @@ fn argmax(row: &[f32]) -> Option<usize> {
         }
     }
     best.map(|(i, _)| i)
+}
+
+/// What a [`Trainer::fit`] callback returns: [`ControlFlow`] to decide whether training goes on,
+/// or `()` for a callback that only watches (training goes on).
+pub trait StepControl {
+    /// Whether to go on.
+    fn control_flow(self) -> ControlFlow<()>;
+}
+
+impl StepControl for ControlFlow<()> {
+    fn control_flow(self) -> ControlFlow<()> {
+        self
+    }
+}
+
+impl StepControl for () {
+    fn control_flow(self) -> ControlFlow<()> {
+        ControlFlow::Continue(())
+    }
 }
