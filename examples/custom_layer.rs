@@ -19,10 +19,10 @@ use conveyor::schedules::ScheduleKind;
 
 /// LayerScale (CaiT): `y = x * gamma`, one learned factor per feature.
 #[derive(Debug)]
-struct LayerScale(Vec<Parameter>);
+pub struct LayerScale(Vec<Parameter>);
 
 impl LayerScale {
-    fn new(features: usize, init: f32) -> conveyor::engine::Result<LayerScale> {
+    pub fn new(features: usize, init: f32) -> conveyor::engine::Result<LayerScale> {
         let gamma = Tensor::full(init, [features], DType::F32, &Device::host())?;
         Ok(LayerScale(vec![Parameter { name: "gamma".into(), value: gamma }]))
     }

@@ -10,11 +10,15 @@ use conveyor::engine::graph::Graph;
 use conveyor::engine::optim::OptimizerConfig;
 use conveyor::engine::placement::Placement;
 use conveyor::engine::runtime::Trainer;
-use conveyor::engine::{Device, ForwardCtx, Layer, Parameter, Saved, Shape, Tensor};
+use conveyor::engine::{Device, Shape};
 use conveyor::layers::CrossEntropyLoss;
 use conveyor::schedules::ScheduleKind;
 
+#[path = "../examples/custom_layer.rs"]
+#[allow(dead_code)]
+mod custom_layer_example;
 mod train_cli_support;
+use custom_layer_example::LayerScale;
 use train_cli_support::temp_dir;
 
 // TASK 1: build a model by hand
@@ -62,37 +66,7 @@ fn resume_run(path: &Path) -> Result<Trainer> {
 // END 4
 
 // TASK 5: a custom layer (LayerScale: y = x * gamma over the last dimension)
-#[derive(Debug)]
-struct LayerScale(Vec<Parameter>);
-
-impl LayerScale {
-    fn new(features: usize, init: f32) -> conveyor::engine::Result<LayerScale> {
-        let gamma = Tensor::full(init, [features], conveyor::engine::DType::F32, &Device::host())?;
-        Ok(LayerScale(vec![Parameter { name: "gamma".into(), value: gamma }]))
-    }
-}
-
-impl Layer for LayerScale {
-    fn parameters(&self) -> &[Parameter] {
-        &self.0
-    }
-    fn parameters_mut(&mut self) -> &mut [Parameter] {
-        &mut self.0
-    }
-    fn forward(&self, x: &[&Tensor], _: &ForwardCtx) -> conveyor::engine::Result<(Tensor, Saved)> {
-        Ok((x[0].mul_rows(&self.0[0].value)?, Saved { tensors: vec![x[0].share()] }))
-    }
-    fn backward(
-        &self,
-        saved: &Saved,
-        g: &Tensor,
-        grads: &mut [Tensor],
-    ) -> conveyor::engine::Result<Vec<Option<Tensor>>> {
-        grads[0].accumulate_column_sums(&saved.tensors[0].mul(g)?)?;
-        Ok(vec![Some(g.mul_rows(&self.0[0].value)?)])
-    }
-}
-
+// LayerScale itself is `examples/custom_layer.rs` lines 21-50 (28 lines of code, counted with this task).
 fn gradcheck_layer_scale() -> Result<()> {
     conveyor::testing::gradcheck(&mut LayerScale::new(8, 0.5)?, &[Shape::from([8])])?;
     Ok(())
