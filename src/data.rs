@@ -62,6 +62,14 @@ impl Dataset {
     }
 
     /// The rows `indices` as an input tensor on the host and their labels.
+    ///
+    /// ```
+    /// let digits = conveyor::data::digits()?;
+    /// let (inputs, labels) = digits.batch(&[0, 5, 9])?;
+    /// assert_eq!(inputs.dims(), [3, 1, 8, 8]);
+    /// assert_eq!(labels.len(), 3);
+    /// # Ok::<(), conveyor::engine::Error>(())
+    /// ```
     pub fn batch(&self, indices: &[usize]) -> Result<(Tensor, Vec<usize>)> {
         let per_row = self.per_row();
         let mut features = Vec::with_capacity(indices.len() * per_row);
@@ -194,6 +202,12 @@ impl Dataset {
 }
 
 /// The digits set: 1,797 images 1x8x8 scaled to [0, 1] (pixels are 0..16), 10 classes.
+///
+/// ```
+/// let digits = conveyor::data::digits()?;
+/// assert_eq!((digits.len(), digits.n_classes), (1797, 10));
+/// # Ok::<(), conveyor::engine::Error>(())
+/// ```
 pub fn digits() -> Result<Dataset> {
     let mut text = String::new();
     flate2::read::GzDecoder::new(DIGITS_CSV_GZ)
@@ -236,6 +250,14 @@ pub fn digits_from_csv(text: &str) -> Result<Dataset> {
 
 /// `n_rows` samples of `n_features` features in `n_classes` classes: each class has a random
 /// centre, samples are centre plus noise, so the task is learnable. Seeded.
+///
+/// ```
+/// let data = conveyor::data::synthetic(100, 8, 3, 0)?;
+/// assert_eq!((data.len(), data.n_classes), (100, 3));
+/// let (inputs, _) = data.batch(&[0, 1])?;
+/// assert_eq!(inputs.dims(), [2, 8]);
+/// # Ok::<(), conveyor::engine::Error>(())
+/// ```
 pub fn synthetic(n_rows: usize, n_features: usize, n_classes: usize, seed: u64) -> Result<Dataset> {
     if n_rows == 0 || n_features == 0 || n_classes < 2 {
         return Err(Error::invalid(

@@ -278,6 +278,18 @@ impl std::fmt::Display for NonFiniteTensor {
 }
 
 /// Saves `tensors` to `path` as safetensors, atomically (see the module docs). Names must be unique.
+///
+/// ```
+/// use conveyor_engine::{Device, Tensor, checkpoint};
+///
+/// let path = std::env::temp_dir().join(format!("conveyor-doc-save-{}.safetensors", std::process::id()));
+/// let weight = Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0], [2, 2], &Device::host())?;
+/// checkpoint::save(&path, &[("fc.weight", &weight)])?;
+/// let loaded = checkpoint::load(&path, &Device::host())?;
+/// assert!(loaded.get("fc.weight").unwrap().bit_eq(&weight));
+/// # std::fs::remove_file(&path).unwrap();
+/// # Ok::<(), conveyor_engine::Error>(())
+/// ```
 pub fn save<N: AsRef<str>>(path: impl AsRef<Path>, tensors: &[(N, &Tensor)]) -> Result<()> {
     save_with_metadata(path, tensors, &BTreeMap::new())
 }

@@ -60,6 +60,19 @@ impl Device {
     }
 
     /// CPU device `ordinal` whose allocations must fit `budget_bytes` (none: unlimited).
+    ///
+    /// ```
+    /// use conveyor_engine::{DType, Device, Error, Tensor};
+    ///
+    /// let device = Device::cpu_with_budget(0, Some(1024));
+    /// let small = Tensor::zeros([16, 16], DType::F32, &device)?; // 1 KiB: fits exactly
+    /// assert_eq!(device.memory_in_use(), 1024);
+    /// let err = Tensor::zeros([1], DType::F32, &device).unwrap_err();
+    /// assert!(matches!(err, Error::OutOfDeviceMemory { .. }), "{err}");
+    /// drop(small);
+    /// assert_eq!((device.memory_in_use(), device.peak_memory()), (0, 1024));
+    /// # Ok::<(), conveyor_engine::Error>(())
+    /// ```
     pub fn cpu_with_budget(ordinal: usize, budget_bytes: Option<u64>) -> Device {
         let memory = Arc::new(MemoryAccount::new(format!("cpu:{ordinal}"), budget_bytes));
         Device::Cpu(CpuDevice { ordinal, memory })

@@ -77,7 +77,37 @@ impl Graph {
         self.insert(name, NodeOp::Input, shape.into())
     }
 
-    /// Adds a layer node fed by `inputs` (in order); infers and returns its output shape's node.
+    /// Adds a layer node fed by `inputs` (in order); infers its output shape (refusing inputs of
+    /// the wrong shape, naming the node) and returns the node.
+    ///
+    /// ```
+    /// use conveyor_engine::graph::Graph;
+    /// use conveyor_engine::{ForwardCtx, Layer, Result, Saved, Tensor};
+    ///
+    /// /// Doubles its input (no parameters, shape-preserving: the defaults do the rest).
+    /// #[derive(Debug)]
+    /// struct Double;
+    /// impl Layer for Double {
+    ///     fn forward(&self, x: &[&Tensor], _: &ForwardCtx) -> Result<(Tensor, Saved)> {
+    ///         let mut y = x[0].try_clone()?;
+    ///         y.scale_in_place(2.0)?;
+    ///         Ok((y, Saved::default()))
+    ///     }
+    ///     fn backward_input(&self, _: &Saved, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+    ///         let mut dx = g.try_clone()?;
+    ///         dx.scale_in_place(2.0)?;
+    ///         Ok(vec![Some(dx)])
+    ///     }
+    /// }
+    ///
+    /// let mut g = Graph::new();
+    /// let x = g.input("x", [3, 4])?;
+    /// let y = g.add("double", Double, &[x])?;
+    /// g.set_output(y)?;
+    /// assert_eq!(g.node(y)?.output_shape.dims(), [3, 4]);
+    /// assert!(g.add("double", Double, &[x]).is_err()); // names are unique
+    /// # Ok::<(), conveyor_engine::Error>(())
+    /// ```
     pub fn add(&mut self, name: &str, layer: impl Layer + 'static, inputs: &[NodeId]) -> Result<NodeId> {
         self.add_boxed(name, Box::new(layer), inputs)
     }

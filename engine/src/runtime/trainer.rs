@@ -487,7 +487,33 @@ pub struct Trainer {
 pub const AUTO_SLOTS_MIN_OP_FLOPS: f64 = 1.0e7;
 
 impl Trainer {
-    /// Starts building a trainer for `graph` with `loss` on its output.
+    /// Starts building a trainer for `graph` with `loss` on its output. Defaults: one CPU device,
+    /// 1F1B, one micro-batch, SGD with learning rate 0.01 (see each builder method).
+    ///
+    /// ```
+    /// # include!("doc_model.rs");
+    /// # fn main() -> conveyor_engine::Result<()> {
+    /// use conveyor_engine::Device;
+    /// use conveyor_engine::optim::OptimizerConfig;
+    /// use conveyor_engine::runtime::Trainer;
+    /// use conveyor_schedules::ScheduleKind;
+    ///
+    /// // `graph()`: x -> a -> b (two layers); `loss()`: its loss; `batch()`: 4 rows.
+    /// let graph = graph();
+    /// let stages = vec![vec![graph.find("a")?], vec![graph.find("b")?]];
+    /// let mut trainer = Trainer::builder(graph, loss())
+    ///     .devices(vec![Device::cpu(0), Device::cpu(1)])
+    ///     .stages(stages) // or .placement(Placement::auto()).batch_rows(4)
+    ///     .schedule(ScheduleKind::ZbH1, 1)
+    ///     .micro_batches(2)
+    ///     .optimizer(OptimizerConfig::sgd(0.1))
+    ///     .build()?;
+    /// let report = trainer.train_step(&batch(), &[0; 4])?;
+    /// assert_eq!(report.peak_memory.len(), 2);
+    /// assert_eq!(trainer.predict(&batch())?.dims(), [4, 4]);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn builder(graph: Graph, loss: Arc<dyn Loss>) -> TrainerBuilder {
         TrainerBuilder {
             graph,
@@ -881,6 +907,18 @@ impl Trainer {
     /// On any failure the step is abandoned with no parameter changed.
     ///
     /// [`Trainer::step`] takes any [`Targets`], such as real values for regression.
+    ///
+    /// ```
+    /// # include!("doc_model.rs");
+    /// # fn main() -> conveyor_engine::Result<()> {
+    /// let mut trainer = conveyor_engine::runtime::Trainer::builder(graph(), loss()).build()?;
+    /// let first = trainer.train_step(&batch(), &[0; 4])?;
+    /// let second = trainer.train_step(&batch(), &[0; 4])?;
+    /// assert!(second.loss < first.loss); // the loss pulls every output toward zero
+    /// assert_eq!(trainer.step_idx(), 2);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn train_step(&mut self, inputs: &Tensor, labels: &[usize]) -> Result<StepReport> {
         self.train_on(inputs, &Targets::Classes(labels.to_vec()))
     }
@@ -901,6 +939,17 @@ impl Trainer {
 
     /// Runs the forward pass only (evaluation mode: no dropout) and returns the graph's output
     /// for all rows, on the host.
+    ///
+    /// ```
+    /// # include!("doc_model.rs");
+    /// # fn main() -> conveyor_engine::Result<()> {
+    /// let mut trainer = conveyor_engine::runtime::Trainer::builder(graph(), loss()).build()?;
+    /// let before = trainer.predict(&batch())?;
+    /// assert_eq!(before.dims(), [4, 4]);
+    /// assert!(trainer.predict(&batch())?.bit_eq(&before)); // nothing changes
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn predict(&mut self, inputs: &Tensor) -> Result<Tensor> {
         let outcome = self.dispatch(inputs, None, false)?;
         let host = Device::host();
