@@ -93,6 +93,13 @@ pub enum SpecError {
         /// The schedule given.
         schedule: ScheduleKind,
     },
+    /// A checkpoint without a run spec (written by a library user who set none, or before
+    /// checkpoints carried one).
+    #[error("{}: the checkpoint holds no run spec (`conveyor.spec` metadata); give the run's spec or flags", path.display())]
+    NoSpecInCheckpoint {
+        /// The checkpoint.
+        path: std::path::PathBuf,
+    },
     /// `tensor_parallel` = 0.
     #[error(
         "--tensor-parallel 0: each stage needs at least 1 device; give --tensor-parallel 1 or more (pipeline.tensor_parallel)"

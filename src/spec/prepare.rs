@@ -111,6 +111,9 @@ impl RunSpec {
         };
         let mut spec = self.clone();
         spec.model.spec = Some(model_text);
+        // Every checkpoint of the run carries what the run is (not its output files).
+        let mut trainer = trainer;
+        trainer.set_metadata(crate::cli_input::SPEC_KEY, spec.for_checkpoint().to_toml_string()?)?;
         Ok(PreparedRun {
             spec,
             model,

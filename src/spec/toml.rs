@@ -107,6 +107,35 @@ impl RunSpec {
         parse(&text, &path.display().to_string())
     }
 
+    /// The spec a checkpoint was trained with: what `conveyor train --checkpoint` and a
+    /// [`RunSpec::prepare`]d trainer's [`Trainer::checkpoint`](conveyor_engine::runtime::Trainer::checkpoint)
+    /// store under `conveyor.spec` (without the run's output files). Reads the file's header only.
+    ///
+    /// ```
+    /// use conveyor::RunSpec;
+    ///
+    /// let mut spec = RunSpec::default();
+    /// spec.model.spec = Some("mlp:4,8,2".into());
+    /// spec.data.source = "synthetic:32,4,2".into();
+    /// spec.training.batch = 8;
+    /// spec.pipeline.microbatches = 2;
+    /// let mut run = spec.prepare()?;
+    /// run.train_step(0)?;
+    /// let path = std::env::temp_dir().join(format!("conveyor-doc-spec-{}.safetensors", std::process::id()));
+    /// run.trainer.checkpoint(&path)?;
+    /// assert_eq!(RunSpec::from_checkpoint(&path)?, run.spec.for_checkpoint());
+    /// # std::fs::remove_file(&path).unwrap();
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn from_checkpoint(path: impl AsRef<Path>) -> Result<RunSpec, SpecError> {
+        let path = path.as_ref();
+        let metadata = conveyor_engine::checkpoint::read_metadata(path)?;
+        let text = metadata
+            .get(crate::cli_input::SPEC_KEY)
+            .ok_or_else(|| SpecError::NoSpecInCheckpoint { path: path.to_path_buf() })?;
+        parse(text, &format!("{} (conveyor.spec)", path.display()))
+    }
+
     /// The spec as TOML: every value that is set, defaults included, so the text reads as the
     /// whole run; [`RunSpec::from_toml_str`] gives this spec back.
     ///
