@@ -289,3 +289,26 @@ fn a_failed_save_leaves_the_previous_file_whole() {
     let resumed = builder(1, 2, OptimizerConfig::adam(0.01)).resume(&path).build().unwrap();
     assert_eq!(resumed.step_idx(), 1);
 }
+
+#[test]
+fn a_checkpoint_from_before_the_step_and_seed_keys_resumes_from_a_given_position() {
+    let dir = temp_dir("state-io-legacy");
+    let path = dir.join("legacy.safetensors");
+    let mut uninterrupted = builder(0, 2, sgd_momentum()).build().unwrap();
+    train(&mut uninterrupted, 0..3);
+    // What `conveyor train --checkpoint` wrote before this version: tensors, no conveyor.step/seed.
+    let mut tensors = uninterrupted.parameters().unwrap();
+    tensors.extend(uninterrupted.optimizer_state().unwrap());
+    let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let metadata = BTreeMap::from([("conveyor.train.step".to_string(), "3".to_string())]);
+    checkpoint::save_with_metadata(&path, &named, &metadata).unwrap();
+
+    let mut resumed = builder(0, 1, sgd_momentum()).build().unwrap();
+    let err = resumed.restore(&path).unwrap_err();
+    assert!(err.to_string().contains(STEP_KEY), "{err}");
+    resumed.restore_with_position(&path, 3, 5).unwrap();
+    assert_eq!(resumed.step_idx(), 3);
+    train(&mut uninterrupted, 3..5);
+    train(&mut resumed, 3..5);
+    assert_eq!(full_state(&resumed), full_state(&uninterrupted));
+}

@@ -375,7 +375,19 @@ impl Trainer {
     /// # }
     /// ```
     pub fn restore(&mut self, path: impl AsRef<Path>) -> Result<()> {
-        let path = path.as_ref();
+        self.restore_at(path.as_ref(), None)
+    }
+
+    /// [`Trainer::restore`] for a checkpoint written before checkpoints carried the step index and
+    /// seed (`conveyor train --checkpoint` files of earlier versions keep them in their own run
+    /// state): `step_idx` and `seed` are used where the file has no `conveyor.step` and
+    /// `conveyor.seed`; a file that has them keeps its own.
+    pub fn restore_with_position(&mut self, path: impl AsRef<Path>, step_idx: u64, seed: u64) -> Result<()> {
+        self.restore_at(path.as_ref(), Some((step_idx, seed)))
+    }
+
+    /// [`Trainer::restore`], with the position to use where the file has none.
+    fn restore_at(&mut self, path: &Path, fallback: Option<(u64, u64)>) -> Result<()> {
         let mut file = checkpoint::load(path, &Device::host())?;
         let StateShapes { parameters, fields } = self.state_shapes()?;
         let mut expected = parameters.clone();
@@ -389,8 +401,13 @@ impl Trainer {
         }
         refuse_non_finite(&file)?;
         check_optimizer_state(&file, &parameters)?;
-        let step_idx: u64 = file.metadata_value(STEP_KEY)?;
-        let seed: u64 = file.metadata_value(SEED_KEY)?;
+        let (step_idx, seed): (u64, u64) = match fallback {
+            Some((step_idx, seed)) if !file.metadata().contains_key(STEP_KEY) => {
+                let seed = if file.metadata().contains_key(SEED_KEY) { file.metadata_value(SEED_KEY)? } else { seed };
+                (step_idx, seed)
+            }
+            _ => (file.metadata_value(STEP_KEY)?, file.metadata_value(SEED_KEY)?),
+        };
         let weights: Vec<(String, Tensor)> =
             parameters.iter().filter_map(|(name, _)| file.take(name).map(|t| (name.clone(), t))).collect();
         self.load_parameters(weights)?;

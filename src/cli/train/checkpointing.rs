@@ -93,7 +93,8 @@ pub fn resume(path: &Path, trainer: &mut Trainer, expected: &RunState) -> anyhow
             differences.join("; ")
         )));
     }
-    trainer.restore(path).map_err(|e| {
+    // A checkpoint of an earlier version keeps its step and seed only in the run state.
+    trainer.restore_with_position(path, saved.step, saved.seed).map_err(|e| {
         let fix =
             "resume from an earlier checkpoint of the run, saved before it diverged (or start again without --resume)";
         load_error(e, "--resume", path, fix)
