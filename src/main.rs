@@ -26,7 +26,7 @@ enum Command {
     Train(Box<cli::train::TrainArgs>),
     /// Place a model on devices under memory budgets and print each stage's layers, memory and
     /// predicted times, with the predicted step time and bubble fraction.
-    Plan(cli::plan::PlanArgs),
+    Plan(cli::plan_flags::PlanFlags),
 }
 
 fn main() {
@@ -34,7 +34,7 @@ fn main() {
     let result = match cli.command {
         Command::Simulate(args) => cli::simulate::run(args),
         Command::Train(args) => cli::train::run(*args),
-        Command::Plan(args) => cli::plan::run(args),
+        Command::Plan(flags) => flags.resolve().and_then(cli::plan::run),
     };
     let code = match result {
         Ok(()) => 0,

@@ -254,3 +254,42 @@ fn bad_arguments_exit_2() -> Result<()> {
     assert_usage_error(&["plan", "--model", "mlp:4", "--devices", "cpu:1"], &["model spec"])?;
     assert_usage_error(&["plan", "--model", "mlp:4,4", "--devices", "cpu:2"], &["only 1 layers"])
 }
+
+#[test]
+fn plan_config_plans_the_run_a_spec_describes_and_flags_override_it() -> Result<()> {
+    let spec = PlacementFile::new(
+        "run-spec",
+        "[model]\nspec = \"mlp:64,256,256,10\"\n[pipeline]\ndevices = \"cpu:2\"\ndevice_memory = \"4MiB\"\n\
+         schedule = \"zb-h1\"\nmicrobatches = 4\nrecompute = \"always\"\n[training]\nbatch = 32\n\
+         [optimizer]\nname = \"sgd\"\n",
+    )?;
+    let from_spec = plan_json(&["--config", spec.arg()])?;
+    let by_flags = plan_json(&[
+        "--model",
+        "mlp:64,256,256,10",
+        "--devices",
+        "cpu:2",
+        "--device-memory",
+        "4MiB",
+        "--schedule",
+        "zb-h1",
+        "--microbatches",
+        "4",
+        "--recompute",
+        "always",
+        "--batch",
+        "32",
+        "--optimizer",
+        "sgd",
+    ])?;
+    ensure!(from_spec == by_flags, "the spec's plan differs from the flags' plan:\n{from_spec}\n{by_flags}");
+    // A flag given beside --config wins over the spec's field.
+    let overridden = plan_json(&["--config", spec.arg(), "--devices", "cpu:3"])?;
+    ensure!(stage_layers(&overridden)?.len() == 3, "--devices cpu:3 over the spec's cpu:2: {overridden}");
+    // A spec without a model needs --model; plan without --config needs --model and --devices.
+    let no_model = PlacementFile::new("run-spec-no-model", "[pipeline]\ndevices = \"cpu:2\"\n")?;
+    assert_usage_error(&["plan", "--config", no_model.arg()], &["names no model", "--model"])?;
+    assert_usage_error(&["plan", "--devices", "cpu:2"], &["--model is required"])?;
+    assert_usage_error(&["plan", "--config", "/no/such/run.toml"], &["--config", "/no/such/run.toml"])?;
+    Ok(())
+}

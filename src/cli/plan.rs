@@ -5,7 +5,6 @@ use super::console::outln;
 use std::path::Path;
 
 use anyhow::Context;
-use clap::Args;
 use conveyor::engine::graph::Graph;
 use conveyor::engine::placement::{Plan, format_bytes};
 use conveyor::engine::runtime::Recompute;
@@ -22,43 +21,20 @@ use super::usage;
 /// Stages listing more layers than this are shown as `first..last (n layers)` in the table.
 const MAX_LISTED_LAYERS: usize = 4;
 
-/// Arguments of `conveyor plan`.
-#[derive(Args, Debug)]
+/// The settings `conveyor plan` plans with, resolved from its flags and `--config`
+/// ([`super::plan_flags::PlanFlags::resolve`]); each field is the flag of the same name.
+#[derive(Debug)]
 pub struct PlanArgs {
-    /// Model: `mlp:D0,D1,...,Dn` (Linear/ReLU stack), `cnn` (LeNet-like, 1x8x8 inputs) or `resnet`.
-    #[arg(long)]
     pub model: String,
-    /// Devices: `cpu:N` for N CPU devices, or `cuda:0,1` for GPUs.
-    #[arg(long)]
     pub devices: String,
-    /// Memory budget of each device, e.g. `40MiB`, `512KiB` or `2GiB` (default: unlimited).
-    #[arg(long, value_name = "SIZE")]
     pub device_memory: Option<String>,
-    /// Optimizer whose state is budgeted: sgd (none), momentum (one buffer), adam or adamw (two).
-    #[arg(long, default_value = "adam")]
     pub optimizer: String,
-    /// Schedule: gpipe, 1f1b, interleaved, zb-h1 or zb-h2 (sets the activations held per stage).
-    #[arg(long, value_name = "NAME", default_value = "1f1b")]
     pub schedule: ScheduleKind,
-    /// Micro-batches per batch.
-    #[arg(long, value_name = "M", default_value_t = 8)]
     pub microbatches: usize,
-    /// Rows per batch; a micro-batch has ceil(B / M) rows.
-    #[arg(long, value_name = "B", default_value_t = 64)]
     pub batch: usize,
-    /// Model chunks per device (interleaved schedule only): devices x chunks stages.
-    #[arg(long, value_name = "V", default_value_t = 1)]
     pub chunks: usize,
-    /// Activation recomputation: never, except-last or always (sets what a stage keeps between
-    /// forward and backward).
-    #[arg(long, value_name = "MODE", default_value = "never")]
     pub recompute: Recompute,
-    /// `auto` (minimise the slowest stage under the budgets), or a file with one line per stage
-    /// listing node names or ranges `first..last` separated by spaces (`#` starts a comment).
-    #[arg(long, value_name = "auto|FILE", default_value = "auto")]
     pub placement: String,
-    /// Print one JSON object (stages, predicted_step_s, predicted_bubble_fraction, ...) instead of a table.
-    #[arg(long)]
     pub json: bool,
 }
 

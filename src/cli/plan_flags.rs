@@ -1,0 +1,119 @@
+//! The flags of `conveyor plan` and how they resolve into [`PlanArgs`]: a flag given on the
+//! command line wins, then the run spec of `--config` (the same `RunSpec` `conveyor train
+//! --config` runs, so a run is planned as it will train), then plan's own defaults.
+use std::path::PathBuf;
+
+use clap::Args;
+use conveyor::RunSpec;
+use conveyor::engine::runtime::Recompute;
+use conveyor::schedules::ScheduleKind;
+use conveyor::spec::PlacementSpec;
+
+use super::plan::PlanArgs;
+use super::usage;
+
+/// Arguments of `conveyor plan`.
+#[derive(Args, Debug)]
+pub struct PlanFlags {
+    /// A run spec (TOML, as `conveyor train --config` reads and `--print-config` writes): plan the
+    /// run it describes; flags given here override its fields.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Model: `mlp:D0,D1,...,Dn` (Linear/ReLU stack), `cnn` (LeNet-like, 1x8x8 inputs) or `resnet`.
+    /// Required unless --config names one.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Devices: `cpu:N` for N CPU devices, or `cuda:0,1` for GPUs. Required unless --config is given.
+    #[arg(long)]
+    pub devices: Option<String>,
+    /// Memory budget of each device, e.g. `40MiB`, `512KiB` or `2GiB` (default: unlimited).
+    #[arg(long, value_name = "SIZE")]
+    pub device_memory: Option<String>,
+    /// Optimizer whose state is budgeted: sgd (none), momentum (one buffer), adam or adamw (two)
+    /// [default: adam].
+    #[arg(long)]
+    pub optimizer: Option<String>,
+    /// Schedule: gpipe, 1f1b, interleaved, zb-h1 or zb-h2 (sets the activations held per stage)
+    /// [default: 1f1b].
+    #[arg(long, value_name = "NAME")]
+    pub schedule: Option<ScheduleKind>,
+    /// Micro-batches per batch [default: 8].
+    #[arg(long, value_name = "M")]
+    pub microbatches: Option<usize>,
+    /// Rows per batch; a micro-batch has ceil(B / M) rows [default: 64, or the spec's batch].
+    #[arg(long, value_name = "B")]
+    pub batch: Option<usize>,
+    /// Model chunks per device (interleaved schedule only): devices x chunks stages [default: 1].
+    #[arg(long, value_name = "V")]
+    pub chunks: Option<usize>,
+    /// Activation recomputation: never, except-last or always (sets what a stage keeps between
+    /// forward and backward) [default: never].
+    #[arg(long, value_name = "MODE")]
+    pub recompute: Option<Recompute>,
+    /// `auto` (minimise the slowest stage under the budgets), or a file with one line per stage
+    /// listing node names or ranges `first..last` separated by spaces (`#` starts a comment)
+    /// [default: auto].
+    #[arg(long, value_name = "auto|FILE")]
+    pub placement: Option<String>,
+    /// Print one JSON object (stages, predicted_step_s, predicted_bubble_fraction, ...) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl PlanFlags {
+    /// The settings to plan with: each flag given, else the `--config` spec's field, else plan's
+    /// default. A usage error for an unreadable spec, a spec without a model when `--model` is
+    /// not given, or a placement `plan` cannot take.
+    pub fn resolve(self) -> anyhow::Result<PlanArgs> {
+        let spec = match &self.config {
+            Some(path) => Some(RunSpec::from_file(path).map_err(|e| usage(format!("--config: {e}")))?),
+            None => None,
+        };
+        let missing =
+            |flag: &str| usage(format!("{flag} is required: give {flag}, or --config with a run spec that sets it"));
+        let model = match (self.model, &spec) {
+            (Some(model), _) => model,
+            (None, Some(spec)) => spec.model.spec.clone().ok_or_else(|| {
+                usage("--config: the spec names no model (`[model] spec`; the data decides it when training); give --model")
+            })?,
+            (None, None) => return Err(missing("--model")),
+        };
+        let devices = match (self.devices, &spec) {
+            (Some(devices), _) => devices,
+            (None, Some(spec)) => spec.pipeline.devices.clone(),
+            (None, None) => return Err(missing("--devices")),
+        };
+        let placement = match (self.placement, &spec) {
+            (Some(placement), _) => placement,
+            (None, Some(spec)) => match &spec.pipeline.placement {
+                PlacementSpec::Auto => "auto".to_string(),
+                PlacementSpec::File(path) => path.display().to_string(),
+                other => {
+                    return Err(usage(format!(
+                        "--config: `conveyor plan` takes placement auto or a file, not {other:?}; give --placement"
+                    )));
+                }
+            },
+            (None, None) => "auto".to_string(),
+        };
+        let pipeline = spec.as_ref().map(|spec| &spec.pipeline);
+        Ok(PlanArgs {
+            model,
+            devices,
+            device_memory: self
+                .device_memory
+                .or_else(|| pipeline.and_then(|p| p.device_memory).map(|bytes| bytes.to_string())),
+            optimizer: self
+                .optimizer
+                .or_else(|| spec.as_ref().map(|s| s.optimizer.name.to_string()))
+                .unwrap_or_else(|| "adam".to_string()),
+            schedule: self.schedule.or(pipeline.map(|p| p.schedule)).unwrap_or(ScheduleKind::OneFOneB),
+            microbatches: self.microbatches.or(pipeline.map(|p| p.microbatches)).unwrap_or(8),
+            batch: self.batch.or(spec.as_ref().map(|s| s.training.batch)).unwrap_or(64),
+            chunks: self.chunks.or(pipeline.map(|p| p.chunks)).unwrap_or(1),
+            recompute: self.recompute.or(pipeline.map(|p| p.recompute)).unwrap_or(Recompute::Never),
+            placement,
+            json: self.json,
+        })
+    }
+}
