@@ -200,6 +200,19 @@ impl PreparedRun {
     }
 
     /// Takes step `step` of the run: [`PreparedRun::step_batch`], then [`Trainer::train_step`].
+    ///
+    /// ```
+    /// let spec = conveyor::RunSpec::from_toml_str(
+    ///     "[model]\nspec = \"mlp:4,8,2\"\n[data]\nsource = \"synthetic:64,4,2\"\n[training]\nbatch = 16\nsteps = 5",
+    /// )?;
+    /// let mut run = spec.prepare()?;
+    /// let mut losses = Vec::new();
+    /// for step in 0..run.total_steps {
+    ///     losses.push(run.train_step(step)?.loss);
+    /// }
+    /// assert_eq!(losses.len(), 5);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn train_step(&mut self, step: u64) -> conveyor_engine::Result<StepReport> {
         let (inputs, labels) = self.step_batch(step)?;
         self.trainer.train_step(&inputs, &labels)

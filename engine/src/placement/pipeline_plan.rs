@@ -58,6 +58,18 @@ pub enum PlaceBy {
 }
 
 /// How the layers are put on stages ([`crate::runtime::TrainerBuilder::placement`]).
+///
+/// ```
+/// use conveyor_engine::placement::{PlaceBy, Placement};
+///
+/// // By hand: node names, or ranges `first..last` in graph order, one list per stage.
+/// let by_hand = Placement::Manual(vec![vec!["fc1".into(), "relu1".into()], vec!["fc2..head".into()]]);
+/// // By the planner, under the devices' memory budgets: from FLOP estimates, or measured times.
+/// let (by_flops, by_time) = (Placement::auto(), Placement::Auto { by: PlaceBy::Time });
+/// // From a placement file (`conveyor plan --placement FILE`): one line of names per stage.
+/// let from_file = Placement::File("stages.txt".into());
+/// # let _ = (by_hand, by_flops, by_time, from_file);
+/// ```
 #[derive(Clone, Debug)]
 pub enum Placement {
     /// The nodes of each stage by name, stage 0 first; an entry `first..last` names every layer

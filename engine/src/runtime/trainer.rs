@@ -156,7 +156,10 @@ impl TrainerBuilder {
         self
     }
 
-    /// Moves the layers onto their devices and starts the workers.
+    /// Plans the placement if one was given ([`TrainerBuilder::placement`]), checks the layout
+    /// (stages, schedule, devices), moves the layers onto their devices and starts the workers;
+    /// restores a checkpoint if [`TrainerBuilder::resume`] named one. See [`Trainer::builder`]
+    /// for an example.
     pub fn build(mut self) -> Result<Trainer> {
         let state = std::mem::take(&mut self.state);
         state.check()?;

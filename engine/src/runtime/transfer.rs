@@ -51,6 +51,16 @@ impl Trainer {
     /// order (PyTorch state-dict names when nodes are named like module children). Split layers
     /// give their unsplit tensors under the unsplit names ([`crate::Layer::export_parameters`]), so
     /// the result does not depend on the tensor-parallel degree.
+    ///
+    /// ```
+    /// # include!("doc_model.rs");
+    /// # fn main() -> conveyor_engine::Result<()> {
+    /// let trainer = conveyor_engine::runtime::Trainer::builder(graph(), loss()).build()?;
+    /// let names: Vec<String> = trainer.parameters()?.into_iter().map(|(name, _)| name).collect();
+    /// assert_eq!(names, ["a.weight", "b.weight"]);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
         let parts = self.on_every_worker(move |stages| -> Result<Vec<(String, Tensor)>> {
             let mut out = Vec::new();
