@@ -31,14 +31,19 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
-    let result = match cli.command {
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match cli.command {
         Command::Simulate(args) => cli::simulate::run(args),
         Command::Train(args) => cli::train::run(*args),
         Command::Plan(flags) => flags.resolve().and_then(cli::plan::run),
-    };
-    let code = match result {
+    }))
+    // A panic (already printed by the panic hook) under MPI ends the job rather than leaving the
+    // other ranks waiting for this one; otherwise it exits as an unwinding panic does.
+    .unwrap_or_else(|_| cli::ranks::panicked());
+    let code = match &result {
         Ok(()) => 0,
-        Err(err) => cli::report(&err),
+        Err(err) => cli::report(err),
     };
+    // Under MPI: finalise with the other ranks, or end the job when this rank failed alone.
+    let code = cli::ranks::finish(&result, code);
     std::process::exit(cli::console::exit_code(code));
 }

@@ -312,7 +312,21 @@ struct LockSite {
     departure: bool,
 }
 
-const LOCKS: [LockSite; 11] = [
+const LOCKS: [LockSite; 13] = [
+    LockSite {
+        path: "engine/src/transport/mpi_enabled.rs",
+        item: "*",
+        why: "the MPI mailbox, taken by the communication thread per arriving message and by the coordinator once \
+              per remote channel at dispatch, never by a worker (workers receive over crossbeam channels); and the \
+              thread's join handle, taken once when the transport is dropped",
+        departure: false,
+    },
+    LockSite {
+        path: "engine/src/transport/mod.rs",
+        item: "PROCESS",
+        why: "the process's default transport, read when a trainer is built, never during a step",
+        departure: false,
+    },
     LockSite {
         path: "engine/src/runtime/core_slots.rs",
         item: "*",

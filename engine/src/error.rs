@@ -326,6 +326,45 @@ pub enum Error {
         /// Why, and what would fix it.
         reason: String,
     },
+    /// This build has no MPI transport.
+    #[error(
+        "this conveyor was built without MPI; rebuild with `cargo build --release --features mpi` (needs Open MPI: \
+         `apt-get install openmpi-bin libopenmpi-dev libclang-dev`), or run in one process (`--transport in-process`)"
+    )]
+    MpiNotBuilt,
+    /// The transport between ranks failed (a peer stopped answering, MPI refused a call).
+    #[error("transport{}: {reason}", rank.map(|r| format!(" on rank {r}")).unwrap_or_default())]
+    Transport {
+        /// The rank reporting it, once known.
+        rank: Option<usize>,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The job's world size does not match the layout: one rank per pipeline device (group of
+    /// `tensor_parallel` devices).
+    #[error(
+        "the job has {world_size} ranks but the layout needs {needed} ({n_devices} devices / tensor-parallel \
+         {tensor_parallel}): one rank per pipeline device; launch with `mpirun -n {needed}` or give {} devices",
+        world_size * tensor_parallel
+    )]
+    WorldSize {
+        /// Ranks in the job.
+        world_size: usize,
+        /// Ranks the layout needs.
+        needed: usize,
+        /// Devices given.
+        n_devices: usize,
+        /// Devices per pipeline device.
+        tensor_parallel: usize,
+    },
+    /// Another rank failed during a step; every rank abandons the step, and none changed a parameter.
+    #[error("rank {rank} failed: {message}")]
+    RankFailed {
+        /// The rank that failed first.
+        rank: usize,
+        /// Its error.
+        message: String,
+    },
     /// An I/O error, with the path it concerns.
     #[error("{path}: {source}")]
     Io {

@@ -24,6 +24,7 @@ mod shape;
 mod tensor;
 pub mod testing;
 pub mod trace;
+pub mod transport;
 
 pub use device::{CpuDevice, CudaDevice, Device};
 pub use dtype::DType;

@@ -29,6 +29,13 @@ const FAILED: u8 = 2;
 static STDOUT: Stream = Stream { state: AtomicU8::new(OK), error: Mutex::new(None) };
 static STDERR: Stream = Stream { state: AtomicU8::new(OK), error: Mutex::new(None) };
 
+/// Silences stdout and stderr from here on, without counting it a failure (an MPI rank other than
+/// rank 0: rank 0 speaks for the job).
+pub fn silence() {
+    STDOUT.state.store(BROKEN_PIPE, Ordering::Relaxed);
+    STDERR.state.store(BROKEN_PIPE, Ordering::Relaxed);
+}
+
 impl Stream {
     fn write(&self, bytes: &[u8], mut sink: impl Write) {
         if self.state.load(Ordering::Relaxed) != OK {

@@ -11,6 +11,7 @@ pub mod messages;
 pub mod placement_file;
 pub mod plan;
 pub mod plan_flags;
+pub mod ranks;
 pub mod simulate;
 pub mod train;
 
@@ -42,6 +43,8 @@ pub fn report(err: &anyhow::Error) -> i32 {
                     | conveyor::engine::Error::Checkpoint { .. }
                     | conveyor::engine::Error::OutputPath { .. }
                     | conveyor::engine::Error::Schedule(_)
+                    | conveyor::engine::Error::WorldSize { .. }
+                    | conveyor::engine::Error::MpiNotBuilt
             )
         );
     let diverged =

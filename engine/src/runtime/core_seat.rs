@@ -17,7 +17,7 @@ pub(crate) struct Aborted;
 /// message often comes within microseconds when ops are small, and waking a sleeping thread
 /// costs tens of microseconds on a VM; the poll yields the core between tries, so a worker that
 /// has compute to do gets it.
-const POLL_BEFORE_SLEEP: std::time::Duration = std::time::Duration::from_micros(50);
+pub(crate) const POLL_BEFORE_SLEEP: std::time::Duration = std::time::Duration::from_micros(50);
 
 /// How long a worker without core slots polls for the commit before it sleeps. The commit comes
 /// once the last worker has voted, usually within milliseconds, and a worker asleep then can take
@@ -32,7 +32,7 @@ pub(crate) fn aborted(abort: &Receiver<()>) -> bool {
 
 /// Receives from `rx`: polls for up to `window` (at least once), yielding the core between tries,
 /// then sleeps until a value or the abort comes.
-fn poll_then_block<T>(rx: &Receiver<T>, abort: &Receiver<()>, window: std::time::Duration) -> Result<T, Aborted> {
+pub(crate) fn poll_then_block<T>(rx: &Receiver<T>, abort: &Receiver<()>, window: std::time::Duration) -> Result<T, Aborted> {
     let deadline = Instant::now() + window;
     loop {
         match rx.try_recv() {

@@ -20,9 +20,11 @@
 //! every group, and exports and imports parameters through [`crate::Layer::export_parameters`] and
 //! [`crate::Layer::import_parameter`], so checkpoints carry unsplit tensors under unsplit names.
 mod bubbles;
+mod coordinator;
 mod core_seat;
 mod core_slots;
 mod measured_costs;
+mod ranks;
 mod stage;
 mod stepping;
 mod trainer;

@@ -216,7 +216,16 @@ impl Trainer {
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         self.refuse_if_poisoned()?;
         let tensors = self.parameters()?;
+        if !self.writes_files() {
+            return Ok(());
+        }
         write(path.as_ref(), &tensors, &self.metadata)
+    }
+
+    /// Whether this process writes the files [`Trainer::save`] and [`Trainer::checkpoint`] name:
+    /// always in-process; under MPI only rank 0 (every rank must still call them: they gather).
+    pub fn writes_files(&self) -> bool {
+        self.transport.rank() == 0
     }
 
     /// Loads the weights saved at `path` (by [`Trainer::save`], [`Trainer::checkpoint`] or
@@ -342,6 +351,9 @@ impl Trainer {
         let mut metadata = self.metadata.clone();
         metadata.insert(STEP_KEY.to_string(), self.step_idx.to_string());
         metadata.insert(SEED_KEY.to_string(), self.seed.to_string());
+        if !self.writes_files() {
+            return Ok(());
+        }
         write(path.as_ref(), &tensors, &metadata)
     }
 
@@ -437,8 +449,34 @@ impl Trainer {
         })?;
         let fields = parts.iter().find_map(|(_, fields)| *fields).unwrap_or(&[]);
         let mut shapes: Vec<(String, Shape)> = parts.into_iter().flat_map(|(shapes, _)| shapes).collect();
+        if self.transport.world_size() > 1 {
+            shapes = self.gather_shapes(&shapes)?;
+        }
         shapes.sort_by_key(|(name, _)| self.param_order.iter().position(|o| o == name).unwrap_or(usize::MAX));
         Ok(StateShapes { parameters: shapes, fields })
+    }
+
+    /// Every rank's named shapes (a collective).
+    fn gather_shapes(&self, local: &[(String, Shape)]) -> Result<Vec<(String, Shape)>> {
+        use crate::transport::wire::{Reader, Writer};
+        let mut w = Writer::default();
+        w.usize(local.len());
+        for (name, shape) in local {
+            w.str(name).usize(shape.dims().len());
+            for &d in shape.dims() {
+                w.usize(d);
+            }
+        }
+        let mut all = Vec::new();
+        for part in self.transport.all_gather(w.bytes, self.collective_timeout())? {
+            let mut r = Reader::new(&part);
+            for _ in 0..r.count(16)? {
+                let name = r.string()?;
+                let dims = (0..r.count(8)?).map(|_| r.usize()).collect::<Result<Vec<_>>>()?;
+                all.push((name, Shape::new(dims)));
+            }
+        }
+        Ok(all)
     }
 
     /// An [`Error::Poisoned`] when the parameters are no longer one step's (nothing to save).

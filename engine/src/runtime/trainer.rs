@@ -5,15 +5,17 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use conveyor_schedules::{Instruction, Schedule, ScheduleKind, Timeline};
-use crossbeam::channel::{self, Receiver, Sender};
+use conveyor_schedules::{Instruction, Schedule, ScheduleKind};
+use crossbeam::channel::{self, Sender};
 
 use super::core_slots::CoreSlots;
 use super::stage::{NodeExec, Payload, Route, Stage};
-use super::worker::{self, Command, Commit, Links, Report, StepJob};
+use super::coordinator::Dispatched;
+use super::worker::{self, Command, Links, StepJob};
 use super::{CoreSlotPolicy, FaultInjection, Recompute, StallInjection, StepReport};
 use crate::graph::{Graph, NodeId};
 use crate::optim::{Optimizer, OptimizerConfig};
+use crate::transport::{Tag, Transport};
 use crate::{Device, Error, Loss, Result, Targets, Tensor};
 
 // Placement on the builder (`TrainerBuilder::placement`, `plan`, `Trainer::plan`): runtime/placement.rs.
@@ -26,7 +28,7 @@ mod placement;
 mod state_io;
 
 /// How long the coordinator waits for a worker's report before declaring the step hung.
-const REPORT_TIMEOUT: Duration = Duration::from_secs(600);
+pub(super) const REPORT_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Builds a [`Trainer`].
 pub struct TrainerBuilder {
@@ -47,9 +49,21 @@ pub struct TrainerBuilder {
     derived_caches: Vec<(NodeId, bool)>,
     placement: placement::PlacementChoice,
     state: state_io::StateChoice,
+    transport: Arc<dyn Transport>,
 }
 
 impl TrainerBuilder {
+    /// How this process reaches the other ranks of the job (default: the process's transport,
+    /// [`crate::transport::process_transport`], which is [`crate::transport::InProcess`] unless set: one process,
+    /// every pipeline device a thread of it). With [`crate::transport::MpiTransport`] each rank
+    /// runs the worker of the pipeline device with its rank's index (device groups with tensor
+    /// parallelism), so the job needs one rank per pipeline device; every rank builds the same
+    /// trainer from the same arguments and calls the same methods in the same order.
+    pub fn transport(mut self, transport: Arc<dyn Transport>) -> Self {
+        self.transport = transport;
+        self
+    }
+
     /// Devices, device 0 first. Stage `s` runs on device `s % n_devices` (with chunks, Megatron's
     /// virtual-pipeline mapping; without, stage s on device s).
     ///
@@ -178,8 +192,17 @@ impl TrainerBuilder {
                 ),
             ));
         }
-        let plan = self.apply_placement()?;
         let groups: Vec<Vec<Device>> = self.devices.chunks(k).map(<[Device]>::to_vec).collect();
+        let (rank, world) = (self.transport.rank(), self.transport.world_size());
+        if world > 1 && world != groups.len() {
+            return Err(Error::WorldSize {
+                world_size: world,
+                needed: groups.len(),
+                n_devices: self.devices.len(),
+                tensor_parallel: k,
+            });
+        }
+        let plan = self.apply_placement()?;
         // The schedule's devices are the groups.
         let n_devices = groups.len();
         let schedule = Schedule::new(self.schedule, n_devices, self.n_micro_batches, self.n_chunks)?;
@@ -230,6 +253,9 @@ impl TrainerBuilder {
                 "stages",
                 format!("node `{}` is not placed on any stage", self.graph.node(*missing)?.name),
             ));
+        }
+        if world > 1 {
+            agree_on_stages(self.transport.as_ref(), &stage_nodes)?;
         }
         let output = self.graph.output()?;
         // Checkpoint names: the unsplit tensors' names, in node order.
@@ -368,7 +394,7 @@ impl TrainerBuilder {
             CoreSlotPolicy::Auto => {
                 let cores = std::thread::available_parallelism().map_or(1, usize::from);
                 let all_cpu = groups.iter().all(|g| matches!(g[0], Device::Cpu(_)));
-                (k == 1 && all_cpu && n_devices > cores).then_some(cores)
+                (k == 1 && all_cpu && world == 1 && n_devices > cores).then_some(cores)
             }
         };
         let slots = n_slots.map(|n| Arc::new(CoreSlots::new(n, n_devices)));
@@ -380,6 +406,12 @@ impl TrainerBuilder {
         // Workers report op spans to the subscriber of the thread that built the trainer.
         let dispatch = tracing::dispatcher::get_default(|d| d.clone());
         for (device_idx, stages) in per_device.into_iter().enumerate() {
+            if world > 1 && device_idx != rank {
+                // Another rank's pipeline device: its stages (built here identically, so every
+                // rank draws the same initial values) are dropped; that rank holds them.
+                workers.push(None);
+                continue;
+            }
             let (tx, rx) = channel::unbounded();
             let loss = Arc::clone(&self.loss);
             let dispatch = dispatch.clone();
@@ -390,10 +422,12 @@ impl TrainerBuilder {
                     tracing::dispatcher::with_default(&dispatch, || worker::run(device_idx, stages, loss, rx, slots))
                 })
                 .map_err(|e| Error::invalid("worker thread", format!("could not start: {e}")))?;
-            workers.push(WorkerHandle { commands: tx, thread: Some(handle) });
+            workers.push(Some(WorkerHandle { commands: tx, thread: Some(handle) }));
         }
         state.apply(Trainer {
             workers,
+            transport: self.transport,
+            round: 0,
             devices: self.devices,
             tensor_parallel: k,
             stage_devices: Arc::new(stage_devices),
@@ -418,6 +452,33 @@ impl TrainerBuilder {
     }
 }
 
+/// Seconds since the Unix epoch on this machine's clock.
+fn wall_clock_s() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Refuses a build whose ranks chose different stages (a placement from measured times differs
+/// from process to process): every rank must run the same split.
+fn agree_on_stages(transport: &dyn Transport, stage_nodes: &[Vec<NodeId>]) -> Result<()> {
+    let mine: Vec<u8> = stage_nodes
+        .iter()
+        .flat_map(|nodes| nodes.iter().map(|id| id.index() as u64).chain([u64::MAX]))
+        .flat_map(u64::to_le_bytes)
+        .collect();
+    let all = transport.all_gather(mine.clone(), REPORT_TIMEOUT)?;
+    match all.iter().position(|theirs| *theirs != mine) {
+        None => Ok(()),
+        Some(other) => Err(Error::invalid(
+            "stages",
+            format!(
+                "rank {} and rank {other} placed the layers on different stages; give every rank the same \
+                 placement (a placement file, or planning by estimated costs rather than measured ones)",
+                transport.rank()
+            ),
+        )),
+    }
+}
+
 fn add_route(routes: &mut Vec<Route>, peer_stage_idx: usize, node: NodeId) {
     match routes.iter_mut().find(|r| r.peer_stage_idx == peer_stage_idx) {
         Some(route) => {
@@ -435,39 +496,45 @@ pub(super) struct WorkerHandle {
 }
 
 #[derive(Debug)]
-struct StageInfo {
-    stage_idx: usize,
+pub(super) struct StageInfo {
+    pub(super) stage_idx: usize,
     data_inputs: Vec<NodeId>,
     send_to: Vec<usize>,
-    holds_output: bool,
+    pub(super) holds_output: bool,
 }
 
 /// Trains a graph placed on devices with a pipeline schedule. One worker thread per device (per
 /// device group, with tensor parallelism) owns its stages' parameters, gradients and optimizer
 /// state; a split layer's shards, their gradients and optimizer state live on the group's devices.
 pub struct Trainer {
-    pub(super) workers: Vec<WorkerHandle>,
+    /// Per pipeline device: its worker, when it runs in this process (every one in-process; with
+    /// MPI, this rank's).
+    pub(super) workers: Vec<Option<WorkerHandle>>,
+    /// How this process reaches the other ranks of the job ([`crate::transport`]).
+    pub(super) transport: Arc<dyn Transport>,
+    /// Steps and evaluations dispatched so far: the round of the next one's messages.
+    round: u64,
     /// Every device, all groups (peak memory is reported for each).
     pub(super) devices: Vec<Device>,
     /// Devices per stage group.
     pub(super) tensor_parallel: usize,
-    stage_devices: Arc<Vec<Device>>,
+    pub(super) stage_devices: Arc<Vec<Device>>,
     /// The worker of every stage (for core slots: whom a message wakes).
     stage_workers: Arc<Vec<usize>>,
-    stage_info: Vec<StageInfo>,
+    pub(super) stage_info: Vec<StageInfo>,
     schedule: Schedule,
     seed: u64,
     max_grad_norm: Option<f64>,
     core_slots: Option<usize>,
-    slots: Option<Arc<CoreSlots>>,
+    pub(super) slots: Option<Arc<CoreSlots>>,
     /// Under [`CoreSlotPolicy::Auto`]: the mean flops per sample of a compute op, which decides
     /// per step whether ops are long enough for slots ([`AUTO_SLOTS_MIN_OP_FLOPS`]).
     auto_slots_op_flops: Option<f64>,
-    step_idx: u64,
+    pub(super) step_idx: u64,
     fault: Option<FaultInjection>,
     stall: Option<StallInjection>,
     /// Why the parameters are no longer one step's (a failed apply that could not be rolled back).
-    poisoned: Option<String>,
+    pub(super) poisoned: Option<String>,
     /// The graph's structure (its layers live on the workers).
     graph: Graph,
     /// Full parameter names in graph order, recorded before the layers moved to the workers.
@@ -536,6 +603,7 @@ impl Trainer {
             derived_caches: Vec::new(),
             placement: Default::default(),
             state: Default::default(),
+            transport: crate::transport::process_transport(),
         }
     }
 
@@ -655,20 +723,41 @@ impl Trainer {
         }
         let splits = self.split(rows)?;
         let n_micro_batches = splits.len();
-        let n_devices = self.workers.len();
+        let round = self.round;
+        self.round += 1;
+        self.transport.close_rounds_before(round);
         for device in &self.devices {
             device.reset_peak_memory();
         }
         let started = Instant::now();
-        // Channels: one per (from, to, direction), bounded by the micro-batch count.
+        let started_s = wall_clock_s() - self.transport.clock_offset_s();
+        let local_workers = self.local_workers();
+        let is_local = |stage_idx: usize| self.workers[self.schedule.device_of_stage(stage_idx)].is_some();
+        // Channels: one per (from, to, direction), bounded by the micro-batch count, between
+        // stages of this process; a stage on another rank is reached through the transport.
         let mut senders = HashMap::new();
         let mut receivers = HashMap::new();
+        let mut remote_senders = HashMap::new();
+        let mut remote_receivers = HashMap::new();
         for info in &self.stage_info {
             for &peer in &info.send_to {
                 for (from, to, gradient) in [(info.stage_idx, peer, false), (peer, info.stage_idx, true)] {
-                    let (tx, rx) = channel::bounded(n_micro_batches);
-                    senders.insert((from, to, gradient), tx);
-                    receivers.insert((from, to, gradient), rx);
+                    let key = (from, to, gradient);
+                    let tag = Tag { round, channel: ((from as u64) << 32) | ((to as u64) << 1) | u64::from(gradient) };
+                    match (is_local(from), is_local(to)) {
+                        (true, true) => {
+                            let (tx, rx) = channel::bounded(n_micro_batches);
+                            senders.insert(key, tx);
+                            receivers.insert(key, rx);
+                        }
+                        (true, false) => {
+                            remote_senders.insert(key, (self.schedule.device_of_stage(to), tag));
+                        }
+                        (false, true) => {
+                            remote_receivers.insert(key, self.transport.inbox(tag)?);
+                        }
+                        (false, false) => {}
+                    }
                 }
             }
         }
@@ -678,25 +767,24 @@ impl Trainer {
         }
         let (abort_tx, abort_rx) = channel::bounded::<()>(0);
         let (report_tx, report_rx) = channel::unbounded();
-        let mut commit_txs = Vec::with_capacity(n_devices);
-        let programs: Vec<Vec<Instruction>> = if training {
+        let mut commit_txs = Vec::with_capacity(local_workers.len());
+        let mut programs: Vec<Vec<Instruction>> = if training {
             self.schedule.programs().to_vec()
         } else {
             forward_only_programs(&self.schedule, n_micro_batches)
         };
-        for (device_idx, program) in programs.into_iter().enumerate() {
+        for &device_idx in &local_workers {
+            let program = std::mem::take(&mut programs[device_idx]);
             let my_stages: Vec<&StageInfo> =
                 self.stage_info.iter().filter(|s| self.schedule.device_of_stage(s.stage_idx) == device_idx).collect();
-            let mut links = Links::default();
-            for key in senders.keys() {
-                if my_stages.iter().any(|s| s.stage_idx == key.0) {
-                    links.senders.insert(*key, senders[key].clone());
-                }
-            }
-            for key in receivers.keys() {
-                if my_stages.iter().any(|s| s.stage_idx == key.1) {
-                    links.receivers.insert(*key, receivers[key].clone());
-                }
+            let mine = |stage_idx: usize| my_stages.iter().any(|s| s.stage_idx == stage_idx);
+            let mut links = Links { transport: Some(Arc::clone(&self.transport)), ..Links::default() };
+            links.senders.extend(senders.iter().filter(|(k, _)| mine(k.0)).map(|(k, tx)| (*k, tx.clone())));
+            links.receivers.extend(receivers.iter().filter(|(k, _)| mine(k.1)).map(|(k, rx)| (*k, rx.clone())));
+            links.remote_senders.extend(remote_senders.iter().filter(|(k, _)| mine(k.0)).map(|(k, v)| (*k, *v)));
+            let remote_in: Vec<_> = remote_receivers.keys().filter(|k| mine(k.1)).copied().collect();
+            for key in remote_in {
+                links.remote_receivers.insert(key, remote_receivers.remove(&key).expect("listed"));
             }
             let mut data: HashMap<usize, Vec<Payload>> = HashMap::new();
             for info in &my_stages {
@@ -720,7 +808,7 @@ impl Trainer {
                 _ => Vec::new(),
             };
             let (commit_tx, commit_rx) = channel::bounded(1);
-            commit_txs.push(commit_tx);
+            commit_txs.push((device_idx, commit_tx));
             let job = StepJob {
                 step_idx: self.step_idx,
                 seed: self.seed,
@@ -741,168 +829,24 @@ impl Trainer {
                 max_grad_norm: self.max_grad_norm,
                 use_core_slots: slots_this_step.is_some(),
             };
-            self.workers[device_idx]
+            let worker = self.workers[device_idx].as_ref().expect("a local worker");
+            worker
                 .commands
                 .send(Command::Step(Box::new(job), report_tx.clone()))
                 .map_err(|_| Error::invalid("worker", format!("the worker of device {device_idx} has stopped")))?;
         }
         // Only workers hold report senders now: a worker that vanishes closes its end.
         drop((senders, receivers, report_tx));
-        self.collect(report_rx, abort_tx, commit_txs, started, training, slots_this_step)
-    }
-
-    fn collect(
-        &mut self,
-        reports: Receiver<Report>,
-        abort: Sender<()>,
-        commits: Vec<Sender<Commit>>,
-        started: Instant,
-        training: bool,
-        slots_this_step: Option<usize>,
-    ) -> Result<StepOutcome> {
-        let n_devices = self.workers.len();
-        let mut abort = Some(abort);
-        let mut failure: Option<Error> = None;
-        let mut ready = vec![false; n_devices];
-        let mut finished = vec![false; n_devices];
-        let mut losses = Vec::new();
-        let mut sum_of_squares = 0.0;
-        let mut events = Vec::new();
-        let mut op_cpu_times = Vec::new();
-        let mut peak_activation_bytes = vec![0; self.stage_info.len()];
-        let mut outputs = Vec::new();
-        let mut committed = false;
-        let mut non_finite_grad: Option<(usize, String)> = None;
-        let mut needs_rollback = vec![false; n_devices];
-        while finished.iter().any(|f| !f) {
-            let report = reports.recv_timeout(REPORT_TIMEOUT).map_err(|error| {
-                Error::invalid(
-                    "step",
-                    match error {
-                        channel::RecvTimeoutError::Timeout => {
-                            format!("no worker reported for {} s; the step was abandoned", REPORT_TIMEOUT.as_secs())
-                        }
-                        channel::RecvTimeoutError::Disconnected => {
-                            "a worker thread vanished without reporting; the step was abandoned".to_string()
-                        }
-                    },
-                )
-            })?;
-            match report {
-                Report::Ready { device_idx, losses: l, sum_of_squares: s, non_finite } => {
-                    ready[device_idx] = true;
-                    losses.extend(l);
-                    sum_of_squares += s;
-                    if let Some((stage_idx, parameter)) = non_finite
-                        && non_finite_grad.as_ref().is_none_or(|(first, _)| stage_idx < *first)
-                    {
-                        non_finite_grad = Some((stage_idx, parameter));
-                    }
-                }
-                Report::Done { device_idx, applied, events: e, cpu_times: c, peak_activation_bytes: p, outputs: o } => {
-                    finished[device_idx] = true;
-                    needs_rollback[device_idx] = applied;
-                    events.extend(e);
-                    op_cpu_times.extend(c);
-                    for (stage_idx, bytes) in p {
-                        peak_activation_bytes[stage_idx] = bytes;
-                    }
-                    outputs.extend(o);
-                }
-                Report::Failed { device_idx, error, needs_rollback: rollback } => {
-                    finished[device_idx] = true;
-                    needs_rollback[device_idx] = rollback;
-                    failure.get_or_insert(error);
-                    abort.take();
-                }
-                Report::Aborted { device_idx } => finished[device_idx] = true,
-            }
-            // Commit once every device voted ready, nothing failed and everything is finite: only
-            // then do parameters change.
-            if training && !committed && failure.is_none() && ready.iter().all(|&r| r) {
-                if let Some(error) = self.non_finite_error(&losses, non_finite_grad.take()) {
-                    failure = Some(error);
-                    abort.take();
-                    continue;
-                }
-                committed = true;
-                let global_norm = sum_of_squares.sqrt();
-                for commit in &commits {
-                    let _ = commit.send(Commit { global_norm });
-                }
-            }
-        }
-        drop(abort);
-        if let Some(error) = failure {
-            if needs_rollback.iter().any(|&r| r) {
-                self.roll_back(&needs_rollback, &error)?;
-            }
-            return Err(error);
-        }
-        losses.sort_by_key(|(mb, _)| *mb);
-        let loss = losses.iter().map(|(_, l)| l).sum();
-        outputs.sort_by_key(|(mb, _)| *mb);
-        let mut timeline = Timeline::new(n_devices, self.stage_info.len());
-        events.sort_by(|a: &conveyor_schedules::TimelineEvent, b| a.start_s.total_cmp(&b.start_s));
-        timeline.events = events;
-        Ok(StepOutcome {
-            report: StepReport {
-                loss,
-                peak_memory: self.devices.iter().map(Device::peak_memory).collect(),
-                peak_activation_bytes,
-                timeline,
-                step_s: started.elapsed().as_secs_f64(),
-                grad_norm: sum_of_squares.sqrt(),
-                op_cpu_times,
-                core_slots: slots_this_step,
-                core_wake_latency_s: self.slots.as_ref().filter(|_| slots_this_step.is_some()).map(|slots| {
-                    let latencies = slots.take_wake_latencies();
-                    latencies.iter().sum::<f64>() / latencies.len().max(1) as f64
-                }),
-            },
-            outputs: outputs.into_iter().map(|(_, t)| t).collect(),
+        self.collect(Dispatched {
+            reports: report_rx,
+            abort: abort_tx,
+            commits: commit_txs,
+            started,
+            started_s,
+            training,
+            slots_this_step,
+            round,
         })
-    }
-
-    /// The error for a step whose votes found a non-finite loss or gradient, if any: the loss of
-    /// the first such micro-batch, else the first stage's first such gradient.
-    fn non_finite_error(&self, losses: &[(usize, f64)], non_finite_grad: Option<(usize, String)>) -> Option<Error> {
-        let bad_loss = losses.iter().filter(|(_, l)| !l.is_finite()).map(|(mb, _)| *mb).min();
-        let output_stage = self.stage_info.iter().find(|s| s.holds_output).map_or(0, |s| s.stage_idx);
-        let (stage_idx, what, micro_batch_idx) = match (bad_loss, &non_finite_grad) {
-            (Some(mb), _) => (output_stage, crate::NonFinite::Loss, Some(mb)),
-            (None, Some((stage_idx, _))) => (*stage_idx, crate::NonFinite::Gradient, None),
-            (None, None) => return None,
-        };
-        Some(Error::NonFiniteStep {
-            step_idx: self.step_idx,
-            stage_idx,
-            device: self.stage_devices[stage_idx].to_string(),
-            what,
-            micro_batch_idx,
-            parameter: non_finite_grad.map(|(_, p)| p),
-        })
-    }
-
-    /// Undoes a step that some workers applied before another failed: every worker that may hold
-    /// the update puts back its undo snapshot. If one cannot (a stage without a snapshot), the
-    /// trainer is poisoned and says so.
-    fn roll_back(&mut self, needs_rollback: &[bool], cause: &Error) -> Result<()> {
-        let mut all_restored = true;
-        for (worker, _) in self.workers.iter().zip(needs_rollback).filter(|(_, r)| **r) {
-            let (tx, rx) = channel::bounded(1);
-            let restored = worker.commands.send(Command::RollBack(tx)).is_ok() && rx.recv().unwrap_or(false);
-            all_restored &= restored;
-        }
-        if all_restored {
-            return Ok(());
-        }
-        let reason = format!(
-            "a step failed after some stages applied their update ({cause}), and a stage without an undo snapshot \
-             could not be rolled back"
-        );
-        self.poisoned = Some(reason.clone());
-        Err(Error::Poisoned { reason })
     }
 
     /// One optimizer step on a batch: `inputs` `[batch, ...]` and one class label per row. The
@@ -961,9 +905,9 @@ impl Trainer {
     }
 }
 
-struct StepOutcome {
-    report: StepReport,
-    outputs: Vec<Tensor>,
+pub(super) struct StepOutcome {
+    pub(super) report: StepReport,
+    pub(super) outputs: Vec<Tensor>,
 }
 
 /// Forward-only programs for evaluation: each device runs its stages' forwards in
@@ -984,10 +928,10 @@ fn forward_only_programs(schedule: &Schedule, n_micro_batches: usize) -> Vec<Vec
 
 impl Drop for Trainer {
     fn drop(&mut self) {
-        for worker in &self.workers {
+        for worker in self.workers.iter().flatten() {
             let _ = worker.commands.send(Command::Shutdown);
         }
-        for worker in &mut self.workers {
+        for worker in self.workers.iter_mut().flatten() {
             if let Some(handle) = worker.thread.take() {
                 let _ = handle.join();
             }

@@ -13,8 +13,9 @@ use crate::optim::Optimizer;
 use crate::{Error, Result, Tensor};
 
 impl Trainer {
-    /// Runs `f` on every worker's stages and gathers the answers, worker 0 first. A panic in `f`
-    /// is caught on the worker (which stays alive) and returned as [`Error::WorkerPanicked`].
+    /// Runs `f` on every local worker's stages (every worker in-process; this rank's under MPI)
+    /// and gathers the answers, worker 0 first. A panic in `f` is caught on the worker (which stays
+    /// alive) and returned as [`Error::WorkerPanicked`].
     pub(super) fn on_every_worker<T: Send + 'static>(
         &self,
         f: impl Fn(&mut [Stage]) -> T + Send + Sync + 'static,
@@ -22,6 +23,7 @@ impl Trainer {
         let f = Arc::new(f);
         let mut answers = Vec::with_capacity(self.workers.len());
         for (device_idx, worker) in self.workers.iter().enumerate() {
+            let Some(worker) = worker else { continue };
             let (tx, rx) = channel::bounded(1);
             let f = Arc::clone(&f);
             worker
@@ -32,13 +34,12 @@ impl Trainer {
                     let _ = tx.send(answer);
                 })))
                 .map_err(|_| Error::invalid("worker", format!("the worker of device {device_idx} has stopped")))?;
-            answers.push(rx);
+            answers.push((device_idx, rx));
         }
         // A worker's device is its group's first.
         let device_of = |device_idx: usize| self.devices[device_idx * self.tensor_parallel].to_string();
         answers
             .into_iter()
-            .enumerate()
             .map(|(device_idx, rx)| match rx.recv() {
                 Ok(Ok(answer)) => Ok(answer),
                 Ok(Err(message)) => Err(Error::WorkerPanicked { device_idx, device: device_of(device_idx), message }),
@@ -77,8 +78,27 @@ impl Trainer {
         for part in parts {
             gathered.extend(part?);
         }
+        let mut gathered = self.gather_named(gathered)?;
         gathered.sort_by_key(|(name, _)| self.param_order.iter().position(|o| o == name).unwrap_or(usize::MAX));
         Ok(gathered)
+    }
+
+    /// This rank's named tensors joined with every other rank's (rank order); with one rank, as
+    /// they are. Every rank must call it at the same point (a collective).
+    fn gather_named(&self, local: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
+        if self.transport.world_size() == 1 {
+            return Ok(local);
+        }
+        let parts = self.transport.all_gather(super::ranks::encode_named(&local)?, self.collective_timeout())?;
+        let mut all = Vec::new();
+        for (rank, part) in parts.iter().enumerate() {
+            if rank == self.transport.rank() {
+                all.extend(local.iter().map(|(n, t)| (n.clone(), t.share())));
+            } else {
+                all.extend(super::ranks::decode_named(part)?);
+            }
+        }
+        Ok(all)
     }
 
     /// Bytes and messages each split layer's devices have sent in collectives since the layer was
@@ -154,7 +174,7 @@ impl Trainer {
         for part in parts {
             gathered.extend(part?);
         }
-        Ok(gathered)
+        self.gather_named(gathered)
     }
 
     /// Loads every stage's optimizer state from `checkpoint` (names as [`Trainer::optimizer_state`]
@@ -165,6 +185,7 @@ impl Trainer {
         // tensors and hands the rest back, so no worker shares it with another.
         let mut checkpoint = checkpoint;
         for (device_idx, worker) in self.workers.iter().enumerate() {
+            let Some(worker) = worker else { continue };
             let (tx, rx) = channel::bounded(1);
             let stopped = || Error::invalid("worker", format!("the worker of device {device_idx} has stopped"));
             worker

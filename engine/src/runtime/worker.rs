@@ -13,6 +13,7 @@ use super::core_seat::{Aborted, CoreSeat};
 use super::core_slots::CoreSlots;
 use super::stage::{Payload, Stage, StepCtx};
 use super::{FaultInjection, FaultPoint};
+use crate::transport::{Tag, Transport};
 use crate::{Device, Error, Loss, Result, Targets, Tensor};
 
 /// A message between stages: one micro-batch's tensors.
@@ -21,11 +22,39 @@ pub(crate) type Message = (usize, Payload);
 /// Key of a channel: (from stage, to stage, gradient?).
 pub(crate) type ChannelKey = (usize, usize, bool);
 
-/// The channel ends a worker uses in one step.
+/// The channel ends a worker uses in one step: channels of tensors to and from stages of this
+/// process, and for stages on other ranks the rank and the transport's tag (sends) or inbox
+/// (receives); see `transport/README.md`.
 #[derive(Default)]
 pub(crate) struct Links {
     pub senders: HashMap<ChannelKey, Sender<Message>>,
     pub receivers: HashMap<ChannelKey, Receiver<Message>>,
+    pub remote_senders: HashMap<ChannelKey, (usize, Tag)>,
+    pub remote_receivers: HashMap<ChannelKey, Receiver<Vec<u8>>>,
+    pub transport: Option<Arc<dyn Transport>>,
+}
+
+impl Links {
+    /// Receives the message on channel `key` for a stage on `device`: from a local stage through
+    /// the core seat, from another rank through the transport's inbox (decoded onto `device`).
+    fn recv(
+        &self,
+        seat: &mut CoreSeat<'_>,
+        key: ChannelKey,
+        abort: &Receiver<()>,
+        device: &Device,
+    ) -> std::result::Result<(Message, Option<Instant>), OpFailure> {
+        if let Some(inbox) = self.remote_receivers.get(&key) {
+            let bytes = super::core_seat::poll_then_block(inbox, abort, super::core_seat::POLL_BEFORE_SLEEP)?;
+            return Ok((super::ranks::decode_message(&bytes, device)?, None));
+        }
+        let rx = self.receivers.get(&key).ok_or_else(|| missing_link(key))?;
+        Ok(seat.recv(rx, key, abort)?)
+    }
+}
+
+fn missing_link(key: ChannelKey) -> Error {
+    Error::invalid("links", format!("no channel from stage {} to stage {} (gradient: {})", key.0, key.1, key.2))
 }
 
 /// One step's work for one worker.
@@ -388,7 +417,7 @@ fn execute(
                 let mut queued_at = None;
                 for route in &stages[s].recv_from {
                     let key = (route.peer_stage_idx, stage_idx, false);
-                    let ((mb, payload), queued) = seat.recv(&job.links.receivers[&key], key, &job.abort)?;
+                    let ((mb, payload), queued) = job.links.recv(&mut seat, key, &job.abort, &stages[s].device)?;
                     queued_at = queued.or(queued_at);
                     check_order(&stages[s], mb, micro_batch_idx)?;
                     inputs.extend(payload);
@@ -439,7 +468,7 @@ fn execute(
                 let mut queued_at = None;
                 for peer in peers {
                     let key = (peer, stage_idx, true);
-                    let ((mb, payload), queued) = seat.recv(&job.links.receivers[&key], key, &job.abort)?;
+                    let ((mb, payload), queued) = job.links.recv(&mut seat, key, &job.abort, &stages[s].device)?;
                     queued_at = queued.or(queued_at);
                     check_order(&stages[s], mb, micro_batch_idx)?;
                     received.push(payload);
@@ -644,11 +673,17 @@ fn send_all(
 ) -> std::result::Result<(), OpFailure> {
     for (to_stage, payload) in messages {
         injected(job.fault, from_stage, &job.stage_devices[from_stage], FaultPoint::Send, micro_batch_idx)?;
+        let key = (from_stage, to_stage, gradient);
+        if let Some(&(rank, tag)) = job.links.remote_senders.get(&key) {
+            let transport = job.links.transport.as_ref().ok_or_else(|| missing_link(key))?;
+            transport.send(rank, tag, super::ranks::encode_message(micro_batch_idx, &payload)?)?;
+            continue;
+        }
         let target = &job.stage_devices[to_stage];
         let moved =
             payload.into_iter().map(|(id, t)| Ok((id, t.move_to_device(target)?))).collect::<Result<Payload>>()?;
-        let key = (from_stage, to_stage, gradient);
-        seat.send(&job.links.senders[&key], key, job.stage_workers[to_stage], (micro_batch_idx, moved))?;
+        let tx = job.links.senders.get(&key).ok_or_else(|| missing_link(key))?;
+        seat.send(tx, key, job.stage_workers[to_stage], (micro_batch_idx, moved))?;
     }
     Ok(())
 }

@@ -125,6 +125,13 @@ pub struct TrainArgs {
     /// [default: auto]
     #[arg(long)]
     pub core_slots: Option<String>,
+    /// How the pipeline's devices reach each other: `in-process` (threads of this process), `mpi`
+    /// (this process is one rank of `mpirun -n P conveyor train ...`, one rank per pipeline device;
+    /// needs a build with `--features mpi`), or `auto`: MPI when an MPI launcher started this
+    /// process with several ranks, else in-process.
+    /// [default: auto]
+    #[arg(long, default_value = "auto")]
+    pub transport: crate::cli::ranks::TransportChoice,
     /// Seed for initialisation, shuffling, synthetic data and dropout.
     /// [default: 0]
     #[arg(long)]

@@ -73,6 +73,8 @@ fn list_devices() {
 /// fit) named by their flags as ever; everything else a usage error (exit status 2).
 fn spec_error(e: SpecError) -> anyhow::Error {
     match e {
+        // Every rank of an MPI job reaches this together (`cli::ranks`).
+        SpecError::Engine(e @ conveyor::engine::Error::WorldSize { .. }) => anyhow::Error::new(e),
         SpecError::Engine(e) => super::messages::engine_input_error(e),
         other => usage(other.to_string()),
     }
@@ -91,8 +93,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         console::out(&spec.to_toml_string().map_err(spec_error)?);
         return Ok(());
     }
-    // Every output path, before anything is loaded or trained.
+    // Every output path, before anything is loaded or trained (on every rank under MPI: the
+    // checks only probe, and a rank that fails them ends the job before it starts).
     outputs::check(&spec)?;
+    super::ranks::start(args.transport)?;
     let recorder = install_subscriber(spec.outputs.trace.is_some() || spec.outputs.svg.is_some());
     let mut run = spec.prepare().map_err(spec_error)?;
     let (schedule, lr_schedule, on_nonfinite) =

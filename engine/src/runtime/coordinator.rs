@@ -1,0 +1,361 @@
+//! The coordinator's side of a step, after the jobs went out: collecting the local workers'
+//! reports, the commit vote across ranks, the commit or the abort, the rollback, and the step's
+//! report gathered from every rank. With one rank (in-process) the vote and the gathers are
+//! plain values and nothing is encoded; with several, every rank runs the same decision on the same
+//! gathered votes, so a step commits on every rank or on none (`runtime/README.md`,
+//! `transport/README.md`).
+use std::time::{Duration, Instant};
+
+use crossbeam::channel::{self, Receiver, Sender, select};
+
+use super::ranks::{Finish, Vote};
+use super::trainer::{REPORT_TIMEOUT, StepOutcome, Trainer};
+use super::worker::{Command, Commit, Report};
+use super::StepReport;
+use crate::transport::{ABORT_CHANNEL, Tag};
+use crate::{Error, Result};
+
+/// What one step's dispatch hands the coordinator.
+pub(super) struct Dispatched {
+    pub reports: Receiver<Report>,
+    pub abort: Sender<()>,
+    /// Per local worker: its commit channel.
+    pub commits: Vec<(usize, Sender<Commit>)>,
+    pub started: Instant,
+    /// When the step started, in seconds on rank 0's clock.
+    pub started_s: f64,
+    pub training: bool,
+    pub slots_this_step: Option<usize>,
+    pub round: u64,
+}
+
+/// What the local workers reported.
+#[derive(Default)]
+struct Local {
+    ready: Vec<bool>,
+    finished: Vec<bool>,
+    losses: Vec<(usize, f64)>,
+    sums_of_squares: Vec<(usize, f64)>,
+    non_finite: Option<(usize, String)>,
+    failure: Option<Error>,
+    /// A local failure after the vote (the apply phase) or in an evaluation.
+    late_failure: bool,
+    needs_rollback: Vec<bool>,
+    finish: Finish,
+}
+
+impl Local {
+    fn absorb(&mut self, report: Report, voted: bool) {
+        match report {
+            Report::Ready { device_idx, losses, sum_of_squares, non_finite } => {
+                self.ready[device_idx] = true;
+                self.losses.extend(losses);
+                self.sums_of_squares.push((device_idx, sum_of_squares));
+                if let Some((stage_idx, parameter)) = non_finite
+                    && self.non_finite.as_ref().is_none_or(|(first, _)| stage_idx < *first)
+                {
+                    self.non_finite = Some((stage_idx, parameter));
+                }
+            }
+            Report::Done { device_idx, applied, events, cpu_times, peak_activation_bytes, outputs } => {
+                self.finished[device_idx] = true;
+                self.needs_rollback[device_idx] = applied;
+                self.finish.events.extend(events);
+                self.finish.cpu_times.extend(cpu_times);
+                self.finish.peak_activation_bytes.extend(peak_activation_bytes);
+                self.finish.outputs.extend(outputs);
+            }
+            Report::Failed { device_idx, error, needs_rollback } => {
+                self.finished[device_idx] = true;
+                self.needs_rollback[device_idx] = needs_rollback;
+                if self.failure.is_none() {
+                    self.late_failure = voted;
+                    self.failure = Some(error);
+                }
+            }
+            Report::Aborted { device_idx } => self.finished[device_idx] = true,
+        }
+    }
+}
+
+fn lost(error: channel::RecvTimeoutError) -> Error {
+    Error::invalid(
+        "step",
+        match error {
+            channel::RecvTimeoutError::Timeout => {
+                format!("no worker reported for {} s; the step was abandoned", REPORT_TIMEOUT.as_secs())
+            }
+            channel::RecvTimeoutError::Disconnected => {
+                "a worker thread vanished without reporting; the step was abandoned".to_string()
+            }
+        },
+    )
+}
+
+impl Trainer {
+    /// Pipeline devices whose worker runs in this process.
+    pub(super) fn local_workers(&self) -> Vec<usize> {
+        (0..self.workers.len()).filter(|&d| self.workers[d].is_some()).collect()
+    }
+
+    /// How long a rank waits in a collective for the others: as long as it would wait for its own
+    /// workers.
+    pub(super) fn collective_timeout(&self) -> Duration {
+        REPORT_TIMEOUT
+    }
+
+    pub(super) fn collect(&mut self, step: Dispatched) -> Result<StepOutcome> {
+        let Dispatched { reports, abort, commits, started, started_s, training, slots_this_step, round } = step;
+        let n_devices = self.workers.len();
+        let local_workers = self.local_workers();
+        let world = self.transport.world_size();
+        let peer_abort = match world {
+            1 => channel::never(),
+            _ => self.transport.inbox(Tag { round, channel: ABORT_CHANNEL })?,
+        };
+        let mut abort = Some(abort);
+        let mut local = Local {
+            ready: vec![false; n_devices],
+            finished: vec![false; n_devices],
+            needs_rollback: vec![false; n_devices],
+            ..Default::default()
+        };
+        let mut peer_failed = false;
+        let mut notified = false;
+        // Until every local worker has voted (training) or finished; after a failure, until every
+        // one has finished.
+        loop {
+            let healthy = local.failure.is_none() && !peer_failed;
+            if local_workers.iter().all(|&d| local.finished[d] || (training && healthy && local.ready[d])) {
+                break;
+            }
+            select! {
+                recv(reports) -> report => {
+                    let report = report.map_err(|_| lost(channel::RecvTimeoutError::Disconnected))?;
+                    local.absorb(report, false);
+                }
+                recv(peer_abort) -> _ => {
+                    peer_failed = true;
+                    abort.take();
+                }
+                default(REPORT_TIMEOUT) => return Err(lost(channel::RecvTimeoutError::Timeout)),
+            }
+            if local.failure.is_some() {
+                abort.take();
+                if world > 1 && !notified {
+                    // Wake every rank's workers that wait for a message from here.
+                    notified = true;
+                    for peer in (0..world).filter(|&p| p != self.transport.rank()) {
+                        let _ = self.transport.send(peer, Tag { round, channel: ABORT_CHANNEL }, Vec::new());
+                    }
+                }
+            }
+        }
+        let mut committed = false;
+        let mut global_norm = 0.0;
+        let mut all_losses = Vec::new();
+        if training {
+            let vote = match (&local.failure, peer_failed) {
+                (Some(error), _) => Vote::Failed { message: error.to_string() },
+                (None, true) => Vote::Aborted,
+                (None, false) => Vote::Ready {
+                    losses: std::mem::take(&mut local.losses),
+                    sums_of_squares: std::mem::take(&mut local.sums_of_squares),
+                    non_finite: local.non_finite.take(),
+                },
+            };
+            let votes = match world {
+                1 => vec![vote],
+                _ => self
+                    .transport
+                    .all_gather(vote.encode(), self.collective_timeout())?
+                    .iter()
+                    .map(|bytes| Vote::decode(bytes))
+                    .collect::<Result<Vec<_>>>()?,
+            };
+            let decision = self.decide(votes, &mut all_losses);
+            match (local.failure.is_some(), decision) {
+                (true, _) => {}
+                (false, Ok(norm)) => {
+                    committed = true;
+                    global_norm = norm;
+                    for (_, commit) in &commits {
+                        let _ = commit.send(Commit { global_norm });
+                    }
+                }
+                (false, Err(error)) => local.failure = Some(error),
+            }
+            if !committed {
+                abort.take();
+            }
+        }
+        // Every local worker finishes: applied, failed or aborted.
+        while local_workers.iter().any(|&d| !local.finished[d]) {
+            let report = reports.recv_timeout(REPORT_TIMEOUT).map_err(lost)?;
+            local.absorb(report, true);
+        }
+        drop(abort);
+        let mut finish = std::mem::take(&mut local.finish);
+        let local_late = local.failure.as_ref().filter(|_| local.late_failure || !training);
+        finish.failure = local_late.map(Error::to_string);
+        finish.applied = local.needs_rollback.iter().any(|&r| r);
+        finish.started_s = started_s;
+        for &d in &local_workers {
+            let group = d * self.tensor_parallel..(d + 1) * self.tensor_parallel;
+            finish.peak_memory.extend(group.map(|i| (i, self.devices[i].peak_memory())));
+        }
+        let finishes = match world {
+            1 => vec![finish],
+            _ => self
+                .transport
+                .all_gather(finish.encode()?, self.collective_timeout())?
+                .iter()
+                .map(|bytes| Finish::decode(bytes))
+                .collect::<Result<Vec<_>>>()?,
+        };
+        if local.failure.is_none()
+            && let Some((rank, message)) =
+                finishes.iter().enumerate().find_map(|(rank, f)| f.failure.clone().map(|m| (rank, m)))
+        {
+            local.failure = Some(Error::RankFailed { rank, message });
+        }
+        if let Some(error) = local.failure {
+            if local.needs_rollback.iter().any(|&r| r) {
+                self.roll_back(&local.needs_rollback, &error)?;
+            }
+            return Err(error);
+        }
+        Ok(self.report(finishes, all_losses, global_norm, started, slots_this_step))
+    }
+
+    /// The commit decision every rank takes from the same votes: the global gradient norm, or why
+    /// the step is refused (the first failing rank's error, or a non-finite loss or gradient).
+    fn decide(&self, votes: Vec<Vote>, all_losses: &mut Vec<(usize, f64)>) -> Result<f64> {
+        let mut sums = vec![0.0; self.workers.len()];
+        let mut non_finite: Option<(usize, String)> = None;
+        for (rank, vote) in votes.into_iter().enumerate() {
+            match vote {
+                Vote::Failed { message } => return Err(Error::RankFailed { rank, message }),
+                Vote::Aborted => {
+                    return Err(Error::RankFailed { rank, message: "aborted by a failure on another rank".into() });
+                }
+                Vote::Ready { losses, sums_of_squares, non_finite: nf } => {
+                    all_losses.extend(losses);
+                    for (d, s) in sums_of_squares {
+                        sums[d] = s;
+                    }
+                    if let Some((stage_idx, parameter)) = nf
+                        && non_finite.as_ref().is_none_or(|(first, _)| stage_idx < *first)
+                    {
+                        non_finite = Some((stage_idx, parameter));
+                    }
+                }
+            }
+        }
+        if let Some(error) = self.non_finite_error(all_losses, non_finite) {
+            return Err(error);
+        }
+        // Summed in device order on every rank: the same norm bit for bit wherever it is taken.
+        Ok(sums.iter().sum::<f64>().sqrt())
+    }
+
+    /// The step's report from every rank's end of it, on rank 0's time line.
+    fn report(
+        &self,
+        finishes: Vec<Finish>,
+        mut losses: Vec<(usize, f64)>,
+        global_norm: f64,
+        started: Instant,
+        slots_this_step: Option<usize>,
+    ) -> StepOutcome {
+        let origin = finishes.iter().map(|f| f.started_s).fold(f64::INFINITY, f64::min);
+        let mut events = Vec::new();
+        let mut op_cpu_times = Vec::new();
+        let mut peak_activation_bytes = vec![0; self.stage_info.len()];
+        let mut peak_memory = vec![0; self.devices.len()];
+        let mut outputs = Vec::new();
+        for finish in finishes {
+            let shift = if origin.is_finite() { finish.started_s - origin } else { 0.0 };
+            events.extend(finish.events.into_iter().map(|mut e| {
+                e.start_s += shift;
+                e.end_s += shift;
+                e
+            }));
+            op_cpu_times.extend(finish.cpu_times);
+            for (stage_idx, bytes) in finish.peak_activation_bytes {
+                peak_activation_bytes[stage_idx] = bytes;
+            }
+            for (device, bytes) in finish.peak_memory {
+                peak_memory[device] = bytes;
+            }
+            outputs.extend(finish.outputs);
+        }
+        losses.sort_by_key(|(mb, _)| *mb);
+        let loss = losses.iter().map(|(_, l)| l).sum();
+        outputs.sort_by_key(|(mb, _)| *mb);
+        let mut timeline = conveyor_schedules::Timeline::new(self.workers.len(), self.stage_info.len());
+        events.sort_by(|a: &conveyor_schedules::TimelineEvent, b| a.start_s.total_cmp(&b.start_s));
+        timeline.events = events;
+        StepOutcome {
+            report: StepReport {
+                loss,
+                peak_memory,
+                peak_activation_bytes,
+                timeline,
+                step_s: started.elapsed().as_secs_f64(),
+                grad_norm: global_norm,
+                op_cpu_times,
+                core_slots: slots_this_step,
+                core_wake_latency_s: self.slots.as_ref().filter(|_| slots_this_step.is_some()).map(|slots| {
+                    let latencies = slots.take_wake_latencies();
+                    latencies.iter().sum::<f64>() / latencies.len().max(1) as f64
+                }),
+            },
+            outputs: outputs.into_iter().map(|(_, t)| t).collect(),
+        }
+    }
+
+    /// The error for a step whose votes found a non-finite loss or gradient, if any: the loss of
+    /// the first such micro-batch, else the first stage's first such gradient.
+    fn non_finite_error(&self, losses: &[(usize, f64)], non_finite_grad: Option<(usize, String)>) -> Option<Error> {
+        let bad_loss = losses.iter().filter(|(_, l)| !l.is_finite()).map(|(mb, _)| *mb).min();
+        let output_stage = self.stage_info.iter().find(|s| s.holds_output).map_or(0, |s| s.stage_idx);
+        let (stage_idx, what, micro_batch_idx) = match (bad_loss, &non_finite_grad) {
+            (Some(mb), _) => (output_stage, crate::NonFinite::Loss, Some(mb)),
+            (None, Some((stage_idx, _))) => (*stage_idx, crate::NonFinite::Gradient, None),
+            (None, None) => return None,
+        };
+        Some(Error::NonFiniteStep {
+            step_idx: self.step_idx,
+            stage_idx,
+            device: self.stage_devices[stage_idx].to_string(),
+            what,
+            micro_batch_idx,
+            parameter: non_finite_grad.map(|(_, p)| p),
+        })
+    }
+
+    /// Undoes a step that some workers applied before another failed: every local worker that may
+    /// hold the update puts back its undo snapshot (every rank does this for its own workers, from
+    /// the same gathered outcome). If one cannot (a stage without a snapshot), the trainer is
+    /// poisoned and says so.
+    fn roll_back(&mut self, needs_rollback: &[bool], cause: &Error) -> Result<()> {
+        let mut all_restored = true;
+        for (worker, _) in self.workers.iter().zip(needs_rollback).filter(|(_, r)| **r) {
+            let Some(worker) = worker else { continue };
+            let (tx, rx) = channel::bounded(1);
+            let restored = worker.commands.send(Command::RollBack(tx)).is_ok() && rx.recv().unwrap_or(false);
+            all_restored &= restored;
+        }
+        if all_restored {
+            return Ok(());
+        }
+        let reason = format!(
+            "a step failed after some stages applied their update ({cause}), and a stage without an undo snapshot \
+             could not be rolled back"
+        );
+        self.poisoned = Some(reason.clone());
+        Err(Error::Poisoned { reason })
+    }
+}
+
