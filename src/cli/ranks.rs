@@ -81,6 +81,21 @@ pub fn start(choice: TransportChoice) -> anyhow::Result<Option<Arc<dyn Transport
     if transport.rank() != 0 {
         console::silence();
     }
+    let links: Vec<String> = (1..transport.world_size())
+        .filter_map(|peer| {
+            let link = transport.link(peer)?;
+            Some(format!(
+                "rank {peer}: {:.1} µs + {:.2} GB/s",
+                link.latency_s * 1e6,
+                link.bandwidth_bytes_per_s / 1e9
+            ))
+        })
+        .collect();
+    console::out(&format!(
+        "transport: MPI, {} ranks (this output is rank 0's); links measured from rank 0: {}\n",
+        transport.world_size(),
+        if links.is_empty() { "none".to_string() } else { links.join(", ") }
+    ));
     Ok(Some(transport))
 }
 
