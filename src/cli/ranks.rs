@@ -84,11 +84,7 @@ pub fn start(choice: TransportChoice) -> anyhow::Result<Option<Arc<dyn Transport
     let links: Vec<String> = (1..transport.world_size())
         .filter_map(|peer| {
             let link = transport.link(peer)?;
-            Some(format!(
-                "rank {peer}: {:.1} µs + {:.2} GB/s",
-                link.latency_s * 1e6,
-                link.bandwidth_bytes_per_s / 1e9
-            ))
+            Some(format!("rank {peer}: {:.1} µs + {:.2} GB/s", link.latency_s * 1e6, link.bandwidth_bytes_per_s / 1e9))
         })
         .collect();
     console::out(&format!(
