@@ -96,18 +96,20 @@ pub fn start(choice: TransportChoice) -> anyhow::Result<Option<Arc<dyn Transport
 }
 
 /// Whether every rank reaches `error` together (so the job can end in order): errors of the
-/// step's vote and of the layout, which every rank computes from the same gathered values.
+/// step's vote and of the layout, which every rank computes from the same gathered values, and a
+/// stop by a signal (agreed by every rank, `cli::train`).
 fn reached_together(error: &anyhow::Error) -> bool {
-    matches!(
-        error.downcast_ref::<Error>(),
-        Some(
-            Error::WorldSize { .. }
-                | Error::RankFailed { .. }
-                | Error::StageFailed { .. }
-                | Error::WorkerPanicked { .. }
-                | Error::NonFiniteStep { .. }
+    error.downcast_ref::<super::interrupt::Interrupted>().is_some()
+        || matches!(
+            error.downcast_ref::<Error>(),
+            Some(
+                Error::WorldSize { .. }
+                    | Error::RankFailed { .. }
+                    | Error::StageFailed { .. }
+                    | Error::WorkerPanicked { .. }
+                    | Error::NonFiniteStep { .. }
+            )
         )
-    )
 }
 
 /// Ends this rank's part of the job with exit status `code` after `result` (a no-op without MPI):

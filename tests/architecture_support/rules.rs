@@ -267,6 +267,28 @@ pub fn engine_names_concrete_layers(files: &[SourceFile], layers: &ConcreteLayer
 
 /// `cfg(feature = "cuda")` (or `cfg_attr`, `cfg!`, inside `any(..)`) outside the switch files.
 pub fn cuda_cfg_outside_switch(files: &[SourceFile], switch_files: &[&str]) -> Vec<Violation> {
+    feature_cfg_outside_switch(
+        files,
+        "cuda",
+        switch_files,
+        "a `feature = \"cuda\"` condition outside device/mod.rs and device/cuda_enabled.rs: branch on `Device` instead",
+    )
+}
+
+/// `cfg(feature = "mpi")` (or `cfg_attr`, `cfg!`, inside `any(..)`) outside the switch files.
+pub fn mpi_cfg_outside_switch(files: &[SourceFile], switch_files: &[&str]) -> Vec<Violation> {
+    feature_cfg_outside_switch(
+        files,
+        "mpi",
+        switch_files,
+        "a `feature = \"mpi\"` condition outside transport/mod.rs and transport/mpi_enabled.rs: go through \
+         `Transport` (`mpi_disabled.rs` declares the same names) instead",
+    )
+}
+
+/// A `feature = "<feature>"` condition outside the switch files, each reported with `why`.
+fn feature_cfg_outside_switch(files: &[SourceFile], feature: &str, switch_files: &[&str], why: &str) -> Vec<Violation> {
+    let condition = format!("=\"{feature}\"");
     let mut out = Vec::new();
     for file in files.iter().filter(|f| !switch_files.contains(&f.path.as_str())) {
         let lexed = lex(&file.text);
@@ -274,12 +296,8 @@ pub fn cuda_cfg_outside_switch(files: &[SourceFile], switch_files: &[&str]) -> V
         for ident in idents.iter().filter(|i| i.text == "feature") {
             let rest: String = lexed.code_with_strings[ident.pos + ident.text.len()..].iter().take(40).collect();
             let compact: String = rest.chars().filter(|c| !c.is_whitespace()).collect();
-            if compact.starts_with("=\"cuda\"") {
-                out.push(Violation::at(
-                    file,
-                    ident.line,
-                    "a `feature = \"cuda\"` condition outside device/mod.rs and device/cuda_enabled.rs: branch on `Device` instead",
-                ));
+            if compact.starts_with(&condition) {
+                out.push(Violation::at(file, ident.line, why));
             }
         }
     }
@@ -472,6 +490,25 @@ mod tests {
                 ("engine/src/profile.rs".into(), 3)
             ]
         );
+    }
+
+    #[test]
+    fn mpi_conditions_outside_the_switch_are_found() {
+        let files = [
+            file(
+                "engine/src/transport/mod.rs",
+                "#[cfg_attr(feature = \"mpi\", path = \"mpi_enabled.rs\")]\nmod mpi_backend;\n",
+            ),
+            file(
+                "src/cli/ranks.rs",
+                "// cfg(feature = \"mpi\") in a comment is fine\n#[cfg(feature = \"mpich\")]\nfn a() {}\n#[cfg(all(unix, feature = \"mpi\"))]\nfn b() { if cfg!(feature=\"mpi\") {} }\nconst S: &str = \"feature = mpi\";\n",
+            ),
+        ];
+        assert_eq!(
+            lines(&mpi_cfg_outside_switch(&files, &["engine/src/transport/mod.rs"])),
+            [("src/cli/ranks.rs".into(), 4), ("src/cli/ranks.rs".into(), 5)]
+        );
+        assert_eq!(lines(&cuda_cfg_outside_switch(&files, &[])), []);
     }
 
     #[test]

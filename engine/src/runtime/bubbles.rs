@@ -244,9 +244,10 @@ impl StepReport {
 
     /// A report holding only `timeline` (a simulated step, or one read back from a trace), for
     /// [`StepReport::bubbles`]: zero loss and gradient norm, no memory figures, no CPU times, no
-    /// core slots.
+    /// core slots, started at time 0.
     pub fn from_timeline(timeline: Timeline) -> StepReport {
         StepReport {
+            started_s: 0.0,
             loss: 0.0,
             peak_memory: Vec::new(),
             peak_activation_bytes: Vec::new(),

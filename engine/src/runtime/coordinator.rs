@@ -302,6 +302,7 @@ impl Trainer {
                 peak_memory,
                 peak_activation_bytes,
                 timeline,
+                started_s: if origin.is_finite() { origin } else { 0.0 },
                 step_s: started.elapsed().as_secs_f64(),
                 grad_norm: global_norm,
                 op_cpu_times,

@@ -182,6 +182,10 @@ pub struct StepReport {
     pub peak_activation_bytes: Vec<u64>,
     /// Every op executed, with its start and end relative to the step's start.
     pub timeline: conveyor_schedules::Timeline,
+    /// When the step started, the zero of [`StepReport::timeline`]: seconds since the Unix epoch
+    /// on rank 0's clock (under MPI, the earliest rank's start, each rank's clock shifted by the
+    /// offset measured at start-up). The steps of a run lie `started_s` apart on one time line.
+    pub started_s: f64,
     /// Wall time of the step, seconds.
     pub step_s: f64,
     /// Global gradient norm before clipping.

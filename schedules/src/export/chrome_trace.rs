@@ -1,7 +1,9 @@
 //! Chrome trace / Perfetto JSON (the "Trace Event Format"): what `chrome://tracing` and
 //! `ui.perfetto.dev` open.
 //!
-//! Layout: one process (`pid` 0); device `d`'s compute and wait events on thread `tid = d`,
+//! Layout: one process (`pid` 0), or with [`ChromeTraceWriter::with_process_per_device`] one
+//! process per device (`pid = d`, for a job of one process per device); device `d`'s compute and
+//! wait events on thread `tid = d`,
 //! named by an `M` `thread_name` event; its send and receive events, which overlap its compute,
 //! on a second thread `tid = n_devices + d` named `... comm`, emitted only for devices that have
 //! them. Every op is a complete (`X`) event with `ts` and `dur` in microseconds from the step's
@@ -50,8 +52,9 @@ pub fn chrome_trace(timeline: &Timeline, options: &TraceOptions) -> String {
             *flag = true;
         }
     }
-    let mut writer = ChromeTraceWriter::start(Vec::new(), timeline.n_devices, options.device_labels.clone(), &has_comm)
-        .expect("writing to memory cannot fail");
+    let mut writer =
+        ChromeTraceWriter::start(Vec::new(), timeline.n_devices, options.device_labels.clone(), &has_comm, None)
+            .expect("writing to memory cannot fail");
     writer.write_ops(&timeline.events).expect("writing to memory cannot fail");
     writer.write_memory(&options.memory_samples).expect("writing to memory cannot fail");
     let bytes = writer.finish().expect("writing to memory cannot fail");
@@ -73,25 +76,64 @@ pub struct ChromeTraceWriter<W: Write> {
     comm_named: Vec<bool>,
     /// Whether an event has been written (so the next one needs a comma).
     any_written: bool,
+    /// Whether device `d` has a process of its own (`pid = d`) rather than sharing `pid` 0.
+    process_per_device: bool,
 }
 
 impl<W: Write> ChromeTraceWriter<W> {
     /// Starts a trace of `n_devices` devices labelled `device_labels` (as in [`TraceOptions`]).
     pub fn new(out: W, n_devices: usize, device_labels: Vec<String>) -> std::io::Result<Self> {
-        Self::start(out, n_devices, device_labels, &[])
+        Self::start(out, n_devices, device_labels, &[], None)
+    }
+
+    /// Starts a trace of `n_devices` devices each in a process of its own, named
+    /// `process_names[d]` (a job of one process per device: `rank 0 (cpu:0)`, ...): device `d`'s
+    /// rows and memory counters go under `pid = d`, its rows named as in [`ChromeTraceWriter::new`].
+    pub fn with_process_per_device(
+        out: W,
+        n_devices: usize,
+        device_labels: Vec<String>,
+        process_names: &[String],
+    ) -> std::io::Result<Self> {
+        Self::start(out, n_devices, device_labels, &[], Some(process_names))
     }
 
     /// Starts a trace, naming the comm rows of the devices flagged in `has_comm` up front.
-    fn start(out: W, n_devices: usize, device_labels: Vec<String>, has_comm: &[bool]) -> std::io::Result<Self> {
-        let mut writer =
-            ChromeTraceWriter { out, n_devices, device_labels, comm_named: vec![false; n_devices], any_written: false };
+    fn start(
+        out: W,
+        n_devices: usize,
+        device_labels: Vec<String>,
+        has_comm: &[bool],
+        process_names: Option<&[String]>,
+    ) -> std::io::Result<Self> {
+        let mut writer = ChromeTraceWriter {
+            out,
+            n_devices,
+            device_labels,
+            comm_named: vec![false; n_devices],
+            any_written: false,
+            process_per_device: process_names.is_some(),
+        };
         writer.out.write_all(b"{\"displayTimeUnit\":\"ms\",\"traceEvents\":[")?;
-        writer.event(&json!({
-            "ph": "M", "pid": 0, "name": "process_name", "args": {"name": "conveyor pipeline"}
-        }))?;
+        match process_names {
+            None => writer.event(&json!({
+                "ph": "M", "pid": 0, "name": "process_name", "args": {"name": "conveyor pipeline"}
+            }))?,
+            Some(names) => {
+                for device_idx in 0..n_devices {
+                    let name = names.get(device_idx).cloned().unwrap_or_else(|| format!("process {device_idx}"));
+                    writer.event(&json!({
+                        "ph": "M", "pid": device_idx, "name": "process_name", "args": {"name": name}
+                    }))?;
+                    writer.event(&json!({
+                        "ph": "M", "pid": device_idx, "name": "process_sort_index", "args": {"sort_index": device_idx}
+                    }))?;
+                }
+            }
+        }
         for device_idx in 0..n_devices {
             let name = device_name(&writer.device_labels, device_idx);
-            for event in thread_metadata(device_idx, &name, 2 * device_idx) {
+            for event in thread_metadata(writer.pid(device_idx), device_idx, &name, 2 * device_idx) {
                 writer.event(&event)?;
             }
             if has_comm.get(device_idx).copied().unwrap_or(false) {
@@ -99,6 +141,11 @@ impl<W: Write> ChromeTraceWriter<W> {
             }
         }
         Ok(writer)
+    }
+
+    /// The process device `device_idx`'s rows belong to.
+    fn pid(&self, device_idx: usize) -> usize {
+        if self.process_per_device { device_idx } else { 0 }
     }
 
     fn event(&mut self, event: &Value) -> std::io::Result<()> {
@@ -118,7 +165,7 @@ impl<W: Write> ChromeTraceWriter<W> {
         }
         self.comm_named[device_idx] = true;
         let name = format!("{} comm", device_name(&self.device_labels, device_idx));
-        for event in thread_metadata(self.n_devices + device_idx, &name, 2 * device_idx + 1) {
+        for event in thread_metadata(self.pid(device_idx), self.n_devices + device_idx, &name, 2 * device_idx + 1) {
             self.event(&event)?;
         }
         Ok(())
@@ -137,7 +184,7 @@ impl<W: Write> ChromeTraceWriter<W> {
             };
             self.event(&json!({
                 "ph": "X",
-                "pid": 0,
+                "pid": self.pid(event.device_idx),
                 "tid": tid,
                 "name": event_name(event),
                 "cat": kind_name(event.op),
@@ -160,7 +207,7 @@ impl<W: Write> ChromeTraceWriter<W> {
         for sample in samples {
             self.event(&json!({
                 "ph": "C",
-                "pid": 0,
+                "pid": self.pid(sample.device_idx),
                 "name": "memory",
                 "id": format!("device {}", sample.device_idx),
                 "ts": sample.time_s * MICROS_PER_S,
@@ -184,10 +231,10 @@ fn is_comm(op: OpKind) -> bool {
 
 /// A `thread_name` and a `thread_sort_index` event, so rows appear named and each device's comm
 /// row right below its compute row.
-fn thread_metadata(tid: usize, name: &str, sort_index: usize) -> [Value; 2] {
+fn thread_metadata(pid: usize, tid: usize, name: &str, sort_index: usize) -> [Value; 2] {
     [
-        json!({"ph": "M", "pid": 0, "tid": tid, "name": "thread_name", "args": {"name": name}}),
-        json!({"ph": "M", "pid": 0, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": sort_index}}),
+        json!({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}),
+        json!({"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": sort_index}}),
     ]
 }
 
@@ -231,6 +278,47 @@ mod tests {
         let memory = events.iter().find(|event| event["ph"] == "C").unwrap();
         assert_eq!((&memory["name"], &memory["args"]["bytes"]), (&json!("memory"), &json!(4096)));
         assert_eq!(trace["displayTimeUnit"], "ms");
+    }
+
+    #[test]
+    fn one_process_per_device_puts_each_device_under_its_own_pid() {
+        let forward = TimelineEvent {
+            device_idx: 1,
+            stage_idx: Some(1),
+            op: OpKind::Forward,
+            micro_batch_idx: Some(0),
+            start_s: 0.5,
+            end_s: 1.0,
+        };
+        let labels = vec!["cpu:0".to_owned(), "cpu:1".to_owned()];
+        let names = ["rank 0 (cpu:0)".to_owned(), "rank 1 (cpu:1)".to_owned()];
+        let mut writer = ChromeTraceWriter::with_process_per_device(Vec::new(), 2, labels, &names).unwrap();
+        writer.write_ops(&[forward, TimelineEvent { op: OpKind::Recv, ..forward }]).unwrap();
+        writer.write_memory(&[MemorySample { device_idx: 1, time_s: 0.25, bytes: 8 }]).unwrap();
+        let trace: Value = serde_json::from_slice(&writer.finish().unwrap()).unwrap();
+        let events = trace["traceEvents"].as_array().unwrap();
+        let processes: Vec<(&Value, &str)> = events
+            .iter()
+            .filter(|event| event["name"] == "process_name")
+            .map(|event| (&event["pid"], event["args"]["name"].as_str().unwrap()))
+            .collect();
+        assert_eq!(processes, [(&json!(0), "rank 0 (cpu:0)"), (&json!(1), "rank 1 (cpu:1)")]);
+        let threads: Vec<(&Value, &Value, &str)> = events
+            .iter()
+            .filter(|event| event["name"] == "thread_name")
+            .map(|event| (&event["pid"], &event["tid"], event["args"]["name"].as_str().unwrap()))
+            .collect();
+        assert_eq!(
+            threads,
+            [
+                (&json!(0), &json!(0), "device 0 (cpu:0)"),
+                (&json!(1), &json!(1), "device 1 (cpu:1)"),
+                (&json!(1), &json!(3), "device 1 (cpu:1) comm")
+            ]
+        );
+        let pids: Vec<(&Value, &Value)> =
+            events.iter().filter(|event| event["ph"] != "M").map(|event| (&event["ph"], &event["pid"])).collect();
+        assert_eq!(pids, [(&json!("X"), &json!(1)), (&json!("X"), &json!(1)), (&json!("C"), &json!(1))]);
     }
 
     #[test]

@@ -15,19 +15,31 @@
 //! written in order of value: `--save`, `--checkpoint`, `--metrics`, `--trace`, `--svg`; one that
 //! fails does not stop the others. Everything printed goes through `console` (a closed or full
 //! stdout never stops the run).
+//!
+//! Under MPI (`cli::ranks`) every rank runs this same loop and makes the same trainer calls in the
+//! same order (steps, evaluations, `--save`, `--checkpoint`: each is a collective), and nothing
+//! rank-dependent may change that sequence: a stop asked by a signal is agreed by every rank before
+//! each step and evaluation chunk ([`agreed_stop`]), so all stop at the same point. Rank 0 owns the
+//! user's view: it alone prints (the others are silenced), writes `--metrics`, `--trace` and `--svg`
+//! (`Trainer::writes_files`; the trainer's saves gather on every rank and write on rank 0), and
+//! draws no progress bars. The trace and the chart come from the steps' gathered timelines
+//! (every rank's ops on rank 0's clock) instead of this process's op recorder, which sees only
+//! rank 0's worker.
 mod args;
 mod checkpointing;
 mod outputs;
 mod progress;
 mod summary;
 
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 pub use args::{LrSchedule, OnNonFinite, TrainArgs, parse_devices, parse_optimizer, parse_size};
 use checkpointing::RunState;
 use conveyor::data;
 use conveyor::engine::Device;
 use conveyor::engine::trace::{MemoryPoint, TimelineRecorder, timeline_filter};
+use conveyor::engine::transport::Transport;
 use conveyor::schedules::export::{MemorySample, SvgOptions, svg_gantt};
 use conveyor::schedules::{Schedule, Timeline, TimelineEvent};
 use conveyor::spec::SpecError;
@@ -69,6 +81,26 @@ fn list_devices() {
     }
 }
 
+/// How long a rank waits for the others to agree on stopping: as long as the trainer waits in its
+/// own collectives (a rank may be writing a large checkpoint while the others wait).
+const AGREE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The signal that stops the run before its next step or evaluation chunk, if any. In one process,
+/// the first signal received ([`interrupt::requested`]); across ranks (`ranks`: an MPI job of more
+/// than one rank), the first rank's that received one, agreed by an all-gather every rank makes at
+/// the same point, so every rank stops at the same step and makes the same trainer calls. (A signal
+/// reaches each rank at its own moment; a rank stopping alone would leave the others waiting in
+/// its next collective.)
+fn agreed_stop(ranks: Option<&Arc<dyn Transport>>) -> anyhow::Result<Option<i32>> {
+    let mine = interrupt::requested();
+    let Some(ranks) = ranks else { return Ok(mine) };
+    let all = ranks.all_gather(mine.unwrap_or(0).to_le_bytes().to_vec(), AGREE_TIMEOUT)?;
+    Ok(all
+        .iter()
+        .filter_map(|bytes| Some(i32::from_le_bytes(bytes.as_slice().try_into().ok()?)))
+        .find(|&signal| signal != 0))
+}
+
 /// A spec error for the user: planning and building errors they can fix (bad schedule, does not
 /// fit) named by their flags as ever; everything else a usage error (exit status 2).
 fn spec_error(e: SpecError) -> anyhow::Error {
@@ -96,8 +128,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     // Every output path, before anything is loaded or trained (on every rank under MPI: the
     // checks only probe, and a rank that fails them ends the job before it starts).
     outputs::check(&spec)?;
-    super::ranks::start(args.transport)?;
-    let recorder = install_subscriber(spec.outputs.trace.is_some() || spec.outputs.svg.is_some());
+    // Several ranks (MPI): the trace and the chart come from the steps' gathered timelines, so no
+    // rank records its ops (rank 0's recorder would see only its own worker).
+    let ranks = super::ranks::start(args.transport)?.filter(|t| t.world_size() > 1);
+    let record_ops = ranks.is_none() && (spec.outputs.trace.is_some() || spec.outputs.svg.is_some());
+    let recorder = install_subscriber(record_ops);
     let mut run = spec.prepare().map_err(spec_error)?;
     let (schedule, lr_schedule, on_nonfinite) =
         (spec.pipeline.schedule, spec.optimizer.lr_schedule, spec.training.on_nonfinite);
@@ -187,15 +222,23 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     // From here a first SIGINT or SIGTERM stops the run between steps, with its outputs written.
     interrupt::install().map_err(|e| anyhow::anyhow!("could not install the signal handler: {e}"))?;
     let mut interrupted = None;
-    let mut metrics =
-        spec.outputs.metrics.as_deref().map(|path| outputs::LineOutput::create("--metrics", path)).transpose()?;
-    let mut trace = match &spec.outputs.trace {
-        Some(path) => Some(outputs::TraceStream::create(path, n_devices, worker_labels.clone())?),
-        None => None,
+    // Only rank 0 writes files (every rank checked the paths above).
+    let writes_files = run.trainer.writes_files();
+    let mut metrics = match &spec.outputs.metrics {
+        Some(path) if writes_files => Some(outputs::LineOutput::create("--metrics", path)?),
+        _ => None,
     };
+    let mut trace = match &spec.outputs.trace {
+        Some(path) if writes_files => {
+            Some(outputs::TraceStream::create(path, n_devices, worker_labels.clone(), ranks.is_some())?)
+        }
+        _ => None,
+    };
+    // Across ranks, the trace's zero: the first step's start (rank 0's clock).
+    let mut trace_origin_s: Option<f64> = None;
     // The last step's events, for --svg (start times from the recorder's origin).
     let (mut last_step_events, mut last_step_origin_s): (Vec<TimelineEvent>, f64) = (Vec::new(), 0.0);
-    let progress = Progress::new(first_step, total_steps, steps_per_epoch);
+    let progress = Progress::new(first_step, total_steps, steps_per_epoch, ranks.is_none());
     let started = Instant::now();
     let mut last_report = None;
     // The bubble summary averages the last few steps: one step's figures move by several points.
@@ -210,7 +253,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let mut diverged: Option<conveyor::engine::Error> = None;
     let mut periodic_failure: Option<anyhow::Error> = None;
     for step in first_step..total_steps {
-        if let Some(signal) = interrupt::requested() {
+        if let Some(signal) = agreed_stop(ranks.as_ref())? {
             interrupted = Some(signal);
             break;
         }
@@ -275,7 +318,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         let eval_now = spec.training.eval_every.is_some_and(|n| (step + 1) % n == 0);
         // None also when a signal stopped the evaluation midway.
         let eval_accuracy = match (&test, eval_now) {
-            (Some(test), true) => summary::accuracy(&mut run.trainer, test, batch, microbatches)?,
+            (Some(test), true) => summary::accuracy(&mut run.trainer, test, batch, microbatches, || {
+                Ok(agreed_stop(ranks.as_ref())?.is_some())
+            })?,
             _ => None,
         };
         if let Some(recorder) = &recorder {
@@ -289,6 +334,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             if let Some(trace) = trace.as_mut() {
                 trace.write(&events, &memory_samples(&memory));
             }
+        }
+        if ranks.is_some()
+            && let Some(trace) = trace.as_mut()
+        {
+            let origin_s = *trace_origin_s.get_or_insert(report.started_s);
+            trace.write_step(&report.timeline, report.started_s - origin_s);
         }
         if let Some(out) = metrics.as_mut() {
             let mut line = serde_json::json!({
@@ -349,7 +400,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let wall_s = started.elapsed().as_secs_f64();
     // A stopped run skips the final evaluation: the user asked for the outputs, now.
     let accuracy = match (&test, interrupted) {
-        (Some(test), None) => summary::accuracy(&mut trainer, test, batch, microbatches)?,
+        (Some(test), None) => {
+            summary::accuracy(&mut trainer, test, batch, microbatches, || Ok(agreed_stop(ranks.as_ref())?.is_some()))?
+        }
         _ => None,
     };
     if let Some(recorder) = &recorder {
@@ -417,18 +470,26 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if let (Some(trace), Some(path)) = (trace.take(), &spec.outputs.trace) {
         attempt(trace.finish().map(|ops| outln!("wrote a trace of {ops} ops to {}", path.display())));
     }
-    if let Some(path) = &spec.outputs.svg {
+    if let Some(path) = spec.outputs.svg.as_ref().filter(|_| writes_files) {
         let mut last_step = Timeline::new(n_devices, sched.n_stages());
-        last_step.events = last_step_events
-            .iter()
-            .map(|e| TimelineEvent {
-                start_s: e.start_s - last_step_origin_s,
-                end_s: e.end_s - last_step_origin_s,
-                ..*e
-            })
-            .collect();
+        let mut device_labels = worker_labels.clone();
+        if ranks.is_some() {
+            // The last step's gathered timeline, already from the step's start; rank d runs device d
+            // (rows `device 1 (cpu:1, rank 1)`).
+            last_step.events = last_report.as_ref().map(|r| r.timeline.events.clone()).unwrap_or_default();
+            device_labels = worker_labels.iter().enumerate().map(|(d, label)| format!("{label}, rank {d}")).collect();
+        } else {
+            last_step.events = last_step_events
+                .iter()
+                .map(|e| TimelineEvent {
+                    start_s: e.start_s - last_step_origin_s,
+                    end_s: e.end_s - last_step_origin_s,
+                    ..*e
+                })
+                .collect();
+        }
         let title = format!("{schedule}, p={n_devices}, m={microbatches}, measured (last step)");
-        let options = SvgOptions { title, device_labels: worker_labels.clone(), ..SvgOptions::default() };
+        let options = SvgOptions { title, device_labels, ..SvgOptions::default() };
         attempt(super::write_atomically(path, "--svg", &svg_gantt(&last_step, &options)).map(|()| {
             outln!("wrote the last step's chart to {}", path.display());
         }));
@@ -438,7 +499,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         errln!("error: {other:#}");
     }
     // A signal during the final writes counts too: the run stops as if it came between steps.
-    let interrupted = interrupted.or_else(interrupt::requested);
+    // (Across ranks this is agreed after rank 0 wrote its files, so no rank ends the job before.)
+    let stop_at_end = agreed_stop(ranks.as_ref())?;
+    let interrupted = interrupted.or(stop_at_end);
     if let Some(signal) = interrupted
         && diverged.is_none()
         && first_failure.is_none()

@@ -13,13 +13,17 @@
 //!
 //! Character devices (`/dev/null`) are written straight through, so they may be named by any
 //! number of outputs.
+//!
+//! Under MPI only rank 0 creates and writes these files (`Trainer::writes_files`); every rank
+//! checks the paths, so a bad path ends the job before it starts. The trace then holds the steps'
+//! gathered timelines ([`TraceStream::write_step`]): every rank's ops, one process row per rank.
 use std::io::{BufWriter, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use conveyor::engine::output_file::{self, OutputFile, OutputKind};
-use conveyor::schedules::TimelineEvent;
 use conveyor::schedules::export::{ChromeTraceWriter, MemorySample};
+use conveyor::schedules::{Timeline, TimelineEvent};
 
 use crate::cli::{output_error, usage};
 use conveyor::RunSpec;
@@ -208,6 +212,12 @@ impl Drop for LineOutput {
 /// `--trace`: the Chrome trace streamed to a temporary file as the run goes (one step's events at a
 /// time), closed and renamed over the target by [`TraceStream::finish`], or when dropped. As for
 /// [`LineOutput`], a failed write stops the trace, not the run.
+///
+/// In one process the events come from the op recorder ([`TraceStream::write`]: every op of the
+/// process, evaluations included, with memory samples). Under MPI the recorder of rank 0 sees only
+/// rank 0's worker; the trace is then written from each step's gathered timeline
+/// ([`TraceStream::write_step`]): every rank's ops on rank 0's clock, in one process row per rank
+/// (`rank 1 (cpu:1)`), without memory samples or evaluation ops.
 pub struct TraceStream {
     writer: Option<ChromeTraceWriter<BufWriter<OutputFile>>>,
     path: PathBuf,
@@ -216,12 +226,40 @@ pub struct TraceStream {
 }
 
 impl TraceStream {
-    /// Opens `path` for a trace of `n_devices` devices labelled `labels`.
-    pub fn create(path: &Path, n_devices: usize, labels: Vec<String>) -> anyhow::Result<TraceStream> {
+    /// Opens `path` for a trace of `n_devices` devices labelled `labels`; with `rank_per_device`
+    /// (an MPI job: rank `d` runs device `d`), each device in a process row of its own named
+    /// `rank d (label)`.
+    pub fn create(
+        path: &Path,
+        n_devices: usize,
+        labels: Vec<String>,
+        rank_per_device: bool,
+    ) -> anyhow::Result<TraceStream> {
         let file = OutputFile::create(path).map_err(|e| output_error("--trace", path, e))?;
-        let writer = ChromeTraceWriter::new(BufWriter::new(file), n_devices, labels)
-            .map_err(|e| anyhow::Error::new(e).context(format!("writing --trace {}", path.display())))?;
+        let out = BufWriter::new(file);
+        let writer = if rank_per_device {
+            let ranks: Vec<String> = (0..n_devices)
+                .map(|d| match labels.get(d) {
+                    Some(label) if !label.is_empty() => format!("rank {d} ({label})"),
+                    _ => format!("rank {d}"),
+                })
+                .collect();
+            ChromeTraceWriter::with_process_per_device(out, n_devices, labels, &ranks)
+        } else {
+            ChromeTraceWriter::new(out, n_devices, labels)
+        }
+        .map_err(|e| anyhow::Error::new(e).context(format!("writing --trace {}", path.display())))?;
         Ok(TraceStream { writer: Some(writer), path: path.to_path_buf(), ops: 0, failed: None })
+    }
+
+    /// Appends one step's timeline, its events placed `at_s` seconds after the trace's zero.
+    pub fn write_step(&mut self, timeline: &Timeline, at_s: f64) {
+        let events: Vec<TimelineEvent> = timeline
+            .events
+            .iter()
+            .map(|e| TimelineEvent { start_s: e.start_s + at_s, end_s: e.end_s + at_s, ..*e })
+            .collect();
+        self.write(&events, &[]);
     }
 
     /// Appends ops and memory samples (after a failed write, nothing more).

@@ -2,6 +2,11 @@
 //! every other line `conveyor train` prints goes through [`Progress::println`] so bars and text
 //! never tear each other. Lines go through `console` (a closed stdout never panics); indicatif
 //! ignores errors drawing the bars.
+//!
+//! Under MPI there are no bars, on any rank: the launcher hands each rank a pseudo-terminal as
+//! stdout whatever its own stdout is (Open MPI does, so `mpirun ... > log` still looks like a
+//! terminal to rank 0), and a bar redrawn through it becomes a line per redraw in the log. Rank 0
+//! prints the `--log-every` lines instead; the other ranks print nothing (`console::silence`).
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// The epoch bar and the step bar of one run.
@@ -14,9 +19,10 @@ pub struct Progress {
 impl Progress {
     /// Bars for `total_steps` steps starting at `first_step`, in `total_epochs` epochs. Hidden when
     /// stdout is not a terminal (indicatif's stdout draw target checks), so captured output
-    /// holds only the printed lines.
-    pub fn new(first_step: u64, total_steps: u64, steps_per_epoch: u64) -> Progress {
-        let multi = MultiProgress::with_draw_target(ProgressDrawTarget::stdout());
+    /// holds only the printed lines, and whenever `bars` is false (an MPI rank).
+    pub fn new(first_step: u64, total_steps: u64, steps_per_epoch: u64, bars: bool) -> Progress {
+        let target = if bars { ProgressDrawTarget::stdout() } else { ProgressDrawTarget::hidden() };
+        let multi = MultiProgress::with_draw_target(target);
         let total_epochs = total_steps.div_ceil(steps_per_epoch.max(1));
         let epochs = multi.add(ProgressBar::new(total_epochs));
         epochs.set_style(

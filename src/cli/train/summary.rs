@@ -6,19 +6,21 @@ use conveyor::engine::runtime::Trainer;
 
 /// Fraction of `test`'s rows the trainer classifies correctly. Evaluates in chunks of `chunk_rows`
 /// (the batch size the planner budgeted for); a chunk with fewer rows than the micro-batch count
-/// is padded with copies of its first row, whose outputs are dropped. `None` when a signal asked
-/// the run to stop (checked between chunks).
+/// is padded with copies of its first row, whose outputs are dropped. `None` when `stop` says the
+/// run is to stop (asked before each chunk: a signal, agreed by every rank under MPI, where each
+/// chunk is a collective every rank must make or skip together).
 pub fn accuracy(
     trainer: &mut Trainer,
     test: &Dataset,
     chunk_rows: usize,
     n_micro_batches: usize,
+    mut stop: impl FnMut() -> anyhow::Result<bool>,
 ) -> anyhow::Result<Option<f64>> {
     let n_classes = test.n_classes;
     let mut correct = 0usize;
     let chunk_rows = chunk_rows.max(n_micro_batches).max(1);
     for start in (0..test.len()).step_by(chunk_rows) {
-        if crate::cli::interrupt::requested().is_some() {
+        if stop()? {
             return Ok(None);
         }
         let end = (start + chunk_rows).min(test.len());
