@@ -267,8 +267,21 @@ impl Trainer {
     /// `conveyor train` prints this for its last 5 steps.
     pub fn bubbles(&self, reports: &[StepReport]) -> Result<BubbleReport> {
         let names: Vec<String> = self.devices().iter().map(ToString::to_string).collect();
-        bubbles_over(reports, self.schedule(), available_cores(), &names)
+        let cores = match self.transport.world_size() {
+            1 => available_cores(),
+            // Ranks are processes the launcher binds to cores of their own (a rank sees only its
+            // own); they share the machine's cores only when there are more ranks than cores.
+            _ => online_cores().min(self.schedule().n_devices()),
+        };
+        bubbles_over(reports, self.schedule(), cores, &names)
     }
+}
+
+/// The machine's online cores, whatever this process is bound to (1 when the system does not say).
+fn online_cores() -> usize {
+    // SAFETY: sysconf reads a system constant and has no other effect.
+    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    usize::try_from(online).unwrap_or(1).max(1)
 }
 
 /// The machine's cores (1 when the operating system does not say).
