@@ -229,15 +229,18 @@ impl Trainer {
     }
 
     /// The commit decision every rank takes from the same votes: the global gradient norm, or why
-    /// the step is refused (the first failing rank's error, or a non-finite loss or gradient).
+    /// the step is refused (the first failing rank's error, or a non-finite loss or gradient). A
+    /// rank that only aborted because another failed is named only if no rank reports a failure of
+    /// its own: the error names the rank that failed, not the first one woken by its notice.
     fn decide(&self, votes: Vec<Vote>, all_losses: &mut Vec<(usize, f64)>) -> Result<f64> {
         let mut sums = vec![0.0; self.workers.len()];
         let mut non_finite: Option<(usize, String)> = None;
+        let mut first_aborted = None;
         for (rank, vote) in votes.into_iter().enumerate() {
             match vote {
                 Vote::Failed { message } => return Err(Error::RankFailed { rank, message }),
                 Vote::Aborted => {
-                    return Err(Error::RankFailed { rank, message: "aborted by a failure on another rank".into() });
+                    first_aborted.get_or_insert(rank);
                 }
                 Vote::Ready { losses, sums_of_squares, non_finite: nf } => {
                     all_losses.extend(losses);
@@ -251,6 +254,9 @@ impl Trainer {
                     }
                 }
             }
+        }
+        if let Some(rank) = first_aborted {
+            return Err(Error::RankFailed { rank, message: "aborted by a failure on another rank".into() });
         }
         if let Some(error) = self.non_finite_error(all_losses, non_finite) {
             return Err(error);
