@@ -1,12 +1,14 @@
 //! The in-process group for CPU devices: one unbounded crossbeam channel per ordered pair of
 //! ranks, messages tagged with the collective and its sequence number, and a shared abort flag
-//! that ends every rank's wait when one rank fails.
+//! that ends every rank's wait when one rank fails. The collectives themselves are
+//! `algorithms.rs`, shared with the transport group.
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender};
 
+use super::algorithms::{self, Exchange};
 use super::{CollectiveOp, Communicator, Partition, Traffic};
 use crate::device::Reservation;
 use crate::{Device, Error, Result};
@@ -165,31 +167,31 @@ struct Call<'a> {
 }
 
 impl Call<'_> {
-    fn failed(&self, reason: impl Into<String>) -> Error {
+    fn aborted(&self, (failed_rank, reason): (usize, String)) -> Error {
+        Error::CollectiveAborted { op: self.op.name().into(), rank: self.handle.rank, failed_rank, reason }
+    }
+}
+
+impl Exchange for Call<'_> {
+    fn rank(&self) -> usize {
+        self.handle.rank
+    }
+
+    fn n_ranks(&self) -> usize {
+        self.handle.n_ranks()
+    }
+
+    fn device(&self) -> &Device {
+        &self.handle.device
+    }
+
+    fn failed(&self, reason: String) -> Error {
         Error::CollectiveFailed {
             op: self.op.name().into(),
             rank: self.handle.rank,
             n_ranks: self.handle.n_ranks(),
-            reason: reason.into(),
+            reason,
         }
-    }
-
-    fn aborted(&self, (failed_rank, reason): (usize, String)) -> Error {
-        Error::CollectiveAborted { op: self.op.name().into(), rank: self.handle.rank, failed_rank, reason }
-    }
-
-    fn check_root(&self, root: usize) -> Result<()> {
-        if root >= self.handle.n_ranks() {
-            return Err(self.failed(format!("root {root} is not a rank of a group of {}", self.handle.n_ranks())));
-        }
-        Ok(())
-    }
-
-    fn check_len(&self, what: &str, expected: usize, got: usize) -> Result<()> {
-        if expected != got {
-            return Err(self.failed(format!("{what} has {got} elements, expected {expected}")));
-        }
-        Ok(())
     }
 
     /// Sends a copy of `data` to `dst`, reserving its bytes on `dst`'s ledger until it is consumed.
@@ -283,50 +285,6 @@ impl RankHandle {
             }
         }
     }
-
-    fn next(&self) -> usize {
-        (self.rank + 1) % self.n_ranks()
-    }
-
-    fn prev(&self) -> usize {
-        (self.rank + self.n_ranks() - 1) % self.n_ranks()
-    }
-
-    /// A scratch buffer of `len` f32, counted on this rank's device while it lives.
-    fn scratch(&self, len: usize) -> Result<(Vec<f32>, Reservation)> {
-        let reservation = self.device.reserve((len * std::mem::size_of::<f32>()) as u64)?;
-        Ok((vec![0.0; len], reservation))
-    }
-
-    /// Ring reduce-scatter in place: afterwards `buf[parts.range(rank)]` holds the sum over ranks.
-    /// At step `s` rank `r` sends chunk `r-1-s` to `r+1` and adds chunk `r-2-s` from `r-1`.
-    fn ring_reduce_scatter(&self, call: &Call<'_>, buf: &mut [f32], parts: &Partition) -> Result<()> {
-        let n = self.n_ranks();
-        for step in 0..n.saturating_sub(1) {
-            let send_chunk = (self.rank + 2 * n - 1 - step) % n;
-            let recv_chunk = (self.rank + 2 * n - 2 - step) % n;
-            call.send(self.next(), &buf[parts.range(send_chunk)])?;
-            let data = call.recv(self.prev(), parts.len(recv_chunk))?;
-            for (acc, x) in buf[parts.range(recv_chunk)].iter_mut().zip(&data) {
-                *acc += *x;
-            }
-        }
-        Ok(())
-    }
-
-    /// Ring all-gather in place: rank `r` starts with `buf[parts.range(r)]` and ends with all of
-    /// `buf`. At step `s` rank `r` sends chunk `r-s` to `r+1` and stores chunk `r-1-s` from `r-1`.
-    fn ring_all_gather(&self, call: &Call<'_>, buf: &mut [f32], parts: &Partition) -> Result<()> {
-        let n = self.n_ranks();
-        for step in 0..n.saturating_sub(1) {
-            let send_chunk = (self.rank + n - step) % n;
-            let recv_chunk = (self.rank + 2 * n - 1 - step) % n;
-            call.send(self.next(), &buf[parts.range(send_chunk)])?;
-            let data = call.recv(self.prev(), parts.len(recv_chunk))?;
-            buf[parts.range(recv_chunk)].copy_from_slice(&data);
-        }
-        Ok(())
-    }
 }
 
 impl Communicator for RankHandle {
@@ -355,125 +313,34 @@ impl Communicator for RankHandle {
     }
 
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
-        self.run(CollectiveOp::Broadcast, |call| {
-            call.check_root(root)?;
-            if self.rank == root {
-                for dst in (0..self.n_ranks()).filter(|&d| d != root) {
-                    call.send(dst, buf)?;
-                }
-            } else {
-                buf.copy_from_slice(&call.recv(root, buf.len())?);
-            }
-            Ok(())
-        })
+        self.run(CollectiveOp::Broadcast, |call| algorithms::broadcast(call, buf, root))
     }
 
     fn reduce(&self, buf: &mut [f32], root: usize) -> Result<()> {
-        self.run(CollectiveOp::Reduce, |call| {
-            call.check_root(root)?;
-            if self.rank != root {
-                return call.send(root, buf);
-            }
-            let (mut sum, _reservation) = self.scratch(buf.len())?;
-            for src in 0..self.n_ranks() {
-                let received;
-                let part: &[f32] = if src == root {
-                    buf
-                } else {
-                    received = call.recv(src, buf.len())?;
-                    &received
-                };
-                for (acc, x) in sum.iter_mut().zip(part) {
-                    *acc += *x;
-                }
-            }
-            buf.copy_from_slice(&sum);
-            Ok(())
-        })
+        self.run(CollectiveOp::Reduce, |call| algorithms::reduce(call, buf, root))
     }
 
     fn all_reduce(&self, buf: &mut [f32]) -> Result<()> {
-        self.run(CollectiveOp::AllReduce, |call| {
-            let parts = Partition::even(buf.len(), self.n_ranks())?;
-            self.ring_reduce_scatter(call, buf, &parts)?;
-            self.ring_all_gather(call, buf, &parts)
-        })
+        self.run(CollectiveOp::AllReduce, |call| algorithms::all_reduce(call, buf))
     }
 
     fn scatter(&self, send: &[f32], recv: &mut [f32], root: usize, parts: &Partition) -> Result<()> {
-        self.run(CollectiveOp::Scatter, |call| {
-            call.check_root(root)?;
-            parts.check_ranks("scatter", self.n_ranks())?;
-            call.check_len("recv", parts.len(self.rank), recv.len())?;
-            if self.rank == root {
-                call.check_len("the root's send", parts.total(), send.len())?;
-                for dst in (0..self.n_ranks()).filter(|&d| d != root) {
-                    call.send(dst, &send[parts.range(dst)])?;
-                }
-                recv.copy_from_slice(&send[parts.range(root)]);
-            } else {
-                recv.copy_from_slice(&call.recv(root, recv.len())?);
-            }
-            Ok(())
-        })
+        self.run(CollectiveOp::Scatter, |call| algorithms::scatter(call, send, recv, root, parts))
     }
 
     fn gather(&self, send: &[f32], recv: &mut [f32], root: usize, parts: &Partition) -> Result<()> {
-        self.run(CollectiveOp::Gather, |call| {
-            call.check_root(root)?;
-            parts.check_ranks("gather", self.n_ranks())?;
-            call.check_len("send", parts.len(self.rank), send.len())?;
-            if self.rank != root {
-                return call.send(root, send);
-            }
-            call.check_len("the root's recv", parts.total(), recv.len())?;
-            recv[parts.range(root)].copy_from_slice(send);
-            for src in (0..self.n_ranks()).filter(|&s| s != root) {
-                recv[parts.range(src)].copy_from_slice(&call.recv(src, parts.len(src))?);
-            }
-            Ok(())
-        })
+        self.run(CollectiveOp::Gather, |call| algorithms::gather(call, send, recv, root, parts))
     }
 
     fn all_gather(&self, send: &[f32], recv: &mut [f32], parts: &Partition) -> Result<()> {
-        self.run(CollectiveOp::AllGather, |call| {
-            parts.check_ranks("all_gather", self.n_ranks())?;
-            call.check_len("send", parts.len(self.rank), send.len())?;
-            call.check_len("recv", parts.total(), recv.len())?;
-            recv[parts.range(self.rank)].copy_from_slice(send);
-            self.ring_all_gather(call, recv, parts)
-        })
+        self.run(CollectiveOp::AllGather, |call| algorithms::all_gather(call, send, recv, parts))
     }
 
     fn reduce_scatter(&self, send: &[f32], recv: &mut [f32], parts: &Partition) -> Result<()> {
-        self.run(CollectiveOp::ReduceScatter, |call| {
-            parts.check_ranks("reduce_scatter", self.n_ranks())?;
-            call.check_len("send", parts.total(), send.len())?;
-            call.check_len("recv", parts.len(self.rank), recv.len())?;
-            let (mut work, _reservation) = self.scratch(send.len())?;
-            work.copy_from_slice(send);
-            self.ring_reduce_scatter(call, &mut work, parts)?;
-            recv.copy_from_slice(&work[parts.range(self.rank)]);
-            Ok(())
-        })
+        self.run(CollectiveOp::ReduceScatter, |call| algorithms::reduce_scatter(call, send, recv, parts))
     }
 
     fn all_to_all(&self, send: &[f32], send_parts: &Partition, recv: &mut [f32], recv_parts: &Partition) -> Result<()> {
-        self.run(CollectiveOp::AllToAll, |call| {
-            send_parts.check_ranks("all_to_all send", self.n_ranks())?;
-            recv_parts.check_ranks("all_to_all recv", self.n_ranks())?;
-            call.check_len("send", send_parts.total(), send.len())?;
-            call.check_len("recv", recv_parts.total(), recv.len())?;
-            call.check_len("this rank's part for itself", send_parts.len(self.rank), recv_parts.len(self.rank))?;
-            // Channels are unbounded, so sending every part before receiving cannot block.
-            for dst in (0..self.n_ranks()).filter(|&d| d != self.rank) {
-                call.send(dst, &send[send_parts.range(dst)])?;
-            }
-            recv[recv_parts.range(self.rank)].copy_from_slice(&send[send_parts.range(self.rank)]);
-            for src in (0..self.n_ranks()).filter(|&s| s != self.rank) {
-                recv[recv_parts.range(src)].copy_from_slice(&call.recv(src, recv_parts.len(src))?);
-            }
-            Ok(())
-        })
+        self.run(CollectiveOp::AllToAll, |call| algorithms::all_to_all(call, send, send_parts, recv, recv_parts))
     }
 }

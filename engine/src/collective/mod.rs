@@ -5,7 +5,9 @@
 //!
 //! A group of `n` ranks is a set of handles, one per device, each used from its own thread (SPMD:
 //! every rank calls the same collectives in the same order). [`ProcessGroup::new`] builds the
-//! in-process implementation for CPU devices over crossbeam channels; NCCL and MPI will implement
+//! in-process implementation for CPU devices over crossbeam channels; [`TransportGroup::new`] the
+//! same collectives for the ranks of a [`crate::transport::Transport`] (one process per rank under
+//! MPI), with the same algorithms (`algorithms.rs`), so the two agree bit for bit; NCCL implements
 //! the same trait. Every collective names its buffers explicitly and writes in place, as NCCL and
 //! MPI do, so a later backend needs no change of signature. How a buffer is divided among ranks is
 //! a [`Partition`]: even (sizes within one element) or given counts (the `v` variants of MPI), so
@@ -44,14 +46,17 @@
 //! assert!(results.iter().all(|r| r == &vec![6.0; 5]));
 //! # Ok::<(), conveyor_engine::Error>(())
 //! ```
+mod algorithms;
 mod cost;
 mod in_process;
+mod over_transport;
 mod partition;
 
 use std::fmt;
 
 pub use cost::{Traffic, cost_s, traffic};
 pub use in_process::{DEFAULT_TIMEOUT, ProcessGroup, RankHandle};
+pub use over_transport::{COLLECTIVE_ROUND_BASE, TransportGroup};
 pub use partition::Partition;
 
 use crate::{Device, Result, Tensor};

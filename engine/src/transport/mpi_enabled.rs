@@ -271,8 +271,40 @@ fn comm_thread(commands: Receiver<Command>, mailbox: Arc<Mutex<Mailbox>>, starte
     drop(universe);
 }
 
+/// `bytes` with a real allocation behind it even when empty: an empty `Vec`'s placeholder address
+/// can equal the value Open MPI gives `MPI_IN_PLACE`, which an empty all-gather must not pass.
+fn with_real_address(mut bytes: Vec<u8>) -> Vec<u8> {
+    bytes.reserve(1);
+    bytes
+}
+
 fn realtime_s() -> f64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The line `t = latency + bytes / bandwidth` through `(bytes, seconds)` samples, by least squares
+/// on the relative error (each residual divided by its sample's time): plain least squares would
+/// let the largest messages' noise, a percent of milliseconds, swamp a latency of microseconds and
+/// even make it negative. A fit with no positive slope or intercept (noise on a link whose latency
+/// or bandwidth the sizes cannot resolve) falls back to the smallest sample's time as the latency
+/// and the largest sample's time less it for the bandwidth.
+fn fit_link(samples: &[(f64, f64)]) -> LinkCost {
+    let (mut s, mut sx, mut sxx, mut st, mut sxt) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for &(x, t) in samples {
+        let w = 1.0 / (t * t).max(1e-30);
+        (s, sx, sxx, st, sxt) = (s + w, sx + w * x, sxx + w * x * x, st + w * t, sxt + w * x * t);
+    }
+    let det = s * sxx - sx * sx;
+    let (slope, intercept) = ((s * sxt - sx * st) / det, (sxx * st - sx * sxt) / det);
+    let smallest = samples.iter().min_by(|a, b| a.0.total_cmp(&b.0)).copied().unwrap_or((0.0, 1e-6));
+    let largest = samples.iter().max_by(|a, b| a.0.total_cmp(&b.0)).copied().unwrap_or((1.0, 1e-6));
+    let latency_s = if intercept.is_finite() && intercept > 0.0 { intercept } else { smallest.1.max(1e-9) };
+    let bandwidth_bytes_per_s = if slope.is_finite() && slope > 0.0 {
+        1.0 / slope
+    } else {
+        (largest.0 - smallest.0).max(1.0) / (largest.1 - latency_s).max(1e-9)
+    };
+    LinkCost { latency_s, bandwidth_bytes_per_s }
 }
 
 impl Comm {
@@ -297,13 +329,16 @@ impl Comm {
     }
 
     /// Rank 0 against every other rank in turn: the clock offset (the exchange with the shortest
-    /// round trip of eight), the latency (half the fastest of 20 empty round trips) and the
-    /// bandwidth (1 MiB each way, four times, less the latency). Rank 0 then broadcasts them.
+    /// round trip of eight) and the link, `t = latency + bytes / bandwidth` fitted by least squares
+    /// ([`fit_link`]) to the one-way time (half the fastest of a few round trips) of each size in
+    /// `PROBES`. Rank 0 then broadcasts them. About 8 ms a peer on the 2-core test machine.
     fn measure(&mut self) -> (Vec<Option<LinkCost>>, f64) {
-        const BIG: usize = 1 << 20;
+        /// (bytes, round trips): more round trips for small messages, whose times vary more.
+        const PROBES: [(usize, usize); 5] = [(8, 16), (64 << 10, 6), (256 << 10, 4), (1 << 20, 3), (4 << 20, 2)];
+        let started = Instant::now();
         let mut table = vec![0.0f64; 3 * self.size];
         let mut small = [0u8; 8];
-        let mut big = vec![0u8; BIG];
+        let mut buffer = vec![0u8; if self.size > 1 { PROBES[PROBES.len() - 1].0 } else { 0 }];
         for peer in 1..self.size {
             if self.rank == 0 {
                 let mut best = (f64::INFINITY, 0.0);
@@ -317,35 +352,32 @@ impl Comm {
                         best = (t2 - t0, t1 - (t0 + t2) / 2.0);
                     }
                 }
-                let mut latency = f64::INFINITY;
-                for _ in 0..20 {
-                    let t0 = Instant::now();
-                    self.send_blocking(peer, PING_TAG, &small);
-                    self.recv_blocking(peer, PING_TAG, &mut small);
-                    latency = latency.min(t0.elapsed().as_secs_f64() / 2.0);
+                let mut samples = [(0.0, 0.0); PROBES.len()];
+                for (sample, &(bytes, round_trips)) in samples.iter_mut().zip(&PROBES) {
+                    let mut one_way = f64::INFINITY;
+                    for _ in 0..round_trips {
+                        let t0 = Instant::now();
+                        self.send_blocking(peer, PING_TAG, &buffer[..bytes]);
+                        self.recv_blocking(peer, PING_TAG, &mut buffer[..bytes]);
+                        one_way = one_way.min(t0.elapsed().as_secs_f64() / 2.0);
+                    }
+                    *sample = (bytes as f64, one_way);
                 }
-                let mut transfer = f64::INFINITY;
-                for _ in 0..4 {
-                    let t0 = Instant::now();
-                    self.send_blocking(peer, PING_TAG, &big);
-                    self.recv_blocking(peer, PING_TAG, &mut big);
-                    transfer = transfer.min(t0.elapsed().as_secs_f64() / 2.0);
-                }
+                let link = fit_link(&samples);
+                tracing::debug!(peer, ?samples, ?link, "fitted the link to rank 0");
                 table[3 * peer] = best.1;
-                table[3 * peer + 1] = latency;
-                table[3 * peer + 2] = BIG as f64 / (transfer - latency).max(1e-9);
+                table[3 * peer + 1] = link.latency_s;
+                table[3 * peer + 2] = link.bandwidth_bytes_per_s;
             } else if self.rank == peer {
                 for _ in 0..8 {
                     self.recv_blocking(0, PING_TAG, &mut small);
                     self.send_blocking(0, PING_TAG, &realtime_s().to_le_bytes());
                 }
-                for _ in 0..20 {
-                    self.recv_blocking(0, PING_TAG, &mut small);
-                    self.send_blocking(0, PING_TAG, &small);
-                }
-                for _ in 0..4 {
-                    self.recv_blocking(0, PING_TAG, &mut big);
-                    self.send_blocking(0, PING_TAG, &big);
+                for &(bytes, round_trips) in &PROBES {
+                    for _ in 0..round_trips {
+                        self.recv_blocking(0, PING_TAG, &mut buffer[..bytes]);
+                        self.send_blocking(0, PING_TAG, &buffer[..bytes]);
+                    }
                 }
             }
         }
@@ -361,6 +393,7 @@ impl Comm {
                 })
             })
             .collect();
+        tracing::debug!(rank = self.rank, elapsed_s = started.elapsed().as_secs_f64(), "measured the links");
         (links, table[3 * self.rank])
     }
 
@@ -508,7 +541,7 @@ impl Comm {
             request: unsafe { ffi::RSMPI_REQUEST_NULL },
             lengths: vec![0; self.size],
             own_length: Box::new(bytes.len() as u64),
-            own: bytes,
+            own: with_real_address(bytes),
             received: Vec::new(),
             counts: Vec::new(),
             displacements: Vec::new(),
@@ -576,7 +609,7 @@ impl Comm {
                     d
                 })
                 .collect();
-            g.received = vec![0u8; total as usize];
+            g.received = with_real_address(vec![0u8; total as usize]);
             g.second_phase = true;
             let rc = unsafe {
                 ffi::MPI_Iallgatherv(
@@ -640,5 +673,36 @@ impl Comm {
             }
             std::thread::sleep(Duration::from_micros(100));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fit_link;
+
+    #[test]
+    fn the_fit_recovers_a_line_and_keeps_a_small_latency_under_noise() {
+        let line = |x: f64| 2e-6 + x / 5e9;
+        let sizes = [8.0, 65536.0, 262144.0, 1048576.0, 4194304.0];
+        let exact: Vec<(f64, f64)> = sizes.iter().map(|&x| (x, line(x))).collect();
+        let fit = fit_link(&exact);
+        assert!((fit.latency_s - 2e-6).abs() < 1e-12 && (fit.bandwidth_bytes_per_s - 5e9).abs() < 1e-2, "{fit:?}");
+        // One percent of noise on the large sizes: plain least squares would put the intercept
+        // tens of microseconds off; the relative fit stays within a few percent of it.
+        let noisy: Vec<(f64, f64)> =
+            exact.iter().enumerate().map(|(i, &(x, t))| (x, t * if i % 2 == 0 { 1.01 } else { 0.99 })).collect();
+        let fit = fit_link(&noisy);
+        assert!((fit.latency_s - 2e-6).abs() < 0.1e-6, "{fit:?}");
+        assert!((fit.bandwidth_bytes_per_s / 5e9 - 1.0).abs() < 0.03, "{fit:?}");
+    }
+
+    #[test]
+    fn a_fit_without_a_positive_slope_falls_back_to_the_samples() {
+        let flat = [(8.0, 1e-5), (1e6, 1e-5), (4e6, 0.9e-5)];
+        let fit = fit_link(&flat);
+        assert!(
+            fit.latency_s > 0.0 && fit.bandwidth_bytes_per_s > 0.0 && fit.bandwidth_bytes_per_s.is_finite(),
+            "{fit:?}"
+        );
     }
 }
