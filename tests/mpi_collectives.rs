@@ -168,6 +168,14 @@ mod mpi_tests {
         let (rank, n) = (transport.rank(), transport.world_size());
         let group = TransportGroup::with_timeout(Arc::clone(transport), Device::cpu(0), COLLECTIVE_TIMEOUT)?;
         let init_times = transport.all_gather(init_s.to_le_bytes().to_vec(), COLLECTIVE_TIMEOUT)?;
+        // Empty contributions (every rank's, then only rank 0's) gather as empty parts.
+        let empty = transport.all_gather(Vec::new(), COLLECTIVE_TIMEOUT)?;
+        anyhow::ensure!(empty.len() == n && empty.iter().all(Vec::is_empty), "an all-gather of nothing: {empty:?}");
+        let some = transport.all_gather(if rank == 0 { Vec::new() } else { vec![rank as u8] }, COLLECTIVE_TIMEOUT)?;
+        anyhow::ensure!(
+            some[0].is_empty() && (1..n).all(|r| some[r] == [r as u8]),
+            "a partly empty all-gather: {some:?}"
+        );
         if rank == 0 {
             let slowest_init =
                 init_times.iter().map(|b| f64::from_le_bytes(b[..8].try_into().unwrap())).fold(0.0, f64::max);
@@ -210,18 +218,37 @@ mod mpi_tests {
             }
         }
         check_traffic_model(&group)?;
+        let start_up = group.link().context("a start-up link")?;
+        let mut group = group;
+        let calibrated = group.calibrate()?;
         let timings = time_all_reduce(transport.as_ref(), &group)?;
         if rank == 0 {
             println!(
+                "  start-up link (MPI alone): latency {:.2} us, {:.2} GB/s; calibrated on the group's all-reduces: \
+                 latency {:.1} us per message, {:.2} GB/s",
+                start_up.latency_s * 1e6,
+                start_up.bandwidth_bytes_per_s / 1e9,
+                calibrated.latency_s * 1e6,
+                calibrated.bandwidth_bytes_per_s / 1e9
+            );
+            println!(
                 "  {checked} collective results bit for bit equal to the in-process group's, traffic as the model says"
             );
-            println!("  all-reduce on {n} ranks, slowest rank's median of the runs vs cost_s from the fitted link:");
-            println!("  {:>10} {:>12} {:>12} {:>8}", "bytes", "measured ms", "predicted ms", "ratio");
+            println!(
+                "  all-reduce on {n} ranks, slowest rank's median of the runs vs cost_s (start-up link, calibrated link):"
+            );
+            println!(
+                "  {:>10} {:>12} {:>12} {:>8} {:>12} {:>8}",
+                "bytes", "measured ms", "start-up ms", "ratio", "calibrated", "ratio"
+            );
             for &(bytes, measured_s) in &timings {
+                let raw_s = conveyor::engine::collective::cost_s(CollectiveOp::AllReduce, bytes as u64, n, &start_up);
                 let predicted_s = group.cost_s(CollectiveOp::AllReduce, bytes as u64).context("a link")?;
                 println!(
-                    "  {bytes:>10} {:>12.3} {:>12.3} {:>8.2}",
+                    "  {bytes:>10} {:>12.3} {:>12.3} {:>8.2} {:>12.3} {:>8.2}",
                     measured_s * 1e3,
+                    raw_s * 1e3,
+                    measured_s / raw_s,
                     predicted_s * 1e3,
                     measured_s / predicted_s
                 );
