@@ -16,7 +16,7 @@ ARGS=(--model "$MODEL" --data synthetic:4096,1024,10 --batch 256 --microbatches 
       --optimizer sgd --steps 40 --log-every 0 --devices cpu:2)
 rate() { grep -o '[0-9.]* samples/s' | tail -1 | cut -d' ' -f1; }
 in_process() { "$BIN" train "${ARGS[@]}" --transport in-process 2>/dev/null | rate; }
-mpi() { mpirun -n 2 "$BIN" train "${ARGS[@]}" --transport mpi 2>/dev/null | rate; }
+mpi() { mpirun -n 2 ${MPIRUN_FLAGS:-} "$BIN" train "${ARGS[@]}" --transport mpi 2>/dev/null | rate; }
 mpirun -n 2 "$BIN" train "${ARGS[@]}" --transport mpi --steps 1 2>/dev/null | grep '^transport:' || true
 ratios=()
 printf '%-6s %14s %14s %8s\n' round in-process mpi ratio
