@@ -117,6 +117,9 @@ fn drive() -> Result<()> {
     }
     let result = h.equivalence("interleaved", Some(2), 2);
     h.record("equivalence interleaved --chunks 2 -n 2", result);
+    // Tensor-parallel groups inside each rank: 2 ranks of 2 devices each.
+    let result = h.equivalence_tensor_parallel(2, 2);
+    h.record("equivalence --tensor-parallel 2 on 2 ranks (cpu:4)", result);
 
     println!("== world size");
     let result = h.world_size();
@@ -201,6 +204,32 @@ impl Harness {
         let out = self.train(ranks, args)?;
         ensure!(out.code == Some(0), "{} exited {}\n{}", out.what, out.status_text(), out.text());
         Ok(out)
+    }
+
+    /// `ranks` ranks of `k` devices each (the pipeline's devices are the groups): every tensor bit
+    /// for bit equal to the same layout in one process.
+    fn equivalence_tensor_parallel(&self, ranks: usize, k: usize) -> Result<String> {
+        let args = strings(&[
+            "--model",
+            "mlp:64,96,96,96,10",
+            "--devices",
+            &format!("cpu:{}", ranks * k),
+            "--tensor-parallel",
+            &k.to_string(),
+            "--schedule",
+            "1f1b",
+            "--microbatches",
+            "4",
+            "--steps",
+            "8",
+            "--batch",
+            "64",
+        ]);
+        let mpi = self.path(&format!("eq-tp{k}-{ranks}-mpi.safetensors"));
+        let local = self.path(&format!("eq-tp{k}-{ranks}-in-process.safetensors"));
+        self.train_ok(Some(ranks), &with_path(&args, "--save", &mpi))?;
+        self.train_ok(None, &with_path(&args, "--save", &local))?;
+        same_tensors(&mpi, &local)
     }
 
     fn equivalence(&self, schedule: &str, chunks: Option<usize>, ranks: usize) -> Result<String> {

@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 
 use crossbeam::channel::{self, Receiver, Sender, select};
 
+use super::StepReport;
 use super::ranks::{Finish, Vote};
 use super::trainer::{REPORT_TIMEOUT, StepOutcome, Trainer};
 use super::worker::{Command, Commit, Report};
-use super::StepReport;
 use crate::transport::{ABORT_CHANNEL, Tag};
 use crate::{Error, Result};
 
@@ -365,4 +365,3 @@ impl Trainer {
         Err(Error::Poisoned { reason })
     }
 }
-

@@ -32,7 +32,11 @@ pub(crate) fn aborted(abort: &Receiver<()>) -> bool {
 
 /// Receives from `rx`: polls for up to `window` (at least once), yielding the core between tries,
 /// then sleeps until a value or the abort comes.
-pub(crate) fn poll_then_block<T>(rx: &Receiver<T>, abort: &Receiver<()>, window: std::time::Duration) -> Result<T, Aborted> {
+pub(crate) fn poll_then_block<T>(
+    rx: &Receiver<T>,
+    abort: &Receiver<()>,
+    window: std::time::Duration,
+) -> Result<T, Aborted> {
     let deadline = Instant::now() + window;
     loop {
         match rx.try_recv() {

@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 use conveyor_schedules::{Instruction, Schedule, ScheduleKind};
 use crossbeam::channel::{self, Sender};
 
+use super::coordinator::Dispatched;
 use super::core_slots::CoreSlots;
 use super::stage::{NodeExec, Payload, Route, Stage};
-use super::coordinator::Dispatched;
 use super::worker::{self, Command, Links, StepJob};
 use super::{CoreSlotPolicy, FaultInjection, Recompute, StallInjection, StepReport};
 use crate::graph::{Graph, NodeId};

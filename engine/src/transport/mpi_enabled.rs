@@ -102,10 +102,9 @@ impl MpiTransport {
             .name("conveyor-mpi".into())
             .spawn(move || comm_thread(commands_rx, thread_mailbox, started_tx))
             .map_err(|e| Error::Transport { rank: None, reason: format!("could not start the MPI thread: {e}") })?;
-        let started = started_rx.recv().map_err(|_| Error::Transport {
-            rank: None,
-            reason: "the MPI thread ended during start-up".into(),
-        })??;
+        let started = started_rx
+            .recv()
+            .map_err(|_| Error::Transport { rank: None, reason: "the MPI thread ended during start-up".into() })??;
         Ok(Arc::new(MpiTransport {
             rank: started.rank,
             world_size: started.world_size,
@@ -310,7 +309,14 @@ fn fit_link(samples: &[(f64, f64)]) -> LinkCost {
 impl Comm {
     fn send_blocking(&self, to: usize, tag: c_int, bytes: &[u8]) {
         unsafe {
-            ffi::MPI_Send(bytes.as_ptr() as *const c_void, bytes.len() as c_int, ffi::RSMPI_UINT8_T, to as c_int, tag, self.world);
+            ffi::MPI_Send(
+                bytes.as_ptr() as *const c_void,
+                bytes.len() as c_int,
+                ffi::RSMPI_UINT8_T,
+                to as c_int,
+                tag,
+                self.world,
+            );
         }
     }
 
@@ -382,7 +388,13 @@ impl Comm {
             }
         }
         unsafe {
-            ffi::MPI_Bcast(table.as_mut_ptr() as *mut c_void, (8 * table.len()) as c_int, ffi::RSMPI_UINT8_T, 0, self.world);
+            ffi::MPI_Bcast(
+                table.as_mut_ptr() as *mut c_void,
+                (8 * table.len()) as c_int,
+                ffi::RSMPI_UINT8_T,
+                0,
+                self.world,
+            );
         }
         let links = (0..self.size)
             .map(|peer| {
