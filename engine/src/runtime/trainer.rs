@@ -318,7 +318,21 @@ impl TrainerBuilder {
             })
             .sum::<Option<f64>>()
             .map(|total| total / n_stages as f64);
+        // Another rank's stages: what the coordinator needs to route their messages, nothing more.
+        // Their layers (built here as on that rank, so every rank draws the same initial values)
+        // are dropped without touching that rank's devices.
+        let mut stage_info = Vec::with_capacity(n_stages);
         for (stage_idx, nodes) in stage_nodes.iter().enumerate() {
+            if world > 1 && schedule.device_of_stage(stage_idx) != rank {
+                nodes.iter().for_each(|&id| drop(self.graph.take_layer(id)));
+                stage_info.push(StageInfo {
+                    stage_idx,
+                    data_inputs: std::mem::take(&mut stage_data_inputs[stage_idx]),
+                    send_to: send_to[stage_idx].iter().map(|r| r.peer_stage_idx).collect(),
+                    holds_output: nodes.contains(&output),
+                });
+                continue;
+            }
             let device = &stage_devices[stage_idx];
             let group = &groups[schedule.device_of_stage(stage_idx)];
             let mut execs = Vec::with_capacity(nodes.len());
@@ -376,7 +390,6 @@ impl TrainerBuilder {
         for stage in stages {
             per_device[schedule.device_of_stage(stage.stage_idx)].push(stage);
         }
-        let mut stage_info = Vec::with_capacity(n_stages);
         for stages in &per_device {
             for s in stages {
                 stage_info.push(StageInfo {
@@ -407,8 +420,7 @@ impl TrainerBuilder {
         let dispatch = tracing::dispatcher::get_default(|d| d.clone());
         for (device_idx, stages) in per_device.into_iter().enumerate() {
             if world > 1 && device_idx != rank {
-                // Another rank's pipeline device: its stages (built here identically, so every
-                // rank draws the same initial values) are dropped; that rank holds them.
+                // Another rank's pipeline device: that rank holds its stages.
                 workers.push(None);
                 continue;
             }
