@@ -43,14 +43,6 @@ impl FromStr for TransportChoice {
     }
 }
 
-/// The world size an MPI launcher gave this process, if one started it.
-fn launcher_world_size() -> Option<usize> {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.parse().ok())
-        .filter(|_| transport::launched_by_mpi())
-}
-
 /// Starts the transport `choice` means and makes it the process's; on ranks other than 0, silences
 /// stdout and stderr (rank 0 speaks for the job). Returns the transport when it is MPI.
 pub fn start(choice: TransportChoice) -> anyhow::Result<Option<Arc<dyn Transport>>> {
@@ -61,7 +53,7 @@ pub fn start(choice: TransportChoice) -> anyhow::Result<Option<Arc<dyn Transport
     let mpi = match choice {
         TransportChoice::InProcess => false,
         TransportChoice::Mpi => true,
-        TransportChoice::Auto => launcher_world_size().is_some_and(|n| n > 1),
+        TransportChoice::Auto => transport::launcher_world_size().is_some_and(|n| n > 1),
     };
     if !mpi {
         return Ok(None);

@@ -198,7 +198,6 @@ impl Trainer {
         let mut finish = std::mem::take(&mut local.finish);
         let local_late = local.failure.as_ref().filter(|_| local.late_failure || !training);
         finish.failure = local_late.map(Error::to_string);
-        finish.applied = local.needs_rollback.iter().any(|&r| r);
         finish.started_s = started_s;
         for &d in &local_workers {
             let group = d * self.tensor_parallel..(d + 1) * self.tensor_parallel;

@@ -10,7 +10,7 @@ use super::stage::Payload;
 use super::worker::Message;
 use crate::graph::NodeId;
 use crate::transport::wire::{Reader, Writer};
-use crate::{Device, Error, Result, Tensor};
+use crate::{Device, Error, Result, Shape, Tensor};
 
 /// One micro-batch's tensors for a stage on another rank.
 pub(crate) fn encode_message(micro_batch_idx: usize, payload: &Payload) -> Result<Vec<u8>> {
@@ -105,8 +105,6 @@ impl Vote {
 pub(super) struct Finish {
     /// The first local failure after the vote (or in an evaluation), as text.
     pub failure: Option<String>,
-    /// Some local worker may hold the update and must roll back if the step fails.
-    pub applied: bool,
     /// When the step started on this rank, in seconds on rank 0's clock.
     pub started_s: f64,
     pub events: Vec<TimelineEvent>,
@@ -150,7 +148,7 @@ impl Finish {
             Some(message) => w.u8(1).str(message),
             None => w.u8(0),
         };
-        w.u8(u8::from(self.applied)).f64(self.started_s);
+        w.f64(self.started_s);
         w.usize(self.events.len());
         for e in &self.events {
             w.usize(e.device_idx).opt_usize(e.stage_idx).u8(op_code(e.op)).opt_usize(e.micro_batch_idx);
@@ -180,7 +178,6 @@ impl Finish {
             0 => None,
             _ => Some(r.string()?),
         };
-        let applied = r.u8()? != 0;
         let started_s = r.f64()?;
         let n = r.count(41)?;
         let events = (0..n)
@@ -216,7 +213,7 @@ impl Finish {
         let n = r.count(8)?;
         let host = Device::host();
         let outputs = (0..n).map(|_| Ok((r.usize()?, r.tensor(&host)?))).collect::<Result<_>>()?;
-        Ok(Finish { failure, applied, started_s, events, cpu_times, peak_activation_bytes, peak_memory, outputs })
+        Ok(Finish { failure, started_s, events, cpu_times, peak_activation_bytes, peak_memory, outputs })
     }
 }
 
@@ -237,6 +234,31 @@ pub(super) fn decode_named(bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
     let n = r.count(8)?;
     let host = Device::host();
     (0..n).map(|_| Ok((r.string()?, r.tensor(&host)?))).collect()
+}
+
+/// Named shapes (a checkpoint's expected tensors) for a gather.
+pub(super) fn encode_shapes(shapes: &[(String, Shape)]) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.usize(shapes.len());
+    for (name, shape) in shapes {
+        w.str(name).usize(shape.dims().len());
+        for &d in shape.dims() {
+            w.usize(d);
+        }
+    }
+    w.bytes
+}
+
+/// Named shapes from another rank.
+pub(super) fn decode_shapes(bytes: &[u8]) -> Result<Vec<(String, Shape)>> {
+    let mut r = Reader::new(bytes);
+    (0..r.count(16)?)
+        .map(|_| {
+            let name = r.string()?;
+            let dims = (0..r.count(8)?).map(|_| r.usize()).collect::<Result<Vec<_>>>()?;
+            Ok((name, Shape::new(dims)))
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -262,7 +284,6 @@ mod tests {
         let t = Tensor::from_vec(vec![1.0, 2.0], [1, 2], &host).unwrap();
         let finish = Finish {
             failure: Some("boom".into()),
-            applied: true,
             started_s: 12.5,
             events: vec![TimelineEvent {
                 device_idx: 1,
@@ -279,7 +300,6 @@ mod tests {
         };
         let back = Finish::decode(&finish.encode().unwrap()).unwrap();
         assert_eq!(back.failure.as_deref(), Some("boom"));
-        assert!(back.applied);
         assert_eq!(back.events, finish.events);
         assert_eq!(back.peak_memory, [(2, 1234)]);
         assert!(back.outputs[0].1.bit_eq(&t));
@@ -290,5 +310,8 @@ mod tests {
         assert!(got[0].1.bit_eq(&t));
         let named = decode_named(&encode_named(&[("a.weight".into(), t.share())]).unwrap()).unwrap();
         assert_eq!(named[0].0, "a.weight");
+        let shapes =
+            vec![("a.weight".to_string(), Shape::new(vec![3, 2])), ("a.bias".to_string(), Shape::new(vec![3]))];
+        assert_eq!(decode_shapes(&encode_shapes(&shapes)).unwrap(), shapes);
     }
 }

@@ -458,23 +458,9 @@ impl Trainer {
 
     /// Every rank's named shapes (a collective).
     fn gather_shapes(&self, local: &[(String, Shape)]) -> Result<Vec<(String, Shape)>> {
-        use crate::transport::wire::{Reader, Writer};
-        let mut w = Writer::default();
-        w.usize(local.len());
-        for (name, shape) in local {
-            w.str(name).usize(shape.dims().len());
-            for &d in shape.dims() {
-                w.usize(d);
-            }
-        }
         let mut all = Vec::new();
-        for part in self.transport.all_gather(w.bytes, self.collective_timeout())? {
-            let mut r = Reader::new(&part);
-            for _ in 0..r.count(16)? {
-                let name = r.string()?;
-                let dims = (0..r.count(8)?).map(|_| r.usize()).collect::<Result<Vec<_>>>()?;
-                all.push((name, Shape::new(dims)));
-            }
+        for part in self.transport.all_gather(crate::runtime::ranks::encode_shapes(local), self.collective_timeout())? {
+            all.extend(crate::runtime::ranks::decode_shapes(&part)?);
         }
         Ok(all)
     }

@@ -172,9 +172,13 @@ pub fn finish_process() {
     drop(transport);
 }
 
-/// True when this process was started by an MPI launcher (`mpirun`, `mpiexec`, `srun` with PMI):
-/// what `--transport auto` goes by.
-pub fn launched_by_mpi() -> bool {
-    const VARS: [&str; 5] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK", "MPI_LOCALNRANKS"];
-    VARS.iter().any(|v| std::env::var_os(v).is_some())
+/// The world size an MPI launcher (`mpirun`, `mpiexec`, `srun` with PMI) gave this process, if
+/// one started it: what `--transport auto` goes by.
+pub fn launcher_world_size() -> Option<usize> {
+    const LAUNCHED: [&str; 5] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK", "MPI_LOCALNRANKS"];
+    const SIZE: [&str; 4] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"];
+    if !LAUNCHED.iter().any(|v| std::env::var_os(v).is_some()) {
+        return None;
+    }
+    SIZE.iter().find_map(|v| std::env::var(v).ok()?.parse().ok())
 }
