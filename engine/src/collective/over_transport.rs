@@ -4,8 +4,10 @@
 //!
 //! # Design
 //!
-//! A group is this rank's end of the whole world of the transport: rank `r` of the group is rank
-//! `r` of the transport. Its messages are [`Transport::send`]s of f32 bytes, and the algorithms are
+//! A group is this rank's end of the whole world of the transport (rank `r` of the group is rank
+//! `r` of the transport), or of one subgroup of it ([`TransportGroup::split`]: the world cut into
+//! disjoint lists of ranks, as `MPI_Comm_split` cuts a communicator; rank `r` of a subgroup is the
+//! `r`-th transport rank of its list). Its messages are [`Transport::send`]s of f32 bytes, and the algorithms are
 //! `algorithms.rs`, the very code the in-process group runs (ring all-reduce, direct root
 //! collectives, pairwise all-to-all), so a [`TransportGroup`] and a [`super::ProcessGroup`] given
 //! the same inputs give the same results bit for bit.
@@ -13,7 +15,8 @@
 //! **Tags.** Each group owns a round `COLLECTIVE_ROUND_BASE + k`, far above the runtime's rounds
 //! (which count steps from 0): its ranks agree on `k` when they create it, one above every group
 //! any of them created before. Its messages from `src` to `dst` go on the channel
-//! `(src << 32) | dst`, which is never the runtime's `ABORT_CHANNEL`. A group opens one inbox per peer when it is created and keeps it:
+//! `(src << 32) | dst` (transport ranks), which is never the runtime's `ABORT_CHANNEL`; the
+//! subgroups of one split take consecutive rounds, so their messages never meet. A group opens one inbox per peer when it is created and keeps it:
 //! a transport keeps an inbox until its round is closed, and closing rounds closes every earlier
 //! round, the runtime's included, so a round per call would leave an open inbox per peer behind
 //! every call. Instead each message carries the call's sequence number and collective in a header,
@@ -24,6 +27,12 @@
 //! peer; a waiting rank watches every peer's inbox, not only the one it waits on, so a notice from
 //! any rank ends its wait at once with [`Error::CollectiveAborted`]. The group then refuses new
 //! collectives until every rank calls [`TransportGroup::recover`].
+//!
+//! **Recovery** is a message from every member to every other member on the group's own channels,
+//! carrying its next sequence number. A channel is first in, first out, so everything a peer sent
+//! in the failed call arrives before its recovery notice and is dropped, and everything it sends
+//! after recovering arrives after it and is kept. No transport-wide gather is needed, so one
+//! subgroup recovers while the others go on.
 //!
 //! The rejected alternative, MPI's own collectives (`MPI_Iallreduce`), would tie the group to MPI,
 //! give up the bit-for-bit agreement with the in-process group (MPI chooses its own reduction
@@ -52,6 +61,7 @@ static GROUPS_CREATED: AtomicU64 = AtomicU64::new(0);
 /// Message kinds, the first byte of every message.
 const DATA: u8 = 0;
 const ABORT: u8 = 1;
+const RECOVER: u8 = 2;
 /// Kind, collective, sequence number.
 const HEADER_BYTES: usize = 1 + 1 + 8;
 
@@ -76,8 +86,11 @@ const HEADER_BYTES: usize = 1 + 1 + 8;
 pub struct TransportGroup {
     transport: Arc<dyn Transport>,
     device: Device,
+    /// This rank's index in `members`.
     rank: usize,
     n_ranks: usize,
+    /// The transport ranks of the group, in group-rank order (`0..world` for the whole world).
+    members: Vec<usize>,
     /// This group's round: every message of the group travels in it.
     round: u64,
     timeout: Duration,
@@ -109,6 +122,32 @@ impl TransportGroup {
 
     /// Like [`TransportGroup::new`], with the longest wait for a peer's message (at least 1 ms).
     pub fn with_timeout(transport: Arc<dyn Transport>, device: Device, timeout: Duration) -> Result<TransportGroup> {
+        let world: Vec<usize> = (0..transport.world_size()).collect();
+        TransportGroup::split(transport, device, timeout, &[world])
+    }
+
+    /// This rank's end of its subgroup: `groups` cuts the transport's ranks into disjoint lists
+    /// (every rank in exactly one), and the group returned holds the list with this rank, its
+    /// ranks in list order. Every rank of the transport must call it with the same `groups` (it
+    /// agrees on rounds with a [`Transport::all_gather`]); the subgroups of one call take
+    /// consecutive rounds, and each serves its members alone (collectives, [`Self::recover`]).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use conveyor_engine::Device;
+    /// use conveyor_engine::collective::{Communicator, TransportGroup};
+    /// use conveyor_engine::transport::InProcess;
+    /// let group = TransportGroup::split(Arc::new(InProcess), Device::cpu(0), Duration::from_secs(1), &[vec![0]])?;
+    /// assert_eq!((group.rank(), group.n_ranks(), group.members()), (0, 1, &[0][..]));
+    /// # Ok::<(), conveyor_engine::Error>(())
+    /// ```
+    pub fn split(
+        transport: Arc<dyn Transport>,
+        device: Device,
+        timeout: Duration,
+        groups: &[Vec<usize>],
+    ) -> Result<TransportGroup> {
         if timeout < Duration::from_millis(1) {
             return Err(Error::invalid("TransportGroup timeout", format!("{timeout:?}: give at least 1 ms")));
         }
@@ -118,17 +157,42 @@ impl TransportGroup {
                 format!("{device}: the transport group moves host buffers; give a CPU device"),
             ));
         }
-        let (rank, n_ranks) = (transport.rank(), transport.world_size());
-        let (index, link) = agree(transport.as_ref(), timeout)?;
-        let round = COLLECTIVE_ROUND_BASE + index;
-        let inboxes = (0..n_ranks)
-            .map(|src| (src != rank).then(|| transport.inbox(Tag { round, channel: channel(src, rank) })).transpose())
+        let (me, world) = (transport.rank(), transport.world_size());
+        let mut seen = vec![false; world];
+        for &rank in groups.iter().flatten() {
+            if rank >= world || std::mem::replace(&mut seen[rank], true) {
+                return Err(Error::invalid(
+                    "TransportGroup groups",
+                    format!(
+                        "rank {rank} is {} in {groups:?}; give every rank of the world of {world} exactly once",
+                        if rank >= world { "outside the world" } else { "listed twice" }
+                    ),
+                ));
+            }
+        }
+        if let Some(missing) = seen.iter().position(|s| !s) {
+            return Err(Error::invalid(
+                "TransportGroup groups",
+                format!("rank {missing} is in no group of {groups:?}; give every rank of the world of {world} once"),
+            ));
+        }
+        let (index, link) = agree(transport.as_ref(), timeout, groups.len() as u64)?;
+        let (which, members) =
+            groups.iter().enumerate().find(|(_, g)| g.contains(&me)).expect("every rank is in a group (checked)");
+        let members = members.clone();
+        let rank = members.iter().position(|&m| m == me).expect("listed");
+        let n_ranks = members.len();
+        let round = COLLECTIVE_ROUND_BASE + index + which as u64;
+        let inboxes = members
+            .iter()
+            .map(|&src| (src != me).then(|| transport.inbox(Tag { round, channel: channel(src, me) })).transpose())
             .collect::<Result<Vec<_>>>()?;
         Ok(TransportGroup {
             transport,
             device,
             rank,
             n_ranks,
+            members,
             round,
             timeout,
             inboxes,
@@ -140,6 +204,11 @@ impl TransportGroup {
             bytes_sent: AtomicU64::new(0),
             messages_sent: AtomicU64::new(0),
         })
+    }
+
+    /// The transport ranks of this group, in group-rank order.
+    pub fn members(&self) -> &[usize] {
+        &self.members
     }
 
     /// The link the cost model uses: the slowest of the world's links (largest latency, smallest
@@ -210,25 +279,52 @@ impl TransportGroup {
         Ok(link)
     }
 
-    /// Makes the group usable again after a failed collective. Every rank must call it (it is a
-    /// gather over the transport): the ranks agree on the next sequence number, and every message
-    /// and abort notice of an earlier call is dropped when it arrives.
+    /// Makes the group usable again after a failed collective. Every member must call it: each
+    /// tells every other member its next sequence number on the group's channels and waits (at most
+    /// the group's timeout) for theirs; the members go on from the largest, and every message and
+    /// abort notice of an earlier call is dropped (see the module docs).
     pub fn recover(&mut self) -> Result<()> {
         let own = self.seq.load(Ordering::Acquire);
-        let all = self.transport.all_gather(own.to_le_bytes().to_vec(), self.timeout)?;
+        for dst in (0..self.n_ranks).filter(|&d| d != self.rank) {
+            let notice = header(RECOVER, CollectiveOp::AllReduce, own, 0);
+            self.transport.send(self.members[dst], self.tag(self.rank, dst), notice)?;
+        }
+        let deadline = Instant::now() + self.timeout;
         let mut next = own;
-        for (rank, bytes) in all.iter().enumerate() {
-            let seq = bytes.as_slice().try_into().map(u64::from_le_bytes).map_err(|_| Error::Transport {
-                rank: Some(self.rank),
-                reason: format!("rank {rank} sent {} bytes for its sequence number, not 8", bytes.len()),
-            })?;
-            next = next.max(seq);
+        let me = self.rank;
+        for src in (0..self.n_ranks).filter(|&s| s != me) {
+            next = next.max(self.take_recovery(src, deadline)?);
         }
         self.seq.store(next, Ordering::Release);
         self.epoch.store(next, Ordering::Release);
-        self.pending.get_mut().iter_mut().for_each(VecDeque::clear);
         *self.failure.get_mut() = None;
         Ok(())
+    }
+
+    /// Drops `src`'s messages up to its recovery notice and returns the sequence number it carries;
+    /// messages queued after the notice stay queued.
+    fn take_recovery(&mut self, src: usize, deadline: Instant) -> Result<u64> {
+        let queue = &mut self.pending.get_mut()[src];
+        while let Some(bytes) = queue.pop_front() {
+            if let Some((RECOVER, _, seq)) = parse_header(&bytes) {
+                return Ok(seq);
+            }
+        }
+        let inbox = self.inboxes[src].as_ref().expect("a peer's inbox");
+        loop {
+            let bytes = inbox.recv_deadline(deadline).map_err(|_| Error::CollectiveFailed {
+                op: "recover".into(),
+                rank: self.rank,
+                n_ranks: self.n_ranks,
+                reason: format!(
+                    "no recovery notice from rank {src} within {:?}; did every member call recover?",
+                    self.timeout
+                ),
+            })?;
+            if let Some((RECOVER, _, seq)) = parse_header(&bytes) {
+                return Ok(seq);
+            }
+        }
     }
 
     fn failure(&self) -> Option<(usize, String)> {
@@ -257,18 +353,19 @@ impl TransportGroup {
                 let mut notice = header(ABORT, op, seq, reason.len());
                 notice.extend_from_slice(reason.as_bytes());
                 // A peer that cannot be told ends on its timeout instead.
-                let _ = self.transport.send(dst, self.tag(self.rank, dst), notice);
+                let _ = self.transport.send(self.members[dst], self.tag(self.rank, dst), notice);
             }
         }
         result
     }
 
+    /// The tag of the messages from group rank `src` to group rank `dst`.
     fn tag(&self, src: usize, dst: usize) -> Tag {
-        Tag { round: self.round, channel: channel(src, dst) }
+        Tag { round: self.round, channel: channel(self.members[src], self.members[dst]) }
     }
 }
 
-/// The channel of the messages from `src` to `dst`.
+/// The channel of the messages from transport rank `src` to transport rank `dst`.
 fn channel(src: usize, dst: usize) -> u64 {
     ((src as u64) << 32) | dst as u64
 }
@@ -288,10 +385,11 @@ fn parse_header(bytes: &[u8]) -> Option<(u8, Option<CollectiveOp>, u64)> {
     Some((head[0], op, u64::from_le_bytes(head[2..10].try_into().expect("eight bytes"))))
 }
 
-/// Agrees with every rank on the new group's index and link: each rank proposes the next index of
-/// its process and the slowest of the links it measured; the group takes the largest index (above
-/// every round any of its ranks used before) and the slowest link of all.
-fn agree(transport: &dyn Transport, timeout: Duration) -> Result<(u64, Option<Link>)> {
+/// Agrees with every rank on the first index of `n_groups` new groups and their link: each rank
+/// proposes the next index of its process and the slowest of the links it measured; the groups take
+/// the largest index (above every round any rank used before) and the ones after it, and the
+/// slowest link of all.
+fn agree(transport: &dyn Transport, timeout: Duration, n_groups: u64) -> Result<(u64, Option<Link>)> {
     let rank = transport.rank();
     let slowest = |a: Link, b: Link| Link {
         latency_s: a.latency_s.max(b.latency_s),
@@ -320,10 +418,10 @@ fn agree(transport: &dyn Transport, timeout: Duration) -> Result<(u64, Option<Li
             link = Some(link.map_or(theirs, |l| slowest(l, theirs)));
         }
     }
-    if index >= u64::MAX - COLLECTIVE_ROUND_BASE {
+    if index >= u64::MAX - COLLECTIVE_ROUND_BASE - n_groups {
         return Err(Error::invalid("TransportGroup", "this process created 2^63 groups; no round is left"));
     }
-    GROUPS_CREATED.fetch_max(index + 1, Ordering::AcqRel);
+    GROUPS_CREATED.fetch_max(index + n_groups, Ordering::AcqRel);
     Ok((index, link))
 }
 
@@ -429,7 +527,7 @@ impl Exchange for Call<'_> {
         }
         group
             .transport
-            .send(dst, group.tag(group.rank, dst), bytes)
+            .send(group.members[dst], group.tag(group.rank, dst), bytes)
             .map_err(|e| self.failed(format!("could not send to rank {dst}: {e}")))?;
         group.bytes_sent.fetch_add(std::mem::size_of_val(data) as u64, Ordering::Relaxed);
         group.messages_sent.fetch_add(1, Ordering::Relaxed);

@@ -126,6 +126,19 @@ fn on_transport_ranks<T: Send>(n: usize, f: impl Fn(TransportGroup) -> Result<T>
     })
 }
 
+/// Runs `f` on every rank of a loopback world of `n`, each with its transport, on a thread.
+fn on_transports<T: Send>(n: usize, f: impl Fn(Arc<dyn Transport>) -> Result<T> + Sync) -> Vec<T> {
+    let world = loopback_world(n);
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = world.into_iter().map(|t| scope.spawn(|| f(t))).collect();
+        threads
+            .into_iter()
+            .enumerate()
+            .map(|(r, t)| t.join().unwrap().unwrap_or_else(|e| panic!("rank {r}: {e}")))
+            .collect()
+    })
+}
+
 /// Runs `f` on every rank of an in-process group of `n`, each on a thread.
 fn on_process_ranks<T: Send>(n: usize, f: impl Fn(&dyn Communicator) -> Result<T> + Sync) -> Vec<T> {
     let devices: Vec<Device> = (0..n).map(Device::cpu).collect();
@@ -289,4 +302,53 @@ fn refuses_tiny_timeouts_and_serves_a_world_of_one() {
     assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
     let group = TransportGroup::new(transport, Device::cpu(0)).unwrap();
     assert_eq!((group.rank(), group.n_ranks(), group.link()), (0, 1, None));
+}
+
+#[test]
+fn subgroups_serve_their_members_alone_and_recover_without_the_others() {
+    // A world of 4 cut into {0, 2} and {3, 1} (list order is group order): each group's all-reduce
+    // sums its members only, a failure in one group aborts only its members, and that group
+    // recovers while the other goes on.
+    let groups = vec![vec![0, 2], vec![3, 1]];
+    let outcomes = on_transports(4, |transport| {
+        let me = transport.rank();
+        let mut group = TransportGroup::split(transport, Device::cpu(me), WATCHDOG, &groups)?;
+        let mut buf = vec![me as f32 + 1.0; 5];
+        group.all_reduce(&mut buf)?;
+        let mut root = vec![group.rank() as f32 * 10.0 + me as f32; 3];
+        group.broadcast(&mut root, 1)?;
+        let failed = if group.members() == [0, 2] {
+            let mut x = vec![1.0; 4];
+            let outcome = if group.rank() == 0 { group.reduce(&mut x, 9) } else { group.all_reduce(&mut x) };
+            group.recover()?;
+            Some(outcome.is_err())
+        } else {
+            None
+        };
+        let mut after = vec![me as f32; 2];
+        group.all_reduce(&mut after)?;
+        Ok((group.rank(), group.members().to_vec(), buf, root, failed, after))
+    });
+    let expect = |me: usize| match me {
+        0 | 2 => (vec![0, 2], 4.0, 12.0, Some(true), 2.0),
+        _ => (vec![3, 1], 6.0, 11.0, None, 4.0),
+    };
+    for (me, (rank, members, buf, root, failed, after)) in outcomes.into_iter().enumerate() {
+        let (want_members, sum, root_value, want_failed, after_sum) = expect(me);
+        assert_eq!(members, want_members, "rank {me}");
+        assert_eq!(members[rank], me, "rank {me}'s group rank");
+        assert_eq!(buf, vec![sum; 5], "rank {me}: the sum over its group");
+        assert_eq!(root, vec![root_value; 3], "rank {me}: group rank 1's buffer");
+        assert_eq!(failed, want_failed, "rank {me}");
+        assert_eq!(after, vec![after_sum; 2], "rank {me} after its group recovered");
+    }
+}
+
+#[test]
+fn a_split_that_misses_or_repeats_a_rank_is_refused() {
+    let transport: Arc<dyn Transport> = Arc::new(crate::transport::InProcess);
+    for groups in [vec![vec![0, 0]], vec![vec![1]], vec![vec![]]] {
+        let err = TransportGroup::split(Arc::clone(&transport), Device::cpu(0), WATCHDOG, &groups).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument { .. }), "{groups:?}: {err}");
+    }
 }
