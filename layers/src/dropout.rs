@@ -76,7 +76,8 @@ impl Layer for Dropout {
         let output = Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
             uninit::map2(dst, &x, &mask, |x, keep| x * keep * scale)
         })?;
-        let mask = Tensor::from_f16_vec(mask.into_iter().map(f16::from_f32).collect(), input.shape().clone(), input.device())?;
+        let mask =
+            Tensor::from_f16_vec(mask.into_iter().map(f16::from_f32).collect(), input.shape().clone(), input.device())?;
         Ok((into_dtype(output, input.dtype())?, Saved { tensors: vec![mask] }))
     }
 

@@ -36,7 +36,11 @@ impl Layer for Flatten {
         expect_inputs("Flatten", inputs, 1)?;
         let input = inputs[0];
         if input.shape().rank() == 0 {
-            return Err(Error::shape("Flatten", "an input with a batch dimension [batch, ...]", input.shape().to_string()));
+            return Err(Error::shape(
+                "Flatten",
+                "an input with a batch dimension [batch, ...]",
+                input.shape().to_string(),
+            ));
         }
         let batch = input.shape().leading();
         let output = input.share().reshape([batch, input.shape().trailing_numel()])?;
@@ -47,7 +51,11 @@ impl Layer for Flatten {
         let input_shape = read_shape_marker("Flatten", saved_tensor("Flatten", saved, 0)?)?;
         let expected = Shape::new([input_shape.leading(), input_shape.trailing_numel()]);
         if grad_output.shape() != &expected {
-            return Err(Error::shape("Flatten backward (grad_output)", expected.to_string(), grad_output.shape().to_string()));
+            return Err(Error::shape(
+                "Flatten backward (grad_output)",
+                expected.to_string(),
+                grad_output.shape().to_string(),
+            ));
         }
         Ok(vec![Some(grad_output.share().reshape(input_shape)?)])
     }

@@ -4,8 +4,8 @@ use conveyor_engine::cpu::layer_norm::{layer_norm_backward_input, layer_norm_bac
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 
 use crate::tensor_io::{
-    accumulate_into, check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes, into_dtype,
-    saved_tensor, values, zeros_f32,
+    accumulate_into, check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes,
+    into_dtype, saved_tensor, values, zeros_f32,
 };
 
 /// PyTorch's default epsilon.
@@ -36,12 +36,16 @@ impl LayerNorm {
             return Err(Error::shape("LayerNorm weight", "[normalized_len]", weight.shape().to_string()));
         };
         if normalized_len == 0 {
-            return Err(Error::invalid("LayerNorm normalized_len", "0: the normalised dimension must have at least 1 element"));
+            return Err(Error::invalid(
+                "LayerNorm normalized_len",
+                "0: the normalised dimension must have at least 1 element",
+            ));
         }
         if bias.dims() != [normalized_len] {
             return Err(Error::shape("LayerNorm bias", format!("[{normalized_len}]"), bias.shape().to_string()));
         }
-        let params = vec![Parameter { name: "weight".into(), value: weight }, Parameter { name: "bias".into(), value: bias }];
+        let params =
+            vec![Parameter { name: "weight".into(), value: weight }, Parameter { name: "bias".into(), value: bias }];
         Ok(LayerNorm { normalized_len, eps: LAYER_NORM_EPS, params })
     }
 
@@ -57,7 +61,11 @@ impl LayerNorm {
     fn check_input(&self, shape: &Shape) -> Result<usize> {
         match shape.dims().last() {
             Some(&last) if last == self.normalized_len && shape.rank() >= 2 => Ok(shape.numel() / last),
-            _ => Err(Error::shape("LayerNorm", format!("an input [batch, ..., {}]", self.normalized_len), shape.to_string())),
+            _ => Err(Error::shape(
+                "LayerNorm",
+                format!("an input [batch, ..., {}]", self.normalized_len),
+                shape.to_string(),
+            )),
         }
     }
 }
@@ -71,7 +79,11 @@ impl Layer for LayerNorm {
         let shape = &expect_shapes("LayerNorm", input_shapes, 1)?[0];
         match shape.dims().last() {
             Some(&last) if last == self.normalized_len => Ok(shape.clone()),
-            _ => Err(Error::shape("LayerNorm", format!("a per-sample shape [..., {}]", self.normalized_len), shape.to_string())),
+            _ => Err(Error::shape(
+                "LayerNorm",
+                format!("a per-sample shape [..., {}]", self.normalized_len),
+                shape.to_string(),
+            )),
         }
     }
 

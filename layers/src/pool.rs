@@ -22,7 +22,12 @@ struct PoolGeometry {
 }
 
 impl PoolGeometry {
-    fn new(kind: &str, kernel: (usize, usize), stride: (usize, usize), padding: (usize, usize)) -> Result<PoolGeometry> {
+    fn new(
+        kind: &str,
+        kernel: (usize, usize),
+        stride: (usize, usize),
+        padding: (usize, usize),
+    ) -> Result<PoolGeometry> {
         if kernel.0 == 0 || kernel.1 == 0 || stride.0 == 0 || stride.1 == 0 {
             return Err(Error::invalid(
                 format!("{kind} geometry"),
@@ -110,7 +115,13 @@ impl Layer for MaxPool2d {
         let (batch, window, out_dims) = self.geometry.batch_window("MaxPool2d", input.shape())?;
         let mut output = zeros_f32(out_dims, input.device())?;
         let mut argmax = zeros_f32(out_dims, input.device())?;
-        max_pool2d_forward(&values(input), batch * window.channels, &window, output.as_f32_mut()?, argmax.as_f32_mut()?)?;
+        max_pool2d_forward(
+            &values(input),
+            batch * window.channels,
+            &window,
+            output.as_f32_mut()?,
+            argmax.as_f32_mut()?,
+        )?;
         let saved = Saved { tensors: vec![argmax, shape_marker(input.shape(), input.device())?] };
         Ok((into_dtype(output, input.dtype())?, saved))
     }
@@ -121,7 +132,13 @@ impl Layer for MaxPool2d {
         let (batch, window, out_dims) = self.geometry.batch_window("MaxPool2d", &input_shape)?;
         check_grad_shape("MaxPool2d", grad_output, &Shape::new(out_dims))?;
         let mut grad_input = zeros_f32(input_shape, grad_output.device())?;
-        max_pool2d_backward(&values(grad_output), argmax.as_f32()?, batch * window.channels, &window, grad_input.as_f32_mut()?)?;
+        max_pool2d_backward(
+            &values(grad_output),
+            argmax.as_f32()?,
+            batch * window.channels,
+            &window,
+            grad_input.as_f32_mut()?,
+        )?;
         Ok(vec![Some(into_dtype(grad_input, grad_output.dtype())?)])
     }
 

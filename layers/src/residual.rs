@@ -48,7 +48,11 @@ impl Layer for Add {
             return Err(Error::shape("Add", format!("both inputs of shape {}", lhs.shape()), rhs.shape().to_string()));
         }
         if !lhs.device().same_device(rhs.device()) {
-            return Err(Error::DeviceMismatch { op: "Add".into(), lhs: lhs.device().to_string(), rhs: rhs.device().to_string() });
+            return Err(Error::DeviceMismatch {
+                op: "Add".into(),
+                lhs: lhs.device().to_string(),
+                rhs: rhs.device().to_string(),
+            });
         }
         let (a, b) = (values(lhs), values(rhs));
         let output =

@@ -463,6 +463,14 @@ impl Call<'_> {
                     return Err(self.aborted(group.record_failure(src, reason)));
                 }
             }
+            // A peer recovering has given up its call (its own failure need not have been a
+            // collective's, so no abort notice came): end this call too, and keep the notice for
+            // this rank's recovery.
+            Some((RECOVER, _, _)) => {
+                group.pending.lock()[src].push_back(bytes);
+                let reason = "it gave up the call and is recovering the group".to_string();
+                return Err(self.aborted(group.record_failure(src, reason)));
+            }
             _ => group.pending.lock()[src].push_back(bytes),
         }
         Ok(true)
@@ -541,6 +549,12 @@ impl Exchange for Call<'_> {
         loop {
             let queued = self.group.pending.lock()[src].pop_front();
             if let Some(bytes) = queued {
+                if let Some((RECOVER, _, _)) = parse_header(&bytes) {
+                    // Kept for this rank's recovery (see `take_any`).
+                    self.group.pending.lock()[src].push_front(bytes);
+                    let reason = "it gave up the call and is recovering the group".to_string();
+                    return Err(self.aborted(self.group.record_failure(src, reason)));
+                }
                 match self.read(src, &bytes, expected_len)? {
                     Some(data) => return Ok(data),
                     None => continue,

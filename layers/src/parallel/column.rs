@@ -1,13 +1,13 @@
 //! `ColumnParallelLinear`: a `Linear` whose weight is split by output features (rows of
 //! `weight [out, in]`) over `k` devices; the output is all-gathered.
-use conveyor_engine::collective::{Communicator, Partition, Traffic};
+use conveyor_engine::collective::{Partition, Traffic};
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 use rand::rngs::StdRng;
 
-use super::exchange::{all_gather_columns, broadcast_from_first, grads_per_rank, rows, scatter_columns};
-use super::group::ShardGroup;
+use super::exchange::{all_gather_columns, columns_for_shard, grads_per_rank, input_for_shard, rows};
+use super::group::{ShardGroup, Shards};
 use super::layout::with_last;
-use super::{check_linear_input, check_saved_replicated, linear_cost, linear_shard, split_features, unsplit_rows};
+use super::{check_linear_input, check_saved_replicated, gather_rows, linear_cost, linear_shard, split_features};
 use crate::Linear;
 use crate::tensor_io::{check_grad_shape, check_param_grads, expect_inputs};
 
@@ -22,7 +22,7 @@ const KIND: &str = "ColumnParallelLinear";
 /// the partial `dx_r = dy_r · weight_r`; `backward_weight` scatters `dy` and adds
 /// `dweight_r += dy_rᵀ · x` locally.
 ///
-/// `parameters()` is rank-major: for each device in order its `weight` shard, then its `bias`
+/// `parameters()` is rank-major: for each shard held here, in order, its `weight` shard, then its `bias`
 /// shard; each keeps PyTorch's name. [`ColumnParallelLinear::gather_parameters`] returns the
 /// unsplit tensors and [`ColumnParallelLinear::load_unsplit`] splits one in.
 #[derive(Debug)]
@@ -52,15 +52,26 @@ impl ColumnParallelLinear {
         ColumnParallelLinear::from_parameters(linear.weight(), linear.bias(), devices)
     }
 
+    /// `linear`'s parameters split as `shards` says (all shards here, or this rank's one).
+    pub fn from_linear_on(linear: &Linear, shards: &Shards) -> Result<Self> {
+        ColumnParallelLinear::from_parameters_on(linear.weight(), linear.bias(), shards)
+    }
+
     /// The unsplit `weight` `[out, in]` and optional `bias` `[out]` split over `devices`.
     pub fn from_parameters(weight: &Tensor, bias: Option<&Tensor>, devices: &[Device]) -> Result<Self> {
-        let group = ShardGroup::new(KIND, devices)?;
+        ColumnParallelLinear::from_parameters_on(weight, bias, &Shards::Local(devices.to_vec()))
+    }
+
+    /// The unsplit `weight` `[out, in]` and optional `bias` `[out]` split as `shards` says; only
+    /// the shards held here are created.
+    pub fn from_parameters_on(weight: &Tensor, bias: Option<&Tensor>, shards: &Shards) -> Result<Self> {
+        let group = ShardGroup::new(KIND, shards)?;
         let (out_features, in_features) = super::check_linear_params(KIND, weight, bias)?;
         let parts = split_features(KIND, "out_features", out_features, group.k())?;
         let weight_values = weight.to_vec_f32();
         let bias_values = bias.map(Tensor::to_vec_f32);
         let mut params = Vec::new();
-        for (rank, device) in group.devices().iter().enumerate() {
+        for (rank, device) in group.local_devices() {
             let range = parts.range(rank);
             let rows = parts.scaled(in_features).range(rank);
             let value = Tensor::from_slice(&weight_values[rows], [range.len(), in_features], device)?;
@@ -90,7 +101,8 @@ impl ColumnParallelLinear {
         &self.parts
     }
 
-    /// The devices, shard `r` on `devices()[r]`; inputs arrive on and outputs leave from the first.
+    /// The devices of the shards held here, in shard order; inputs arrive on and outputs leave
+    /// from the first.
     pub fn devices(&self) -> &[Device] {
         self.group.devices()
     }
@@ -111,22 +123,24 @@ impl ColumnParallelLinear {
     }
 
     fn shard(&self, rank: usize) -> (&Tensor, Option<&Tensor>) {
-        let at = rank * self.per_rank();
+        let at = self.group.local_index(rank) * self.per_rank();
         (&self.params[at].value, self.has_bias.then(|| &self.params[at + 1].value))
     }
 
     /// The unsplit parameters on the host under PyTorch's names: `weight` `[out, in]`, `bias` `[out]`.
+    /// With one shard per rank this is a collective (an all-gather): every rank of the group calls
+    /// it, and every rank gets the unsplit tensors.
     pub fn gather_parameters(&self) -> Result<Vec<(String, Tensor)>> {
         let per_rank = self.per_rank();
+        let weights: Vec<&Tensor> = self.params.iter().step_by(per_rank).map(|p| &p.value).collect();
+        let weight_parts = self.parts.scaled(self.in_features);
         let mut out = vec![(
             "weight".to_string(),
-            unsplit_rows(self.params.iter().step_by(per_rank), [self.out_features, self.in_features])?,
+            gather_rows(&self.group, &weights, &weight_parts, [self.out_features, self.in_features])?,
         )];
         if self.has_bias {
-            out.push((
-                "bias".to_string(),
-                unsplit_rows(self.params.iter().skip(1).step_by(per_rank), [self.out_features])?,
-            ));
+            let biases: Vec<&Tensor> = self.params.iter().skip(1).step_by(per_rank).map(|p| &p.value).collect();
+            out.push(("bias".to_string(), gather_rows(&self.group, &biases, &self.parts, [self.out_features])?));
         }
         Ok(out)
     }
@@ -144,9 +158,10 @@ impl ColumnParallelLinear {
         let values = value.to_vec_f32();
         let per_row = if offset == 0 { self.in_features } else { 1 };
         let per_rank = self.per_rank();
-        for rank in 0..self.group.k() {
+        for rank in self.group.local() {
             let range = self.parts.scaled(per_row).range(rank);
-            self.params[rank * per_rank + offset].value.as_f32_mut()?.copy_from_slice(&values[range]);
+            let at = self.group.local_index(rank) * per_rank + offset;
+            self.params[at].value.as_f32_mut()?.copy_from_slice(&values[range]);
         }
         Ok(())
     }
@@ -174,13 +189,14 @@ impl Layer for ColumnParallelLinear {
         let input = inputs[0];
         check_linear_input(KIND, &self.group, input, self.in_features)?;
         let (n_rows, out_dims) = (rows(input), with_last(input.shape(), self.out_features));
-        let results = self.group.run(vec![(); self.group.k()], |rank, comm, ()| {
-            let device = &self.group.devices()[rank];
-            let x = broadcast_from_first(comm, input, device)?;
+        let replicated = self.group.inputs_replicated();
+        let results = self.group.run(vec![(); self.group.n_local()], |rank, comm, ()| {
+            let device = self.group.device(rank);
+            let x = input_for_shard(comm, input, device, replicated)?;
             let (weight, bias) = self.shard(rank);
             let y_block = linear_shard::forward(&x, weight, bias)?;
             let y = all_gather_columns(comm, &y_block, n_rows, &self.parts, out_dims.clone(), device)?;
-            Ok((x, (rank == 0).then_some(y)))
+            Ok((x, self.group.returns_output(rank).then_some(y)))
         })?;
         let mut tensors = Vec::with_capacity(results.len());
         let mut output = None;
@@ -193,35 +209,38 @@ impl Layer for ColumnParallelLinear {
     }
 
     fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
-        let input_shape = check_saved_replicated(KIND, saved, self.group.k(), self.in_features)?;
+        let input_shape = check_saved_replicated(KIND, saved, self.group.n_local(), self.in_features)?;
         check_grad_shape(KIND, grad_output, &Shape::new(with_last(&input_shape, self.out_features)))?;
         self.group.check_input(KIND, grad_output)?;
         let n_rows = rows(grad_output);
-        let mut results = self.group.run(vec![(); self.group.k()], |rank, comm, ()| {
-            let device = &self.group.devices()[rank];
+        let replicated = self.group.inputs_replicated();
+        let mut results = self.group.run(vec![(); self.group.n_local()], |rank, comm, ()| {
+            let device = self.group.device(rank);
             let dims = with_last(&input_shape, self.parts.len(rank));
-            let dy = scatter_columns(comm, grad_output, n_rows, &self.parts, dims, device)?;
+            let dy = columns_for_shard(comm, grad_output, n_rows, &self.parts, dims, device, replicated)?;
             let mut dx = linear_shard::input_grad(&dy, self.shard(rank).0, &input_shape)?;
             drop(dy);
             comm.all_reduce_tensor(&mut dx)?;
-            Ok((rank == 0).then_some(dx))
+            Ok(self.group.returns_output(rank).then_some(dx))
         })?;
         Ok(vec![results.swap_remove(0)])
     }
 
     fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()> {
         check_param_grads(KIND, &self.params, param_grads)?;
-        let input_shape = check_saved_replicated(KIND, saved, self.group.k(), self.in_features)?;
+        let input_shape = check_saved_replicated(KIND, saved, self.group.n_local(), self.in_features)?;
         check_grad_shape(KIND, grad_output, &Shape::new(with_last(&input_shape, self.out_features)))?;
         self.group.check_input(KIND, grad_output)?;
         let n_rows = rows(grad_output);
-        let grads = grads_per_rank(param_grads, &vec![self.per_rank(); self.group.k()])?;
+        let grads = grads_per_rank(param_grads, &vec![self.per_rank(); self.group.n_local()])?;
+        let replicated = self.group.inputs_replicated();
         self.group.run(grads, |rank, comm, grads| {
-            let device = &self.group.devices()[rank];
+            let device = self.group.device(rank);
             let dims = with_last(&input_shape, self.parts.len(rank));
-            let dy = scatter_columns(comm, grad_output, n_rows, &self.parts, dims, device)?;
+            let dy = columns_for_shard(comm, grad_output, n_rows, &self.parts, dims, device, replicated)?;
             let (weight_grad, bias_grad) = grads.split_at_mut(1);
-            linear_shard::weight_grad(&dy, &saved.tensors[rank], &mut weight_grad[0], bias_grad.first_mut())
+            let x = &saved.tensors[self.group.local_index(rank)];
+            linear_shard::weight_grad(&dy, x, &mut weight_grad[0], bias_grad.first_mut())
         })?;
         Ok(())
     }

@@ -1,14 +1,14 @@
 //! `ChannelParallelConv2d`: AlexNet's split of a convolution, each device computing its share of
 //! the output filters; the outputs are gathered by concatenating channels.
-use conveyor_engine::collective::{Communicator, Partition, Traffic};
+use conveyor_engine::collective::{Partition, Traffic};
 use conveyor_engine::cpu::Window2d;
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 use rand::rngs::StdRng;
 
-use super::exchange::{all_gather_columns, broadcast_from_first, grads_per_rank, scatter_columns};
-use super::group::ShardGroup;
+use super::exchange::{all_gather_columns, columns_for_shard, grads_per_rank, input_for_shard};
+use super::group::{ShardGroup, Shards};
 use super::layout::with_channels;
-use super::{check_saved_replicated_dims, conv_shard, split_features, unsplit_rows};
+use super::{check_saved_replicated_dims, conv_shard, gather_rows, split_features};
 use crate::tensor_io::{check_grad_shape, check_param_grads, chw, expect_inputs, expect_shapes, f32_bytes, nchw};
 use crate::{Conv2d, Conv2dOptions};
 
@@ -23,7 +23,7 @@ const KIND: &str = "ChannelParallelConv2d";
 /// gradients `col2im(weight_rᵀ · dy_r)`; `backward_weight` scatters `dy` and adds the filter
 /// gradients locally.
 ///
-/// `parameters()` is rank-major: for each device its `weight` shard, then its `bias` shard.
+/// `parameters()` is rank-major: for each shard held here its `weight` shard, then its `bias` shard.
 #[derive(Debug)]
 pub struct ChannelParallelConv2d {
     in_channels: usize,
@@ -59,7 +59,19 @@ impl ChannelParallelConv2d {
         padding: (usize, usize),
         devices: &[Device],
     ) -> Result<Self> {
-        let group = ShardGroup::new(KIND, devices)?;
+        ChannelParallelConv2d::from_parameters_on(weight, bias, stride, padding, &Shards::Local(devices.to_vec()))
+    }
+
+    /// The unsplit `weight` `[out, in, kh, kw]` and optional `bias` `[out]` split as `shards` says
+    /// (all shards here, or this rank's one); only the shards held here are created.
+    pub fn from_parameters_on(
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        stride: (usize, usize),
+        padding: (usize, usize),
+        shards: &Shards,
+    ) -> Result<Self> {
+        let group = ShardGroup::new(KIND, shards)?;
         let &[out_channels, in_channels, kh, kw] = weight.dims() else {
             return Err(Error::shape(
                 format!("{KIND} weight"),
@@ -89,7 +101,7 @@ impl ChannelParallelConv2d {
         let filter_len = in_channels * kh * kw;
         let (weight_values, bias_values) = (weight.to_vec_f32(), bias.map(Tensor::to_vec_f32));
         let mut params = Vec::new();
-        for (rank, device) in group.devices().iter().enumerate() {
+        for (rank, device) in group.local_devices() {
             let channels = parts.range(rank);
             let value = Tensor::from_slice(
                 &weight_values[parts.scaled(filter_len).range(rank)],
@@ -143,7 +155,7 @@ impl ChannelParallelConv2d {
     }
 
     fn shard(&self, rank: usize) -> (&Tensor, Option<&Tensor>) {
-        let at = rank * self.per_rank();
+        let at = self.group.local_index(rank) * self.per_rank();
         (&self.params[at].value, self.has_bias.then(|| &self.params[at + 1].value))
     }
 
@@ -152,15 +164,17 @@ impl ChannelParallelConv2d {
     }
 
     /// The unsplit parameters on the host under PyTorch's names: `weight` `[out, in, kh, kw]`, `bias` `[out]`.
+    /// With one shard per rank this is a collective (an all-gather): every rank of the group calls
+    /// it, and every rank gets the unsplit tensors.
     pub fn gather_parameters(&self) -> Result<Vec<(String, Tensor)>> {
         let per_rank = self.per_rank();
-        let mut out =
-            vec![("weight".to_string(), unsplit_rows(self.params.iter().step_by(per_rank), self.weight_dims())?)];
+        let filter_len = self.in_channels * self.kernel_size.0 * self.kernel_size.1;
+        let weights: Vec<&Tensor> = self.params.iter().step_by(per_rank).map(|p| &p.value).collect();
+        let weight = gather_rows(&self.group, &weights, &self.parts.scaled(filter_len), self.weight_dims())?;
+        let mut out = vec![("weight".to_string(), weight)];
         if self.has_bias {
-            out.push((
-                "bias".to_string(),
-                unsplit_rows(self.params.iter().skip(1).step_by(per_rank), [self.out_channels])?,
-            ));
+            let biases: Vec<&Tensor> = self.params.iter().skip(1).step_by(per_rank).map(|p| &p.value).collect();
+            out.push(("bias".to_string(), gather_rows(&self.group, &biases, &self.parts, [self.out_channels])?));
         }
         Ok(out)
     }
@@ -178,9 +192,10 @@ impl ChannelParallelConv2d {
         }
         let values = value.to_vec_f32();
         let per_rank = self.per_rank();
-        for rank in 0..self.group.k() {
+        for rank in self.group.local() {
             let range = self.parts.scaled(per_channel).range(rank);
-            self.params[rank * per_rank + offset].value.as_f32_mut()?.copy_from_slice(&values[range]);
+            let at = self.group.local_index(rank) * per_rank + offset;
+            self.params[at].value.as_f32_mut()?.copy_from_slice(&values[range]);
         }
         Ok(())
     }
@@ -242,13 +257,14 @@ impl Layer for ChannelParallelConv2d {
         self.group.check_input(KIND, input)?;
         let out_dims = self.output_dims(batch, &window).to_vec();
         let plane = window.out_plane_len();
-        let results = self.group.run(vec![(); self.group.k()], |rank, comm, ()| {
-            let device = &self.group.devices()[rank];
-            let x = broadcast_from_first(comm, input, device)?;
+        let replicated = self.group.inputs_replicated();
+        let results = self.group.run(vec![(); self.group.n_local()], |rank, comm, ()| {
+            let device = self.group.device(rank);
+            let x = input_for_shard(comm, input, device, replicated)?;
             let (weight, bias) = self.shard(rank);
             let y_block = conv_shard::forward(&x, weight, bias, &window)?;
             let y = all_gather_columns(comm, &y_block, batch, &self.parts.scaled(plane), out_dims.clone(), device)?;
-            Ok((x, (comm.rank() == 0).then_some(y)))
+            Ok((x, self.group.returns_output(rank).then_some(y)))
         })?;
         let mut tensors = Vec::with_capacity(results.len());
         let mut output = None;
@@ -261,37 +277,42 @@ impl Layer for ChannelParallelConv2d {
     }
 
     fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
-        let input_shape = check_saved_replicated_dims(KIND, saved, self.group.k())?;
+        let input_shape = check_saved_replicated_dims(KIND, saved, self.group.n_local())?;
         let (batch, window) = self.batch_window(&input_shape)?;
         check_grad_shape(KIND, grad_output, &Shape::new(self.output_dims(batch, &window)))?;
         self.group.check_input(KIND, grad_output)?;
         let plane = window.out_plane_len();
-        let mut results = self.group.run(vec![(); self.group.k()], |rank, comm, ()| {
-            let device = &self.group.devices()[rank];
+        let replicated = self.group.inputs_replicated();
+        let mut results = self.group.run(vec![(); self.group.n_local()], |rank, comm, ()| {
+            let device = self.group.device(rank);
             let dims = with_channels(grad_output.shape(), self.parts.len(rank));
-            let dy = scatter_columns(comm, grad_output, batch, &self.parts.scaled(plane), dims, device)?;
+            let parts = self.parts.scaled(plane);
+            let dy = columns_for_shard(comm, grad_output, batch, &parts, dims, device, replicated)?;
             let mut dx = conv_shard::input_grad(&dy, self.shard(rank).0, &window, &input_shape)?;
             drop(dy);
             comm.all_reduce_tensor(&mut dx)?;
-            Ok((rank == 0).then_some(dx))
+            Ok(self.group.returns_output(rank).then_some(dx))
         })?;
         Ok(vec![results.swap_remove(0)])
     }
 
     fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()> {
         check_param_grads(KIND, &self.params, param_grads)?;
-        let input_shape = check_saved_replicated_dims(KIND, saved, self.group.k())?;
+        let input_shape = check_saved_replicated_dims(KIND, saved, self.group.n_local())?;
         let (batch, window) = self.batch_window(&input_shape)?;
         check_grad_shape(KIND, grad_output, &Shape::new(self.output_dims(batch, &window)))?;
         self.group.check_input(KIND, grad_output)?;
         let plane = window.out_plane_len();
-        let grads = grads_per_rank(param_grads, &vec![self.per_rank(); self.group.k()])?;
+        let grads = grads_per_rank(param_grads, &vec![self.per_rank(); self.group.n_local()])?;
+        let replicated = self.group.inputs_replicated();
         self.group.run(grads, |rank, comm, grads| {
-            let device = &self.group.devices()[rank];
+            let device = self.group.device(rank);
             let dims = with_channels(grad_output.shape(), self.parts.len(rank));
-            let dy = scatter_columns(comm, grad_output, batch, &self.parts.scaled(plane), dims, device)?;
+            let parts = self.parts.scaled(plane);
+            let dy = columns_for_shard(comm, grad_output, batch, &parts, dims, device, replicated)?;
             let (weight_grad, bias_grad) = grads.split_at_mut(1);
-            conv_shard::weight_grad(&dy, &saved.tensors[rank], &window, &mut weight_grad[0], bias_grad.first_mut())
+            let x = &saved.tensors[self.group.local_index(rank)];
+            conv_shard::weight_grad(&dy, x, &window, &mut weight_grad[0], bias_grad.first_mut())
         })?;
         Ok(())
     }

@@ -130,7 +130,7 @@ impl ChannelParallelConvStack {
         params: &[(Tensor, Option<Tensor>)],
         devices: &[Device],
     ) -> Result<Self> {
-        let group = ShardGroup::new(KIND, devices)?;
+        let group = ShardGroup::new(KIND, &super::Shards::Local(devices.to_vec()))?;
         let k = group.k();
         if layers.is_empty() || layers.len() != params.len() {
             return Err(Error::invalid(
@@ -376,7 +376,7 @@ impl ChannelParallelConvStack {
     fn backward_chain(
         &self,
         rank: usize,
-        comm: &impl Communicator,
+        comm: &(impl Communicator + ?Sized),
         shard: &ShardSaved<'_>,
         grad_output: &Tensor,
         batch: usize,

@@ -7,7 +7,11 @@ use conveyor_engine::{DType, Device, Error, Result, Tensor};
 use super::layout::{pack_columns, unpack_columns};
 
 /// Rank 0's `full` copied to every rank (broadcast); rank `r` gets a tensor of `full`'s shape on `device`.
-pub(crate) fn broadcast_from_first(comm: &impl Communicator, full: &Tensor, device: &Device) -> Result<Tensor> {
+pub(crate) fn broadcast_from_first(
+    comm: &(impl Communicator + ?Sized),
+    full: &Tensor,
+    device: &Device,
+) -> Result<Tensor> {
     let mut copy =
         if comm.rank() == 0 { full.try_clone()? } else { Tensor::zeros(full.shape().clone(), DType::F32, device)? };
     comm.broadcast(copy.as_f32_mut()?, 0)?;
@@ -17,7 +21,7 @@ pub(crate) fn broadcast_from_first(comm: &impl Communicator, full: &Tensor, devi
 /// Rank 0's `full` `[outer, parts.total()]` split by columns (scatter): rank `r` gets its block,
 /// shaped `dims`, on `device`.
 pub(crate) fn scatter_columns(
-    comm: &impl Communicator,
+    comm: &(impl Communicator + ?Sized),
     full: &Tensor,
     outer: usize,
     parts: &Partition,
@@ -39,7 +43,7 @@ pub(crate) fn scatter_columns(
 /// Every rank's `block` `[outer, parts.len(r)]` assembled into `[outer, parts.total()]` (shaped
 /// `dims`) on every rank (all-gather).
 pub(crate) fn all_gather_columns(
-    comm: &impl Communicator,
+    comm: &(impl Communicator + ?Sized),
     block: &Tensor,
     outer: usize,
     parts: &Partition,
@@ -80,7 +84,7 @@ pub(crate) fn rows(tensor: &Tensor) -> usize {
 /// Every rank's `block` `[outer, parts.len(r)]` assembled into `[outer, parts.total()]` (shaped
 /// `dims`) on rank 0 only (gather); other ranks get `None`.
 pub(crate) fn gather_columns(
-    comm: &impl Communicator,
+    comm: &(impl Communicator + ?Sized),
     block: &Tensor,
     outer: usize,
     parts: &Partition,
@@ -102,7 +106,7 @@ pub(crate) fn gather_columns(
 /// Every rank's `full` `[outer, parts.total()]` summed over ranks, rank `r` keeping its column
 /// block `[outer, parts.len(r)]` (shaped `dims`) (reduce-scatter).
 pub(crate) fn reduce_scatter_columns(
-    comm: &impl Communicator,
+    comm: &(impl Communicator + ?Sized),
     full: &Tensor,
     outer: usize,
     parts: &Partition,
@@ -115,4 +119,35 @@ pub(crate) fn reduce_scatter_columns(
     let mut block = Tensor::zeros(dims, DType::F32, device)?;
     comm.reduce_scatter(packed.as_f32()?, block.as_f32_mut()?, &flat_parts)?;
     Ok(block)
+}
+
+/// The input a shard computes on: with replicated inputs (one shard per rank, every rank called
+/// with the same input) the caller's own `full`; otherwise rank 0's `full` broadcast.
+pub(crate) fn input_for_shard(
+    comm: &(impl Communicator + ?Sized),
+    full: &Tensor,
+    device: &Device,
+    replicated: bool,
+) -> Result<Tensor> {
+    if replicated {
+        return Ok(full.share());
+    }
+    broadcast_from_first(comm, full, device)
+}
+
+/// A shard's column block `[outer, parts.len(r)]` (shaped `dims`) of `full` `[outer, parts.total()]`:
+/// cut from the caller's own `full` with replicated inputs, scattered from rank 0's otherwise.
+pub(crate) fn columns_for_shard(
+    comm: &(impl Communicator + ?Sized),
+    full: &Tensor,
+    outer: usize,
+    parts: &Partition,
+    dims: Vec<usize>,
+    device: &Device,
+    replicated: bool,
+) -> Result<Tensor> {
+    if replicated {
+        return super::layout::column_block(full.as_f32()?, outer, parts, comm.rank(), dims, device);
+    }
+    scatter_columns(comm, full, outer, parts, dims, device)
 }

@@ -1,23 +1,95 @@
-//! `ShardGroup`: the devices of a tensor-parallel layer and their collective handles, and the one
-//! place that runs a per-rank closure on `k` threads (rank 0 on the caller's thread).
-use std::sync::Mutex;
+//! `ShardGroup`: the shards of a tensor-parallel layer, where they live ([`Shards`]: every shard
+//! on a thread of this process, or this rank's one shard with the others on other ranks), their
+//! collective handles, and the one place that runs a per-shard closure.
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
-use conveyor_engine::collective::{Communicator, ProcessGroup, RankHandle, Traffic};
+use conveyor_engine::collective::{Communicator, ProcessGroup, RankHandle, Traffic, TransportGroup};
 use conveyor_engine::{Device, Error, Result, Tensor};
 
-/// The `k` devices of a split layer and one collective handle per device.
+/// Where the `k` shards of a split layer live.
+#[derive(Clone, Debug)]
+pub enum Shards {
+    /// Every shard in this process: shard `r` on `devices[r]`, each computed on its own thread,
+    /// meeting in an in-process group. Inputs arrive on the first device.
+    Local(Vec<Device>),
+    /// One shard in this process (an MPI rank's): shard `comm.rank()` of `comm.n_ranks()`, the
+    /// others on the other ranks of the group, as Megatron gives every shard a rank. Every rank of
+    /// the group calls the layer with the same inputs, in the same order (the ranks of a
+    /// tensor-parallel stage run the same program), so inputs are not broadcast.
+    Rank(RankShard),
+}
+
+/// This rank's shard of a split layer: its device and the transport group of the stage's ranks,
+/// shared by every split layer of the stage (their collectives take turns on it, in program order
+/// on every rank).
+#[derive(Clone, Debug)]
+pub struct RankShard {
+    device: Device,
+    comm: Arc<Mutex<TransportGroup>>,
+}
+
+impl RankShard {
+    /// Shard `comm.rank()` of `comm.n_ranks()`, on `device`.
+    pub fn new(device: Device, comm: TransportGroup) -> RankShard {
+        RankShard { device, comm: Arc::new(Mutex::new(comm)) }
+    }
+
+    /// This rank's shard index.
+    pub fn shard(&self) -> usize {
+        self.lock().rank()
+    }
+
+    /// The number of shards (ranks of the group).
+    pub fn k(&self) -> usize {
+        self.lock().n_ranks()
+    }
+
+    /// The device of this rank's shard.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, TransportGroup> {
+        self.comm.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+#[derive(Debug)]
+enum Members {
+    Local(Mutex<Vec<RankHandle>>),
+    Rank(RankShard),
+}
+
+/// The shards of a split layer held here (all `k`, or one) and their collective handles.
 ///
 /// Calls are serialised by a lock (a layer's forward and backward calls come from one pipeline
 /// worker anyway), and a failed call recovers the group before returning, so one budget overrun
 /// does not poison the layer for the next step.
 #[derive(Debug)]
 pub(crate) struct ShardGroup {
+    k: usize,
+    /// The first shard held here; the others held here follow it.
+    first_shard: usize,
+    /// The devices of the shards held here, in shard order.
     devices: Vec<Device>,
-    handles: Mutex<Vec<RankHandle>>,
+    members: Members,
 }
 
 impl ShardGroup {
-    pub(crate) fn new(kind: &str, devices: &[Device]) -> Result<ShardGroup> {
+    pub(crate) fn new(kind: &str, shards: &Shards) -> Result<ShardGroup> {
+        match shards {
+            Shards::Local(devices) => ShardGroup::in_process(kind, devices),
+            Shards::Rank(shard) => Ok(ShardGroup {
+                k: shard.k(),
+                first_shard: shard.shard(),
+                devices: vec![shard.device.clone()],
+                members: Members::Rank(shard.clone()),
+            }),
+        }
+    }
+
+    fn in_process(kind: &str, devices: &[Device]) -> Result<ShardGroup> {
         if devices.is_empty() {
             return Err(Error::invalid(format!("{kind} devices"), "empty: give the k devices to split the layer over"));
         }
@@ -29,47 +101,120 @@ impl ShardGroup {
                 ));
             }
         }
-        Ok(ShardGroup { devices: devices.to_vec(), handles: Mutex::new(ProcessGroup::new(devices)?) })
+        Ok(ShardGroup {
+            k: devices.len(),
+            first_shard: 0,
+            devices: devices.to_vec(),
+            members: Members::Local(Mutex::new(ProcessGroup::new(devices)?)),
+        })
     }
 
+    /// The number of shards, here and elsewhere.
     pub(crate) fn k(&self) -> usize {
+        self.k
+    }
+
+    /// The shards held here.
+    pub(crate) fn local(&self) -> Range<usize> {
+        self.first_shard..self.first_shard + self.devices.len()
+    }
+
+    /// How many shards are held here.
+    pub(crate) fn n_local(&self) -> usize {
         self.devices.len()
     }
 
+    /// Where shard `rank` (held here) sits among the shards held here.
+    pub(crate) fn local_index(&self, rank: usize) -> usize {
+        rank - self.first_shard
+    }
+
+    /// `(shard, device)` for every shard held here.
+    pub(crate) fn local_devices(&self) -> impl Iterator<Item = (usize, &Device)> {
+        self.devices.iter().enumerate().map(|(i, d)| (self.first_shard + i, d))
+    }
+
+    /// The device of shard `rank` (held here).
+    pub(crate) fn device(&self, rank: usize) -> &Device {
+        &self.devices[self.local_index(rank)]
+    }
+
+    /// The devices of the shards held here.
     pub(crate) fn devices(&self) -> &[Device] {
         &self.devices
     }
 
-    /// What each rank has sent since construction or the last reset.
+    /// Whether shard `rank` returns the layer's output here: the first shard held here (every
+    /// shard ends a call with the full result).
+    pub(crate) fn returns_output(&self, rank: usize) -> bool {
+        rank == self.first_shard
+    }
+
+    /// Whether every shard's caller holds the layer's input (one shard per rank, each rank called
+    /// with the same input), so nothing needs broadcasting from the first shard.
+    pub(crate) fn inputs_replicated(&self) -> bool {
+        matches!(self.members, Members::Rank(_))
+    }
+
+    /// What each shard held here has sent since construction or the last reset.
     pub(crate) fn traffic(&self) -> Vec<Traffic> {
-        self.handles.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).iter().map(|h| h.traffic()).collect()
+        match &self.members {
+            Members::Local(handles) => lock(handles).iter().map(|h| h.traffic()).collect(),
+            Members::Rank(shard) => vec![shard.lock().traffic()],
+        }
     }
 
-    /// Sets every rank's sent-traffic counters to zero.
+    /// Sets the sent-traffic counters of the shards held here to zero.
     pub(crate) fn reset_traffic(&self) {
-        self.handles.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).iter().for_each(|h| h.reset_traffic());
+        match &self.members {
+            Members::Local(handles) => lock(handles).iter().for_each(|h| h.reset_traffic()),
+            Members::Rank(shard) => shard.lock().reset_traffic(),
+        }
     }
 
-    /// The device inputs arrive on and outputs leave from (the pipeline stage's device).
+    /// The device inputs arrive on and outputs leave from (the pipeline stage's device here).
     pub(crate) fn first(&self) -> &Device {
         &self.devices[0]
     }
 
-    /// Runs `f(rank, handle, state)` for every rank at once, rank `r` with `states[r]`, and returns
-    /// the results in rank order. On failure returns the root cause (a rank's own error rather than
-    /// the aborts it caused on its peers) after recovering the group.
+    /// Runs `f(shard, comm, state)` for every shard held here at once, the shard `local().start + i`
+    /// with `states[i]`, and returns the results in shard order. With every shard here, each runs
+    /// on its own thread (the first on the caller's); with one shard here, on the caller's thread
+    /// while the other ranks run theirs. On failure returns the root cause (a shard's own error
+    /// rather than the aborts it caused on its peers) after recovering the group.
     pub(crate) fn run<S: Send, T: Send>(
         &self,
         states: Vec<S>,
-        f: impl Fn(usize, &RankHandle, S) -> Result<T> + Sync,
+        f: impl Fn(usize, &dyn Communicator, S) -> Result<T> + Sync,
     ) -> Result<Vec<T>> {
-        let mut handles = self.handles.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if states.len() != handles.len() {
+        if states.len() != self.devices.len() {
             return Err(Error::invalid(
                 "ShardGroup::run states",
-                format!("{} for {} ranks", states.len(), handles.len()),
+                format!("{} for {} shards held here", states.len(), self.devices.len()),
             ));
         }
+        match &self.members {
+            Members::Local(handles) => self.run_local(&mut lock(handles), states, f),
+            Members::Rank(shard) => {
+                let mut comm = shard.lock();
+                let state = states.into_iter().next().expect("one state (checked)");
+                match f(self.first_shard, &*comm, state) {
+                    Ok(result) => Ok(vec![result]),
+                    Err(error) => {
+                        comm.recover()?;
+                        Err(error)
+                    }
+                }
+            }
+        }
+    }
+
+    fn run_local<S: Send, T: Send>(
+        &self,
+        handles: &mut [RankHandle],
+        states: Vec<S>,
+        f: impl Fn(usize, &dyn Communicator, S) -> Result<T> + Sync,
+    ) -> Result<Vec<T>> {
         let results: Vec<Result<T>> = std::thread::scope(|scope| {
             let mut states = states.into_iter();
             let first_state = states.next().expect("a group has at least one rank");
@@ -101,7 +246,7 @@ impl ShardGroup {
         if results.iter().all(Result::is_ok) {
             return Ok(results.into_iter().map(|r| r.expect("checked ok")).collect());
         }
-        ProcessGroup::recover(&mut handles)?;
+        ProcessGroup::recover(handles)?;
         let mut errors: Vec<Error> = results.into_iter().filter_map(Result::err).collect();
         let cause = errors.iter().position(|e| !matches!(e, Error::CollectiveAborted { .. })).unwrap_or(0);
         Err(errors.swap_remove(cause))
@@ -134,4 +279,8 @@ impl ShardGroup {
             ),
         ))
     }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }

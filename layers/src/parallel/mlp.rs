@@ -1,6 +1,6 @@
 //! `ParallelMlp`: Megatron's pairing of a column-split and a row-split Linear around an
 //! elementwise activation, inside one layer so the hidden activation never leaves its device.
-use conveyor_engine::collective::{Communicator, Partition, Traffic};
+use conveyor_engine::collective::{Partition, Traffic};
 use conveyor_engine::cpu::activation::{gelu, gelu_grad, relu, relu_grad};
 use conveyor_engine::cpu::uninit;
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
@@ -104,7 +104,7 @@ impl ParallelMlp {
 
     /// `fc2(act(fc1(x)))` from unsplit layers, split over `devices` by the hidden features.
     pub fn from_linears(fc1: &Linear, activation: MlpActivation, fc2: &Linear, devices: &[Device]) -> Result<Self> {
-        let group = ShardGroup::new(KIND, devices)?;
+        let group = ShardGroup::new(KIND, &super::Shards::Local(devices.to_vec()))?;
         let (hidden_features, in_features) = check_linear_params(KIND, fc1.weight(), fc1.bias())?;
         let (out_features, fc2_in) = check_linear_params(KIND, fc2.weight(), fc2.bias())?;
         if fc2_in != hidden_features {

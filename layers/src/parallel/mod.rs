@@ -61,8 +61,11 @@ mod row;
 pub use column::ColumnParallelLinear;
 pub use conv::ChannelParallelConv2d;
 pub use conv_stack::{ChannelParallelConvStack, ConvStackLayer};
+pub use group::{RankShard, Shards};
 pub use mlp::{MlpActivation, ParallelMlp};
 pub use row::RowParallelLinear;
+
+use std::ops::Range;
 
 use conveyor_engine::collective::Partition;
 use conveyor_engine::{Device, Error, LayerCost, Parameter, Result, Saved, Shape, Tensor};
@@ -145,14 +148,15 @@ fn check_saved_replicated_dims(kind: &str, saved: &Saved, k: usize) -> Result<Sh
     Ok(saved.tensors[0].shape().clone())
 }
 
-/// Checks `k` saved feature blocks `[.., parts.len(r)]`; returns the unsplit input's dims.
-fn check_saved_inputs(kind: &str, saved: &Saved, parts: &Partition) -> Result<Vec<usize>> {
-    let k = parts.n_ranks();
-    if saved.tensors.len() != k {
-        return Err(bad_saved(kind, format!("expected {k} input blocks, found {}", saved.tensors.len())));
+/// Checks the saved feature blocks `[.., parts.len(r)]` of the shards `local` (those held here);
+/// returns the unsplit input's dims.
+fn check_saved_inputs(kind: &str, saved: &Saved, parts: &Partition, local: Range<usize>) -> Result<Vec<usize>> {
+    let n = local.len();
+    if saved.tensors.len() != n {
+        return Err(bad_saved(kind, format!("expected {n} input blocks, found {}", saved.tensors.len())));
     }
     let leading = saved.tensors[0].dims().split_last().map(|(_, l)| l.to_vec()).unwrap_or_default();
-    for (rank, tensor) in saved.tensors.iter().enumerate() {
+    for (rank, tensor) in local.zip(&saved.tensors) {
         if tensor.dims().split_last() != Some((&parts.len(rank), leading.as_slice())) {
             return Err(bad_saved(kind, format!("input block {rank} is {}", tensor.shape())));
         }
@@ -169,6 +173,28 @@ fn unsplit_rows<'a>(shards: impl Iterator<Item = &'a Parameter>, dims: impl Into
         values.extend(shard.value.to_vec_f32());
     }
     Tensor::from_vec(values, dims, &Device::host())
+}
+
+/// The unsplit host tensor of `dims` whose flat elements are the shards' blocks `flat_parts`
+/// concatenated: `local` holds the blocks of the shards held here. With every shard here they are
+/// joined; with one shard per rank they are all-gathered (a collective: every rank of the group
+/// calls it, and every rank gets the whole tensor).
+fn gather_rows(
+    group: &ShardGroup,
+    local: &[&Tensor],
+    flat_parts: &Partition,
+    dims: impl Into<Shape>,
+) -> Result<Tensor> {
+    if group.n_local() == group.k() {
+        let values: Vec<f32> = local.iter().flat_map(|t| t.to_vec_f32()).collect();
+        return Tensor::from_vec(values, dims, &Device::host());
+    }
+    let mut gathered = group.run(vec![(); group.n_local()], |rank, comm, ()| {
+        let mut values = vec![0.0; flat_parts.total()];
+        comm.all_gather(&local[group.local_index(rank)].to_vec_f32(), &mut values, flat_parts)?;
+        Ok(values)
+    })?;
+    Tensor::from_vec(gathered.swap_remove(0), dims, &Device::host())
 }
 
 /// Assembles column blocks `[outer, parts.len(r)]` into an unsplit host tensor `[outer, parts.total()]`.

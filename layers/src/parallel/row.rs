@@ -1,11 +1,11 @@
 //! `RowParallelLinear`: a `Linear` whose weight is split by input features (columns of
 //! `weight [out, in]`) over `k` devices; the partial outputs are all-reduced.
-use conveyor_engine::collective::{Communicator, Partition, Traffic};
-use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
+use conveyor_engine::collective::{Partition, Traffic};
+use conveyor_engine::{DType, Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 use rand::rngs::StdRng;
 
-use super::exchange::{all_gather_columns, broadcast_from_first, grads_per_rank, rows, scatter_columns};
-use super::group::ShardGroup;
+use super::exchange::{all_gather_columns, columns_for_shard, grads_per_rank, input_for_shard, rows};
+use super::group::{ShardGroup, Shards};
 use super::layout::{column_block, with_last};
 use super::{check_linear_input, check_saved_inputs, linear_cost, linear_shard, split_features, unsplit_columns};
 use crate::Linear;
@@ -27,8 +27,8 @@ const KIND: &str = "RowParallelLinear";
 /// and all-gathers `dx_r = dy · weight_r`; `backward_weight` broadcasts `dy` and adds
 /// `dweight_r += dyᵀ · x_r` locally (and `dbias += Σ dy` on the first device).
 ///
-/// `parameters()` is rank-major: the first device's `weight` shard, then `bias` (unsplit), then
-/// each other device's `weight` shard.
+/// `parameters()` is rank-major over the shards held here: shard 0's `weight` block, then `bias`
+/// (unsplit, held with shard 0), then each other shard's `weight` block.
 #[derive(Debug)]
 pub struct RowParallelLinear {
     in_features: usize,
@@ -56,14 +56,25 @@ impl RowParallelLinear {
         RowParallelLinear::from_parameters(linear.weight(), linear.bias(), devices)
     }
 
+    /// `linear`'s parameters split as `shards` says (all shards here, or this rank's one).
+    pub fn from_linear_on(linear: &Linear, shards: &Shards) -> Result<Self> {
+        RowParallelLinear::from_parameters_on(linear.weight(), linear.bias(), shards)
+    }
+
     /// The unsplit `weight` `[out, in]` and optional `bias` `[out]` split over `devices`.
     pub fn from_parameters(weight: &Tensor, bias: Option<&Tensor>, devices: &[Device]) -> Result<Self> {
-        let group = ShardGroup::new(KIND, devices)?;
+        RowParallelLinear::from_parameters_on(weight, bias, &Shards::Local(devices.to_vec()))
+    }
+
+    /// The unsplit `weight` `[out, in]` and optional `bias` `[out]` split as `shards` says; only
+    /// the shards held here are created (the bias with shard 0).
+    pub fn from_parameters_on(weight: &Tensor, bias: Option<&Tensor>, shards: &Shards) -> Result<Self> {
+        let group = ShardGroup::new(KIND, shards)?;
         let (out_features, in_features) = super::check_linear_params(KIND, weight, bias)?;
         let parts = split_features(KIND, "in_features", in_features, group.k())?;
         let weight_values = weight.to_vec_f32();
         let mut params = Vec::new();
-        for (rank, device) in group.devices().iter().enumerate() {
+        for (rank, device) in group.local_devices() {
             let value =
                 column_block(&weight_values, out_features, &parts, rank, vec![out_features, parts.len(rank)], device)?;
             params.push(Parameter { name: "weight".into(), value });
@@ -94,7 +105,8 @@ impl RowParallelLinear {
         &self.parts
     }
 
-    /// The devices, shard `r` on `devices()[r]`; inputs arrive on and outputs leave from the first.
+    /// The devices of the shards held here, in shard order; inputs arrive on and outputs leave
+    /// from the first.
     pub fn devices(&self) -> &[Device] {
         self.group.devices()
     }
@@ -110,29 +122,60 @@ impl RowParallelLinear {
         self.group.reset_traffic()
     }
 
+    /// Where shard `rank`'s weight block sits in `params` (shard 0 is followed by the bias).
     fn weight_index(&self, rank: usize) -> usize {
-        if rank == 0 { 0 } else { rank + usize::from(self.has_bias) }
+        let here = self.group.local_index(rank);
+        let bias_before = self.has_bias && self.group.local().start == 0 && rank > 0;
+        here + usize::from(bias_before)
     }
 
     fn weight(&self, rank: usize) -> &Tensor {
         &self.params[self.weight_index(rank)].value
     }
 
+    /// The bias, when shard 0 (which holds it) is held here.
     fn bias(&self) -> Option<&Tensor> {
-        self.has_bias.then(|| &self.params[1].value)
+        (self.has_bias && self.group.local().start == 0).then(|| &self.params[1].value)
     }
 
+    /// The parameters of each shard held here.
     fn counts(&self) -> Vec<usize> {
-        (0..self.group.k()).map(|r| if r == 0 { 1 + usize::from(self.has_bias) } else { 1 }).collect()
+        self.group.local().map(|r| if r == 0 { 1 + usize::from(self.has_bias) } else { 1 }).collect()
     }
 
     /// The unsplit parameters on the host under PyTorch's names: `weight` `[out, in]`, `bias` `[out]`.
+    /// With one shard per rank this is a collective (an all-gather and a broadcast from shard 0):
+    /// every rank of the group calls it, and every rank gets the unsplit tensors.
     pub fn gather_parameters(&self) -> Result<Vec<(String, Tensor)>> {
-        let shards: Vec<&Tensor> = (0..self.group.k()).map(|r| self.weight(r)).collect();
-        let mut out = vec![("weight".to_string(), unsplit_columns(&shards, self.out_features, &self.parts)?)];
-        if let Some(bias) = self.bias() {
-            out.push(("bias".to_string(), bias.to_device(&Device::host())?));
+        if self.group.n_local() == self.group.k() {
+            let shards: Vec<&Tensor> = (0..self.group.k()).map(|r| self.weight(r)).collect();
+            let mut out = vec![("weight".to_string(), unsplit_columns(&shards, self.out_features, &self.parts)?)];
+            if let Some(bias) = self.bias() {
+                out.push(("bias".to_string(), bias.to_device(&Device::host())?));
+            }
+            return Ok(out);
         }
+        let host = Device::host();
+        let dims = vec![self.out_features, self.in_features];
+        let mut gathered = self.group.run(vec![(); self.group.n_local()], |rank, comm, ()| {
+            let weight =
+                all_gather_columns(comm, self.weight(rank), self.out_features, &self.parts, dims.clone(), &host)?;
+            let bias = match self.has_bias {
+                true => {
+                    let mut bias = match self.bias() {
+                        Some(bias) => bias.to_device(&host)?,
+                        None => Tensor::zeros([self.out_features], DType::F32, &host)?,
+                    };
+                    comm.broadcast(bias.as_f32_mut()?, 0)?;
+                    Some(bias)
+                }
+                false => None,
+            };
+            Ok((weight, bias))
+        })?;
+        let (weight, bias) = gathered.swap_remove(0);
+        let mut out = vec![("weight".to_string(), weight)];
+        out.extend(bias.map(|b| ("bias".to_string(), b)));
         Ok(out)
     }
 
@@ -145,7 +188,7 @@ impl RowParallelLinear {
                     return Err(Error::shape(format!("{KIND} weight"), format!("{dims:?}"), value.shape().to_string()));
                 }
                 let values = value.to_vec_f32();
-                for rank in 0..self.group.k() {
+                for rank in self.group.local() {
                     let index = self.weight_index(rank);
                     let device = self.params[index].value.device().clone();
                     let block = column_block(
@@ -168,7 +211,9 @@ impl RowParallelLinear {
                         value.shape().to_string(),
                     ));
                 }
-                self.params[1].value.as_f32_mut()?.copy_from_slice(&value.to_vec_f32());
+                if self.bias().is_some() {
+                    self.params[1].value.as_f32_mut()?.copy_from_slice(&value.to_vec_f32());
+                }
                 Ok(())
             }
             _ => Err(Error::invalid(format!("{KIND} parameter"), format!("`{name}`: expected weight or bias"))),
@@ -198,20 +243,15 @@ impl Layer for RowParallelLinear {
         let input = inputs[0];
         check_linear_input(KIND, &self.group, input, self.in_features)?;
         let n_rows = rows(input);
-        let results = self.group.run(vec![(); self.group.k()], |rank, comm, ()| {
-            let device = &self.group.devices()[rank];
-            let x = scatter_columns(
-                comm,
-                input,
-                n_rows,
-                &self.parts,
-                with_last(input.shape(), self.parts.len(rank)),
-                device,
-            )?;
+        let replicated = self.group.inputs_replicated();
+        let results = self.group.run(vec![(); self.group.n_local()], |rank, comm, ()| {
+            let device = self.group.device(rank);
+            let dims = with_last(input.shape(), self.parts.len(rank));
+            let x = columns_for_shard(comm, input, n_rows, &self.parts, dims, device, replicated)?;
             let bias = if rank == 0 { self.bias() } else { None };
             let mut y = linear_shard::forward(&x, self.weight(rank), bias)?;
             comm.all_reduce_tensor(&mut y)?;
-            Ok((x, (rank == 0).then_some(y)))
+            Ok((x, self.group.returns_output(rank).then_some(y)))
         })?;
         let mut tensors = Vec::with_capacity(results.len());
         let mut output = None;
@@ -224,34 +264,38 @@ impl Layer for RowParallelLinear {
     }
 
     fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
-        let input_dims = check_saved_inputs(KIND, saved, &self.parts)?;
+        let input_dims = check_saved_inputs(KIND, saved, &self.parts, self.group.local())?;
         let input_shape = Shape::new(input_dims);
         check_grad_shape(KIND, grad_output, &Shape::new(with_last(&input_shape, self.out_features)))?;
         self.group.check_input(KIND, grad_output)?;
         let n_rows = rows(grad_output);
-        let mut results = self.group.run(vec![(); self.group.k()], |rank, comm, ()| {
-            let device = &self.group.devices()[rank];
-            let dy = broadcast_from_first(comm, grad_output, device)?;
-            let dx_block = linear_shard::input_grad(&dy, self.weight(rank), saved.tensors[rank].shape())?;
+        let replicated = self.group.inputs_replicated();
+        let mut results = self.group.run(vec![(); self.group.n_local()], |rank, comm, ()| {
+            let device = self.group.device(rank);
+            let dy = input_for_shard(comm, grad_output, device, replicated)?;
+            let x_shape = saved.tensors[self.group.local_index(rank)].shape();
+            let dx_block = linear_shard::input_grad(&dy, self.weight(rank), x_shape)?;
             drop(dy);
             let dx = all_gather_columns(comm, &dx_block, n_rows, &self.parts, input_shape.dims().to_vec(), device)?;
-            Ok((rank == 0).then_some(dx))
+            Ok(self.group.returns_output(rank).then_some(dx))
         })?;
         Ok(vec![results.swap_remove(0)])
     }
 
     fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()> {
         check_param_grads(KIND, &self.params, param_grads)?;
-        let input_shape = Shape::new(check_saved_inputs(KIND, saved, &self.parts)?);
+        let input_shape = Shape::new(check_saved_inputs(KIND, saved, &self.parts, self.group.local())?);
         check_grad_shape(KIND, grad_output, &Shape::new(with_last(&input_shape, self.out_features)))?;
         self.group.check_input(KIND, grad_output)?;
         let grads = grads_per_rank(param_grads, &self.counts())?;
+        let replicated = self.group.inputs_replicated();
         self.group.run(grads, |rank, comm, grads| {
-            let device = &self.group.devices()[rank];
-            let dy = broadcast_from_first(comm, grad_output, device)?;
+            let device = self.group.device(rank);
+            let dy = input_for_shard(comm, grad_output, device, replicated)?;
             let (weight_grad, bias_grad) = grads.split_at_mut(1);
-            let bias_grad = if comm.rank() == 0 { bias_grad.first_mut() } else { None };
-            linear_shard::weight_grad(&dy, &saved.tensors[rank], &mut weight_grad[0], bias_grad)
+            let bias_grad = if rank == 0 { bias_grad.first_mut() } else { None };
+            let x = &saved.tensors[self.group.local_index(rank)];
+            linear_shard::weight_grad(&dy, x, &mut weight_grad[0], bias_grad)
         })?;
         Ok(())
     }
