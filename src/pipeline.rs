@@ -19,9 +19,10 @@ use conveyor_engine::placement::{
     DeviceSpec, NodeCosts, OptimizerMemory, Placement, Plan, PlanConfig, measure_node_memory_on,
     place_manually_with_costs, place_with_costs,
 };
+use conveyor_engine::collective::TransportGroup;
 use conveyor_engine::runtime::{Trainer, TrainerBuilder};
 use conveyor_engine::{Device, Error, Result};
-use conveyor_layers::CrossEntropyLoss;
+use conveyor_layers::{CrossEntropyLoss, RankShard};
 use conveyor_schedules::ScheduleKind;
 
 use crate::zoo::{ModelSpec, TensorParallelSplits};
@@ -91,6 +92,26 @@ pub fn planner_inputs_tensor_parallel(
         })
         .collect();
     Ok((specs, plan_config))
+}
+
+/// This rank's shard when the process transport runs a rank per tensor-parallel shard (its world
+/// is every device: `stages x tensor_parallel` ranks, rank `group * k + shard` on `devices[rank]`),
+/// with the transport group of its stage's ranks; `None` otherwise (in-process, or a rank per
+/// pipeline device with its group on threads). Every rank must call it (it creates the groups).
+pub fn rank_shard(devices: &[Device], tensor_parallel: usize) -> Result<Option<RankShard>> {
+    let transport = conveyor_engine::transport::process_transport();
+    let (rank, world) = (transport.rank(), transport.world_size());
+    if tensor_parallel <= 1 || world <= 1 || world != devices.len() {
+        return Ok(None);
+    }
+    let groups: Vec<Vec<usize>> = (0..world / tensor_parallel)
+        .map(|g| (g * tensor_parallel..(g + 1) * tensor_parallel).collect())
+        .collect();
+    let device = devices[rank].clone();
+    // The group's message buffers count on this rank's device (on the host for a GPU's shard).
+    let buffers = if matches!(device, Device::Cpu(_)) { device.clone() } else { Device::host() };
+    let comm = TransportGroup::split(transport, buffers, conveyor_engine::collective::DEFAULT_TIMEOUT, &groups)?;
+    Ok(Some(RankShard::new(device, comm)))
 }
 
 /// `devices` cut into groups of `tensor_parallel` consecutive devices, or an error saying how
@@ -198,7 +219,20 @@ pub fn build_trainer_tensor_parallel(
     tensor_parallel: usize,
     config: &PipelineConfig,
 ) -> Result<(Plan, Trainer)> {
-    let (plan, graph) = plan_tensor_parallel(spec, seed, &devices, tensor_parallel, config)?;
+    let (plan, mut graph) = plan_tensor_parallel(spec, seed, &devices, tensor_parallel, config)?;
+    if let Some(here) = rank_shard(&devices, tensor_parallel)? {
+        // One rank per shard: rebuild with this rank's shards only (the same draws, the same
+        // node ids), the plan's groups as the splits.
+        let groups = device_groups(&devices, tensor_parallel)?;
+        let mut splits = TensorParallelSplits::new();
+        for stage in &plan.stages {
+            for name in &stage.node_names {
+                splits.insert(name.clone(), groups[stage.stage_idx % groups.len()].clone());
+            }
+        }
+        drop(graph);
+        graph = spec.build_split_on(seed, &splits, Some(&here))?;
+    }
     let stages = plan.stages.iter().map(|s| s.nodes.clone()).collect();
     let trainer = builder(graph, devices, config)
         .tensor_parallel(tensor_parallel)

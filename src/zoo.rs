@@ -19,7 +19,8 @@ use conveyor_engine::graph::Graph;
 use conveyor_engine::{Device, Error, Layer, Result, init};
 use conveyor_layers::{
     Add, ChannelParallelConv2d, ColumnParallelLinear, Conv2d, Conv2dOptions, Dropout, Embedding, Flatten, Gelu,
-    LayerNorm, Linear, MaxPool2d, MeanOverTokens, MultiheadSelfAttention, PositionalEmbedding, Relu, RowParallelLinear,
+    LayerNorm, Linear, MaxPool2d, MeanOverTokens, MultiheadSelfAttention, PositionalEmbedding, RankShard, Relu,
+    RowParallelLinear, Shards,
 };
 use rand::rngs::StdRng;
 
@@ -166,7 +167,16 @@ impl ModelSpec {
     /// [`ModelSpec::build`] with the nodes named in `splits` split over their devices (see the
     /// module docs). With no splits it is exactly [`ModelSpec::build`].
     pub fn build_split(&self, seed: u64, splits: &TensorParallelSplits) -> Result<Graph> {
+        self.build_split_on(seed, splits, None)
+    }
+
+    /// [`ModelSpec::build_split`] for one MPI rank of a run with a rank per tensor-parallel shard:
+    /// the nodes whose group holds `here`'s device keep only this rank's shard
+    /// ([`Shards::Rank`]); the others are built split as usual (they are another rank's, and the
+    /// trainer drops them). The same values are drawn as by [`ModelSpec::build`].
+    pub fn build_split_on(&self, seed: u64, splits: &TensorParallelSplits, here: Option<&RankShard>) -> Result<Graph> {
         let mut splitter = Splitter::new(splits);
+        splitter.here = here;
         match self {
             ModelSpec::Mlp(dims) => mlp_with(dims, seed, &mut splitter),
             ModelSpec::Cnn => cnn_with(seed, &mut splitter),
@@ -193,17 +203,28 @@ impl ModelSpec {
 /// unsplit layer would.
 struct Splitter<'a> {
     splits: &'a TensorParallelSplits,
+    /// This rank's shard, with a rank per tensor-parallel shard.
+    here: Option<&'a RankShard>,
     /// The next split Linear is column-parallel (then row, then column, ...).
     column_next: bool,
 }
 
 impl<'a> Splitter<'a> {
     fn new(splits: &'a TensorParallelSplits) -> Self {
-        Splitter { splits, column_next: true }
+        Splitter { splits, here: None, column_next: true }
     }
 
     fn group(&self, name: &str) -> Option<&'a [Device]> {
         self.splits.get(name).map(Vec::as_slice).filter(|g| g.len() > 1)
+    }
+
+    /// Where the shards of a node split over `group` live: this rank's one when the group holds
+    /// this rank's device, every one here otherwise.
+    fn shards(&self, group: &[Device]) -> Shards {
+        match self.here {
+            Some(here) if group.iter().any(|d| d.same_device(here.device())) => Shards::Rank(here.clone()),
+            _ => Shards::Local(group.to_vec()),
+        }
     }
 
     /// `Linear(in, out)` with bias; split column-then-row alternately when `name` is split.
@@ -220,10 +241,10 @@ impl<'a> Splitter<'a> {
         let (column_ok, row_ok) = (out_features >= k, in_features >= k);
         if column_ok && (self.column_next || !row_ok) {
             self.column_next = false;
-            Ok(Box::new(ColumnParallelLinear::from_linear(&linear, group)?))
+            Ok(Box::new(ColumnParallelLinear::from_linear_on(&linear, &self.shards(group))?))
         } else if row_ok {
             self.column_next = true;
-            Ok(Box::new(RowParallelLinear::from_linear(&linear, group)?))
+            Ok(Box::new(RowParallelLinear::from_linear_on(&linear, &self.shards(group))?))
         } else {
             Ok(Box::new(linear))
         }
@@ -239,9 +260,13 @@ impl<'a> Splitter<'a> {
     ) -> Result<Box<dyn Layer>> {
         let conv = conv3x3(in_channels, out_channels, rng)?;
         match self.group(name) {
-            Some(group) if out_channels >= group.len() => {
-                Ok(Box::new(ChannelParallelConv2d::from_parameters(conv.weight(), conv.bias(), (1, 1), (1, 1), group)?))
-            }
+            Some(group) if out_channels >= group.len() => Ok(Box::new(ChannelParallelConv2d::from_parameters_on(
+                conv.weight(),
+                conv.bias(),
+                (1, 1),
+                (1, 1),
+                &self.shards(group),
+            )?)),
             _ => Ok(Box::new(conv)),
         }
     }

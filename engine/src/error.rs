@@ -341,10 +341,12 @@ pub enum Error {
         reason: String,
     },
     /// The job's world size does not match the layout: one rank per pipeline device (group of
-    /// `tensor_parallel` devices).
+    /// `tensor_parallel` devices), or one rank per device (every tensor-parallel shard its own rank).
     #[error(
         "the job has {world_size} ranks but the layout needs {needed} ({n_devices} devices / tensor-parallel \
-         {tensor_parallel}): one rank per pipeline device; launch with `mpirun -n {needed}` or give {} devices",
+         {tensor_parallel}: one rank per pipeline device) or {n_devices} (one rank per device, each \
+         tensor-parallel shard its own rank); launch with `mpirun -n {needed}` or `mpirun -n {n_devices}`, or \
+         give {} devices",
         world_size * tensor_parallel
     )]
     WorldSize {

@@ -310,6 +310,13 @@ pub trait Layer: Send + std::fmt::Debug {
     fn collective_traffic(&self) -> Vec<crate::collective::Traffic> {
         Vec::new()
     }
+
+    /// Whether the layer is split over devices (tensor-parallel): by default, whether it reports
+    /// collective traffic. The runtime counts a split layer's gradients on every rank of its
+    /// stage (each holds other shards) and an unsplit layer's on one.
+    fn is_split(&self) -> bool {
+        !self.collective_traffic().is_empty()
+    }
 }
 
 thread_local! {

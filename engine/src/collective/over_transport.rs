@@ -58,6 +58,22 @@ pub const COLLECTIVE_ROUND_BASE: u64 = 1 << 63;
 /// The index this process proposes for its next group: one more than the last group's.
 static GROUPS_CREATED: AtomicU64 = AtomicU64::new(0);
 
+/// Bumped by [`interrupt_waits`]: a call that began before the last bump stops waiting.
+static INTERRUPTS: AtomicU64 = AtomicU64::new(0);
+
+/// How often a waiting call looks for an interrupt.
+const INTERRUPT_POLL: Duration = Duration::from_millis(20);
+
+/// Ends, within a few milliseconds, every wait of every [`TransportGroup`] call of this process
+/// that began before it, with [`Error::CollectiveAborted`]; later calls are not affected. The
+/// runtime calls it when a step is abandoned on this rank (its own failure or another rank's), so
+/// that a worker waiting in a tensor-parallel collective for a rank that will never come is freed
+/// at once instead of at the group's timeout. The interrupted group then recovers when it is next
+/// used ([`TransportGroup::was_interrupted`]).
+pub fn interrupt_waits() {
+    INTERRUPTS.fetch_add(1, Ordering::AcqRel);
+}
+
 /// Message kinds, the first byte of every message.
 const DATA: u8 = 0;
 const ABORT: u8 = 1;
@@ -107,6 +123,8 @@ pub struct TransportGroup {
     epoch: AtomicU64,
     /// The first failure seen by this rank: (the rank that failed, its reason).
     failure: Mutex<Option<(usize, String)>>,
+    /// Whether that failure was an interrupt of this rank ([`interrupt_waits`]).
+    interrupted: std::sync::atomic::AtomicBool,
     bytes_sent: AtomicU64,
     messages_sent: AtomicU64,
 }
@@ -201,6 +219,7 @@ impl TransportGroup {
             seq: AtomicU64::new(0),
             epoch: AtomicU64::new(0),
             failure: Mutex::new(None),
+            interrupted: std::sync::atomic::AtomicBool::new(false),
             bytes_sent: AtomicU64::new(0),
             messages_sent: AtomicU64::new(0),
         })
@@ -298,7 +317,21 @@ impl TransportGroup {
         self.seq.store(next, Ordering::Release);
         self.epoch.store(next, Ordering::Release);
         *self.failure.get_mut() = None;
+        *self.interrupted.get_mut() = false;
         Ok(())
+    }
+
+    /// Whether a collective failed since the last recovery (new calls are refused until
+    /// [`Self::recover`]).
+    pub fn has_failed(&self) -> bool {
+        self.failure.lock().is_some()
+    }
+
+    /// Whether this rank's last failure was an interrupt ([`interrupt_waits`]): the rank that failed
+    /// may not be in a collective at all, so recovering now could wait for it in vain; recover
+    /// before the next call instead, when every member makes that call.
+    pub fn was_interrupted(&self) -> bool {
+        self.interrupted.load(Ordering::Acquire)
     }
 
     /// Drops `src`'s messages up to its recovery notice and returns the sequence number it carries;
@@ -339,7 +372,7 @@ impl TransportGroup {
     /// failure of this rank tells every peer, so that no peer waits for a message that will not come.
     fn run(&self, op: CollectiveOp, body: impl FnOnce(&Call<'_>) -> Result<()>) -> Result<()> {
         let seq = self.seq.fetch_add(1, Ordering::AcqRel);
-        let call = Call { group: self, op, seq };
+        let call = Call { group: self, op, seq, interrupts: INTERRUPTS.load(Ordering::Acquire) };
         if let Some(failure) = self.failure() {
             return Err(call.aborted(failure));
         }
@@ -430,6 +463,8 @@ struct Call<'a> {
     group: &'a TransportGroup,
     op: CollectiveOp,
     seq: u64,
+    /// [`INTERRUPTS`] when the call began.
+    interrupts: u64,
 }
 
 impl Call<'_> {
@@ -449,8 +484,18 @@ impl Call<'_> {
                 sources.push(src);
             }
         }
-        let Ok(selected) = select.select_timeout(deadline.saturating_duration_since(Instant::now())) else {
-            return Ok(false);
+        let selected = loop {
+            if INTERRUPTS.load(Ordering::Acquire) != self.interrupts {
+                group.interrupted.store(true, Ordering::Release);
+                let reason = "the step was abandoned on this rank".to_string();
+                return Err(self.aborted(group.record_failure(group.rank, reason)));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match select.select_timeout(left.min(INTERRUPT_POLL)) {
+                Ok(selected) => break selected,
+                Err(_) if left > INTERRUPT_POLL => continue,
+                Err(_) => return Ok(false),
+            }
         };
         let src = sources[selected.index()];
         let bytes = selected

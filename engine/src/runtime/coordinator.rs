@@ -137,12 +137,15 @@ impl Trainer {
                 recv(peer_abort) -> _ => {
                     peer_failed = true;
                     abort.take();
+                    // Free this rank's workers waiting in a collective for a rank that failed.
+                    crate::collective::interrupt_waits();
                 }
                 default(REPORT_TIMEOUT) => return Err(lost(channel::RecvTimeoutError::Timeout)),
             }
             if local.failure.is_some() {
                 abort.take();
                 if world > 1 && !notified {
+                    crate::collective::interrupt_waits();
                     // Wake every rank's workers that wait for a message from here.
                     notified = true;
                     for peer in (0..world).filter(|&p| p != self.transport.rank()) {
@@ -154,6 +157,10 @@ impl Trainer {
         let mut committed = false;
         let mut global_norm = 0.0;
         let mut all_losses = Vec::new();
+        if self.shard != 0 {
+            // Shard 0's rank speaks for the stage; this rank computed the same losses.
+            local.losses.clear();
+        }
         if training {
             let vote = match (&local.failure, peer_failed) {
                 (Some(error), _) => Vote::Failed { message: error.to_string() },
@@ -196,12 +203,21 @@ impl Trainer {
         }
         drop(abort);
         let mut finish = std::mem::take(&mut local.finish);
+        if self.shard != 0 {
+            // Shard 0's rank reports the stage's time line, outputs and activation peaks.
+            finish.events.clear();
+            finish.cpu_times.clear();
+            finish.outputs.clear();
+            finish.peak_activation_bytes.clear();
+        }
         let local_late = local.failure.as_ref().filter(|_| local.late_failure || !training);
         finish.failure = local_late.map(Error::to_string);
         finish.started_s = started_s;
         for &d in &local_workers {
             let group = d * self.tensor_parallel..(d + 1) * self.tensor_parallel;
-            finish.peak_memory.extend(group.map(|i| (i, self.devices[i].peak_memory())));
+            // With a rank per shard this rank reports its own device of the group.
+            let here = |i: &usize| self.ranks_per_device == 1 || *i == d * self.tensor_parallel + self.shard;
+            finish.peak_memory.extend(group.filter(here).map(|i| (i, self.devices[i].peak_memory())));
         }
         let finishes = match world {
             1 => vec![finish],
@@ -232,7 +248,9 @@ impl Trainer {
     /// rank that only aborted because another failed is named only if no rank reports a failure of
     /// its own: the error names the rank that failed, not the first one woken by its notice.
     fn decide(&self, votes: Vec<Vote>, all_losses: &mut Vec<(usize, f64)>) -> Result<f64> {
-        let mut sums = vec![0.0; self.workers.len()];
+        // One slot per rank's worker: pipeline device `d`, shard `rank % ranks_per_device`.
+        let per_device = self.ranks_per_device;
+        let mut sums = vec![0.0; self.workers.len() * per_device];
         let mut non_finite: Option<(usize, String)> = None;
         let mut first_aborted = None;
         for (rank, vote) in votes.into_iter().enumerate() {
@@ -244,7 +262,7 @@ impl Trainer {
                 Vote::Ready { losses, sums_of_squares, non_finite: nf } => {
                     all_losses.extend(losses);
                     for (d, s) in sums_of_squares {
-                        sums[d] = s;
+                        sums[d * per_device + rank % per_device] = s;
                     }
                     if let Some((stage_idx, parameter)) = nf
                         && non_finite.as_ref().is_none_or(|(first, _)| stage_idx < *first)

@@ -67,6 +67,9 @@ pub(crate) struct Stage {
     pub output_node: Option<NodeId>,
     pub recompute: Recompute,
     pub optimizer: Optimizer,
+    /// Whether the gradient norm counts the unsplit layers here (false on the ranks of a stage's
+    /// shards other than shard 0, which hold copies of them).
+    pub counts_unsplit: bool,
     /// Per node, per input: whether the input takes a gradient. An input neither on this stage
     /// nor received from another (a graph input, such as the data) takes none.
     input_needs_grad: Vec<Vec<bool>>,
@@ -141,6 +144,7 @@ impl Stage {
             next_weight_micro_batch: 0,
             deferred_weight: BTreeSet::new(),
             peak_activation_bytes: 0,
+            counts_unsplit: true,
         }
     }
 
@@ -401,7 +405,8 @@ impl Stage {
     /// Sum of squares of this stage's gradients (for global-norm clipping and the reported norm),
     /// accumulated in f64 ([`crate::optim::grad_sum_of_squares`]).
     pub fn grad_sum_of_squares(&self) -> Result<f64> {
-        let grads: Vec<&Tensor> = self.nodes.iter().flat_map(|n| n.grads.iter()).collect();
+        let counted = |n: &&NodeExec| self.counts_unsplit || n.layer.is_split();
+        let grads: Vec<&Tensor> = self.nodes.iter().filter(counted).flat_map(|n| n.grads.iter()).collect();
         crate::optim::grad_sum_of_squares(&grads)
     }
 

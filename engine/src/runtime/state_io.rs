@@ -458,6 +458,8 @@ impl Trainer {
 
     /// Every rank's named shapes (a collective).
     fn gather_shapes(&self, local: &[(String, Shape)]) -> Result<Vec<(String, Shape)>> {
+        // Shard 0's ranks speak for their stages (see `gather_named`).
+        let local = if self.shard == 0 { local } else { &[] };
         let mut all = Vec::new();
         for part in self.transport.all_gather(crate::runtime::ranks::encode_shapes(local), self.collective_timeout())? {
             all.extend(crate::runtime::ranks::decode_shapes(&part)?);

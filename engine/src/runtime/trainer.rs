@@ -194,7 +194,9 @@ impl TrainerBuilder {
         }
         let groups: Vec<Vec<Device>> = self.devices.chunks(k).map(<[Device]>::to_vec).collect();
         let (rank, world) = (self.transport.rank(), self.transport.world_size());
-        if world > 1 && world != groups.len() {
+        // A rank per pipeline device (a tensor-parallel group stays inside its rank, on threads),
+        // or a rank per device: rank `device * k + shard`, tensor-parallel fastest.
+        if world > 1 && world != groups.len() && world != groups.len() * k {
             return Err(Error::WorldSize {
                 world_size: world,
                 needed: groups.len(),
@@ -202,6 +204,8 @@ impl TrainerBuilder {
                 tensor_parallel: k,
             });
         }
+        let ranks_per_device = if world > 1 { world / groups.len() } else { 1 };
+        let (pipeline_rank, shard) = (rank / ranks_per_device, rank % ranks_per_device);
         let plan = self.apply_placement()?;
         // The schedule's devices are the groups.
         let n_devices = groups.len();
@@ -269,8 +273,9 @@ impl TrainerBuilder {
             })
             .collect();
         let data_inputs = self.graph.inputs();
+        // A stage's device here: its group's first, or this rank's shard's with a rank per shard.
         let stage_devices: Vec<Device> =
-            (0..n_stages).map(|s| groups[schedule.device_of_stage(s)][0].clone()).collect();
+            (0..n_stages).map(|s| groups[schedule.device_of_stage(s)][shard].clone()).collect();
         let mut stages: Vec<Stage> = Vec::with_capacity(n_stages);
         let mut send_to: Vec<Vec<Route>> = vec![Vec::new(); n_stages];
         let mut recv_from: Vec<Vec<Route>> = vec![Vec::new(); n_stages];
@@ -323,7 +328,7 @@ impl TrainerBuilder {
         // are dropped without touching that rank's devices.
         let mut stage_info = Vec::with_capacity(n_stages);
         for (stage_idx, nodes) in stage_nodes.iter().enumerate() {
-            if world > 1 && schedule.device_of_stage(stage_idx) != rank {
+            if world > 1 && schedule.device_of_stage(stage_idx) != pipeline_rank {
                 nodes.iter().for_each(|&id| drop(self.graph.take_layer(id)));
                 stage_info.push(StageInfo {
                     stage_idx,
@@ -343,6 +348,21 @@ impl TrainerBuilder {
                     layer.set_derived_cache(keep);
                 }
                 layer.to_device(device)?;
+                if ranks_per_device > 1
+                    && let Some(p) = layer.parameters().iter().find(|p| !p.value.device().same_device(device))
+                {
+                    return Err(Error::invalid(
+                        "stages",
+                        format!(
+                            "node `{}` on stage {stage_idx} holds `{}` on {}, but with a rank per tensor-parallel \
+                             shard rank {rank} holds only {device}'s shard; build split layers with \
+                             Shards::Rank (conveyor::pipeline does)",
+                            self.graph.node(id)?.name,
+                            p.name,
+                            p.value.device(),
+                        ),
+                    ));
+                }
                 if let Some(p) =
                     layer.parameters().iter().find(|p| !group.iter().any(|d| d.same_device(p.value.device())))
                 {
@@ -373,7 +393,7 @@ impl TrainerBuilder {
                 });
             }
             let recompute = self.recompute.get(stage_idx).or(self.recompute.last()).copied().unwrap_or_default();
-            stages.push(Stage::new(
+            let mut stage = Stage::new(
                 stage_idx,
                 device.clone(),
                 execs,
@@ -384,7 +404,10 @@ impl TrainerBuilder {
                 recompute,
                 Optimizer::new(self.optimizer, n_params)?,
                 self.commit_snapshot.as_ref().and_then(|keep| keep.get(stage_idx).copied()).unwrap_or(true),
-            ));
+            );
+            // The other shards' ranks hold copies of the unsplit layers: counted once, on shard 0.
+            stage.counts_unsplit = shard == 0;
+            stages.push(stage);
         }
         let mut per_device: Vec<Vec<Stage>> = (0..n_devices).map(|_| Vec::new()).collect();
         for stage in stages {
@@ -419,7 +442,7 @@ impl TrainerBuilder {
         // Workers report op spans to the subscriber of the thread that built the trainer.
         let dispatch = tracing::dispatcher::get_default(|d| d.clone());
         for (device_idx, stages) in per_device.into_iter().enumerate() {
-            if world > 1 && device_idx != rank {
+            if world > 1 && device_idx != pipeline_rank {
                 // Another rank's pipeline device: that rank holds its stages.
                 workers.push(None);
                 continue;
@@ -442,6 +465,8 @@ impl TrainerBuilder {
             round: 0,
             devices: self.devices,
             tensor_parallel: k,
+            ranks_per_device,
+            shard,
             stage_devices: Arc::new(stage_devices),
             stage_workers: Arc::new((0..schedule.n_stages()).map(|s| schedule.device_of_stage(s)).collect()),
             stage_info,
@@ -530,6 +555,12 @@ pub struct Trainer {
     pub(super) devices: Vec<Device>,
     /// Devices per stage group.
     pub(super) tensor_parallel: usize,
+    /// Ranks per pipeline device: 1 (in-process, or a rank per pipeline device), or the
+    /// tensor-parallel degree (a rank per shard, rank `device * k + shard`).
+    pub(super) ranks_per_device: usize,
+    /// This rank's shard of its stages' split layers with a rank per shard (0 otherwise). Shard 0's
+    /// rank speaks for the stage: losses, outputs, the timeline; the others only compute.
+    pub(super) shard: usize,
     pub(super) stage_devices: Arc<Vec<Device>>,
     /// The worker of every stage (for core slots: whom a message wakes).
     stage_workers: Arc<Vec<usize>>,
@@ -763,7 +794,9 @@ impl Trainer {
                             receivers.insert(key, rx);
                         }
                         (true, false) => {
-                            remote_senders.insert(key, (self.schedule.device_of_stage(to), tag));
+                            // The receiving stage's rank of this rank's shard.
+                            let to_rank = self.schedule.device_of_stage(to) * self.ranks_per_device + self.shard;
+                            remote_senders.insert(key, (to_rank, tag));
                         }
                         (false, true) => {
                             remote_receivers.insert(key, self.transport.inbox(tag)?);

@@ -85,10 +85,13 @@ impl Trainer {
 
     /// This rank's named tensors joined with every other rank's (rank order); with one rank, as
     /// they are. Every rank must call it at the same point (a collective).
+    /// With a rank per tensor-parallel shard, only shard 0's ranks contribute: the other shards'
+    /// ranks hold the same unsplit tensors (split layers gather into every shard's rank).
     fn gather_named(&self, local: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
         if self.transport.world_size() == 1 {
             return Ok(local);
         }
+        let local = if self.shard == 0 { local } else { Vec::new() };
         let parts = self.transport.all_gather(super::ranks::encode_named(&local)?, self.collective_timeout())?;
         let mut all = Vec::new();
         for (rank, part) in parts.iter().enumerate() {

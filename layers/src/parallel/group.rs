@@ -197,9 +197,16 @@ impl ShardGroup {
             Members::Local(handles) => self.run_local(&mut lock(handles), states, f),
             Members::Rank(shard) => {
                 let mut comm = shard.lock();
+                if comm.has_failed() {
+                    // An interrupted call (see below): every member makes this call, so now the
+                    // members recover together (one not failed is pulled in by the notices).
+                    comm.recover()?;
+                }
                 let state = states.into_iter().next().expect("one state (checked)");
                 match f(self.first_shard, &*comm, state) {
                     Ok(result) => Ok(vec![result]),
+                    // The step was abandoned here; the rank that failed may be in no collective.
+                    Err(error) if comm.was_interrupted() => Err(error),
                     Err(error) => {
                         comm.recover()?;
                         Err(error)
