@@ -120,6 +120,19 @@ fn drive() -> Result<()> {
     // Tensor-parallel groups inside each rank: 2 ranks of 2 devices each.
     let result = h.equivalence_tensor_parallel(2, 2);
     h.record("equivalence --tensor-parallel 2 on 2 ranks (cpu:4)", result);
+    // A rank per tensor-parallel shard (rank = stage x k + shard), checkpoints with Adam's state.
+    for (model, devices, k, schedule) in [
+        ("mlp:64,96,96,96,10", 4, 2, "1f1b"),
+        ("cnn", 4, 2, "zb-h2"),
+        ("resnet", 2, 2, "gpipe"),
+        ("mlp:64,96,96,96,10", 4, 4, "gpipe"),
+    ] {
+        let result = h.equivalence_rank_per_shard(model, devices, k, schedule);
+        h.record(
+            &format!("equivalence {model} --tensor-parallel {k} {schedule}: -n {devices}, a rank per shard"),
+            result,
+        );
+    }
 
     println!("== world size");
     let result = h.world_size();
@@ -308,10 +321,56 @@ impl Harness {
         let args = with_path(&with_path(&common("cpu:4", 10), "--resume", &checkpoint), "--save", &out);
         self.train_ok(Some(4), &args)?;
         let second = same_tensors(&out, &reference).context("in-process cpu:2 (5 steps) resumed under mpirun -n 4")?;
+
+        // A rank per shard: 5 steps under mpirun -n 4 (2 stages x 2 shards) resumed in-process in
+        // the same layout, against 10 uninterrupted in-process steps in it.
+        let tp = |steps: u64| {
+            let mut args = common("cpu:4", steps);
+            args.extend(strings(&["--tensor-parallel", "2"]));
+            args
+        };
+        let reference = self.path("resume-tp-ref.safetensors");
+        self.train_ok(None, &with_path(&tp(10), "--save", &reference))?;
+        let checkpoint = self.path("resume-tp-mpi-4.ckpt.safetensors");
+        self.train_ok(Some(4), &with_path(&tp(5), "--checkpoint", &checkpoint))?;
+        let out = self.path("resume-tp-from-mpi.safetensors");
+        self.train_ok(None, &with_path(&with_path(&tp(10), "--resume", &checkpoint), "--save", &out))?;
+        let third = same_tensors(&out, &reference)
+            .context("mpirun -n 4, a rank per shard (5 steps), resumed in-process with --tensor-parallel 2")?;
         Ok(format!(
             "mpirun -n 2 -> in-process cpu:4: {first}; in-process cpu:2 -> mpirun -n 4: {second} (both against 10 \
-             uninterrupted steps on cpu:4)"
+             uninterrupted steps on cpu:4); mpirun -n 4 a rank per shard -> in-process --tensor-parallel 2: {third}"
         ))
+    }
+
+    /// `mpirun -n devices` with a rank per tensor-parallel shard against the same layout in one
+    /// process: every tensor of the checkpoint (parameters and Adam's state) bit for bit.
+    fn equivalence_rank_per_shard(&self, model: &str, devices: usize, k: usize, schedule: &str) -> Result<String> {
+        let args = strings(&[
+            "--model",
+            model,
+            "--devices",
+            &format!("cpu:{devices}"),
+            "--tensor-parallel",
+            &k.to_string(),
+            "--schedule",
+            schedule,
+            "--microbatches",
+            "4",
+            "--steps",
+            "6",
+            "--batch",
+            "64",
+        ]);
+        let name = model.split(':').next().unwrap_or(model);
+        let mpi = self.path(&format!("eq-ranks-{name}-{k}-{schedule}-mpi.safetensors"));
+        let local = self.path(&format!("eq-ranks-{name}-{k}-{schedule}-in-process.safetensors"));
+        let t0 = Instant::now();
+        self.train_ok(Some(devices), &with_path(&args, "--checkpoint", &mpi))?;
+        let mpi_s = t0.elapsed().as_secs_f64();
+        self.train_ok(None, &with_path(&args, "--checkpoint", &local))?;
+        let same = same_tensors(&mpi, &local)?;
+        Ok(format!("{same} (mpirun {mpi_s:.2} s)"))
     }
 
     fn faults(&mut self) -> Vec<FaultRow> {
@@ -320,15 +379,21 @@ impl Harness {
         for kind in [Kind::Error, Kind::Panic] {
             for at in points {
                 for stage_idx in [1, 0] {
-                    cases.push(FaultCase { ranks: 2, kind, at: Some(at), victim: stage_idx });
+                    cases.push(FaultCase { ranks: 2, kind, at: Some(at), victim: stage_idx, per_shard: false });
                 }
             }
         }
         for at in points {
-            cases.push(FaultCase { ranks: 2, kind: Kind::Kill, at: Some(at), victim: 1 });
+            cases.push(FaultCase { ranks: 2, kind: Kind::Kill, at: Some(at), victim: 1, per_shard: false });
         }
-        cases.push(FaultCase { ranks: 2, kind: Kind::Kill, at: Some(FaultAt::Op(OpKind::Forward)), victim: 0 });
-        cases.push(FaultCase { ranks: 2, kind: Kind::Kill, at: Some(FaultAt::Apply), victim: 0 });
+        cases.push(FaultCase {
+            ranks: 2,
+            kind: Kind::Kill,
+            at: Some(FaultAt::Op(OpKind::Forward)),
+            victim: 0,
+            per_shard: false,
+        });
+        cases.push(FaultCase { ranks: 2, kind: Kind::Kill, at: Some(FaultAt::Apply), victim: 0, per_shard: false });
         for (kind, at, victim) in [
             (Kind::Error, FaultAt::Op(OpKind::Forward), 2),
             (Kind::Panic, FaultAt::Receive, 3),
@@ -338,23 +403,34 @@ impl Harness {
             (Kind::Kill, FaultAt::Op(OpKind::Backward), 2),
             (Kind::Kill, FaultAt::Vote, 3),
         ] {
-            cases.push(FaultCase { ranks: 4, kind, at: Some(at), victim });
+            cases.push(FaultCase { ranks: 4, kind, at: Some(at), victim, per_shard: false });
         }
-        cases.push(FaultCase { ranks: 2, kind: Kind::MainPanic, at: None, victim: 1 });
-        cases.push(FaultCase { ranks: 2, kind: Kind::Exit, at: None, victim: 1 });
-        cases.push(FaultCase { ranks: 4, kind: Kind::MainPanic, at: None, victim: 2 });
-        cases.push(FaultCase { ranks: 4, kind: Kind::Exit, at: None, victim: 0 });
+        // A rank per tensor-parallel shard (2 stages x 2 shards): the struck rank is one shard, the
+        // other shard of its stage waits for it inside the split layers' collectives.
+        for (kind, at, victim) in [
+            (Kind::Error, FaultAt::Op(OpKind::Forward), 1),
+            (Kind::Panic, FaultAt::Op(OpKind::Backward), 2),
+            (Kind::Error, FaultAt::Apply, 3),
+            (Kind::Kill, FaultAt::Op(OpKind::Forward), 3),
+        ] {
+            cases.push(FaultCase { ranks: 4, kind, at: Some(at), victim, per_shard: true });
+        }
+        cases.push(FaultCase { ranks: 2, kind: Kind::MainPanic, at: None, victim: 1, per_shard: false });
+        cases.push(FaultCase { ranks: 2, kind: Kind::Exit, at: None, victim: 1, per_shard: false });
+        cases.push(FaultCase { ranks: 4, kind: Kind::MainPanic, at: None, victim: 2, per_shard: false });
+        cases.push(FaultCase { ranks: 4, kind: Kind::Exit, at: None, victim: 0, per_shard: false });
 
         let mut references = std::collections::BTreeMap::new();
         let mut rows = Vec::new();
         for (i, case) in cases.into_iter().enumerate() {
             let case_dir = self.dir.join(format!("fault-{i}"));
-            let reference = match references.get(&case.ranks) {
+            let key = (case.ranks, case.per_shard);
+            let reference = match references.get(&key) {
                 Some(path) => Ok(PathBuf::clone(path)),
                 None => {
-                    let path = self.path(&format!("fault-reference-{}.safetensors", case.ranks));
-                    fault_free_reference(case.ranks, &path).map(|()| {
-                        references.insert(case.ranks, path.clone());
+                    let path = self.path(&format!("fault-reference-{}-{}.safetensors", case.ranks, case.per_shard));
+                    fault_free_reference(case.ranks, case.per_shard, &path).map(|()| {
+                        references.insert(key, path.clone());
                         path
                     })
                 }
@@ -437,8 +513,11 @@ fn print_fault_table(rows: &[FaultRow]) {
 
 /// The parameters and optimizer state after [`STEPS_BEFORE_FAULT`] fault-free steps of the fault
 /// cases' model, trained in this process on `ranks` devices, written to `path`.
-fn fault_free_reference(ranks: usize, path: &Path) -> Result<()> {
-    let mut trainer = fault_trainer(ranks, Arc::new(InProcess))?;
+fn fault_free_reference(ranks: usize, per_shard: bool, path: &Path) -> Result<()> {
+    let mut trainer = match per_shard {
+        true => per_shard_fault_trainer(ranks)?,
+        false => fault_trainer(ranks, Arc::new(InProcess))?,
+    };
     for step in 0..STEPS_BEFORE_FAULT {
         trainer.step(fault_batch(step)?)?;
     }
@@ -469,7 +548,11 @@ fn run_fault_case(case: &FaultCase, dir: &Path, reference: &Path) -> Result<Faul
                 ensure!(text.starts_with("error: "), "rank {rank}'s faulty step did not fail: {text}");
                 texts.push(text);
             }
-            let named = [format!("stage {}", case.victim), format!("rank {}", case.victim)];
+            let named = match case.per_shard {
+                // The struck rank, never the shard of its stage freed from waiting for it.
+                true => vec![format!("rank {}", case.victim)],
+                false => vec![format!("stage {}", case.victim), format!("rank {}", case.victim)],
+            };
             ensure!(
                 named.iter().any(|n| texts[0].contains(n.as_str())),
                 "rank 0's error does not name stage {} or rank {}: {}",
@@ -479,11 +562,16 @@ fn run_fault_case(case: &FaultCase, dir: &Path, reference: &Path) -> Result<Faul
             );
             let same = same_tensors(&dir.join("after-fault.safetensors"), reference)
                 .context("the checkpoint after the failed step against the fault-free 3 steps")?;
+            for rank in 0..case.ranks {
+                let file = dir.join(format!("rank-{rank}-next.txt"));
+                let text = std::fs::read_to_string(&file).with_context(|| format!("rank {rank} wrote no next step"))?;
+                ensure!(text.starts_with("ok"), "rank {rank}'s step after the failed one: {text}");
+            }
             let rank0 = texts[0].trim_start_matches("error: ").trim();
             Ok(FaultRow {
                 case: case.clone(),
                 outcome: format!(
-                    "every rank failed the step; checkpoint {same}; {:.2} s; rank 0: {}",
+                    "every rank failed the step, then the next step trained; checkpoint {same}; {:.2} s; rank 0: {}",
                     out.wall_s,
                     shorten(rank0, 150)
                 ),
@@ -600,31 +688,42 @@ struct FaultCase {
     kind: Kind,
     at: Option<FaultAt>,
     victim: usize,
+    /// A rank per tensor-parallel shard (2 stages x `ranks / 2` shards); `victim` is then a rank.
+    per_shard: bool,
 }
 
 impl FaultCase {
     fn name(&self) -> String {
         match self.at {
+            Some(at) if self.per_shard => format!(
+                "{} at {} on rank {} (a rank per shard), {} ranks",
+                self.kind.name(),
+                at.name(),
+                self.victim,
+                self.ranks
+            ),
             Some(at) => format!("{} at {} on stage {}, {} ranks", self.kind.name(), at.name(), self.victim, self.ranks),
             None => format!("{} on rank {}, {} ranks", self.kind.name(), self.victim, self.ranks),
         }
     }
 
-    /// `kind;point;victim;dir`.
+    /// `kind;point;victim;per_shard;dir`.
     fn encode(&self, dir: &Path) -> String {
-        format!("{};{};{};{}", self.kind.name(), self.at.map_or("-", FaultAt::name), self.victim, dir.display())
+        let (kind, at) = (self.kind.name(), self.at.map_or("-", FaultAt::name));
+        format!("{kind};{at};{};{};{}", self.victim, self.per_shard, dir.display())
     }
 
     fn decode(text: &str) -> Result<(FaultCase, PathBuf)> {
-        let mut parts = text.splitn(4, ';');
+        let mut parts = text.splitn(5, ';');
         let mut next = || parts.next().ok_or_else(|| anyhow!("malformed {FAULT_ENV}: `{text}`"));
         let kind = next()?;
         let kind = Kind::ALL.into_iter().find(|k| k.name() == kind).ok_or_else(|| anyhow!("unknown kind `{kind}`"))?;
         let at = next()?;
         let at = FaultAt::ALL.into_iter().find(|a| a.name() == at);
         let victim = next()?.parse()?;
+        let per_shard = next()?.parse()?;
         let dir = PathBuf::from(next()?);
-        Ok((FaultCase { ranks: 0, kind, at, victim }, dir))
+        Ok((FaultCase { ranks: 0, kind, at, victim, per_shard }, dir))
     }
 }
 
@@ -659,6 +758,24 @@ fn fault_trainer(n: usize, transport: Arc<dyn Transport>) -> Result<Trainer> {
         .micro_batches(4)
         .optimizer(OptimizerConfig::adam(0.01))
         .build()?)
+}
+
+/// The per-shard fault cases' trainer: `mlp:16,32,32,32,4` on cpu:`n` in 2 stages of `n / 2`
+/// shards (a rank per shard under MPI, threads in one process), 1F1B, 4 micro-batches, Adam.
+fn per_shard_fault_trainer(n: usize) -> Result<Trainer> {
+    let spec: conveyor::zoo::ModelSpec = "mlp:16,32,32,32,4".parse()?;
+    let config = conveyor::pipeline::PipelineConfig {
+        schedule: ScheduleKind::OneFOneB,
+        n_micro_batches: 4,
+        batch_rows: FAULT_BATCH_ROWS,
+        optimizer: OptimizerConfig::adam(0.01),
+        n_chunks: 1,
+        recompute: Default::default(),
+        seed: 0,
+        core_slots: Default::default(),
+    };
+    let devices = (0..n).map(Device::cpu).collect();
+    Ok(conveyor::pipeline::build_trainer_tensor_parallel(&spec, 0, devices, n / 2, &config)?.1)
 }
 
 /// Step `step`'s batch: seeded synthetic data, a different slice each step.
@@ -710,7 +827,10 @@ fn rank_program(text: &str) -> Result<()> {
             default_hook(info);
         }));
     }
-    let mut trainer = fault_trainer(ranks, transport::process_transport())?;
+    let mut trainer = match case.per_shard {
+        true => per_shard_fault_trainer(ranks)?,
+        false => fault_trainer(ranks, transport::process_transport())?,
+    };
     for step in 0..STEPS_BEFORE_FAULT {
         trainer.step(fault_batch(step)?)?;
     }
@@ -725,9 +845,14 @@ fn rank_program(text: &str) -> Result<()> {
         }
         _ => {}
     }
-    if let Some(at) = case.at {
+    // With a rank per shard every shard's rank holds the stage: strike the victim rank alone.
+    let (strikes_here, stage_idx) = match case.per_shard {
+        true => (rank == case.victim, case.victim / (ranks / 2)),
+        false => (true, case.victim),
+    };
+    if let Some(at) = case.at.filter(|_| strikes_here) {
         trainer.inject_fault(Some(FaultInjection {
-            stage_idx: case.victim,
+            stage_idx,
             at: at.point(),
             micro_batch_idx: 1,
             panic: matches!(case.kind, Kind::Panic | Kind::Kill),
@@ -741,6 +866,12 @@ fn rank_program(text: &str) -> Result<()> {
     std::fs::write(dir.join(format!("rank-{rank}.txt")), outcome)?;
     // A collective: every rank gathers, rank 0 writes.
     trainer.checkpoint(dir.join("after-fault.safetensors"))?;
+    // The job goes on: the next step trains on every rank (the split layers' groups recovered).
+    let next = match trainer.step(fault_batch(STEPS_BEFORE_FAULT)?) {
+        Ok(report) => format!("ok: loss {}", report.loss),
+        Err(error) => format!("error: {error}"),
+    };
+    std::fs::write(dir.join(format!("rank-{rank}-next.txt")), next)?;
     drop(trainer);
     transport::finish_process();
     Ok(())

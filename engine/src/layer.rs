@@ -317,6 +317,14 @@ pub trait Layer: Send + std::fmt::Debug {
     fn is_split(&self) -> bool {
         !self.collective_traffic().is_empty()
     }
+
+    /// Makes a split layer's collectives usable again after a step was abandoned (a failure on any
+    /// rank). A layer whose shards are on other ranks must exchange with them, so the runtime calls
+    /// it on every rank's layers after every abandoned step, in the same order; nothing to do for
+    /// other layers (the default).
+    fn recover_collectives(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 thread_local! {

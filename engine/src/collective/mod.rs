@@ -56,7 +56,7 @@ use std::fmt;
 
 pub use cost::{Traffic, cost_s, traffic};
 pub use in_process::{DEFAULT_TIMEOUT, ProcessGroup, RankHandle};
-pub use over_transport::{COLLECTIVE_ROUND_BASE, TransportGroup, interrupt_waits};
+pub use over_transport::{COLLECTIVE_ROUND_BASE, TransportGroup, interrupt_waits, resume_waits};
 pub use partition::Partition;
 
 use crate::{Device, Result, Tensor};

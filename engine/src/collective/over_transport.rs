@@ -39,7 +39,7 @@
 //! order) and need MPI calls from the worker threads, which Open MPI's funneled mode forbids.
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crossbeam::channel::{Receiver, Select};
@@ -58,20 +58,26 @@ pub const COLLECTIVE_ROUND_BASE: u64 = 1 << 63;
 /// The index this process proposes for its next group: one more than the last group's.
 static GROUPS_CREATED: AtomicU64 = AtomicU64::new(0);
 
-/// Bumped by [`interrupt_waits`]: a call that began before the last bump stops waiting.
-static INTERRUPTS: AtomicU64 = AtomicU64::new(0);
+/// Set by [`interrupt_waits`], cleared by [`resume_waits`].
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 /// How often a waiting call looks for an interrupt.
 const INTERRUPT_POLL: Duration = Duration::from_millis(20);
 
-/// Ends, within a few milliseconds, every wait of every [`TransportGroup`] call of this process
-/// that began before it, with [`Error::CollectiveAborted`]; later calls are not affected. The
+/// Ends, within a few milliseconds, every wait of every [`TransportGroup`] collective of this
+/// process, and refuses new ones, with [`Error::CollectiveAborted`], until [`resume_waits`]. The
 /// runtime calls it when a step is abandoned on this rank (its own failure or another rank's), so
-/// that a worker waiting in a tensor-parallel collective for a rank that will never come is freed
-/// at once instead of at the group's timeout. The interrupted group then recovers when it is next
-/// used ([`TransportGroup::was_interrupted`]).
+/// that a worker in a tensor-parallel collective (or about to enter one) with a rank that will
+/// never come is freed at once instead of at the group's timeout; once the step's workers are done
+/// every rank recovers its groups ([`TransportGroup::recover`] does not look at the interrupt) and
+/// resumes.
 pub fn interrupt_waits() {
-    INTERRUPTS.fetch_add(1, Ordering::AcqRel);
+    INTERRUPTED.store(true, Ordering::Release);
+}
+
+/// Lets collectives run again after [`interrupt_waits`].
+pub fn resume_waits() {
+    INTERRUPTED.store(false, Ordering::Release);
 }
 
 /// Message kinds, the first byte of every message.
@@ -124,7 +130,7 @@ pub struct TransportGroup {
     /// The first failure seen by this rank: (the rank that failed, its reason).
     failure: Mutex<Option<(usize, String)>>,
     /// Whether that failure was an interrupt of this rank ([`interrupt_waits`]).
-    interrupted: std::sync::atomic::AtomicBool,
+    interrupted: AtomicBool,
     bytes_sent: AtomicU64,
     messages_sent: AtomicU64,
 }
@@ -219,7 +225,7 @@ impl TransportGroup {
             seq: AtomicU64::new(0),
             epoch: AtomicU64::new(0),
             failure: Mutex::new(None),
-            interrupted: std::sync::atomic::AtomicBool::new(false),
+            interrupted: AtomicBool::new(false),
             bytes_sent: AtomicU64::new(0),
             messages_sent: AtomicU64::new(0),
         })
@@ -328,8 +334,7 @@ impl TransportGroup {
     }
 
     /// Whether this rank's last failure was an interrupt ([`interrupt_waits`]): the rank that failed
-    /// may not be in a collective at all, so recovering now could wait for it in vain; recover
-    /// before the next call instead, when every member makes that call.
+    /// may not be in a collective at all, so recover only when every member does (after the step).
     pub fn was_interrupted(&self) -> bool {
         self.interrupted.load(Ordering::Acquire)
     }
@@ -372,9 +377,12 @@ impl TransportGroup {
     /// failure of this rank tells every peer, so that no peer waits for a message that will not come.
     fn run(&self, op: CollectiveOp, body: impl FnOnce(&Call<'_>) -> Result<()>) -> Result<()> {
         let seq = self.seq.fetch_add(1, Ordering::AcqRel);
-        let call = Call { group: self, op, seq, interrupts: INTERRUPTS.load(Ordering::Acquire) };
+        let call = Call { group: self, op, seq };
         if let Some(failure) = self.failure() {
             return Err(call.aborted(failure));
+        }
+        if INTERRUPTED.load(Ordering::Acquire) {
+            return Err(call.interrupted());
         }
         let result = body(&call);
         if let Err(error) = &result
@@ -463,11 +471,16 @@ struct Call<'a> {
     group: &'a TransportGroup,
     op: CollectiveOp,
     seq: u64,
-    /// [`INTERRUPTS`] when the call began.
-    interrupts: u64,
 }
 
 impl Call<'_> {
+    /// The error of a call ended by [`interrupt_waits`]; the group stays failed until recovered.
+    fn interrupted(&self) -> Error {
+        let group = self.group;
+        group.interrupted.store(true, Ordering::Release);
+        self.aborted(group.record_failure(group.rank, "the step was abandoned on this rank".to_string()))
+    }
+
     fn aborted(&self, (failed_rank, reason): (usize, String)) -> Error {
         Error::CollectiveAborted { op: self.op.name().into(), rank: self.group.rank, failed_rank, reason }
     }
@@ -485,10 +498,8 @@ impl Call<'_> {
             }
         }
         let selected = loop {
-            if INTERRUPTS.load(Ordering::Acquire) != self.interrupts {
-                group.interrupted.store(true, Ordering::Release);
-                let reason = "the step was abandoned on this rank".to_string();
-                return Err(self.aborted(group.record_failure(group.rank, reason)));
+            if INTERRUPTED.load(Ordering::Acquire) {
+                return Err(self.interrupted());
             }
             let left = deadline.saturating_duration_since(Instant::now());
             match select.select_timeout(left.min(INTERRUPT_POLL)) {

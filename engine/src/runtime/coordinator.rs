@@ -40,6 +40,10 @@ struct Local {
     failure: Option<Error>,
     /// A local failure after the vote (the apply phase) or in an evaluation.
     late_failure: bool,
+    /// The local failure came after another rank's abort notice: taken as its consequence (a
+    /// worker freed from a collective with the failed rank), so this rank votes `Aborted` and the
+    /// failed rank is named.
+    after_peer: bool,
     needs_rollback: Vec<bool>,
     finish: Finish,
 }
@@ -132,7 +136,9 @@ impl Trainer {
             select! {
                 recv(reports) -> report => {
                     let report = report.map_err(|_| lost(channel::RecvTimeoutError::Disconnected))?;
+                    let had_failure = local.failure.is_some();
                     local.absorb(report, false);
+                    local.after_peer |= !had_failure && local.failure.is_some() && peer_failed;
                 }
                 recv(peer_abort) -> _ => {
                     peer_failed = true;
@@ -163,6 +169,7 @@ impl Trainer {
         }
         if training {
             let vote = match (&local.failure, peer_failed) {
+                (Some(_), true) if local.after_peer => Vote::Aborted,
                 (Some(error), _) => Vote::Failed { message: error.to_string() },
                 (None, true) => Vote::Aborted,
                 (None, false) => Vote::Ready {
@@ -182,6 +189,7 @@ impl Trainer {
             };
             let decision = self.decide(votes, &mut all_losses);
             match (local.failure.is_some(), decision) {
+                (true, Err(error)) if local.after_peer => local.failure = Some(error),
                 (true, _) => {}
                 (false, Ok(norm)) => {
                     committed = true;
@@ -237,6 +245,12 @@ impl Trainer {
         if let Some(error) = local.failure {
             if local.needs_rollback.iter().any(|&r| r) {
                 self.roll_back(&local.needs_rollback, &error)?;
+            }
+            if world > 1 {
+                // Every rank abandons the step here, so every rank's split layers recover together.
+                let recovered = self.recover_collectives();
+                crate::collective::resume_waits();
+                recovered?;
             }
             return Err(error);
         }
@@ -357,6 +371,20 @@ impl Trainer {
             micro_batch_idx,
             parameter: non_finite_grad.map(|(_, p)| p),
         })
+    }
+
+    /// Recovers every split layer's collectives on this rank's workers, in stage and node order
+    /// (the same on every rank), after an abandoned step ([`crate::Layer::recover_collectives`]).
+    fn recover_collectives(&mut self) -> Result<()> {
+        let outcomes = self.on_every_worker(|stages| {
+            for stage in stages.iter() {
+                for node in &stage.nodes {
+                    node.layer.recover_collectives()?;
+                }
+            }
+            Ok(())
+        })?;
+        outcomes.into_iter().collect::<Result<()>>()
     }
 
     /// Undoes a step that some workers applied before another failed: every local worker that may

@@ -282,4 +282,8 @@ impl Layer for ColumnParallelLinear {
     fn collective_traffic(&self) -> Vec<Traffic> {
         self.group.traffic()
     }
+
+    fn recover_collectives(&self) -> Result<()> {
+        self.group.recover()
+    }
 }

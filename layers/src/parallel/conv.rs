@@ -360,4 +360,8 @@ impl Layer for ChannelParallelConv2d {
     fn collective_traffic(&self) -> Vec<Traffic> {
         self.group.traffic()
     }
+
+    fn recover_collectives(&self) -> Result<()> {
+        self.group.recover()
+    }
 }

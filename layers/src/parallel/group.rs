@@ -64,8 +64,9 @@ enum Members {
 /// The shards of a split layer held here (all `k`, or one) and their collective handles.
 ///
 /// Calls are serialised by a lock (a layer's forward and backward calls come from one pipeline
-/// worker anyway), and a failed call recovers the group before returning, so one budget overrun
-/// does not poison the layer for the next step.
+/// worker anyway). With every shard here a failed call recovers the group before returning, so one
+/// budget overrun does not poison the layer for the next step; with one shard per rank the ranks
+/// recover together afterwards ([`ShardGroup::recover`]).
 #[derive(Debug)]
 pub(crate) struct ShardGroup {
     k: usize,
@@ -196,22 +197,14 @@ impl ShardGroup {
         match &self.members {
             Members::Local(handles) => self.run_local(&mut lock(handles), states, f),
             Members::Rank(shard) => {
-                let mut comm = shard.lock();
-                if comm.has_failed() {
-                    // An interrupted call (see below): every member makes this call, so now the
-                    // members recover together (one not failed is pulled in by the notices).
-                    comm.recover()?;
-                }
+                // No recovery here: the rank that failed may be in no collective at all (its
+                // failure was its own), so waiting for it could last the whole timeout. The
+                // runtime frees every waiting rank when a step is abandoned
+                // (`collective::interrupt_waits`), and then every rank recovers every group
+                // together ([`ShardGroup::recover`]).
+                let comm = shard.lock();
                 let state = states.into_iter().next().expect("one state (checked)");
-                match f(self.first_shard, &*comm, state) {
-                    Ok(result) => Ok(vec![result]),
-                    // The step was abandoned here; the rank that failed may be in no collective.
-                    Err(error) if comm.was_interrupted() => Err(error),
-                    Err(error) => {
-                        comm.recover()?;
-                        Err(error)
-                    }
-                }
+                Ok(vec![f(self.first_shard, &*comm, state)?])
             }
         }
     }
@@ -257,6 +250,16 @@ impl ShardGroup {
         let mut errors: Vec<Error> = results.into_iter().filter_map(Result::err).collect();
         let cause = errors.iter().position(|e| !matches!(e, Error::CollectiveAborted { .. })).unwrap_or(0);
         Err(errors.swap_remove(cause))
+    }
+
+    /// Makes the group usable after an abandoned step. With one shard per rank every rank of the
+    /// group must call it, after the step (it exchanges notices, see `TransportGroup::recover`);
+    /// with every shard here it does nothing (a failed call recovers before returning).
+    pub(crate) fn recover(&self) -> Result<()> {
+        match &self.members {
+            Members::Local(_) => Ok(()),
+            Members::Rank(shard) => shard.lock().recover(),
+        }
     }
 
     /// Checks that a tensor handed to the layer lives on the group's first device and is f32.

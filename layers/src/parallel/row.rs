@@ -337,4 +337,8 @@ impl Layer for RowParallelLinear {
     fn collective_traffic(&self) -> Vec<Traffic> {
         self.group.traffic()
     }
+
+    fn recover_collectives(&self) -> Result<()> {
+        self.group.recover()
+    }
 }
