@@ -10,6 +10,7 @@
 //! builder, and adds what needs the zoo's [`ModelSpec`]: tensor-parallel planning.
 use std::sync::Arc;
 
+use conveyor_engine::collective::TransportGroup;
 use conveyor_engine::graph::Graph;
 pub use conveyor_engine::placement::pipeline_plan::{
     CPU_FLOPS_PER_S, PipelineConfig, memory_notes, node_costs, optimizer_memory, plan, plan_by_time, plan_manually,
@@ -19,7 +20,6 @@ use conveyor_engine::placement::{
     DeviceSpec, NodeCosts, OptimizerMemory, Placement, Plan, PlanConfig, measure_node_memory_on,
     place_manually_with_costs, place_with_costs,
 };
-use conveyor_engine::collective::TransportGroup;
 use conveyor_engine::runtime::{Trainer, TrainerBuilder};
 use conveyor_engine::{Device, Error, Result};
 use conveyor_layers::{CrossEntropyLoss, RankShard};
@@ -104,9 +104,8 @@ pub fn rank_shard(devices: &[Device], tensor_parallel: usize) -> Result<Option<R
     if tensor_parallel <= 1 || world <= 1 || world != devices.len() {
         return Ok(None);
     }
-    let groups: Vec<Vec<usize>> = (0..world / tensor_parallel)
-        .map(|g| (g * tensor_parallel..(g + 1) * tensor_parallel).collect())
-        .collect();
+    let groups: Vec<Vec<usize>> =
+        (0..world / tensor_parallel).map(|g| (g * tensor_parallel..(g + 1) * tensor_parallel).collect()).collect();
     let device = devices[rank].clone();
     // The group's message buffers count on this rank's device (on the host for a GPU's shard).
     let buffers = if matches!(device, Device::Cpu(_)) { device.clone() } else { Device::host() };

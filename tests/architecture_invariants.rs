@@ -345,7 +345,7 @@ const LOCKS: [LockSite; 16] = [
     },
     LockSite {
         path: "engine/src/collective/over_transport.rs",
-        item: "with_timeout",
+        item: "split",
         why: "creates the two fields above",
         departure: false,
     },
@@ -420,7 +420,8 @@ const LOCKS: [LockSite; 16] = [
     LockSite {
         path: "layers/src/parallel/group.rs",
         item: "*",
-        why: "a split layer's own collective handles, called from its one pipeline worker: never contended",
+        why: "a split layer's own collective handles, and a rank's transport group of its stage shared by the \
+              stage's split layers, all called from the rank's one pipeline worker: never contended",
         departure: false,
     },
     LockSite {

@@ -1,6 +1,6 @@
 //! `--transport`: how `conveyor train` runs across processes. `in-process` keeps every pipeline
 //! device a thread of this process; `mpi` makes this process one rank of an MPI job
-//! (`mpirun -n P conveyor train ...`, one rank per pipeline device); `auto` (the default) takes
+//! (`mpirun -n P conveyor train ...`, one rank per pipeline device or per device); `auto` (the default) takes
 //! MPI when an MPI launcher started the process with more than one rank, else in-process.
 //!
 //! Under MPI every rank runs the same command line, builds the same trainer and calls the same

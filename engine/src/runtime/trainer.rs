@@ -57,8 +57,11 @@ impl TrainerBuilder {
     /// [`crate::transport::process_transport`], which is [`crate::transport::InProcess`] unless set: one process,
     /// every pipeline device a thread of it). With [`crate::transport::MpiTransport`] each rank
     /// runs the worker of the pipeline device with its rank's index (device groups with tensor
-    /// parallelism), so the job needs one rank per pipeline device; every rank builds the same
-    /// trainer from the same arguments and calls the same methods in the same order.
+    /// parallelism), so the job needs one rank per pipeline device; or, with a tensor-parallel
+    /// degree `k` and one rank per device, rank `d * k + r` runs shard `r` of pipeline device `d`
+    /// (its split layers must then hold only that shard: `conveyor_layers::Shards::Rank`). Every
+    /// rank builds the same trainer from the same arguments and calls the same methods in the same
+    /// order.
     pub fn transport(mut self, transport: Arc<dyn Transport>) -> Self {
         self.transport = transport;
         self

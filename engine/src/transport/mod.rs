@@ -1,7 +1,8 @@
 //! How ranks of one training job talk: the [`Transport`] interface the runtime's cross-rank
 //! messages, its commit vote and its gathers go through, the in-process transport (one rank: every
 //! stage is a thread of this process, and messages between stages stay crossbeam channels of
-//! tensors), and the MPI transport (one rank per pipeline device, behind the `mpi` feature).
+//! tensors), and the MPI transport (one rank per pipeline device, or per device with tensor
+//! parallelism; behind the `mpi` feature).
 //!
 //! `mod.rs` picks `mpi_enabled.rs` or `mpi_disabled.rs` with `#[path]`: **the one MPI switch
 //! point**, as `device/mod.rs` is CUDA's. `README.md` beside this file argues why the MPI

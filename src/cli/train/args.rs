@@ -126,7 +126,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub core_slots: Option<String>,
     /// How the pipeline's devices reach each other: `in-process` (threads of this process), `mpi`
-    /// (this process is one rank of `mpirun -n P conveyor train ...`, one rank per pipeline device;
+    /// (this process is one rank of `mpirun -n P conveyor train ...`, one rank per pipeline device, or per device with --tensor-parallel;
     /// needs a build with `--features mpi`), or `auto`: MPI when an MPI launcher started this
     /// process with several ranks, else in-process.
     /// [default: auto]
