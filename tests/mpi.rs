@@ -365,12 +365,14 @@ impl Harness {
         let name = model.split(':').next().unwrap_or(model);
         let mpi = self.path(&format!("eq-ranks-{name}-{k}-{schedule}-mpi.safetensors"));
         let local = self.path(&format!("eq-ranks-{name}-{k}-{schedule}-in-process.safetensors"));
+        let trace = self.path(&format!("eq-ranks-{name}-{k}-{schedule}.trace.json"));
         let t0 = Instant::now();
-        self.train_ok(Some(devices), &with_path(&args, "--checkpoint", &mpi))?;
+        self.train_ok(Some(devices), &with_path(&with_path(&args, "--checkpoint", &mpi), "--trace", &trace))?;
         let mpi_s = t0.elapsed().as_secs_f64();
         self.train_ok(None, &with_path(&args, "--checkpoint", &local))?;
         let same = same_tensors(&mpi, &local)?;
-        Ok(format!("{same} (mpirun {mpi_s:.2} s)"))
+        let rows = trace_rows(&trace, devices)?;
+        Ok(format!("{same}; the trace has a row of ops for each of the {rows} ranks (mpirun {mpi_s:.2} s)"))
     }
 
     fn faults(&mut self) -> Vec<FaultRow> {
@@ -1009,6 +1011,25 @@ fn same_tensors(a: &Path, b: &Path) -> Result<String> {
         values += x.dims().iter().product::<usize>();
     }
     Ok(format!("{} tensors, {values} values bit for bit equal", left_names.len()))
+}
+
+/// Checks that a Perfetto trace names `ranks` processes `rank r (cpu:r)` and holds ops in each;
+/// returns the number of ranks.
+fn trace_rows(path: &Path, ranks: usize) -> Result<usize> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let json: serde_json::Value = serde_json::from_str(&text).context("the trace is JSON")?;
+    let events = json.get("traceEvents").and_then(|e| e.as_array()).context("traceEvents")?;
+    for rank in 0..ranks {
+        let pid = serde_json::json!(rank);
+        let name = format!("rank {rank} (cpu:{rank})");
+        let named = events.iter().any(|e| {
+            e["ph"] == "M" && e["name"] == "process_name" && e["pid"] == pid && e["args"]["name"] == name.as_str()
+        });
+        ensure!(named, "the trace names no process `{name}`");
+        let ops = events.iter().filter(|e| e["ph"] == "X" && e["pid"] == pid).count();
+        ensure!(ops > 0, "the trace holds no op of rank {rank}");
+    }
+    Ok(ranks)
 }
 
 fn strings(items: &[&str]) -> Vec<String> {

@@ -212,8 +212,8 @@ impl Trainer {
         drop(abort);
         let mut finish = std::mem::take(&mut local.finish);
         if self.shard != 0 {
-            // Shard 0's rank reports the stage's time line, outputs and activation peaks.
-            finish.events.clear();
+            // Shard 0's rank reports the stage's outputs, CPU times and activation peaks; this
+            // rank's ops go to `StepReport::shard_events`.
             finish.cpu_times.clear();
             finish.outputs.clear();
             finish.peak_activation_bytes.clear();
@@ -311,13 +311,18 @@ impl Trainer {
         let mut peak_activation_bytes = vec![0; self.stage_info.len()];
         let mut peak_memory = vec![0; self.devices.len()];
         let mut outputs = Vec::new();
-        for finish in finishes {
+        let mut shard_events = Vec::new();
+        for (rank, finish) in finishes.into_iter().enumerate() {
             let shift = if origin.is_finite() { finish.started_s - origin } else { 0.0 };
-            events.extend(finish.events.into_iter().map(|mut e| {
+            let shifted = finish.events.into_iter().map(|mut e| {
                 e.start_s += shift;
                 e.end_s += shift;
                 e
-            }));
+            });
+            match rank % self.ranks_per_device {
+                0 => events.extend(shifted),
+                _ => shard_events.extend(shifted.map(|e| (rank, e))),
+            }
             op_cpu_times.extend(finish.cpu_times);
             for (stage_idx, bytes) in finish.peak_activation_bytes {
                 peak_activation_bytes[stage_idx] = bytes;
@@ -339,6 +344,7 @@ impl Trainer {
                 peak_memory,
                 peak_activation_bytes,
                 timeline,
+                shard_events,
                 started_s: if origin.is_finite() { origin } else { 0.0 },
                 step_s: started.elapsed().as_secs_f64(),
                 grad_norm: global_norm,

@@ -687,6 +687,12 @@ impl Trainer {
         self.tensor_parallel
     }
 
+    /// Ranks per pipeline device: `k` with a rank per tensor-parallel shard (rank `d * k + r` runs
+    /// shard `r` of pipeline device `d`), 1 otherwise (in-process, or a rank per pipeline device).
+    pub fn ranks_per_device(&self) -> usize {
+        self.ranks_per_device
+    }
+
     /// The pipeline's device groups, group 0 first: group `g` is `devices()[g*k..(g+1)*k]` and
     /// runs stages `g, g + n_groups, ...`; its first device is those stages' device.
     pub fn device_groups(&self) -> Vec<&[Device]> {

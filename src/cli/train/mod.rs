@@ -228,9 +228,15 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         Some(path) if writes_files => Some(outputs::LineOutput::create("--metrics", path)?),
         _ => None,
     };
+    // With a rank per tensor-parallel shard the trace has a row per rank, named by its device.
+    let ranks_per_device = run.trainer.ranks_per_device();
+    let trace_labels: Vec<String> = match ranks_per_device {
+        1 => worker_labels.clone(),
+        _ => run.trainer.devices().iter().map(Device::to_string).collect(),
+    };
     let mut trace = match &spec.outputs.trace {
         Some(path) if writes_files => {
-            Some(outputs::TraceStream::create(path, n_devices, worker_labels.clone(), ranks.is_some())?)
+            Some(outputs::TraceStream::create(path, n_devices * ranks_per_device, trace_labels, ranks.is_some())?)
         }
         _ => None,
     };
@@ -339,7 +345,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             && let Some(trace) = trace.as_mut()
         {
             let origin_s = *trace_origin_s.get_or_insert(report.started_s);
-            trace.write_step(&report.timeline, report.started_s - origin_s);
+            trace.write_step(&report.timeline, &report.shard_events, ranks_per_device, report.started_s - origin_s);
         }
         if let Some(out) = metrics.as_mut() {
             let mut line = serde_json::json!({
@@ -477,7 +483,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             // The last step's gathered timeline, already from the step's start; rank d runs device d
             // (rows `device 1 (cpu:1, rank 1)`).
             last_step.events = last_report.as_ref().map(|r| r.timeline.events.clone()).unwrap_or_default();
-            device_labels = worker_labels.iter().enumerate().map(|(d, label)| format!("{label}, rank {d}")).collect();
+            device_labels = worker_labels
+                .iter()
+                .enumerate()
+                .map(|(d, label)| format!("{label}, rank {}", d * ranks_per_device))
+                .collect();
         } else {
             last_step.events = last_step_events
                 .iter()

@@ -252,13 +252,27 @@ impl TraceStream {
         Ok(TraceStream { writer: Some(writer), path: path.to_path_buf(), ops: 0, failed: None })
     }
 
-    /// Appends one step's timeline, its events placed `at_s` seconds after the trace's zero.
-    pub fn write_step(&mut self, timeline: &Timeline, at_s: f64) {
-        let events: Vec<TimelineEvent> = timeline
-            .events
-            .iter()
-            .map(|e| TimelineEvent { start_s: e.start_s + at_s, end_s: e.end_s + at_s, ..*e })
-            .collect();
+    /// Appends one step's timeline, its events placed `at_s` seconds after the trace's zero. With a
+    /// rank per tensor-parallel shard (`ranks_per_device` > 1) the trace has a row per rank: the
+    /// timeline's ops (pipeline device `d`) go to rank `d * ranks_per_device`'s row and
+    /// `shard_events` to their ranks' rows.
+    pub fn write_step(
+        &mut self,
+        timeline: &Timeline,
+        shard_events: &[(usize, TimelineEvent)],
+        ranks_per_device: usize,
+        at_s: f64,
+    ) {
+        let shifted = |e: &TimelineEvent, row: usize| TimelineEvent {
+            start_s: e.start_s + at_s,
+            end_s: e.end_s + at_s,
+            device_idx: row,
+            ..*e
+        };
+        let mut events: Vec<TimelineEvent> =
+            timeline.events.iter().map(|e| shifted(e, e.device_idx * ranks_per_device)).collect();
+        events.extend(shard_events.iter().map(|(rank, e)| shifted(e, *rank)));
+        events.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
         self.write(&events, &[]);
     }
 
