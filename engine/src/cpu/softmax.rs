@@ -3,7 +3,9 @@
 //! lane order, so every ISA gives the same bits.
 #[cfg(test)]
 use super::vecmath::Isa;
-use super::vecmath::{Job, Lanes, dispatch, dispatch_on, exp};
+#[cfg(test)]
+use super::vecmath::dispatch_on;
+use super::vecmath::{Job, Lanes, dispatch, exp2parts};
 use super::window::check_len;
 use crate::{Error, Result};
 
@@ -41,6 +43,20 @@ impl Job for Rows<'_> {
     }
 }
 
+/// `e^(x - max)` with `x - max` carried exactly (TwoSum), so the rounding of a large difference
+/// does not reach the result.
+#[inline(always)]
+fn exp_minus<V: Lanes>(x: V, max: V) -> V {
+    let neg_max = V::splat(0.0).sub(max);
+    let diff = x.add(neg_max);
+    let back = diff.sub(x);
+    let error = x.sub(diff.sub(back)).add(neg_max.sub(back));
+    // The error is NaN where the difference is infinite (x = -inf: e^-inf = 0) or NaN (then the
+    // result is NaN through `diff` alone).
+    let zero = V::splat(0.0);
+    exp2parts(diff, V::select(error.is_nan(), zero, error))
+}
+
 /// One row: `out = e^(x - max) / Σ e^(x - max)`, or `(x - max) - ln Σ e^(x - max)` when `log`.
 /// NaN anywhere in the row, `+inf`, or a row of `-inf` give a row of NaN (as torch).
 #[inline(always)]
@@ -70,7 +86,7 @@ fn softmax_row<V: Lanes>(row: &[f32], out: &mut [f32], log: bool) {
         let mut i = 0;
         while i < whole {
             for (j, a) in acc.iter_mut().enumerate().take(per_group) {
-                let e = exp(V::load(src.add(i + j * V::N)).sub(max_splat));
+                let e = exp_minus(V::load(src.add(i + j * V::N)), max_splat);
                 if !log {
                     e.store(dst.add(i + j * V::N));
                 }
@@ -82,7 +98,7 @@ fn softmax_row<V: Lanes>(row: &[f32], out: &mut [f32], log: bool) {
             a.store(lanes.as_mut_ptr().add(j * V::N));
         }
         for k in whole..n {
-            let e = exp(row[k] - max);
+            let e = exp_minus(row[k], max);
             if !log {
                 *dst.add(k) = e;
             }
