@@ -55,9 +55,21 @@ fn check_elementwise(name: &str, layer: &dyn Layer, dx_atol: f64) {
     let conditioned = |i: usize| name != "gelu_tanh" || x[i].abs() <= 3.0;
     for (what, got, want, atol) in [("y", &y, &want_y, 1e-30), ("dx", &dx, &want_dx, dx_atol)] {
         let (ratio, i) = worst(got, want, 1e-6, atol, conditioned);
-        assert!(ratio <= 1.0, "{name}.{what} at x = {}: {} vs torch {} ({ratio:.2} of the tolerance)", x[i], got[i], want[i]);
+        assert!(
+            ratio <= 1.0,
+            "{name}.{what} at x = {}: {} vs torch {} ({ratio:.2} of the tolerance)",
+            x[i],
+            got[i],
+            want[i]
+        );
         let (ratio, i) = worst(got, want, 1e-5, atol, |i| !conditioned(i));
-        assert!(ratio <= 1.0, "{name}.{what} at x = {}: {} vs torch {} ({ratio:.2} of the tolerance)", x[i], got[i], want[i]);
+        assert!(
+            ratio <= 1.0,
+            "{name}.{what} at x = {}: {} vs torch {} ({ratio:.2} of the tolerance)",
+            x[i],
+            got[i],
+            want[i]
+        );
     }
 }
 

@@ -120,8 +120,8 @@ fn softmax_row<V: Lanes>(row: &[f32], out: &mut [f32], log: bool) {
                 V::load(src.add(i)).sub(shift).sub(log_sum.1).store(dst.add(i));
                 i += V::N;
             }
-            for k in i..n {
-                *dst.add(k) = (row[k] - max) - log_sum.0;
+            for (k, &x) in row.iter().enumerate().skip(i) {
+                *dst.add(k) = (x - max) - log_sum.0;
             }
         } else {
             let sum_splat = V::splat(sum);

@@ -450,7 +450,7 @@ pub(crate) fn exp2parts<V: Lanes>(hi: V, lo: V) -> V {
     let p = p.fma(r, V::splat(8.333_452e-3));
     let p = p.fma(r, V::splat(4.166_579_6e-2));
     let p = p.fma(r, V::splat(1.666_666_5e-1));
-    let p = p.fma(r, V::splat(5.000_000_1e-1));
+    let p = p.fma(r, V::splat(0.5));
     let y = p.fma(r.mul(r), r).add(V::splat(1.0));
     // 2^n as two factors, so n in [-150, 128] never leaves the normal exponent range.
     let n_half = n.mul(V::splat(0.5)).round();
@@ -579,10 +579,10 @@ pub(crate) fn tanh<V: Lanes>(x: V) -> V {
     // |x| < 0.625: Cephes tanhf, a + a·z·P(z) with z = a².
     let z = a.mul(a);
     let p = V::splat(-5.704_988_7e-3);
-    let p = p.fma(z, V::splat(2.063_908_9e-2));
+    let p = p.fma(z, V::splat(2.063_909e-2));
     let p = p.fma(z, V::splat(-5.373_971_6e-2));
     let p = p.fma(z, V::splat(1.333_144_2e-1));
-    let p = p.fma(z, V::splat(-3.333_328_2e-1));
+    let p = p.fma(z, V::splat(-3.333_328e-1));
     let small = p.mul(z).fma(a, a);
     // Otherwise 1 - 2/(e^{2a} + 1) (1 once e^{2a} overflows).
     let large = V::splat(1.0).sub(V::splat(2.0).div(exp(a.add(a)).add(V::splat(1.0))));
@@ -660,7 +660,12 @@ impl<F: Binary> Job for MapBinary<F> {
 
 /// `dst[i] = f(src[i])` on `isa`; returns `dst` initialised. Panics unless the lengths agree
 /// (callers check them first and return an `Error`).
-pub(crate) fn map_unary_on<'a, F: Unary>(isa: Isa, f: F, src: &[f32], dst: &'a mut [MaybeUninit<f32>]) -> &'a mut [f32] {
+pub(crate) fn map_unary_on<'a, F: Unary>(
+    isa: Isa,
+    f: F,
+    src: &[f32],
+    dst: &'a mut [MaybeUninit<f32>],
+) -> &'a mut [f32] {
     assert_eq!(src.len(), dst.len(), "map_unary: lengths checked by the caller");
     let job = MapUnary { f, src: src.as_ptr(), dst: dst.as_mut_ptr().cast::<f32>(), len: src.len() };
     dispatch_on(isa, job);
