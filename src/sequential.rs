@@ -8,7 +8,7 @@
 //! built twice from one seed holds the same weights.
 use conveyor_engine::graph::Graph;
 use conveyor_engine::{Error, Layer, Result, Shape, init};
-use conveyor_layers::{Dropout, Flatten, Gelu, LayerNorm, Linear, Relu, Tanh};
+use conveyor_layers::{Dropout, Flatten, Gelu, GeluTanh, LayerNorm, Linear, Relu, Tanh};
 use rand::rngs::StdRng;
 
 /// Makes one layer from the per-sample shape of its input and the chain's generator.
@@ -82,6 +82,11 @@ impl Sequential {
     /// A [`Gelu`] (exact, PyTorch's default).
     pub fn gelu(self) -> Self {
         self.then(Gelu::new())
+    }
+
+    /// A [`GeluTanh`] (PyTorch's `nn.GELU(approximate='tanh')`).
+    pub fn gelu_tanh(self) -> Self {
+        self.then(GeluTanh::new())
     }
 
     /// A [`Tanh`].

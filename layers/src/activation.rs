@@ -1,5 +1,6 @@
-//! Elementwise activation layers: `Relu`, `Gelu` (exact erf form) and `Tanh`. Each keeps one
-//! tensor for backward, as a share (no copy): ReLU and tanh their output, GELU its input. A
+//! Elementwise activation layers: `Relu`, `Gelu` (exact erf form), `GeluTanh` (PyTorch's
+//! `approximate='tanh'`) and `Tanh`. Each keeps one tensor for backward, as a share (no copy):
+//! ReLU and tanh their output, the GELUs their input. A
 //! ReLU's output is usually also the next Linear's saved input, one buffer on the ledger.
 //!
 //! The arithmetic is the engine's device op ([`Tensor::activation`],
@@ -127,6 +128,17 @@ activation_layer!(
     Activation::Gelu,
     Keep::Input,
     20
+);
+
+activation_layer!(
+    GeluTanh,
+    "GELUTanh",
+    "`y = x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))`, PyTorch's `nn.GELU(approximate='tanh')` \
+     (evaluated as the equal `x / (1 + e^{-2u})`, which does not cancel for negative `x`). Saves its \
+     input.",
+    Activation::GeluTanh,
+    Keep::Input,
+    24
 );
 
 activation_layer!(

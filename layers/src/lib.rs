@@ -84,7 +84,7 @@ mod residual;
 mod sequence;
 mod tensor_io;
 
-pub use activation::{Gelu, Relu, Tanh};
+pub use activation::{Gelu, GeluTanh, Relu, Tanh};
 pub use attention::MultiheadSelfAttention;
 pub use conv2d::{Conv2d, Conv2dOptions};
 pub use dropout::Dropout;

@@ -7,7 +7,7 @@ mod common;
 use common::{Input, check_layer, distinct_values, random_values, tensor, to_f64, values_away_from_zero};
 use conveyor_engine::{ForwardCtx, Layer, Loss, Targets, Tensor, init};
 use conveyor_layers::{
-    Add, AvgPool2d, Conv2d, Conv2dOptions, CrossEntropyLoss, Dropout, Embedding, Flatten, Gelu, GlobalAvgPool2d, LayerNorm,
+    Add, AvgPool2d, Conv2d, Conv2dOptions, CrossEntropyLoss, Dropout, Embedding, Flatten, Gelu, GeluTanh, GlobalAvgPool2d, LayerNorm,
     Linear, MaxPool2d, Relu, Tanh,
 };
 
@@ -200,6 +200,11 @@ fn activation_gradients_match_finite_differences() {
     let x = Input::new(random_values(numel, -3.0, 3.0, &mut rng), &shape);
     let gelu = |x: f64| 0.5 * x * (1.0 + erf_series(x / std::f64::consts::SQRT_2));
     check_layer("GELU", &Gelu::new(), &[x], train(), &elementwise(gelu), 41);
+    // GELU, tanh approximation: x/2·(1 + tanh(√(2/π)(x + 0.044715x³))).
+    let x = Input::new(random_values(numel, -3.0, 3.0, &mut rng), &shape);
+    let gelu_tanh =
+        |x: f64| 0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh());
+    check_layer("GELUTanh", &GeluTanh::new(), &[x], train(), &elementwise(gelu_tanh), 43);
     // tanh: dy/dx = 1 - tanh².
     let x = Input::new(random_values(numel, -2.5, 2.5, &mut rng), &shape);
     check_layer("Tanh", &Tanh::new(), &[x], train(), &elementwise(f64::tanh), 42);

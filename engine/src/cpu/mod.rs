@@ -9,6 +9,7 @@ pub mod pool;
 pub mod softmax;
 pub mod transpose;
 pub mod uninit;
+pub(crate) mod vecmath;
 pub mod window;
 
 pub use gemm::{MatRef, matmul, matmul_uninit};

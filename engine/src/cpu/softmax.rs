@@ -1,5 +1,11 @@
 //! Row-wise softmax and log-softmax over the last dimension, numerically stable (the row maximum
-//! is subtracted before exponentiating; sums accumulate in f64).
+//! is subtracted before exponentiating), in f32 on `cpu::vecmath`'s vector `exp`; sums in a fixed
+//! lane order, so every ISA gives the same bits.
+#[cfg(test)]
+use super::vecmath::Isa;
+#[cfg(test)]
+use super::vecmath::dispatch_on;
+use super::vecmath::{Job, Lanes, dispatch, exp2parts};
 use super::window::check_len;
 use crate::{Error, Result};
 
@@ -14,38 +20,143 @@ fn check_rows(op: &str, input: &[f32], cols: usize, output: &[f32]) -> Result<()
     check_len(op, "output", input.len(), output.len())
 }
 
-/// The maximum of a row and `log Σ exp(x - max)`.
-fn row_max_and_log_sum_exp(row: &[f32]) -> (f32, f32) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if max == f32::NEG_INFINITY {
-        return (max, 0.0);
-    }
-    let sum: f64 = row.iter().map(|&x| ((x - max) as f64).exp()).sum();
-    (max, sum.ln() as f32)
+/// Lanes of the canonical sum: element `i` of a row is added into partial sum `i % SUM_LANES`,
+/// the partials then added pairwise (8 + 8, 4 + 4, ...). Every ISA follows this order, so row
+/// sums, and so the results, have the same bits on all of them.
+const SUM_LANES: usize = 16;
+
+/// Softmax (or log-softmax) of every row of `cols` elements, on one ISA.
+struct Rows<'a> {
+    input: &'a [f32],
+    output: &'a mut [f32],
+    cols: usize,
+    log: bool,
 }
 
-/// `output[r, :] = softmax(input[r, :])` for rows of `cols` elements.
+impl Job for Rows<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn run<V: Lanes>(self) {
+        for (row, out) in self.input.chunks_exact(self.cols).zip(self.output.chunks_exact_mut(self.cols)) {
+            softmax_row::<V>(row, out, self.log);
+        }
+    }
+}
+
+/// `e^(x - max)` with `x - max` carried exactly (TwoSum), so the rounding of a large difference
+/// does not reach the result.
+#[inline(always)]
+fn exp_minus<V: Lanes>(x: V, max: V) -> V {
+    let neg_max = V::splat(0.0).sub(max);
+    let diff = x.add(neg_max);
+    let back = diff.sub(x);
+    let error = x.sub(diff.sub(back)).add(neg_max.sub(back));
+    // The error is NaN where the difference is infinite (x = -inf: e^-inf = 0) or NaN (then the
+    // result is NaN through `diff` alone).
+    let zero = V::splat(0.0);
+    exp2parts(diff, V::select(error.is_nan(), zero, error))
+}
+
+/// One row: `out = e^(x - max) / Σ e^(x - max)`, or `(x - max) - ln Σ e^(x - max)` when `log`.
+/// NaN anywhere in the row, `+inf`, or a row of `-inf` give a row of NaN (as torch).
+#[inline(always)]
+fn softmax_row<V: Lanes>(row: &[f32], out: &mut [f32], log: bool) {
+    let n = row.len();
+    let whole = n - n % SUM_LANES;
+    let (src, dst) = (row.as_ptr(), out.as_mut_ptr());
+    // SAFETY: every index below is < n = row.len() = out.len() (the caller's chunks), whole
+    // vectors of V::N (which divides SUM_LANES) only below `whole`.
+    unsafe {
+        let mut max_v = V::splat(f32::NEG_INFINITY);
+        let mut i = 0;
+        while i + V::N <= n {
+            max_v = V::load(src.add(i)).max(max_v);
+            i += V::N;
+        }
+        let mut lanes = [0.0f32; SUM_LANES];
+        max_v.store(lanes.as_mut_ptr());
+        let mut max = lanes[..V::N].iter().fold(f32::NEG_INFINITY, |m, &v| v.max(m));
+        for &x in &row[i..] {
+            max = x.max(max);
+        }
+        // A NaN is skipped by `max` but reaches the sum through its own exp, so the row is NaN.
+        let max_splat = V::splat(max);
+        let mut acc = [V::splat(0.0); SUM_LANES];
+        let per_group = SUM_LANES / V::N;
+        let mut i = 0;
+        while i < whole {
+            for (j, a) in acc.iter_mut().enumerate().take(per_group) {
+                let e = exp_minus(V::load(src.add(i + j * V::N)), max_splat);
+                if !log {
+                    e.store(dst.add(i + j * V::N));
+                }
+                *a = a.add(e);
+            }
+            i += SUM_LANES;
+        }
+        for (j, a) in acc.iter().enumerate().take(per_group) {
+            a.store(lanes.as_mut_ptr().add(j * V::N));
+        }
+        for k in whole..n {
+            let e = exp_minus(row[k], max);
+            if !log {
+                *dst.add(k) = e;
+            }
+            lanes[k % SUM_LANES] += e;
+        }
+        let mut width = SUM_LANES / 2;
+        while width > 0 {
+            for k in 0..width {
+                lanes[k] += lanes[k + width];
+            }
+            width /= 2;
+        }
+        let sum = lanes[0];
+        if log {
+            let shift = V::splat(max);
+            let log_sum = ((sum as f64).ln() as f32, V::splat((sum as f64).ln() as f32));
+            let mut i = 0;
+            while i + V::N <= n {
+                V::load(src.add(i)).sub(shift).sub(log_sum.1).store(dst.add(i));
+                i += V::N;
+            }
+            for (k, &x) in row.iter().enumerate().skip(i) {
+                *dst.add(k) = (x - max) - log_sum.0;
+            }
+        } else {
+            let sum_splat = V::splat(sum);
+            let mut i = 0;
+            while i + V::N <= n {
+                V::load(dst.add(i)).div(sum_splat).store(dst.add(i));
+                i += V::N;
+            }
+            for k in i..n {
+                *dst.add(k) /= sum;
+            }
+        }
+    }
+}
+
+/// `output[r, :] = softmax(input[r, :])` for rows of `cols` elements (f32, vectorised; the same
+/// bits on every ISA).
 pub fn softmax_rows(input: &[f32], cols: usize, output: &mut [f32]) -> Result<()> {
     check_rows("softmax", input, cols, output)?;
-    for (row, out) in input.chunks_exact(cols).zip(output.chunks_exact_mut(cols)) {
-        let (max, log_sum) = row_max_and_log_sum_exp(row);
-        for (o, &x) in out.iter_mut().zip(row) {
-            *o = (x - max - log_sum).exp();
-        }
-    }
+    dispatch(Rows { input, output, cols, log: false });
     Ok(())
 }
 
-/// `output[r, :] = log_softmax(input[r, :]) = x - max - log Σ exp(x - max)` for rows of `cols` elements.
+/// `output[r, :] = log_softmax(input[r, :]) = x - max - log Σ exp(x - max)` for rows of `cols`
+/// elements (f32, vectorised; the same bits on every ISA).
 pub fn log_softmax_rows(input: &[f32], cols: usize, output: &mut [f32]) -> Result<()> {
     check_rows("log_softmax", input, cols, output)?;
-    for (row, out) in input.chunks_exact(cols).zip(output.chunks_exact_mut(cols)) {
-        let (max, log_sum) = row_max_and_log_sum_exp(row);
-        for (o, &x) in out.iter_mut().zip(row) {
-            *o = x - max - log_sum;
-        }
-    }
+    dispatch(Rows { input, output, cols, log: true });
     Ok(())
+}
+
+/// [`softmax_rows`] or [`log_softmax_rows`] on a chosen ISA (tests compare them).
+#[cfg(test)]
+fn rows_on(isa: Isa, input: &[f32], cols: usize, output: &mut [f32], log: bool) {
+    dispatch_on(isa, Rows { input, output, cols, log });
 }
 
 #[cfg(test)]
@@ -68,5 +179,48 @@ mod tests {
             assert!((a.exp() - b).abs() < 1e-6);
         }
         assert!(softmax_rows(&input, 4, &mut p).is_err());
+    }
+
+    /// f64 softmax of one row.
+    fn reference(row: &[f32]) -> Vec<f64> {
+        let max = row.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
+        let e: Vec<f64> = row.iter().map(|&x| (x as f64 - max).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        e.iter().map(|v| v / sum).collect()
+    }
+
+    #[test]
+    fn every_isa_gives_the_same_bits_and_f64_accuracy() {
+        for cols in [1usize, 3, 8, 16, 17, 64, 100, 512] {
+            let input: Vec<f32> = (0..cols * 5).map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 0.013).collect();
+            for log in [false, true] {
+                let mut scalar = vec![0.0; input.len()];
+                rows_on(Isa::Scalar, &input, cols, &mut scalar, log);
+                for isa in [Isa::Avx512, Isa::Avx2].into_iter().filter(|isa| isa.available()) {
+                    let mut got = vec![0.0; input.len()];
+                    rows_on(isa, &input, cols, &mut got, log);
+                    assert!(got.iter().zip(&scalar).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} {cols} {log}");
+                }
+                for (row, out) in input.chunks(cols).zip(scalar.chunks(cols)) {
+                    for (got, want) in out.iter().zip(reference(row)) {
+                        let want = if log { want.ln() } else { want };
+                        let err = (*got as f64 - want).abs();
+                        assert!(err <= 2e-6 * want.abs() + 1e-7, "cols {cols} log {log}: {got} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn non_finite_rows_are_nan_like_torch() {
+        let input = [1.0f32, f32::NAN, 2.0, f32::INFINITY, 0.0, 1.0, f32::NEG_INFINITY, f32::NEG_INFINITY];
+        let mut p = [0.0; 8];
+        softmax_rows(&input, 2, &mut p).unwrap();
+        assert!(p[..4].iter().all(|v| v.is_nan()) && p[6..].iter().all(|v| v.is_nan()));
+        assert!((p[4] - 1.0 / (1.0 + 1f32.exp())).abs() < 1e-7);
+        let input = [0.0f32, f32::NEG_INFINITY];
+        softmax_rows(&input, 2, &mut p[..2]).unwrap();
+        assert_eq!(p[..2], [1.0, 0.0]);
     }
 }

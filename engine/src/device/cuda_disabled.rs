@@ -356,6 +356,17 @@ impl CudaStream {
     pub fn gelu_backward(&self, _input: &Buf<f32>, _grad_output: &Buf<f32>, _input_grad: &mut Buf<f32>) -> Result<()> {
         match self.never {}
     }
+    pub fn gelu_tanh_forward(&self, _input: &Buf<f32>, _output: &mut Buf<f32>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn gelu_tanh_backward(
+        &self,
+        _input: &Buf<f32>,
+        _grad_output: &Buf<f32>,
+        _input_grad: &mut Buf<f32>,
+    ) -> Result<()> {
+        match self.never {}
+    }
     pub fn tanh_forward(&self, _input: &Buf<f32>, _output: &mut Buf<f32>) -> Result<()> {
         match self.never {}
     }

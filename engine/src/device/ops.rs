@@ -21,7 +21,7 @@
 //! GPU results differ from CPU results by summation order (cuBLAS, the reductions) and by the
 //! CUDA math library's transcendentals; elementwise operations without transcendentals round
 //! exactly as on the CPU (the kernels are compiled with `--fmad=false`).
-use crate::cpu::activation::{gelu, gelu_grad, relu, relu_grad, tanh, tanh_grad};
+use crate::cpu::activation::{self, relu, relu_grad, tanh_grad};
 use crate::cpu::softmax::log_softmax_rows;
 use crate::cpu::{MatRef, elementwise, matmul, matmul_uninit, uninit};
 use crate::device::{CudaBuffer, DeviceMatRef};
@@ -35,6 +35,9 @@ pub enum Activation {
     Relu,
     /// The exact GELU `x · Φ(x)`; its gradient reads the forward input.
     Gelu,
+    /// PyTorch's `GELU(approximate='tanh')`, `x/2 · (1 + tanh(√(2/π)(x + 0.044715x³)))`; its
+    /// gradient reads the forward input.
+    GeluTanh,
     /// `tanh(x)`; its gradient reads the forward output.
     Tanh,
 }
@@ -249,11 +252,12 @@ impl Tensor {
         match self.device() {
             Device::Cpu(_) => {
                 let x = self.host_f32(op)?;
-                // One monomorphised loop per activation, so each vectorises as a direct call would.
+                // The vectorised kernels of `cpu::activation` (ReLU a loop the compiler vectorises).
                 let output = Tensor::from_f32_init(self.shape().clone(), self.device(), |dst| match activation {
                     Activation::Relu => uninit::map(dst, &x, relu),
-                    Activation::Gelu => uninit::map(dst, &x, gelu),
-                    Activation::Tanh => uninit::map(dst, &x, tanh),
+                    Activation::Gelu => activation::gelu_forward_uninit(&x, dst),
+                    Activation::GeluTanh => activation::gelu_tanh_forward_uninit(&x, dst),
+                    Activation::Tanh => activation::tanh_forward_uninit(&x, dst),
                 })?;
                 output.into_dtype(self.dtype())
             }
@@ -264,6 +268,7 @@ impl Tensor {
                 match activation {
                     Activation::Relu => stream.relu_forward(x, &mut out)?,
                     Activation::Gelu => stream.gelu_forward(x, &mut out)?,
+                    Activation::GeluTanh => stream.gelu_tanh_forward(x, &mut out)?,
                     Activation::Tanh => stream.tanh_forward(x, &mut out)?,
                 }
                 Tensor::from_cuda_f32(out, self.shape().clone(), self.device())
@@ -272,7 +277,7 @@ impl Tensor {
     }
 
     /// The input gradient of `activation` from what its forward kept (`kept`: the output for ReLU
-    /// and tanh, the input for GELU) and the output gradient: a new tensor of `kept`'s shape and
+    /// and tanh, the input for both GELUs) and the output gradient: a new tensor of `kept`'s shape and
     /// dtype on `grad_output`'s device.
     pub fn activation_grad(activation: Activation, kept: &Tensor, grad_output: &Tensor) -> Result<Tensor> {
         let op = "activation_grad";
@@ -282,7 +287,8 @@ impl Tensor {
                 let (kept_values, grad) = (kept.host_f32(op)?, grad_output.host_f32(op)?);
                 let grad_input = Tensor::from_f32_init(kept.shape().clone(), device, |dst| match activation {
                     Activation::Relu => uninit::map2(dst, &kept_values, &grad, relu_grad),
-                    Activation::Gelu => uninit::map2(dst, &kept_values, &grad, gelu_grad),
+                    Activation::Gelu => activation::gelu_backward_uninit(&kept_values, &grad, dst),
+                    Activation::GeluTanh => activation::gelu_tanh_backward_uninit(&kept_values, &grad, dst),
                     Activation::Tanh => uninit::map2(dst, &kept_values, &grad, tanh_grad),
                 })?;
                 grad_input.into_dtype(kept.dtype())
@@ -294,6 +300,7 @@ impl Tensor {
                 match activation {
                     Activation::Relu => stream.relu_backward(kept_buffer, grad, &mut out)?,
                     Activation::Gelu => stream.gelu_backward(kept_buffer, grad, &mut out)?,
+                    Activation::GeluTanh => stream.gelu_tanh_backward(kept_buffer, grad, &mut out)?,
                     Activation::Tanh => stream.tanh_backward(kept_buffer, grad, &mut out)?,
                 }
                 Tensor::from_cuda_f32(out, kept.shape().clone(), device)

@@ -47,6 +47,8 @@ kernels! {
     ReluBackwardF32 => ("elementwise.cu", "relu_backward_f32"),
     GeluForwardF32 => ("elementwise.cu", "gelu_forward_f32"),
     GeluBackwardF32 => ("elementwise.cu", "gelu_backward_f32"),
+    GeluTanhForwardF32 => ("elementwise.cu", "gelu_tanh_forward_f32"),
+    GeluTanhBackwardF32 => ("elementwise.cu", "gelu_tanh_backward_f32"),
     TanhForwardF32 => ("elementwise.cu", "tanh_forward_f32"),
     TanhBackwardF32 => ("elementwise.cu", "tanh_backward_f32"),
     DropoutApplyF32 => ("elementwise.cu", "dropout_apply_f32"),

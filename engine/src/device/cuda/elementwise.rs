@@ -129,6 +129,21 @@ impl CudaStream {
         self.binary(Kernel::GeluBackwardF32, input, grad_output, input_grad)
     }
 
+    /// PyTorch's tanh-approximate GELU (`cpu::activation::gelu_tanh_forward`).
+    pub fn gelu_tanh_forward(&self, input: &CudaBuffer<f32>, output: &mut CudaBuffer<f32>) -> Result<()> {
+        self.unary(Kernel::GeluTanhForwardF32, input, output)
+    }
+
+    /// The tanh-approximate GELU's input gradient from the forward input `x`.
+    pub fn gelu_tanh_backward(
+        &self,
+        input: &CudaBuffer<f32>,
+        grad_output: &CudaBuffer<f32>,
+        input_grad: &mut CudaBuffer<f32>,
+    ) -> Result<()> {
+        self.binary(Kernel::GeluTanhBackwardF32, input, grad_output, input_grad)
+    }
+
     /// `output = tanh(input)`.
     pub fn tanh_forward(&self, input: &CudaBuffer<f32>, output: &mut CudaBuffer<f32>) -> Result<()> {
         self.unary(Kernel::TanhForwardF32, input, output)

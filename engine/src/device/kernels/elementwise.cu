@@ -43,6 +43,26 @@ extern "C" __global__ void gelu_backward_f32(const float* x, const float* dy, fl
     }
 }
 
+// GELU, PyTorch's approximate='tanh': x / (1 + exp(-2u)) = x/2 (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3),
+// the form that does not cancel for negative x (as cpu::vecmath::gelu_tanh).
+extern "C" __global__ void gelu_tanh_forward_f32(const float* x, float* y, size_t n) {
+    GRID_STRIDE(i, n) {
+        float twice_inner = 1.5957691216057308f * (x[i] + 0.044715f * x[i] * x[i] * x[i]);
+        y[i] = x[i] / (1.0f + expf(-twice_inner));
+    }
+}
+
+extern "C" __global__ void gelu_tanh_backward_f32(const float* x, const float* dy, float* dx, size_t n) {
+    GRID_STRIDE(i, n) {
+        float twice_inner = 1.5957691216057308f * (x[i] + 0.044715f * x[i] * x[i] * x[i]);
+        twice_inner = fminf(fmaxf(twice_inner, -80.0f), 80.0f);
+        float e = expf(-twice_inner);
+        float sigma = 1.0f / (1.0f + e);
+        float slope = 1.5957691216057308f * (1.0f + 3.0f * 0.044715f * x[i] * x[i]);
+        dx[i] = dy[i] * (sigma + x[i] * sigma * (e * sigma) * slope);
+    }
+}
+
 extern "C" __global__ void tanh_forward_f32(const float* x, float* y, size_t n) {
     GRID_STRIDE(i, n) { y[i] = tanhf(x[i]); }
 }

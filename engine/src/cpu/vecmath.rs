@@ -1,0 +1,784 @@
+//! f32 vector math with the same bits on every instruction set: `exp`, the normal CDF `Φ` (erfc
+//! form) and density `φ`, `tanh`, the GELUs built on them, and the run-time dispatch that picks
+//! AVX-512, AVX2+FMA or scalar code.
+//!
+//! Every function is written once, generic over [`Lanes`]: a vector of 16 (`__m512`) or 8
+//! (`__m256`) floats, or one `f32`. The generic body is instantiated inside a
+//! `#[target_feature]` function per ISA ([`dispatch`]); each lane runs the same sequence of
+//! correctly rounded IEEE operations (add, mul, fused multiply-add, true division, round to
+//! nearest even, exponent-bit scaling), and the scalar instance does its fused multiply-adds with
+//! `f32::mul_add`, so all three give identical bits (tested below on every ISA the machine has).
+//! That keeps a pipeline bit-equal to one device whatever CPU each worker runs on. No
+//! approximate reciprocals: their bits differ between ISAs.
+//!
+//! Accuracy (the tests measure these bounds against f64 references):
+//! - `exp`: Cody–Waite reduction by `ln 2`, Cephes' degree-7 polynomial; ≤ 1e-7 relative.
+//! - `Φ(x) = erfc(-x/√2)/2` with Numerical Recipes' `erfcc` Chebyshev fit
+//!   (`erfc(z) = t·exp(-z² + P(t))`, `t = 1/(1+z/2)`, fit error 1.2e-7 relative). `z² = x²/2` is
+//!   carried as an exact double-float (`fma(x, x, -x·x)`) into `exp`, so the lower tail stays
+//!   accurate relative to its own value (where `1 + erf` would cancel): ≤ 4e-7 relative on
+//!   [-10, 10] (φ ≤ 2e-7).
+//! - `tanh`: Cephes' odd polynomial for `|x| < 0.625`, `1 - 2/(e^{2|x|} + 1)` above; ≤ 2e-7.
+//!
+//! Non-finite inputs: NaN propagates everywhere; `exp(-inf) = 0`, `exp(inf) = inf`,
+//! `Φ(±inf) = 1, 0`, `tanh(±inf) = ±1`; the sign of zero is kept by `tanh`.
+use std::mem::MaybeUninit;
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// Operations of one SIMD register of f32 lanes (or of one `f32`), each rounding exactly as IEEE
+/// single precision does, so every implementation gives the same bits per lane.
+pub(crate) trait Lanes: Copy {
+    /// Lanes per register.
+    const N: usize;
+    /// The result of a lane-wise comparison.
+    type Mask: Copy;
+    /// Reads `N` floats.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reading `N` floats.
+    unsafe fn load(ptr: *const f32) -> Self;
+    /// Writes `N` floats.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for writing `N` floats.
+    unsafe fn store(self, ptr: *mut f32);
+    fn splat(value: f32) -> Self;
+    fn add(self, rhs: Self) -> Self;
+    fn sub(self, rhs: Self) -> Self;
+    fn mul(self, rhs: Self) -> Self;
+    fn div(self, rhs: Self) -> Self;
+    /// `self · b + c`, rounded once.
+    fn fma(self, b: Self, c: Self) -> Self;
+    /// `self > rhs ? self : rhs` (x86's `maxps` operand order: `rhs` where either is NaN).
+    fn max(self, rhs: Self) -> Self;
+    /// `self < rhs ? self : rhs` (`minps`: `rhs` where either is NaN).
+    fn min(self, rhs: Self) -> Self;
+    /// Round to the nearest integer, ties to even.
+    fn round(self) -> Self;
+    /// `|self|` (the sign bit cleared).
+    fn abs(self) -> Self;
+    /// `|self|` with the sign bit of `sign`.
+    fn copysign(self, sign: Self) -> Self;
+    /// `2^self` for integral `self` in `[-126, 127]`, by building the exponent bits.
+    fn pow2i(self) -> Self;
+    /// `self < rhs`, false where either is NaN.
+    fn lt(self, rhs: Self) -> Self::Mask;
+    /// Lanes that are NaN.
+    fn is_nan(self) -> Self::Mask;
+    /// `mask ? if_true : if_false` per lane.
+    fn select(mask: Self::Mask, if_true: Self, if_false: Self) -> Self;
+}
+
+impl Lanes for f32 {
+    const N: usize = 1;
+    type Mask = bool;
+
+    #[inline(always)]
+    unsafe fn load(ptr: *const f32) -> f32 {
+        // SAFETY: the caller guarantees one readable float.
+        unsafe { ptr.read() }
+    }
+    #[inline(always)]
+    unsafe fn store(self, ptr: *mut f32) {
+        // SAFETY: the caller guarantees one writable float.
+        unsafe { ptr.write(self) }
+    }
+    #[inline(always)]
+    fn splat(value: f32) -> f32 {
+        value
+    }
+    #[inline(always)]
+    fn add(self, rhs: f32) -> f32 {
+        self + rhs
+    }
+    #[inline(always)]
+    fn sub(self, rhs: f32) -> f32 {
+        self - rhs
+    }
+    #[inline(always)]
+    fn mul(self, rhs: f32) -> f32 {
+        self * rhs
+    }
+    #[inline(always)]
+    fn div(self, rhs: f32) -> f32 {
+        self / rhs
+    }
+    #[inline(always)]
+    fn fma(self, b: f32, c: f32) -> f32 {
+        self.mul_add(b, c)
+    }
+    #[inline(always)]
+    fn max(self, rhs: f32) -> f32 {
+        if self > rhs { self } else { rhs }
+    }
+    #[inline(always)]
+    fn min(self, rhs: f32) -> f32 {
+        if self < rhs { self } else { rhs }
+    }
+    #[inline(always)]
+    fn round(self) -> f32 {
+        self.round_ties_even()
+    }
+    #[inline(always)]
+    fn abs(self) -> f32 {
+        f32::abs(self)
+    }
+    #[inline(always)]
+    fn copysign(self, sign: f32) -> f32 {
+        f32::copysign(self, sign)
+    }
+    #[inline(always)]
+    fn pow2i(self) -> f32 {
+        f32::from_bits(((self as i32 + 127) as u32) << 23)
+    }
+    #[inline(always)]
+    fn lt(self, rhs: f32) -> bool {
+        self < rhs
+    }
+    #[inline(always)]
+    fn is_nan(self) -> bool {
+        f32::is_nan(self)
+    }
+    #[inline(always)]
+    fn select(mask: bool, if_true: f32, if_false: f32) -> f32 {
+        if mask { if_true } else { if_false }
+    }
+}
+
+/// 16 lanes of AVX-512F. Only instantiated inside `#[target_feature(enable = "avx512f")]`
+/// functions ([`dispatch`] checks the CPU first), which is what makes its intrinsics sound.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(crate) struct Avx512(__m512);
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for Avx512 {
+    const N: usize = 16;
+    type Mask = __mmask16;
+
+    #[inline(always)]
+    unsafe fn load(ptr: *const f32) -> Self {
+        // SAFETY: the caller guarantees 16 readable floats; AVX-512F is enabled (see the type).
+        Avx512(unsafe { _mm512_loadu_ps(ptr) })
+    }
+    #[inline(always)]
+    unsafe fn store(self, ptr: *mut f32) {
+        // SAFETY: the caller guarantees 16 writable floats; AVX-512F is enabled (see the type).
+        unsafe { _mm512_storeu_ps(ptr, self.0) }
+    }
+    #[inline(always)]
+    fn splat(value: f32) -> Self {
+        // SAFETY (this and every method below): AVX-512F is enabled where this type is used.
+        Avx512(unsafe { _mm512_set1_ps(value) })
+    }
+    #[inline(always)]
+    fn add(self, rhs: Self) -> Self {
+        Avx512(unsafe { _mm512_add_ps(self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn sub(self, rhs: Self) -> Self {
+        Avx512(unsafe { _mm512_sub_ps(self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn mul(self, rhs: Self) -> Self {
+        Avx512(unsafe { _mm512_mul_ps(self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn div(self, rhs: Self) -> Self {
+        Avx512(unsafe { _mm512_div_ps(self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn fma(self, b: Self, c: Self) -> Self {
+        Avx512(unsafe { _mm512_fmadd_ps(self.0, b.0, c.0) })
+    }
+    #[inline(always)]
+    fn max(self, rhs: Self) -> Self {
+        Avx512(unsafe { _mm512_max_ps(self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn min(self, rhs: Self) -> Self {
+        Avx512(unsafe { _mm512_min_ps(self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn round(self) -> Self {
+        Avx512(unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self.0) })
+    }
+    #[inline(always)]
+    fn abs(self) -> Self {
+        Avx512(unsafe { _mm512_abs_ps(self.0) })
+    }
+    #[inline(always)]
+    fn copysign(self, sign: Self) -> Self {
+        unsafe {
+            let sign_bit = _mm512_and_si512(_mm512_castps_si512(sign.0), _mm512_set1_epi32(i32::MIN));
+            let magnitude = _mm512_castps_si512(_mm512_abs_ps(self.0));
+            Avx512(_mm512_castsi512_ps(_mm512_or_si512(magnitude, sign_bit)))
+        }
+    }
+    #[inline(always)]
+    fn pow2i(self) -> Self {
+        unsafe {
+            let biased = _mm512_add_epi32(_mm512_cvtps_epi32(self.0), _mm512_set1_epi32(127));
+            Avx512(_mm512_castsi512_ps(_mm512_slli_epi32::<23>(biased)))
+        }
+    }
+    #[inline(always)]
+    fn lt(self, rhs: Self) -> __mmask16 {
+        unsafe { _mm512_cmp_ps_mask::<_CMP_LT_OQ>(self.0, rhs.0) }
+    }
+    #[inline(always)]
+    fn is_nan(self) -> __mmask16 {
+        unsafe { _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(self.0, self.0) }
+    }
+    #[inline(always)]
+    fn select(mask: __mmask16, if_true: Self, if_false: Self) -> Self {
+        Avx512(unsafe { _mm512_mask_blend_ps(mask, if_false.0, if_true.0) })
+    }
+}
+
+/// 8 lanes of AVX2 with FMA. Only instantiated inside `#[target_feature(enable = "avx2,fma")]`
+/// functions ([`dispatch`] checks the CPU first), which is what makes its intrinsics sound.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(crate) struct Avx2(__m256);
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for Avx2 {
+    const N: usize = 8;
+    type Mask = __m256;
+
+    #[inline(always)]
+    unsafe fn load(ptr: *const f32) -> Self {
+        // SAFETY: the caller guarantees 8 readable floats; AVX2 is enabled (see the type).
+        Avx2(unsafe { _mm256_loadu_ps(ptr) })
+    }
+    #[inline(always)]
+    unsafe fn store(self, ptr: *mut f32) {
+        // SAFETY: the caller guarantees 8 writable floats; AVX2 is enabled (see the type).
+        unsafe { _mm256_storeu_ps(ptr, self.0) }
+    }
+    #[inline(always)]
+    fn splat(value: f32) -> Self {
+        // SAFETY (this and every method below): AVX2 and FMA are enabled where this type is used.
+        Avx2(unsafe { _mm256_set1_ps(value) })
+    }
+    #[inline(always)]
+    fn add(self, rhs: Self) -> Self {
+        Avx2(unsafe { _mm256_add_ps(self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn sub(self, rhs: Self) -> Self {
+        Avx2(unsafe { _mm256_sub_ps(self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn mul(self, rhs: Self) -> Self {
+        Avx2(unsafe { _mm256_mul_ps(self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn div(self, rhs: Self) -> Self {
+        Avx2(unsafe { _mm256_div_ps(self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn fma(self, b: Self, c: Self) -> Self {
+        Avx2(unsafe { _mm256_fmadd_ps(self.0, b.0, c.0) })
+    }
+    #[inline(always)]
+    fn max(self, rhs: Self) -> Self {
+        Avx2(unsafe { _mm256_max_ps(self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn min(self, rhs: Self) -> Self {
+        Avx2(unsafe { _mm256_min_ps(self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn round(self) -> Self {
+        Avx2(unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self.0) })
+    }
+    #[inline(always)]
+    fn abs(self) -> Self {
+        Avx2(unsafe { _mm256_and_ps(self.0, _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX))) })
+    }
+    #[inline(always)]
+    fn copysign(self, sign: Self) -> Self {
+        unsafe {
+            let sign_bit = _mm256_and_ps(sign.0, _mm256_castsi256_ps(_mm256_set1_epi32(i32::MIN)));
+            Avx2(_mm256_or_ps(self.abs().0, sign_bit))
+        }
+    }
+    #[inline(always)]
+    fn pow2i(self) -> Self {
+        unsafe {
+            let biased = _mm256_add_epi32(_mm256_cvtps_epi32(self.0), _mm256_set1_epi32(127));
+            Avx2(_mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased)))
+        }
+    }
+    #[inline(always)]
+    fn lt(self, rhs: Self) -> __m256 {
+        unsafe { _mm256_cmp_ps::<_CMP_LT_OQ>(self.0, rhs.0) }
+    }
+    #[inline(always)]
+    fn is_nan(self) -> __m256 {
+        unsafe { _mm256_cmp_ps::<_CMP_UNORD_Q>(self.0, self.0) }
+    }
+    #[inline(always)]
+    fn select(mask: __m256, if_true: Self, if_false: Self) -> Self {
+        Avx2(unsafe { _mm256_blendv_ps(if_false.0, if_true.0, mask) })
+    }
+}
+
+/// The instruction sets [`dispatch`] chooses between.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// 16 lanes (x86-64 with AVX-512F).
+    Avx512,
+    /// 8 lanes (x86-64 with AVX2 and FMA).
+    Avx2,
+    /// One lane, `f32::mul_add` for the fused multiply-adds (every target).
+    Scalar,
+}
+
+impl Isa {
+    /// The widest ISA this CPU has (`is_x86_feature_detected!` caches its answer).
+    #[inline]
+    pub(crate) fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    }
+
+    /// Whether this CPU can run `self`.
+    pub(crate) fn available(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => is_x86_feature_detected!("avx512f"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+}
+
+/// A piece of work written once over [`Lanes`]; [`dispatch`] runs it on the widest ISA present.
+/// Implementations mark `run` `#[inline(always)]` so it is compiled with that ISA's features.
+pub(crate) trait Job {
+    type Output;
+    fn run<V: Lanes>(self) -> Self::Output;
+}
+
+/// Runs `job` on the widest ISA this CPU has.
+#[inline]
+pub(crate) fn dispatch<J: Job>(job: J) -> J::Output {
+    dispatch_on(Isa::detect(), job)
+}
+
+/// Runs `job` on `isa`, which must be [`Isa::available`] (else the scalar path runs).
+#[inline]
+pub(crate) fn dispatch_on<J: Job>(isa: Isa, job: J) -> J::Output {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX-512F (checked).
+        Isa::Avx512 if isa.available() => unsafe { run_avx512(job) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX2 and FMA (checked).
+        Isa::Avx2 if isa.available() => unsafe { run_avx2(job) },
+        _ => run_scalar(job),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn run_avx512<J: Job>(job: J) -> J::Output {
+    job.run::<Avx512>()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run_avx2<J: Job>(job: J) -> J::Output {
+    job.run::<Avx2>()
+}
+
+/// The scalar path, compiled with FMA instructions where the CPU has them (same bits either way:
+/// `f32::mul_add` is a fused multiply-add in software too).
+fn run_scalar<J: Job>(job: J) -> J::Output {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has FMA (checked).
+        return unsafe { run_scalar_fma(job) };
+    }
+    job.run::<f32>()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn run_scalar_fma<J: Job>(job: J) -> J::Output {
+    job.run::<f32>()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The functions, generic over the lanes.
+
+const LOG2_E: f32 = std::f32::consts::LOG2_E;
+/// `ln 2 = LN2_HI + LN2_LO`, the high part short enough that `n · LN2_HI` is exact (Cephes).
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+/// `1/√(2π)`.
+const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
+
+/// `e^(hi + lo)` for a small correction `lo` (|lo| ≤ ulp(hi)), NaN propagating.
+#[inline(always)]
+pub(crate) fn exp2parts<V: Lanes>(hi: V, lo: V) -> V {
+    // Beyond [-104, 89] the result is 0 or inf either way; the clamp keeps the exponent in range.
+    let x = hi.max(V::splat(-104.0)).min(V::splat(89.0));
+    let n = x.mul(V::splat(LOG2_E)).round();
+    let r = n.fma(V::splat(-LN2_HI), x);
+    let r = n.fma(V::splat(-LN2_LO), r).add(lo);
+    // Cephes expf: e^r = 1 + r + r²·P(r) on |r| ≤ ln2/2.
+    let p = V::splat(1.987_569_1e-4);
+    let p = p.fma(r, V::splat(1.398_199_9e-3));
+    let p = p.fma(r, V::splat(8.333_452e-3));
+    let p = p.fma(r, V::splat(4.166_579_6e-2));
+    let p = p.fma(r, V::splat(1.666_666_5e-1));
+    let p = p.fma(r, V::splat(0.5));
+    let y = p.fma(r.mul(r), r).add(V::splat(1.0));
+    // 2^n as two factors, so n in [-150, 128] never leaves the normal exponent range.
+    let n_half = n.mul(V::splat(0.5)).round();
+    let y = y.mul(n_half.pow2i()).mul(n.sub(n_half).pow2i());
+    V::select(hi.is_nan(), hi, y)
+}
+
+/// `e^x`.
+#[inline(always)]
+pub(crate) fn exp<V: Lanes>(x: V) -> V {
+    exp2parts(x, V::splat(0.0))
+}
+
+/// `x²/2` as an exact sum `hi + lo` (barring underflow), for arguments of `exp`.
+#[inline(always)]
+fn half_square<V: Lanes>(x: V) -> (V, V) {
+    let square = x.mul(x);
+    let error = x.fma(x, V::splat(0.0).sub(square));
+    (square.mul(V::splat(0.5)), error.mul(V::splat(0.5)))
+}
+
+/// `Φ(x) = erfc(-x/√2)/2` for `x` already clamped to a finite range, given `x²/2 = hi + lo`.
+#[inline(always)]
+fn normal_cdf_clamped<V: Lanes>(x: V, half_sq: (V, V)) -> V {
+    let z = x.abs().mul(V::splat(FRAC_1_SQRT_2));
+    let t = V::splat(1.0).div(z.fma(V::splat(0.5), V::splat(1.0)));
+    // Numerical Recipes' erfcc: erfc(z) = t·exp(-z² + P(t)).
+    let p = V::splat(0.170_872_77);
+    let p = p.fma(t, V::splat(-0.822_152_23));
+    let p = p.fma(t, V::splat(1.488_515_9));
+    let p = p.fma(t, V::splat(-1.135_204));
+    let p = p.fma(t, V::splat(0.278_868_07));
+    let p = p.fma(t, V::splat(-0.186_288_06));
+    let p = p.fma(t, V::splat(0.096_784_18));
+    let p = p.fma(t, V::splat(0.374_091_96));
+    let p = p.fma(t, V::splat(1.000_023_7));
+    let p = p.fma(t, V::splat(-1.265_512_2));
+    // P - z² as hi + lo (Fast2Sum; exact enough where |P| > z², where the sum is small anyway).
+    let (sq_hi, sq_lo) = half_sq;
+    let hi = p.sub(sq_hi);
+    let lo = p.sub(hi.add(sq_hi)).sub(sq_lo);
+    let half_tail = t.mul(exp2parts(hi, lo)).mul(V::splat(0.5));
+    // erfc(u) for u = -x/√2 is the tail where u ≥ 0 (x ≤ 0), 2 - tail otherwise.
+    V::select(V::splat(0.0).lt(x), V::splat(1.0).sub(half_tail), half_tail)
+}
+
+/// `x` clamped to [-16, 16], where `Φ` and `φ` are already 0/1 and 0 in f32 beyond.
+#[inline(always)]
+fn clamp_for_cdf<V: Lanes>(x: V) -> V {
+    x.max(V::splat(-16.0)).min(V::splat(16.0))
+}
+
+/// The standard normal CDF `Φ(x)`, NaN propagating.
+#[inline(always)]
+pub(crate) fn normal_cdf<V: Lanes>(x: V) -> V {
+    let xc = clamp_for_cdf(x);
+    V::select(x.is_nan(), x, normal_cdf_clamped(xc, half_square(xc)))
+}
+
+/// The standard normal density `φ(x) = e^{-x²/2}/√(2π)`, NaN propagating.
+#[inline(always)]
+pub(crate) fn normal_pdf<V: Lanes>(x: V) -> V {
+    let (hi, lo) = half_square(clamp_for_cdf(x));
+    let zero = V::splat(0.0);
+    V::select(x.is_nan(), x, exp2parts(zero.sub(hi), zero.sub(lo)).mul(V::splat(FRAC_1_SQRT_2PI)))
+}
+
+/// Exact GELU `x·Φ(x)` (PyTorch's `approximate='none'`).
+#[inline(always)]
+pub(crate) fn gelu<V: Lanes>(x: V) -> V {
+    let xc = clamp_for_cdf(x);
+    // x·Φ(x) propagates NaN by itself (NaN · anything).
+    x.mul(normal_cdf_clamped(xc, half_square(xc)))
+}
+
+/// Exact GELU's input gradient `dy·(Φ(x) + x·φ(x))`.
+#[inline(always)]
+pub(crate) fn gelu_grad<V: Lanes>(x: V, dy: V) -> V {
+    let xc = clamp_for_cdf(x);
+    let (hi, lo) = half_square(xc);
+    let cdf = normal_cdf_clamped(xc, (hi, lo));
+    let zero = V::splat(0.0);
+    let pdf = exp2parts(zero.sub(hi), zero.sub(lo)).mul(V::splat(FRAC_1_SQRT_2PI));
+    x.fma(pdf, cdf).mul(dy)
+}
+
+/// `√(2/π)` and the cubic coefficient of PyTorch's tanh-approximate GELU.
+const GELU_TANH_BETA: f32 = 0.797_884_6;
+const GELU_TANH_KAPPA: f32 = 0.044_715;
+
+/// `2u` for the tanh-approximate GELU, `u = √(2/π)·(x + 0.044715·x³)`.
+#[inline(always)]
+fn gelu_tanh_twice_inner<V: Lanes>(x: V) -> V {
+    let cubic = x.mul(x).mul(V::splat(GELU_TANH_KAPPA)).fma(x, x);
+    cubic.mul(V::splat(2.0 * GELU_TANH_BETA))
+}
+
+/// PyTorch's `GELU(approximate='tanh')`: `x/2·(1 + tanh(u))`, evaluated as the equal
+/// `x / (1 + e^{-2u})`, which does not cancel for negative `x`.
+#[inline(always)]
+pub(crate) fn gelu_tanh<V: Lanes>(x: V) -> V {
+    let e = exp(V::splat(0.0).sub(gelu_tanh_twice_inner(x)));
+    x.div(V::splat(1.0).add(e))
+}
+
+/// The tanh-approximate GELU's input gradient: with `σ = 1/(1 + e^{-2u})`,
+/// `dy·(σ + 2x·σ(1-σ)·u')`, `u' = √(2/π)·(1 + 3·0.044715·x²)`, `1 - σ = e^{-2u}·σ`.
+#[inline(always)]
+pub(crate) fn gelu_tanh_grad<V: Lanes>(x: V, dy: V) -> V {
+    // Beyond |2u| = 80 σ is 0 or 1 to f32 precision; the clamp keeps e^{-2u} finite.
+    let twice_inner = gelu_tanh_twice_inner(x).max(V::splat(-80.0)).min(V::splat(80.0));
+    let e = exp(V::splat(0.0).sub(twice_inner));
+    let sigma = V::splat(1.0).div(V::splat(1.0).add(e));
+    let one_minus_sigma = e.mul(sigma);
+    let inner_slope = x.mul(x).mul(V::splat(3.0 * GELU_TANH_KAPPA * 2.0 * GELU_TANH_BETA));
+    let inner_slope = inner_slope.add(V::splat(2.0 * GELU_TANH_BETA));
+    let derivative = x.mul(sigma).mul(one_minus_sigma).fma(inner_slope, sigma);
+    // NaN in x reaches the result through σ and the product.
+    derivative.mul(dy)
+}
+
+/// `tanh(x)`, odd (the sign of zero kept), NaN propagating.
+#[inline(always)]
+pub(crate) fn tanh<V: Lanes>(x: V) -> V {
+    let a = x.abs();
+    // |x| < 0.625: Cephes tanhf, a + a·z·P(z) with z = a².
+    let z = a.mul(a);
+    let p = V::splat(-5.704_988_7e-3);
+    let p = p.fma(z, V::splat(2.063_909e-2));
+    let p = p.fma(z, V::splat(-5.373_971_6e-2));
+    let p = p.fma(z, V::splat(1.333_144_2e-1));
+    let p = p.fma(z, V::splat(-3.333_328e-1));
+    let small = p.mul(z).fma(a, a);
+    // Otherwise 1 - 2/(e^{2a} + 1) (1 once e^{2a} overflows).
+    let large = V::splat(1.0).sub(V::splat(2.0).div(exp(a.add(a)).add(V::splat(1.0))));
+    let y = V::select(a.lt(V::splat(0.625)), small, large).copysign(x);
+    V::select(x.is_nan(), x, y)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Slice drivers.
+
+/// An elementwise function of one input.
+pub(crate) trait Unary: Copy {
+    fn apply<V: Lanes>(self, x: V) -> V;
+}
+
+/// An elementwise function of two inputs.
+pub(crate) trait Binary: Copy {
+    fn apply<V: Lanes>(self, a: V, b: V) -> V;
+}
+
+struct MapUnary<F> {
+    f: F,
+    src: *const f32,
+    dst: *mut f32,
+    len: usize,
+}
+
+impl<F: Unary> Job for MapUnary<F> {
+    type Output = ();
+    #[inline(always)]
+    fn run<V: Lanes>(self) {
+        let mut i = 0;
+        // SAFETY: `src` and `dst` are valid for `len` floats (see `map_unary`); whole vectors
+        // are read and written below `len`, the remainder one float at a time.
+        unsafe {
+            while i + V::N <= self.len {
+                self.f.apply(V::load(self.src.add(i))).store(self.dst.add(i));
+                i += V::N;
+            }
+            while i < self.len {
+                self.dst.add(i).write(self.f.apply(self.src.add(i).read()));
+                i += 1;
+            }
+        }
+    }
+}
+
+struct MapBinary<F> {
+    f: F,
+    lhs: *const f32,
+    rhs: *const f32,
+    dst: *mut f32,
+    len: usize,
+}
+
+impl<F: Binary> Job for MapBinary<F> {
+    type Output = ();
+    #[inline(always)]
+    fn run<V: Lanes>(self) {
+        let mut i = 0;
+        // SAFETY: as in `MapUnary::run`, for three arrays of `len` floats.
+        unsafe {
+            while i + V::N <= self.len {
+                let (a, b) = (V::load(self.lhs.add(i)), V::load(self.rhs.add(i)));
+                self.f.apply(a, b).store(self.dst.add(i));
+                i += V::N;
+            }
+            while i < self.len {
+                self.dst.add(i).write(self.f.apply(self.lhs.add(i).read(), self.rhs.add(i).read()));
+                i += 1;
+            }
+        }
+    }
+}
+
+/// `dst[i] = f(src[i])` on `isa`; returns `dst` initialised. Panics unless the lengths agree
+/// (callers check them first and return an `Error`).
+pub(crate) fn map_unary_on<'a, F: Unary>(
+    isa: Isa,
+    f: F,
+    src: &[f32],
+    dst: &'a mut [MaybeUninit<f32>],
+) -> &'a mut [f32] {
+    assert_eq!(src.len(), dst.len(), "map_unary: lengths checked by the caller");
+    let job = MapUnary { f, src: src.as_ptr(), dst: dst.as_mut_ptr().cast::<f32>(), len: src.len() };
+    dispatch_on(isa, job);
+    // SAFETY: the job wrote all `len` elements.
+    unsafe { super::uninit::assume_init(dst) }
+}
+
+/// `dst[i] = f(lhs[i], rhs[i])` on `isa`; returns `dst` initialised. Panics unless the lengths
+/// agree (callers check them first and return an `Error`).
+pub(crate) fn map_binary_on<'a, F: Binary>(
+    isa: Isa,
+    f: F,
+    lhs: &[f32],
+    rhs: &[f32],
+    dst: &'a mut [MaybeUninit<f32>],
+) -> &'a mut [f32] {
+    assert!(lhs.len() == rhs.len() && lhs.len() == dst.len(), "map_binary: lengths checked by the caller");
+    let job =
+        MapBinary { f, lhs: lhs.as_ptr(), rhs: rhs.as_ptr(), dst: dst.as_mut_ptr().cast::<f32>(), len: lhs.len() };
+    dispatch_on(isa, job);
+    // SAFETY: the job wrote all `len` elements.
+    unsafe { super::uninit::assume_init(dst) }
+}
+
+/// `dst` viewed as possibly uninitialised memory (for the drivers above, which only write it).
+pub(crate) fn as_uninit(dst: &mut [f32]) -> &mut [MaybeUninit<f32>] {
+    // SAFETY: `MaybeUninit<f32>` has the layout of `f32`; writing initialised floats through it
+    // keeps `dst` initialised.
+    unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<MaybeUninit<f32>>(), dst.len()) }
+}
+
+/// One element through `f` on the scalar path (with FMA instructions where the CPU has them).
+#[inline]
+pub(crate) fn scalar_unary<F: Unary>(f: F, x: f32) -> f32 {
+    struct One<F>(F, f32);
+    impl<F: Unary> Job for One<F> {
+        type Output = f32;
+        #[inline(always)]
+        fn run<V: Lanes>(self) -> f32 {
+            self.0.apply(self.1)
+        }
+    }
+    run_scalar(One(f, x))
+}
+
+/// Two elements through `f` on the scalar path.
+#[inline]
+pub(crate) fn scalar_binary<F: Binary>(f: F, a: f32, b: f32) -> f32 {
+    struct Two<F>(F, f32, f32);
+    impl<F: Binary> Job for Two<F> {
+        type Output = f32;
+        #[inline(always)]
+        fn run<V: Lanes>(self) -> f32 {
+            self.0.apply(self.1, self.2)
+        }
+    }
+    run_scalar(Two(f, a, b))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The functions as elementwise ops for the drivers.
+
+macro_rules! unary_ops {
+    ($($(#[$doc:meta])* $name:ident => $f:ident;)*) => {$(
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug)]
+        pub(crate) struct $name;
+        impl Unary for $name {
+            #[inline(always)]
+            fn apply<V: Lanes>(self, x: V) -> V {
+                $f(x)
+            }
+        }
+    )*};
+}
+
+macro_rules! binary_ops {
+    ($($(#[$doc:meta])* $name:ident => $f:ident;)*) => {$(
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug)]
+        pub(crate) struct $name;
+        impl Binary for $name {
+            #[inline(always)]
+            fn apply<V: Lanes>(self, a: V, b: V) -> V {
+                $f(a, b)
+            }
+        }
+    )*};
+}
+
+unary_ops! {
+    /// [`exp`] (tests only: the kernels call it inside their own loops).
+    #[cfg_attr(not(test), allow(dead_code))]
+    Exp => exp;
+    /// [`normal_cdf`].
+    NormalCdf => normal_cdf;
+    /// [`normal_pdf`].
+    NormalPdf => normal_pdf;
+    /// [`gelu`].
+    Gelu => gelu;
+    /// [`gelu_tanh`].
+    GeluTanh => gelu_tanh;
+    /// [`tanh`].
+    Tanh => tanh;
+}
+
+binary_ops! {
+    /// [`gelu_grad`] of (input, output gradient).
+    GeluGrad => gelu_grad;
+    /// [`gelu_tanh_grad`] of (input, output gradient).
+    GeluTanhGrad => gelu_tanh_grad;
+}
+
+#[cfg(test)]
+#[path = "vecmath_tests.rs"]
+mod tests;
