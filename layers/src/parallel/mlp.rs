@@ -1,7 +1,7 @@
 //! `ParallelMlp`: Megatron's pairing of a column-split and a row-split Linear around an
 //! elementwise activation, inside one layer so the hidden activation never leaves its device.
 use conveyor_engine::collective::{Partition, Traffic};
-use conveyor_engine::cpu::activation::{gelu, gelu_grad, relu, relu_grad};
+use conveyor_engine::cpu::activation::{gelu_backward_uninit, gelu_forward_uninit, relu, relu_grad};
 use conveyor_engine::cpu::uninit;
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 use rand::rngs::StdRng;
@@ -39,7 +39,7 @@ impl MlpActivation {
                 Tensor::from_f32_init(hidden.shape().clone(), hidden.device(), |dst| uninit::map(dst, h, relu))
             }
             MlpActivation::Gelu => {
-                Tensor::from_f32_init(hidden.shape().clone(), hidden.device(), |dst| uninit::map(dst, h, gelu))
+                Tensor::from_f32_init(hidden.shape().clone(), hidden.device(), |dst| gelu_forward_uninit(h, dst))
             }
         }
     }
@@ -54,7 +54,7 @@ impl MlpActivation {
                 Tensor::from_f32_init(hidden.shape().clone(), device, |dst| uninit::map2(dst, h, da, relu_grad))
             }
             MlpActivation::Gelu => {
-                Tensor::from_f32_init(hidden.shape().clone(), device, |dst| uninit::map2(dst, h, da, gelu_grad))
+                Tensor::from_f32_init(hidden.shape().clone(), device, |dst| gelu_backward_uninit(h, da, dst))
             }
         }
     }
