@@ -1,0 +1,375 @@
+//! `TrainerBuilder::build`: checks the layout (devices, stages, schedule, ranks), moves each
+//! stage's layers onto its devices and starts one worker thread per pipeline device held here.
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crossbeam::channel;
+
+use super::super::CoreSlotPolicy;
+use super::super::core_slots::CoreSlots;
+use super::super::stage::{NodeExec, Route, Stage};
+use super::super::worker;
+use super::{REPORT_TIMEOUT, StageInfo, Trainer, TrainerBuilder, WorkerHandle};
+use crate::graph::NodeId;
+use crate::optim::Optimizer;
+use crate::transport::Transport;
+use crate::{Device, Error, Result, Tensor};
+use conveyor_schedules::Schedule;
+
+impl TrainerBuilder {
+    /// Plans the placement if one was given ([`TrainerBuilder::placement`]), checks the layout
+    /// (stages, schedule, devices), moves the layers onto their devices and starts the workers;
+    /// restores a checkpoint if [`TrainerBuilder::resume`] named one. See [`Trainer::builder`]
+    /// for an example.
+    pub fn build(mut self) -> Result<Trainer> {
+        let state = std::mem::take(&mut self.state);
+        state.check()?;
+        self.graph.validate()?;
+        self.optimizer.validate()?;
+        if self.devices.is_empty() {
+            return Err(Error::invalid("devices", "no devices given; give at least one (e.g. cpu:0)"));
+        }
+        let k = self.tensor_parallel;
+        if k == 0 || !self.devices.len().is_multiple_of(k) {
+            return Err(Error::invalid(
+                "tensor_parallel",
+                format!(
+                    "degree {k} with {} devices: the devices must be a whole number of groups of k",
+                    self.devices.len()
+                ),
+            ));
+        }
+        let groups: Vec<Vec<Device>> = self.devices.chunks(k).map(<[Device]>::to_vec).collect();
+        let (rank, world) = (self.transport.rank(), self.transport.world_size());
+        // A rank per pipeline device (a tensor-parallel group stays inside its rank, on threads),
+        // or a rank per device: rank `device * k + shard`, tensor-parallel fastest.
+        if world > 1 && world != groups.len() && world != groups.len() * k {
+            return Err(Error::WorldSize {
+                world_size: world,
+                needed: groups.len(),
+                n_devices: self.devices.len(),
+                tensor_parallel: k,
+            });
+        }
+        let ranks_per_device = if world > 1 { world / groups.len() } else { 1 };
+        let (pipeline_rank, shard) = (rank / ranks_per_device, rank % ranks_per_device);
+        let plan = self.apply_placement()?;
+        // The schedule's devices are the groups.
+        let n_devices = groups.len();
+        let schedule = Schedule::new(self.schedule, n_devices, self.n_micro_batches, self.n_chunks)?;
+        // Channels hold one message per micro-batch; prove the programs complete under that.
+        conveyor_schedules::validate(&schedule, self.n_micro_batches)?;
+        let n_stages = schedule.n_stages();
+        let layer_order: Vec<NodeId> =
+            self.graph.topological_order()?.into_iter().filter(|&id| self.graph.layer(id).is_some()).collect();
+        let stage_nodes = match self.stages.take() {
+            Some(stages) => stages,
+            None if n_stages == 1 => vec![layer_order.clone()],
+            None => {
+                return Err(Error::invalid(
+                    "stages",
+                    format!("{n_stages} stages need a placement; call .placement(...) or .stages(...)"),
+                ));
+            }
+        };
+        if stage_nodes.len() != n_stages {
+            return Err(Error::invalid(
+                "stages",
+                format!(
+                    "{} stages given but the schedule runs {n_stages} ({n_devices} devices x {} chunks)",
+                    stage_nodes.len(),
+                    self.n_chunks
+                ),
+            ));
+        }
+        let mut stage_of: HashMap<NodeId, usize> = HashMap::new();
+        for (stage_idx, nodes) in stage_nodes.iter().enumerate() {
+            if nodes.is_empty() {
+                return Err(Error::invalid("stages", format!("stage {stage_idx} has no layers")));
+            }
+            for &id in nodes {
+                if self.graph.layer(id).is_none() {
+                    return Err(Error::invalid("stages", format!("node #{} is not a layer of this graph", id.index())));
+                }
+                if stage_of.insert(id, stage_idx).is_some() {
+                    return Err(Error::invalid(
+                        "stages",
+                        format!("node `{}` is placed twice", self.graph.node(id)?.name),
+                    ));
+                }
+            }
+        }
+        if let Some(missing) = layer_order.iter().find(|id| !stage_of.contains_key(id)) {
+            return Err(Error::invalid(
+                "stages",
+                format!("node `{}` is not placed on any stage", self.graph.node(*missing)?.name),
+            ));
+        }
+        if world > 1 {
+            agree_on_stages(self.transport.as_ref(), &stage_nodes)?;
+        }
+        let output = self.graph.output()?;
+        // Checkpoint names: the unsplit tensors' names, in node order.
+        let param_order: Vec<String> = self
+            .graph
+            .node_ids()
+            .into_iter()
+            .filter_map(|id| Some((self.graph.node(id).ok()?.name.clone(), self.graph.layer(id)?)))
+            .flat_map(|(node, layer)| {
+                layer.export_parameter_shapes().into_iter().map(move |(name, _)| format!("{node}.{name}"))
+            })
+            .collect();
+        let data_inputs = self.graph.inputs();
+        // A stage's device here: its group's first, or this rank's shard's with a rank per shard.
+        let stage_devices: Vec<Device> =
+            (0..n_stages).map(|s| groups[schedule.device_of_stage(s)][shard].clone()).collect();
+        let mut stages: Vec<Stage> = Vec::with_capacity(n_stages);
+        let mut send_to: Vec<Vec<Route>> = vec![Vec::new(); n_stages];
+        let mut recv_from: Vec<Vec<Route>> = vec![Vec::new(); n_stages];
+        let mut stage_data_inputs: Vec<Vec<NodeId>> = vec![Vec::new(); n_stages];
+        for (stage_idx, nodes) in stage_nodes.iter().enumerate() {
+            for (position, &id) in nodes.iter().enumerate() {
+                for pred in self.graph.predecessors(id) {
+                    if data_inputs.contains(&pred) {
+                        if !stage_data_inputs[stage_idx].contains(&pred) {
+                            stage_data_inputs[stage_idx].push(pred);
+                        }
+                        continue;
+                    }
+                    let pred_stage = stage_of[&pred];
+                    let earlier_here = pred_stage == stage_idx && nodes[..position].contains(&pred);
+                    if pred_stage > stage_idx || (pred_stage == stage_idx && !earlier_here) {
+                        return Err(Error::invalid(
+                            "stages",
+                            format!(
+                                "node `{}` on stage {stage_idx} consumes `{}` which runs later (stage {pred_stage}); stages must follow graph order",
+                                self.graph.node(id)?.name,
+                                self.graph.node(pred)?.name
+                            ),
+                        ));
+                    }
+                    if pred_stage < stage_idx {
+                        add_route(&mut recv_from[stage_idx], pred_stage, pred);
+                        add_route(&mut send_to[pred_stage], stage_idx, pred);
+                    }
+                }
+            }
+        }
+        // Mean flops per sample of one compute op (F, B or W) over the stages, for the automatic
+        // core-slot policy; `None` when a layer cannot say.
+        let op_flops_per_sample: Option<f64> = stage_nodes
+            .iter()
+            .map(|nodes| {
+                nodes.iter().try_fold(0.0, |sum, &id| {
+                    let cost = self.graph.cost(id).ok()?;
+                    let flops = cost.forward_flops_per_sample
+                        + cost.backward_input_flops_per_sample
+                        + cost.backward_weight_flops_per_sample;
+                    Some(sum + flops as f64 / 3.0)
+                })
+            })
+            .sum::<Option<f64>>()
+            .map(|total| total / n_stages as f64);
+        // Another rank's stages: what the coordinator needs to route their messages, nothing more.
+        // Their layers (built here as on that rank, so every rank draws the same initial values)
+        // are dropped without touching that rank's devices.
+        let mut stage_info = Vec::with_capacity(n_stages);
+        for (stage_idx, nodes) in stage_nodes.iter().enumerate() {
+            if world > 1 && schedule.device_of_stage(stage_idx) != pipeline_rank {
+                nodes.iter().for_each(|&id| drop(self.graph.take_layer(id)));
+                stage_info.push(StageInfo {
+                    stage_idx,
+                    data_inputs: std::mem::take(&mut stage_data_inputs[stage_idx]),
+                    send_to: send_to[stage_idx].iter().map(|r| r.peer_stage_idx).collect(),
+                    holds_output: nodes.contains(&output),
+                });
+                continue;
+            }
+            let device = &stage_devices[stage_idx];
+            let group = &groups[schedule.device_of_stage(stage_idx)];
+            let mut execs = Vec::with_capacity(nodes.len());
+            let mut n_params = 0;
+            for &id in nodes {
+                let mut layer = self.graph.take_layer(id).expect("checked above");
+                if let Some(&(_, keep)) = self.derived_caches.iter().find(|(node, _)| *node == id) {
+                    layer.set_derived_cache(keep);
+                }
+                layer.to_device(device)?;
+                if ranks_per_device > 1
+                    && let Some(p) = layer.parameters().iter().find(|p| !p.value.device().same_device(device))
+                {
+                    return Err(Error::invalid(
+                        "stages",
+                        format!(
+                            "node `{}` on stage {stage_idx} holds `{}` on {}, but with a rank per tensor-parallel \
+                             shard rank {rank} holds only {device}'s shard; build split layers with \
+                             Shards::Rank (conveyor::pipeline does)",
+                            self.graph.node(id)?.name,
+                            p.name,
+                            p.value.device(),
+                        ),
+                    ));
+                }
+                if let Some(p) =
+                    layer.parameters().iter().find(|p| !group.iter().any(|d| d.same_device(p.value.device())))
+                {
+                    return Err(Error::invalid(
+                        "stages",
+                        format!(
+                            "node `{}` on stage {stage_idx} holds `{}` on {}, outside the stage's devices [{}]; build split layers on their stage's group",
+                            self.graph.node(id)?.name,
+                            p.name,
+                            p.value.device(),
+                            group.iter().map(Device::to_string).collect::<Vec<_>>().join(", ")
+                        ),
+                    ));
+                }
+                // Gradients live beside their parameters: on the shard's device for split layers.
+                let grads = layer
+                    .parameters()
+                    .iter()
+                    .map(|p| Tensor::zeros(p.value.shape().clone(), p.value.dtype(), p.value.device()))
+                    .collect::<Result<Vec<_>>>()?;
+                n_params += grads.len();
+                execs.push(NodeExec {
+                    id,
+                    name: self.graph.node(id)?.name.clone(),
+                    inputs: self.graph.predecessors(id),
+                    layer,
+                    grads,
+                });
+            }
+            let recompute = self.recompute.get(stage_idx).or(self.recompute.last()).copied().unwrap_or_default();
+            let mut stage = Stage::new(
+                stage_idx,
+                device.clone(),
+                execs,
+                std::mem::take(&mut stage_data_inputs[stage_idx]),
+                std::mem::take(&mut recv_from[stage_idx]),
+                std::mem::take(&mut send_to[stage_idx]),
+                stage_nodes[stage_idx].contains(&output).then_some(output),
+                recompute,
+                Optimizer::new(self.optimizer, n_params)?,
+                self.commit_snapshot.as_ref().and_then(|keep| keep.get(stage_idx).copied()).unwrap_or(true),
+            );
+            // The other shards' ranks hold copies of the unsplit layers: counted once, on shard 0.
+            stage.counts_unsplit = shard == 0;
+            stages.push(stage);
+        }
+        let mut per_device: Vec<Vec<Stage>> = (0..n_devices).map(|_| Vec::new()).collect();
+        for stage in stages {
+            per_device[schedule.device_of_stage(stage.stage_idx)].push(stage);
+        }
+        for stages in &per_device {
+            for s in stages {
+                stage_info.push(StageInfo {
+                    stage_idx: s.stage_idx,
+                    data_inputs: s.data_inputs.clone(),
+                    send_to: s.send_to.iter().map(|r| r.peer_stage_idx).collect(),
+                    holds_output: s.output_node.is_some(),
+                });
+            }
+        }
+        stage_info.sort_by_key(|s| s.stage_idx);
+        let n_slots = match self.core_slots {
+            CoreSlotPolicy::Slots(n) => Some(n.max(1)),
+            CoreSlotPolicy::Off => None,
+            CoreSlotPolicy::Auto => {
+                let cores = std::thread::available_parallelism().map_or(1, usize::from);
+                let all_cpu = groups.iter().all(|g| matches!(g[0], Device::Cpu(_)));
+                (k == 1 && all_cpu && world == 1 && n_devices > cores).then_some(cores)
+            }
+        };
+        let slots = n_slots.map(|n| Arc::new(CoreSlots::new(n, n_devices)));
+        let auto_slots_op_flops = match self.core_slots {
+            CoreSlotPolicy::Auto => op_flops_per_sample,
+            _ => None,
+        };
+        let mut workers = Vec::with_capacity(n_devices);
+        // Workers report op spans to the subscriber of the thread that built the trainer.
+        let dispatch = tracing::dispatcher::get_default(|d| d.clone());
+        for (device_idx, stages) in per_device.into_iter().enumerate() {
+            if world > 1 && device_idx != pipeline_rank {
+                // Another rank's pipeline device: that rank holds its stages.
+                workers.push(None);
+                continue;
+            }
+            let (tx, rx) = channel::unbounded();
+            let loss = Arc::clone(&self.loss);
+            let dispatch = dispatch.clone();
+            let slots = slots.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("conveyor-{}", groups[device_idx][0]))
+                .spawn(move || {
+                    tracing::dispatcher::with_default(&dispatch, || worker::run(device_idx, stages, loss, rx, slots))
+                })
+                .map_err(|e| Error::invalid("worker thread", format!("could not start: {e}")))?;
+            workers.push(Some(WorkerHandle { commands: tx, thread: Some(handle) }));
+        }
+        state.apply(Trainer {
+            workers,
+            transport: self.transport,
+            round: 0,
+            devices: self.devices,
+            tensor_parallel: k,
+            ranks_per_device,
+            shard,
+            stage_devices: Arc::new(stage_devices),
+            stage_workers: Arc::new((0..schedule.n_stages()).map(|s| schedule.device_of_stage(s)).collect()),
+            stage_info,
+            schedule,
+            seed: self.seed,
+            max_grad_norm: self.max_grad_norm,
+            core_slots: n_slots,
+            slots,
+            auto_slots_op_flops,
+            step_idx: 0,
+            fault: None,
+            stall: None,
+            poisoned: None,
+            graph: self.graph,
+            param_order,
+            plan,
+            loss: self.loss,
+            metadata: Default::default(),
+        })
+    }
+}
+
+/// Seconds since the Unix epoch on this machine's clock.
+pub(super) fn wall_clock_s() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Refuses a build whose ranks chose different stages (a placement from measured times differs
+/// from process to process): every rank must run the same split.
+fn agree_on_stages(transport: &dyn Transport, stage_nodes: &[Vec<NodeId>]) -> Result<()> {
+    let mine: Vec<u8> = stage_nodes
+        .iter()
+        .flat_map(|nodes| nodes.iter().map(|id| id.index() as u64).chain([u64::MAX]))
+        .flat_map(u64::to_le_bytes)
+        .collect();
+    let all = transport.all_gather(mine.clone(), REPORT_TIMEOUT)?;
+    match all.iter().position(|theirs| *theirs != mine) {
+        None => Ok(()),
+        Some(other) => Err(Error::invalid(
+            "stages",
+            format!(
+                "rank {} and rank {other} placed the layers on different stages; give every rank the same \
+                 placement (a placement file, or planning by estimated costs rather than measured ones)",
+                transport.rank()
+            ),
+        )),
+    }
+}
+
+fn add_route(routes: &mut Vec<Route>, peer_stage_idx: usize, node: NodeId) {
+    match routes.iter_mut().find(|r| r.peer_stage_idx == peer_stage_idx) {
+        Some(route) => {
+            if !route.nodes.contains(&node) {
+                route.nodes.push(node);
+            }
+        }
+        None => routes.push(Route { peer_stage_idx, nodes: vec![node] }),
+    }
+}
