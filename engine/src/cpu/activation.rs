@@ -59,45 +59,45 @@ pub fn relu_backward(output: &[f32], grad_output: &[f32], input_grad: &mut [f32]
 /// far in the lower tail (≤ 4e-7 relative on [-10, 10]; see `cpu::vecmath`).
 #[inline]
 pub fn normal_cdf(x: f32) -> f32 {
-    vecmath::scalar_unary(vecmath::NormalCdf, x)
+    vecmath::scalar_unary(vecmath::NormalCdfKernel, x)
 }
 
 /// The standard normal density `φ(x) = e^{-x²/2}/√(2π)` in f32.
 #[inline]
 pub fn normal_pdf(x: f32) -> f32 {
-    vecmath::scalar_unary(vecmath::NormalPdf, x)
+    vecmath::scalar_unary(vecmath::NormalPdfKernel, x)
 }
 
 /// `x · Φ(x)` (exact GELU) for one element: the same bits as [`gelu_forward`] gives it.
 #[inline]
 pub fn gelu(x: f32) -> f32 {
-    vecmath::scalar_unary(vecmath::Gelu, x)
+    vecmath::scalar_unary(vecmath::GeluKernel, x)
 }
 
 /// GELU's input gradient from its input `x` and the output gradient `dy`:
 /// `dy · (Φ(x) + x·φ(x))` with `φ(x) = exp(-x²/2) / √(2π)`; the same bits as [`gelu_backward`].
 #[inline]
 pub fn gelu_grad(x: f32, dy: f32) -> f32 {
-    vecmath::scalar_binary(vecmath::GeluGrad, x, dy)
+    vecmath::scalar_binary(vecmath::GeluGradKernel, x, dy)
 }
 
 /// PyTorch's `GELU(approximate='tanh')`, `x/2 · (1 + tanh(√(2/π)(x + 0.044715x³)))`, for one
 /// element (evaluated as `x / (1 + e^{-2u})`, which does not cancel for negative `x`).
 #[inline]
 pub fn gelu_tanh(x: f32) -> f32 {
-    vecmath::scalar_unary(vecmath::GeluTanh, x)
+    vecmath::scalar_unary(vecmath::GeluTanhKernel, x)
 }
 
 /// The tanh-approximate GELU's input gradient from its input `x` and output gradient `dy`.
 #[inline]
 pub fn gelu_tanh_grad(x: f32, dy: f32) -> f32 {
-    vecmath::scalar_binary(vecmath::GeluTanhGrad, x, dy)
+    vecmath::scalar_binary(vecmath::GeluTanhGradKernel, x, dy)
 }
 
 /// `tanh(x)` (f32, ≤ 2e-7 relative), the same bits as [`tanh_forward`] gives it.
 #[inline]
 pub fn tanh(x: f32) -> f32 {
-    vecmath::scalar_unary(vecmath::Tanh, x)
+    vecmath::scalar_unary(vecmath::TanhKernel, x)
 }
 
 /// tanh's input gradient from its output `y` and the output gradient `dy`: `dy · (1 - y²)`.
@@ -114,7 +114,7 @@ pub fn gelu_forward(input: &[f32], output: &mut [f32]) -> Result<()> {
 /// [`gelu_forward`] into an uninitialised output, which it returns initialised.
 pub fn gelu_forward_uninit<'a>(input: &[f32], output: &'a mut [MaybeUninit<f32>]) -> Result<&'a mut [f32]> {
     check_len("gelu", "output", input.len(), output.len())?;
-    Ok(vecmath::map_unary_on(Isa::detect(), vecmath::Gelu, input, output))
+    Ok(vecmath::map_unary_on(Isa::detect(), vecmath::GeluKernel, input, output))
 }
 
 /// `input_grad = grad_output · (Φ(x) + x·φ(x))` with `φ(x) = exp(-x²/2) / √(2π)`, vectorised.
@@ -130,7 +130,7 @@ pub fn gelu_backward_uninit<'a>(
 ) -> Result<&'a mut [f32]> {
     check_len("gelu_backward", "grad_output", input.len(), grad_output.len())?;
     check_len("gelu_backward", "input_grad", input.len(), input_grad.len())?;
-    Ok(vecmath::map_binary_on(Isa::detect(), vecmath::GeluGrad, input, grad_output, input_grad))
+    Ok(vecmath::map_binary_on(Isa::detect(), vecmath::GeluGradKernel, input, grad_output, input_grad))
 }
 
 /// The tanh-approximate GELU ([`gelu_tanh`]) of every element, vectorised.
@@ -141,7 +141,7 @@ pub fn gelu_tanh_forward(input: &[f32], output: &mut [f32]) -> Result<()> {
 /// [`gelu_tanh_forward`] into an uninitialised output, which it returns initialised.
 pub fn gelu_tanh_forward_uninit<'a>(input: &[f32], output: &'a mut [MaybeUninit<f32>]) -> Result<&'a mut [f32]> {
     check_len("gelu_tanh", "output", input.len(), output.len())?;
-    Ok(vecmath::map_unary_on(Isa::detect(), vecmath::GeluTanh, input, output))
+    Ok(vecmath::map_unary_on(Isa::detect(), vecmath::GeluTanhKernel, input, output))
 }
 
 /// The tanh-approximate GELU's input gradient ([`gelu_tanh_grad`]) from its input, vectorised.
@@ -157,7 +157,7 @@ pub fn gelu_tanh_backward_uninit<'a>(
 ) -> Result<&'a mut [f32]> {
     check_len("gelu_tanh_backward", "grad_output", input.len(), grad_output.len())?;
     check_len("gelu_tanh_backward", "input_grad", input.len(), input_grad.len())?;
-    Ok(vecmath::map_binary_on(Isa::detect(), vecmath::GeluTanhGrad, input, grad_output, input_grad))
+    Ok(vecmath::map_binary_on(Isa::detect(), vecmath::GeluTanhGradKernel, input, grad_output, input_grad))
 }
 
 /// `output = tanh(input)`, vectorised.
@@ -168,7 +168,7 @@ pub fn tanh_forward(input: &[f32], output: &mut [f32]) -> Result<()> {
 /// [`tanh_forward`] into an uninitialised output, which it returns initialised.
 pub fn tanh_forward_uninit<'a>(input: &[f32], output: &'a mut [MaybeUninit<f32>]) -> Result<&'a mut [f32]> {
     check_len("tanh", "output", input.len(), output.len())?;
-    Ok(vecmath::map_unary_on(Isa::detect(), vecmath::Tanh, input, output))
+    Ok(vecmath::map_unary_on(Isa::detect(), vecmath::TanhKernel, input, output))
 }
 
 /// `input_grad = grad_output · (1 - output²)`.

@@ -759,24 +759,24 @@ macro_rules! binary_ops {
 unary_ops! {
     /// [`exp`] (tests only: the kernels call it inside their own loops).
     #[cfg_attr(not(test), allow(dead_code))]
-    Exp => exp;
+    ExpKernel => exp;
     /// [`normal_cdf`].
-    NormalCdf => normal_cdf;
+    NormalCdfKernel => normal_cdf;
     /// [`normal_pdf`].
-    NormalPdf => normal_pdf;
+    NormalPdfKernel => normal_pdf;
     /// [`gelu`].
-    Gelu => gelu;
+    GeluKernel => gelu;
     /// [`gelu_tanh`].
-    GeluTanh => gelu_tanh;
+    GeluTanhKernel => gelu_tanh;
     /// [`tanh`].
-    Tanh => tanh;
+    TanhKernel => tanh;
 }
 
 binary_ops! {
     /// [`gelu_grad`] of (input, output gradient).
-    GeluGrad => gelu_grad;
+    GeluGradKernel => gelu_grad;
     /// [`gelu_tanh_grad`] of (input, output gradient).
-    GeluTanhGrad => gelu_tanh_grad;
+    GeluTanhGradKernel => gelu_tanh_grad;
 }
 
 #[cfg(test)]

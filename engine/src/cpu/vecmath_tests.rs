@@ -71,17 +71,17 @@ fn assert_isas_agree(name: &str, results: impl Fn(Isa) -> Vec<f32>, xs: &[f32]) 
 fn every_isa_gives_the_scalar_bits() {
     let xs = inputs();
     let dys: Vec<f32> = xs.iter().enumerate().map(|(i, _)| [1.0, -0.75, 3.5, f32::NAN, 0.0][i % 5]).collect();
-    assert_isas_agree("exp", |isa| run_unary(isa, Exp, &xs), &xs);
-    assert_isas_agree("normal_cdf", |isa| run_unary(isa, NormalCdf, &xs), &xs);
-    assert_isas_agree("normal_pdf", |isa| run_unary(isa, NormalPdf, &xs), &xs);
-    assert_isas_agree("gelu", |isa| run_unary(isa, Gelu, &xs), &xs);
-    assert_isas_agree("gelu_tanh", |isa| run_unary(isa, GeluTanh, &xs), &xs);
-    assert_isas_agree("tanh", |isa| run_unary(isa, Tanh, &xs), &xs);
-    assert_isas_agree("gelu_grad", |isa| run_binary(isa, GeluGrad, &xs, &dys), &xs);
-    assert_isas_agree("gelu_tanh_grad", |isa| run_binary(isa, GeluTanhGrad, &xs, &dys), &xs);
+    assert_isas_agree("exp", |isa| run_unary(isa, ExpKernel, &xs), &xs);
+    assert_isas_agree("normal_cdf", |isa| run_unary(isa, NormalCdfKernel, &xs), &xs);
+    assert_isas_agree("normal_pdf", |isa| run_unary(isa, NormalPdfKernel, &xs), &xs);
+    assert_isas_agree("gelu", |isa| run_unary(isa, GeluKernel, &xs), &xs);
+    assert_isas_agree("gelu_tanh", |isa| run_unary(isa, GeluTanhKernel, &xs), &xs);
+    assert_isas_agree("tanh", |isa| run_unary(isa, TanhKernel, &xs), &xs);
+    assert_isas_agree("gelu_grad", |isa| run_binary(isa, GeluGradKernel, &xs, &dys), &xs);
+    assert_isas_agree("gelu_tanh_grad", |isa| run_binary(isa, GeluTanhGradKernel, &xs, &dys), &xs);
     // The one-element entry points are the scalar path too.
     for &x in &xs {
-        assert!(same_bits(scalar_unary(Gelu, x), gelu(x)));
+        assert!(same_bits(scalar_unary(GeluKernel, x), gelu(x)));
     }
 }
 
@@ -147,20 +147,20 @@ fn grid(lo: f32, hi: f32, n: usize) -> Vec<f32> {
 fn functions_are_within_their_bounds_of_f64_references() {
     let isa = Isa::detect();
     let xs = grid(-87.0, 88.0, 100_000);
-    let (err, at) = max_relative(&xs, &run_unary(isa, Exp, &xs), f64::exp, 0.0);
+    let (err, at) = max_relative(&xs, &run_unary(isa, ExpKernel, &xs), f64::exp, 0.0);
     assert!(err < 2.5e-7, "exp: {err:e} at {at}");
 
     let xs = grid(-10.0, 10.0, 100_000);
-    let (err, at) = max_relative(&xs, &run_unary(isa, NormalCdf, &xs), cdf_reference, 0.0);
+    let (err, at) = max_relative(&xs, &run_unary(isa, NormalCdfKernel, &xs), cdf_reference, 0.0);
     assert!(err < 1e-6, "normal_cdf: {err:e} at {at}");
-    let (err, at) = max_relative(&xs, &run_unary(isa, NormalPdf, &xs), pdf_reference, 0.0);
+    let (err, at) = max_relative(&xs, &run_unary(isa, NormalPdfKernel, &xs), pdf_reference, 0.0);
     assert!(err < 5e-7, "normal_pdf: {err:e} at {at}");
-    let (err, at) = max_relative(&xs, &run_unary(isa, Gelu, &xs), |x| x * cdf_reference(x), 0.0);
+    let (err, at) = max_relative(&xs, &run_unary(isa, GeluKernel, &xs), |x| x * cdf_reference(x), 0.0);
     assert!(err < 1e-6, "gelu: {err:e} at {at}");
     // The derivative Φ + xφ crosses zero near x = -0.75, so its error is measured against the
     // size of its terms, Φ + |x|φ.
     let ones = vec![1.0; xs.len()];
-    let got = run_binary(isa, GeluGrad, &xs, &ones);
+    let got = run_binary(isa, GeluGradKernel, &xs, &ones);
     let (mut err, mut at) = (0.0f64, 0.0f32);
     for (&x, &g) in xs.iter().zip(&got) {
         let (c, d) = (cdf_reference(x as f64), x as f64 * pdf_reference(x as f64));
@@ -173,10 +173,10 @@ fn functions_are_within_their_bounds_of_f64_references() {
     assert!(err < 1e-6, "gelu_grad: {err:e} at {at}");
 
     let xs = grid(-12.0, 12.0, 100_000);
-    let (err, at) = max_relative(&xs, &run_unary(isa, Tanh, &xs), f64::tanh, 0.0);
+    let (err, at) = max_relative(&xs, &run_unary(isa, TanhKernel, &xs), f64::tanh, 0.0);
     assert!(err < 4e-7, "tanh: {err:e} at {at}");
     let tiny = grid(-1e-3, 1e-3, 1000);
-    let (err, at) = max_relative(&tiny, &run_unary(isa, Tanh, &tiny), f64::tanh, 0.0);
+    let (err, at) = max_relative(&tiny, &run_unary(isa, TanhKernel, &tiny), f64::tanh, 0.0);
     assert!(err < 2.5e-7, "tanh near 0: {err:e} at {at}");
 
     // The tanh approximation is conditioned by 2|u| (u = √(2/π)(x + 0.044715x³)): within 1e-6
@@ -186,10 +186,10 @@ fn functions_are_within_their_bounds_of_f64_references() {
         0.5 * x * (1.0 + u.tanh())
     };
     let xs = grid(-3.0, 3.0, 60_000);
-    let (err, at) = max_relative(&xs, &run_unary(isa, GeluTanh, &xs), tanh_approx, 0.0);
+    let (err, at) = max_relative(&xs, &run_unary(isa, GeluTanhKernel, &xs), tanh_approx, 0.0);
     assert!(err < 1e-6, "gelu_tanh: {err:e} at {at}");
     let xs = grid(-6.0, 10.0, 60_000);
-    let (err, at) = max_relative(&xs, &run_unary(isa, GeluTanh, &xs), tanh_approx, 0.0);
+    let (err, at) = max_relative(&xs, &run_unary(isa, GeluTanhKernel, &xs), tanh_approx, 0.0);
     assert!(err < 1e-5, "gelu_tanh: {err:e} at {at}");
 }
 
@@ -197,12 +197,12 @@ fn functions_are_within_their_bounds_of_f64_references() {
 fn edges_follow_ieee_and_torch() {
     let isa = Isa::detect();
     let xs = [f32::NEG_INFINITY, f32::INFINITY, -0.0, 0.0, f32::NAN];
-    assert_eq!(run_unary(isa, Exp, &xs)[..4], [0.0, f32::INFINITY, 1.0, 1.0]);
-    assert_eq!(run_unary(isa, NormalCdf, &xs)[..4], [0.0, 1.0, 0.5, 0.5]);
-    let t = run_unary(isa, Tanh, &xs);
+    assert_eq!(run_unary(isa, ExpKernel, &xs)[..4], [0.0, f32::INFINITY, 1.0, 1.0]);
+    assert_eq!(run_unary(isa, NormalCdfKernel, &xs)[..4], [0.0, 1.0, 0.5, 0.5]);
+    let t = run_unary(isa, TanhKernel, &xs);
     assert_eq!(t[..4], [-1.0, 1.0, -0.0, 0.0]);
     assert!(t[2].is_sign_negative() && t[3].is_sign_positive());
-    let g = run_unary(isa, Gelu, &xs);
+    let g = run_unary(isa, GeluKernel, &xs);
     assert!(g[0].is_nan() && g[1] == f32::INFINITY && g[2] == 0.0 && g[2].is_sign_negative());
     for f in [exp::<f32>, normal_cdf, normal_pdf, gelu, gelu_tanh, tanh] {
         assert!(f(f32::NAN).is_nan());
