@@ -2,6 +2,7 @@
 //! gradient by the same on the output gradient with flipped kernels (stride 1) or a product and
 //! col2im (larger strides), with PyTorch's names, layout and default initialisation.
 use conveyor_engine::cpu::conv::{Im2col, col2im, flip_kernels};
+use conveyor_engine::cpu::conv_weight::conv2d_weight_grad;
 use conveyor_engine::cpu::elementwise::accumulate_row_sums;
 use conveyor_engine::cpu::{MatRef, Window2d, matmul, matmul_uninit, uninit};
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
@@ -299,25 +300,11 @@ impl Layer for Conv2d {
         check_grad_shape("Conv2d", grad_output, &Shape::new(self.output_dims(batch, &window)))?;
         let grad = values(grad_output);
         let x = values(input);
-        let (col_rows, out_plane) = (window.col_rows(), window.out_plane_len());
+        let out_plane = window.out_plane_len();
         let (weight_grad, bias_grad) = param_grads.split_at_mut(1);
-        let mut col = if window.is_pointwise() { Vec::new() } else { vec![0.0; col_rows * out_plane] };
-        let mut scratch = Im2col::new(&window);
-        accumulate_into(&mut weight_grad[0], |dst| {
-            for (x_sample, dy_sample) in
-                x.chunks_exact(window.input_len()).zip(grad.chunks_exact(self.out_channels * out_plane))
-            {
-                let col_view = if window.is_pointwise() {
-                    MatRef::row_major(x_sample, col_rows, out_plane)?
-                } else {
-                    scratch.run(x_sample, &mut col)?;
-                    MatRef::row_major(&col, col_rows, out_plane)?
-                };
-                // dweight [out, in·kh·kw] += dy [out, out_plane] · colᵀ [out_plane, in·kh·kw]
-                matmul(dst, MatRef::row_major(dy_sample, self.out_channels, out_plane)?, col_view.t(), true)?;
-            }
-            Ok(())
-        })?;
+        // dweight [out, in·kh·kw] += Σ_samples dy [out, out_plane] · im2col(x)ᵀ, by the
+        // small-output kernel over the whole batch.
+        accumulate_into(&mut weight_grad[0], |dst| conv2d_weight_grad(&x, &grad, &window, self.out_channels, dst))?;
         if let Some(bias_grad) = bias_grad.first_mut() {
             accumulate_into(bias_grad, |dst| {
                 for dy_sample in grad.chunks_exact(self.out_channels * out_plane) {
