@@ -243,8 +243,11 @@ impl Layer for Conv2d {
         let (col_rows, out_plane) = (window.col_rows(), window.out_plane_len());
         let weight_t = MatRef::row_major(&weight, self.out_channels, col_rows)?.t();
         let sample_grads = grad.chunks_exact(self.out_channels * out_plane);
+        // The gather form copies out·kh·kw rows per sample where col2im adds in·kh·kw rows, and
+        // its product has `in` rows (a one-row product is slow): take it when `in >= out / 2`.
         let grad_input = if let Some(gather) = window.input_grad_window(self.out_channels)
             && !window.is_pointwise()
+            && 2 * self.in_channels >= self.out_channels
         {
             // Gather form (stride 1): dx = flipped kernels [in, out·kh·kw] · im2col(dy), which
             // writes every element of each sample: no zero-fill, no scatter.

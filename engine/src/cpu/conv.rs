@@ -6,7 +6,7 @@
 //! The col matrix is row-major with row `(channel, kernel_row, kernel_col)` and column
 //! `(out_row, out_col)`, matching PyTorch's weight layout `[out_ch, in_ch, kh, kw]` flattened.
 use super::window::{Window2d, check_len};
-use crate::Result;
+use crate::{Error, Result};
 
 /// im2col through a zero-bordered copy of each sample: the sample's planes are copied once into a
 /// scratch whose border stays zero, then every col row is a sequence of branch-free row copies
@@ -37,10 +37,25 @@ impl Im2col {
     /// (`col_rows x out_h*out_w`), every element; padded positions become zero.
     pub fn run(&mut self, input: &[f32], col: &mut [f32]) -> Result<()> {
         let w = self.window;
-        check_len("im2col", "input", w.input_len(), input.len())?;
         check_len("im2col", "col", w.col_rows() * w.out_plane_len(), col.len())?;
+        self.run_strided(input, col, w.out_plane_len())
+    }
+
+    /// Like [`Im2col::run`], with col row `r` at `col[r * row_stride..][..out_h*out_w]` (so that
+    /// several samples' rows can sit side by side); elements between rows are left alone.
+    pub fn run_strided(&mut self, input: &[f32], col: &mut [f32], row_stride: usize) -> Result<()> {
+        let w = self.window;
+        let plane = w.out_plane_len();
+        check_len("im2col", "input", w.input_len(), input.len())?;
+        if row_stride < plane || col.len() < (w.col_rows().max(1) - 1) * row_stride + plane {
+            return Err(Error::shape(
+                "im2col",
+                format!("{} rows of {plane} elements {row_stride} apart", w.col_rows()),
+                format!("{} elements", col.len()),
+            ));
+        }
         if self.padded.is_empty() {
-            gather_rows(input, (w.in_height, w.in_width), &w, col);
+            gather_rows(input, (w.in_height, w.in_width), &w, col, row_stride);
             return Ok(());
         }
         let (padded_height, padded_width) = padded_dims(&w);
@@ -51,7 +66,7 @@ impl Im2col {
                 dst[start..start + w.in_width].copy_from_slice(src_row);
             }
         }
-        gather_rows(&self.padded, (padded_height, padded_width), &w, col);
+        gather_rows(&self.padded, (padded_height, padded_width), &w, col, row_stride);
         Ok(())
     }
 }
@@ -67,15 +82,16 @@ fn padded_len(w: &Window2d) -> usize {
 
 /// im2col from planes `src` of `src_height x src_width` that already hold the padding: every
 /// window position is inside `src`, so each col row is plain copies (no bounds cases).
-fn gather_rows(src: &[f32], (src_height, src_width): (usize, usize), w: &Window2d, col: &mut [f32]) {
+fn gather_rows(src: &[f32], (src_height, src_width): (usize, usize), w: &Window2d, col: &mut [f32], row_stride: usize) {
     let (out_h, out_w) = (w.out_height(), w.out_width());
     let src_plane = src_height * src_width;
     let row_step = w.stride_height * src_width;
-    let mut rows = col.chunks_exact_mut(out_h * out_w);
+    let mut row = 0;
     for plane in src.chunks_exact(src_plane) {
         for kernel_row in 0..w.kernel_height {
             for kernel_col in 0..w.kernel_width {
-                let dst = rows.next().expect("col holds col_rows rows, checked by the caller");
+                let dst = &mut col[row * row_stride..row * row_stride + out_h * out_w];
+                row += 1;
                 let start = kernel_row * src_width + kernel_col;
                 if w.stride_width == 1 {
                     match out_w {

@@ -5,13 +5,14 @@
 //! Why: the output is tiny (8x72 for the zoo's 8→8 3x3 convolution) and the reduction long (every
 //! pixel of every sample), a shape general GEMMs handle badly (measured 20–29 GFLOP/s per sample,
 //! 10 GFLOP/s on 32x32 planes where `colᵀ` is a strided operand). Here both operands are read along
-//! their contiguous pixel axis: a 4x4 tile of `dweight` is held as 16 accumulators of 16 lanes
-//! while the kernel streams the pixels of a chunk of samples (their im2col built once per chunk),
-//! then each accumulator's lanes are summed in a fixed order and added to `dweight`.
+//! their contiguous pixel axis: a chunk of samples gets its im2col and output gradient laid out as
+//! rows over all of its pixels, then a 4x4 tile of `dweight` is held as 16 accumulators of 16 lanes
+//! while the kernel streams those rows, and each accumulator's lanes are summed in a fixed order
+//! and added to `dweight`.
 //!
-//! Determinism: lane `l` of an accumulator sums, with fused multiply-adds in pixel order, the
-//! pixels `p ≡ l (mod 16)` of each sample in turn (a last partial block of 16 is zero-padded); the
-//! chunk size depends only on the shapes. The same code is compiled for AVX-512, AVX2 and plain
+//! Determinism: lane `l` of an accumulator sums, with fused multiply-adds in order, the positions
+//! `p ≡ l (mod 16)` of a chunk's pixels (its samples' pixels one after another; a last partial
+//! block of 16 is zero-padded); the chunk size depends only on the shapes. The same code is compiled for AVX-512, AVX2 and plain
 //! x86-64 (where `f32::mul_add` is a software FMA) and every lane rounds like the scalar code, so
 //! the result does not depend on the CPU features found, nor on threads (there are none).
 use super::conv::Im2col;
@@ -52,24 +53,30 @@ pub fn conv2d_weight_grad(
     if batch == 0 || out_channels == 0 {
         return Ok(());
     }
+    // A chunk's im2col is laid out `[col_rows, samples · out_plane]` (each sample's rows side by
+    // side) and its output gradient `[out_channels, samples · out_plane]`, so every tile streams
+    // rows of the whole chunk.
     let sample_col = col_rows * out_plane;
     let chunk = (CHUNK_FLOATS / sample_col).clamp(1, batch);
     let mut scratch = Im2col::new(window);
-    let mut col = if window.is_pointwise() { Vec::new() } else { vec![0.0; chunk * sample_col] };
+    let mut col = vec![0.0; chunk * sample_col];
+    let mut dy_rows = vec![0.0; chunk * out_channels * out_plane];
     let dy_sample = out_channels * out_plane;
     for first in (0..batch).step_by(chunk) {
         let samples = chunk.min(batch - first);
+        let row_len = samples * out_plane;
         let x_chunk = &x[first * input_len..(first + samples) * input_len];
-        let b = if window.is_pointwise() {
-            x_chunk
-        } else {
-            for (x_sample, col_sample) in x_chunk.chunks_exact(input_len).zip(col.chunks_exact_mut(sample_col)) {
-                scratch.run(x_sample, col_sample)?;
+        for (s, x_sample) in x_chunk.chunks_exact(input_len).enumerate() {
+            scratch.run_strided(x_sample, &mut col[s * out_plane..], row_len)?;
+        }
+        let dy_chunk = &dy[first * dy_sample..(first + samples) * dy_sample];
+        for (s, dy_s) in dy_chunk.chunks_exact(dy_sample).enumerate() {
+            for (o, src) in dy_s.chunks_exact(out_plane).enumerate() {
+                dy_rows[o * row_len + s * out_plane..][..out_plane].copy_from_slice(src);
             }
-            &col[..samples * sample_col]
-        };
-        let a = &dy[first * dy_sample..(first + samples) * dy_sample];
-        accumulate_abt(dweight, a, b, Dims { samples, m: out_channels, n: col_rows, k: out_plane });
+        }
+        let dims = Dims { samples: 1, m: out_channels, n: col_rows, k: row_len };
+        accumulate_abt(dweight, &dy_rows[..out_channels * row_len], &col[..col_rows * row_len], dims);
     }
     Ok(())
 }
