@@ -40,7 +40,7 @@ pub fn conv2d_weight_grad(
 ) -> Result<()> {
     let (col_rows, out_plane) = (window.col_rows(), window.out_plane_len());
     let input_len = window.input_len();
-    if input_len == 0 || x.len() % input_len != 0 {
+    if input_len == 0 || !x.len().is_multiple_of(input_len) {
         return Err(Error::shape(
             "conv2d_weight_grad",
             format!("a whole number of samples of {input_len} elements"),
