@@ -1,6 +1,8 @@
 //! `Conv2d`: 2-D convolution over NCHW inputs by im2col + one matrix product per sample, its input
-//! gradient by a product and col2im, with PyTorch's names, layout and default initialisation.
-use conveyor_engine::cpu::conv::{col2im, im2col};
+//! gradient by the same on the output gradient with flipped kernels (stride 1) or a product and
+//! col2im (larger strides), with PyTorch's names, layout and default initialisation.
+use conveyor_engine::cpu::conv::{Im2col, col2im, flip_kernels};
+use conveyor_engine::cpu::conv_weight::conv2d_weight_grad;
 use conveyor_engine::cpu::elementwise::accumulate_row_sums;
 use conveyor_engine::cpu::{MatRef, Window2d, matmul, matmul_uninit, uninit};
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
@@ -35,9 +37,12 @@ impl Default for Conv2dOptions {
 /// `[out_channels]` when enabled; both default to U(±1/sqrt(in_channels·kh·kw)).
 ///
 /// Per sample the forward pass is `y = weight [out, in·kh·kw] · im2col(x) [in·kh·kw, H_out·W_out]`;
-/// the input gradient is `col2im(weightᵀ · dy)` and the weight gradient `dy · im2col(x)ᵀ`, the
-/// col matrix being recomputed rather than saved (it is kh·kw times the input). A 1x1 kernel with
-/// stride 1 and no padding multiplies the input directly.
+/// the weight gradient is `dy · im2col(x)ᵀ`, the col matrix being recomputed rather than saved (it
+/// is kh·kw times the input). The input gradient is, for stride 1, the gather form
+/// `dx = conv(dy, flipped weightᵀ)` with padding `k - 1 - pad` (the same im2col and product,
+/// writing every element), and for larger strides `col2im(weightᵀ · dy)`. im2col copies each sample
+/// once into a zero-bordered scratch and then copies rows without bounds cases
+/// ([`Im2col`]). A 1x1 kernel with stride 1 and no padding multiplies the input directly.
 #[derive(Debug)]
 pub struct Conv2d {
     in_channels: usize,
@@ -190,6 +195,7 @@ impl Layer for Conv2d {
         let (col_rows, out_plane) = (window.col_rows(), window.out_plane_len());
         let weight_view = MatRef::row_major(&weight, self.out_channels, col_rows)?;
         let mut col = if window.is_pointwise() { Vec::new() } else { vec![0.0; col_rows * out_plane] };
+        let mut scratch = Im2col::new(&window);
         let sample_len = self.out_channels * out_plane;
         let mut x_samples = x.chunks_exact(window.input_len());
         // Each sample's output is written in full: the per-channel bias pre-fill that the product
@@ -201,7 +207,7 @@ impl Layer for Conv2d {
                 let col_view = if window.is_pointwise() {
                     MatRef::row_major(x_sample, col_rows, out_plane)?
                 } else {
-                    im2col(x_sample, &window, &mut col)?;
+                    scratch.run(x_sample, &mut col)?;
                     MatRef::row_major(&col, col_rows, out_plane)?
                 };
                 match &bias {
@@ -237,7 +243,34 @@ impl Layer for Conv2d {
         let (col_rows, out_plane) = (window.col_rows(), window.out_plane_len());
         let weight_t = MatRef::row_major(&weight, self.out_channels, col_rows)?.t();
         let sample_grads = grad.chunks_exact(self.out_channels * out_plane);
-        let grad_input = if window.is_pointwise() {
+        // The gather form copies out·kh·kw rows per sample where col2im adds in·kh·kw rows, and
+        // its product has `in` rows (a one-row product is slow): take it when `in >= out / 2`.
+        let grad_input = if let Some(gather) = window.input_grad_window(self.out_channels)
+            && !window.is_pointwise()
+            && 2 * self.in_channels >= self.out_channels
+        {
+            // Gather form (stride 1): dx = flipped kernels [in, out·kh·kw] · im2col(dy), which
+            // writes every element of each sample: no zero-fill, no scatter.
+            let mut flipped = vec![0.0; weight.len()];
+            flip_kernels(&weight, self.out_channels, &window, &mut flipped)?;
+            let flipped_view = MatRef::row_major(&flipped, self.in_channels, gather.col_rows())?;
+            let mut scratch = Im2col::new(&gather);
+            let mut col = vec![0.0; gather.col_rows() * gather.out_plane_len()];
+            let mut dy_samples = sample_grads;
+            Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
+                uninit::chunks(dst, window.input_len(), |_, dx_sample| {
+                    let dy_sample = dy_samples
+                        .next()
+                        .ok_or_else(|| Error::invalid("Conv2d", "fewer output gradients than inputs"))?;
+                    scratch.run(dy_sample, &mut col)?;
+                    matmul_uninit(
+                        dx_sample,
+                        flipped_view,
+                        MatRef::row_major(&col, gather.col_rows(), gather.out_plane_len())?,
+                    )
+                })
+            })?
+        } else if window.is_pointwise() {
             // dx = weightᵀ · dy writes every element of each sample: no zero-fill.
             let mut dy_samples = sample_grads;
             Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
@@ -249,7 +282,8 @@ impl Layer for Conv2d {
                 })
             })?
         } else {
-            // dcol [in·kh·kw, out_plane] = weightᵀ · dy, then scatter-add onto the (zeroed) input positions.
+            // Strides above 1: dcol [in·kh·kw, out_plane] = weightᵀ · dy, then scatter-add onto the
+            // (zeroed) input positions.
             let mut grad_input = zeros_f32(input.shape().clone(), input.device())?;
             let mut col = vec![0.0; col_rows * out_plane];
             let dx_samples = grad_input.as_f32_mut()?.chunks_exact_mut(window.input_len());
@@ -269,24 +303,11 @@ impl Layer for Conv2d {
         check_grad_shape("Conv2d", grad_output, &Shape::new(self.output_dims(batch, &window)))?;
         let grad = values(grad_output);
         let x = values(input);
-        let (col_rows, out_plane) = (window.col_rows(), window.out_plane_len());
+        let out_plane = window.out_plane_len();
         let (weight_grad, bias_grad) = param_grads.split_at_mut(1);
-        let mut col = if window.is_pointwise() { Vec::new() } else { vec![0.0; col_rows * out_plane] };
-        accumulate_into(&mut weight_grad[0], |dst| {
-            for (x_sample, dy_sample) in
-                x.chunks_exact(window.input_len()).zip(grad.chunks_exact(self.out_channels * out_plane))
-            {
-                let col_view = if window.is_pointwise() {
-                    MatRef::row_major(x_sample, col_rows, out_plane)?
-                } else {
-                    im2col(x_sample, &window, &mut col)?;
-                    MatRef::row_major(&col, col_rows, out_plane)?
-                };
-                // dweight [out, in·kh·kw] += dy [out, out_plane] · colᵀ [out_plane, in·kh·kw]
-                matmul(dst, MatRef::row_major(dy_sample, self.out_channels, out_plane)?, col_view.t(), true)?;
-            }
-            Ok(())
-        })?;
+        // dweight [out, in·kh·kw] += Σ_samples dy [out, out_plane] · im2col(x)ᵀ, by the
+        // small-output kernel over the whole batch.
+        accumulate_into(&mut weight_grad[0], |dst| conv2d_weight_grad(&x, &grad, &window, self.out_channels, dst))?;
         if let Some(bias_grad) = bias_grad.first_mut() {
             accumulate_into(bias_grad, |dst| {
                 for dy_sample in grad.chunks_exact(self.out_channels * out_plane) {

@@ -7,8 +7,8 @@ mod common;
 use common::{Input, check_layer, distinct_values, random_values, tensor, to_f64, values_away_from_zero};
 use conveyor_engine::{ForwardCtx, Layer, Loss, Targets, Tensor, init};
 use conveyor_layers::{
-    Add, AvgPool2d, Conv2d, Conv2dOptions, CrossEntropyLoss, Dropout, Embedding, Flatten, Gelu, GeluTanh, GlobalAvgPool2d, LayerNorm,
-    Linear, MaxPool2d, Relu, Tanh,
+    Add, AvgPool2d, Conv2d, Conv2dOptions, CrossEntropyLoss, Dropout, Embedding, Flatten, Gelu, GeluTanh,
+    GlobalAvgPool2d, LayerNorm, Linear, MaxPool2d, Relu, Tanh,
 };
 
 fn train() -> ForwardCtx {
@@ -112,6 +112,43 @@ fn conv2d_gradients_match_finite_differences() {
     }
 }
 
+/// Every stride (1, 2), padding (0, 1) and kernel (1, 3, 5) pairing, with 1, 3, 8 and 16 channels
+/// on either side: stride 1 with padding at most k - 1 takes the gather-form input gradient, the
+/// rest col2im; output widths 4 and 8 take im2col's fixed-width copies, the others its general rows.
+#[test]
+fn conv2d_gradients_over_strides_paddings_kernels_and_channels() {
+    let mut rng = init::rng(5);
+    // (in, out, kernel, stride, padding, input H x W)
+    let configs = [
+        (1, 3, 1, 1, 0, (4, 5)),
+        (3, 1, 1, 2, 1, (5, 4)),
+        (16, 8, 1, 1, 1, (3, 3)),
+        (8, 16, 1, 2, 0, (4, 4)),
+        (1, 8, 3, 1, 1, (6, 7)),
+        (3, 16, 3, 1, 0, (4, 10)),
+        (16, 3, 3, 2, 1, (5, 6)),
+        (8, 1, 3, 2, 0, (7, 7)),
+        (3, 3, 5, 1, 1, (6, 6)),
+        (1, 16, 5, 1, 0, (6, 8)),
+        (16, 1, 5, 2, 1, (6, 6)),
+        (8, 8, 5, 2, 0, (7, 7)),
+    ];
+    for (seed, (in_ch, out_ch, k, s, p, (h, w))) in configs.into_iter().enumerate() {
+        let options = Conv2dOptions { stride: (s, s), padding: (p, p), bias: true };
+        let layer = Conv2d::new(in_ch, out_ch, (k, k), options, &mut rng).unwrap();
+        let x = Input::new(random_values(2 * in_ch * h * w, -1.0, 1.0, &mut rng), &[2, in_ch, h, w]);
+        let reference = conv2d_reference([2, in_ch, h, w], [out_ch, in_ch, k, k], (s, s), (p, p));
+        check_layer(
+            &format!("Conv2d {in_ch}->{out_ch} kernel {k} stride {s} padding {p}"),
+            &layer,
+            &[x],
+            train(),
+            &reference,
+            40 + seed as u64,
+        );
+    }
+}
+
 /// Windowed pooling by definition; `max` takes the largest in-bounds value, otherwise the window
 /// sum over in-bounds values is divided by kh·kw (padding counted as zeros).
 fn pool_reference(
@@ -161,7 +198,14 @@ fn pool_gradients_match_finite_differences() {
     let max_pool = MaxPool2d::new((2, 2), (2, 2)).unwrap();
     check_layer("MaxPool2d 2x2/2", &max_pool, &[x()], train(), &pool_reference(dims, (2, 2), (2, 2), (0, 0), true), 31);
     let overlapping = MaxPool2d::with_padding((3, 3), (2, 2), (1, 1)).unwrap();
-    check_layer("MaxPool2d 3x3/2 pad 1", &overlapping, &[x()], train(), &pool_reference(dims, (3, 3), (2, 2), (1, 1), true), 32);
+    check_layer(
+        "MaxPool2d 3x3/2 pad 1",
+        &overlapping,
+        &[x()],
+        train(),
+        &pool_reference(dims, (3, 3), (2, 2), (1, 1), true),
+        32,
+    );
 
     let avg = AvgPool2d::with_padding((3, 2), (2, 1), (1, 1)).unwrap();
     let x = Input::new(random_values(numel, -1.0, 1.0, &mut rng), &dims);
@@ -191,8 +235,9 @@ fn activation_gradients_match_finite_differences() {
     let mut rng = init::rng(4);
     let shape = [3, 2, 7];
     let numel = 42;
-    let elementwise =
-        |f: fn(f64) -> f64| move |inputs: &[Vec<f64>], _: &[Vec<f64>]| inputs[0].iter().map(|&x| f(x)).collect::<Vec<f64>>();
+    let elementwise = |f: fn(f64) -> f64| {
+        move |inputs: &[Vec<f64>], _: &[Vec<f64>]| inputs[0].iter().map(|&x| f(x)).collect::<Vec<f64>>()
+    };
     // ReLU: inputs at least 0.05 from its kink at 0.
     let x = Input::new(values_away_from_zero(numel, 0.05, &mut rng), &shape);
     check_layer("ReLU", &Relu::new(), &[x], train(), &elementwise(|x| x.max(0.0)), 40);
@@ -221,7 +266,8 @@ fn flatten_and_add_gradients_match_finite_differences() {
     let a = Input::new(random_values(24, -1.0, 1.0, &mut rng), &[4, 6]);
     let b = Input::new(random_values(24, -1.0, 1.0, &mut rng), &[4, 6]);
     assert_eq!(Add::new().n_inputs(), 2);
-    let reference = |inputs: &[Vec<f64>], _: &[Vec<f64>]| inputs[0].iter().zip(&inputs[1]).map(|(a, b)| a + b).collect();
+    let reference =
+        |inputs: &[Vec<f64>], _: &[Vec<f64>]| inputs[0].iter().zip(&inputs[1]).map(|(a, b)| a + b).collect();
     check_layer("Add", &Add::new(), &[a, b], train(), &reference, 51);
 }
 
@@ -236,8 +282,9 @@ fn dropout_gradients_match_finite_differences_for_a_fixed_mask() {
     let mask = layer.mask(40, seed);
     assert!(mask.contains(&0.0) && mask.contains(&1.0));
     let scale = 1.0 / (1.0 - p as f64);
-    let reference =
-        move |inputs: &[Vec<f64>], _: &[Vec<f64>]| inputs[0].iter().zip(&mask).map(|(x, &m)| x * m as f64 * scale).collect();
+    let reference = move |inputs: &[Vec<f64>], _: &[Vec<f64>]| {
+        inputs[0].iter().zip(&mask).map(|(x, &m)| x * m as f64 * scale).collect()
+    };
     check_layer("Dropout", &layer, &[x], ForwardCtx::train(seed), &reference, 60);
     // Evaluation mode is the identity.
     let x = Input::new(random_values(12, -1.0, 1.0, &mut rng), &[3, 4]);
@@ -296,7 +343,8 @@ fn cross_entropy_matches_reference_and_finite_differences() {
             / normalizer as f64
     };
     let targets = Targets::Classes(labels.to_vec());
-    let (loss, grad) = CrossEntropyLoss::new().loss_and_grad(&tensor(&logits, &[rows, classes]), &targets, normalizer).unwrap();
+    let (loss, grad) =
+        CrossEntropyLoss::new().loss_and_grad(&tensor(&logits, &[rows, classes]), &targets, normalizer).unwrap();
     common::assert_close("cross-entropy loss", &[loss], &[reference(&logits)]);
     let mut z = logits.clone();
     let numeric: Vec<f64> = (0..z.len())

@@ -1,6 +1,7 @@
 //! CPU kernels on f32 slices, single-threaded (one device is one core). Tensors and layers call these.
 pub mod activation;
 pub mod conv;
+pub mod conv_weight;
 pub mod elementwise;
 pub mod gemm;
 pub mod layer_norm;

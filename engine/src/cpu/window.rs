@@ -110,6 +110,26 @@ impl Window2d {
             && self.pad_width == 0
     }
 
+    /// The window of the gather-form input gradient of a stride-1 convolution with `out_channels`
+    /// filters over this window: `dx = conv(dy, flipped kernels)` with padding `k - 1 - pad`, which
+    /// reads the output gradient (`out_channels x out_h x out_w`) and yields `in_h x in_w` planes.
+    /// `None` for strides above 1 or padding above `k - 1` (those take col2im).
+    pub fn input_grad_window(&self, out_channels: usize) -> Option<Window2d> {
+        if self.stride_height != 1 || self.stride_width != 1 {
+            return None;
+        }
+        let pad_height = (self.kernel_height - 1).checked_sub(self.pad_height)?;
+        let pad_width = (self.kernel_width - 1).checked_sub(self.pad_width)?;
+        Window2d::new(
+            out_channels,
+            (self.out_height(), self.out_width()),
+            (self.kernel_height, self.kernel_width),
+            (1, 1),
+            (pad_height, pad_width),
+        )
+        .ok()
+    }
+
     /// The input row for output row `out_row` and kernel row `kernel_row`, or `None` in the padding.
     #[inline]
     pub(crate) fn input_row(&self, out_row: usize, kernel_row: usize) -> Option<usize> {
