@@ -28,7 +28,7 @@ use conveyor_schedules::ScheduleKind;
 use crate::zoo::{ModelSpec, TensorParallelSplits};
 
 /// A builder for `graph` on `devices` with `config`'s settings and cross-entropy loss.
-fn builder(graph: Graph, devices: Vec<Device>, config: &PipelineConfig) -> TrainerBuilder {
+pub fn builder(graph: Graph, devices: Vec<Device>, config: &PipelineConfig) -> TrainerBuilder {
     Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
         .devices(devices)
         .schedule(config.schedule, config.n_chunks)
@@ -218,26 +218,83 @@ pub fn build_trainer_tensor_parallel(
     tensor_parallel: usize,
     config: &PipelineConfig,
 ) -> Result<(Plan, Trainer)> {
-    let (plan, mut graph) = plan_tensor_parallel(spec, seed, &devices, tensor_parallel, config)?;
-    if let Some(here) = rank_shard(&devices, tensor_parallel)? {
-        // One rank per shard: rebuild with this rank's shards only (the same draws, the same
-        // node ids), the plan's groups as the splits.
-        let groups = device_groups(&devices, tensor_parallel)?;
+    build_trainer_replicated(spec, seed, devices, tensor_parallel, 1, config)
+}
+
+/// [`build_trainer_tensor_parallel`] with `replicas` data-parallel replicas of the pipeline
+/// (`TrainerBuilder::data_parallel`): `devices` are `replicas x pipeline devices x
+/// tensor_parallel`, replica-major; the plan is made for replica 0's devices and every replica's
+/// graph is built from `seed` with its layers split over its own groups. With `tensor_parallel`
+/// 1 nothing is split and the plan is the automatic one ([`plan`]).
+pub fn build_trainer_replicated(
+    spec: &ModelSpec,
+    seed: u64,
+    devices: Vec<Device>,
+    tensor_parallel: usize,
+    replicas: usize,
+    config: &PipelineConfig,
+) -> Result<(Plan, Trainer)> {
+    let k = tensor_parallel;
+    if replicas == 0 || !devices.len().is_multiple_of(replicas * k) {
+        return Err(Error::invalid(
+            "data parallelism",
+            format!(
+                "{} devices cannot form {replicas} replicas of groups of {k}: give replicas x stages x {k} devices",
+                devices.len()
+            ),
+        ));
+    }
+    let per_replica = devices.len() / replicas;
+    if k == 1 {
+        let graph = spec.build(seed)?;
+        let owned = spec.clone();
+        let trainer = with_replicas(builder(graph, devices, config), replicas, move |_, _| owned.build(seed))
+            .placement(Placement::auto())
+            .build()?;
+        let plan = trainer.plan().cloned().ok_or_else(|| Error::invalid("placement", "the trainer kept no plan"))?;
+        return Ok((plan, trainer));
+    }
+    let (plan, mut graph) = plan_tensor_parallel(spec, seed, &devices[..per_replica], k, config)?;
+    // Every replica's splits: the plan's nodes on the groups of that replica's devices.
+    let names: Vec<(usize, Vec<String>)> = plan.stages.iter().map(|s| (s.stage_idx, s.node_names.clone())).collect();
+    let splits_on = move |replica_devices: &[Device]| -> Result<TensorParallelSplits> {
+        let groups = device_groups(replica_devices, k)?;
         let mut splits = TensorParallelSplits::new();
-        for stage in &plan.stages {
-            for name in &stage.node_names {
-                splits.insert(name.clone(), groups[stage.stage_idx % groups.len()].clone());
+        for (stage_idx, nodes) in &names {
+            for name in nodes {
+                splits.insert(name.clone(), groups[stage_idx % groups.len()].clone());
             }
         }
+        Ok(splits)
+    };
+    let here = rank_shard(&devices, k)?;
+    // With a rank per shard, the replica whose groups hold this rank's device keeps only its shard.
+    if let Some(here) = &here {
         drop(graph);
-        graph = spec.build_split_on(seed, &splits, Some(&here))?;
+        graph = spec.build_split_on(seed, &splits_on(&devices[..per_replica])?, Some(here))?;
     }
     let stages = plan.stages.iter().map(|s| s.nodes.clone()).collect();
-    let trainer = builder(graph, devices, config)
-        .tensor_parallel(tensor_parallel)
+    let owned = spec.clone();
+    let build_replica = move |_: usize, replica_devices: &[Device]| {
+        owned.build_split_on(seed, &splits_on(replica_devices)?, here.as_ref())
+    };
+    let trainer = with_replicas(builder(graph, devices, config), replicas, build_replica)
+        .tensor_parallel(k)
         .stages(stages)
         .derived_caches(plan.derived_caches())
         .commit_snapshot(plan.commit_snapshots())
         .build()?;
     Ok((plan, trainer))
+}
+
+/// `builder` with `replicas` data-parallel replicas built by `build_replica` (unchanged for one).
+pub fn with_replicas(
+    builder: TrainerBuilder,
+    replicas: usize,
+    build_replica: impl Fn(usize, &[Device]) -> Result<Graph> + 'static,
+) -> TrainerBuilder {
+    match replicas {
+        1 => builder,
+        _ => builder.data_parallel(replicas, build_replica),
+    }
 }

@@ -128,6 +128,16 @@ impl Checkpoint {
         })
     }
 
+    /// A checkpoint holding the same tensors (sharing their storage) and metadata, for a second
+    /// reader that takes its own tensors (a data-parallel replica's optimizer state).
+    pub fn share(&self) -> Checkpoint {
+        Checkpoint {
+            path: self.path.clone(),
+            tensors: self.tensors.iter().map(|(name, tensor)| (name.clone(), tensor.share())).collect(),
+            metadata: self.metadata.clone(),
+        }
+    }
+
     /// The names of the tensors still held, sorted.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.tensors.keys().map(String::as_str)

@@ -252,7 +252,33 @@ impl Exchange for Call<'_> {
     }
 }
 
+/// Aborts an in-process group from outside it ([`RankHandle::abort_handle`]): every rank waiting
+/// in a collective ends within a few milliseconds with [`Error::CollectiveAborted`], and every
+/// later call is refused, until the group is recovered or replaced.
+#[derive(Clone, Debug)]
+pub struct GroupAbort {
+    shared: Arc<Shared>,
+}
+
+impl GroupAbort {
+    /// Aborts the group (the first failure recorded wins), naming `rank` as the failed one.
+    pub fn abort(&self, rank: usize, reason: &str) {
+        {
+            let mut failure = self.shared.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            if failure.is_none() {
+                *failure = Some((rank, reason.to_string()));
+            }
+        }
+        self.shared.aborted.store(true, Ordering::Release);
+    }
+}
+
 impl RankHandle {
+    /// A handle that aborts this rank's group from any thread ([`GroupAbort`]).
+    pub fn abort_handle(&self) -> GroupAbort {
+        GroupAbort { shared: Arc::clone(&self.shared) }
+    }
+
     /// Runs one collective: refuses to start on an aborted group, tags its messages, and on
     /// failure aborts the group so that no peer waits for a message that will not come.
     fn run(&self, op: CollectiveOp, body: impl FnOnce(&Call<'_>) -> Result<()>) -> Result<()> {

@@ -55,7 +55,7 @@ mod partition;
 use std::fmt;
 
 pub use cost::{Traffic, cost_s, traffic};
-pub use in_process::{DEFAULT_TIMEOUT, ProcessGroup, RankHandle};
+pub use in_process::{DEFAULT_TIMEOUT, GroupAbort, ProcessGroup, RankHandle};
 pub use over_transport::{COLLECTIVE_ROUND_BASE, TransportGroup, interrupt_waits, resume_waits};
 pub use partition::Partition;
 

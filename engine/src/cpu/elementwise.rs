@@ -40,9 +40,13 @@ pub fn accumulate_column_sums(matrix: &[f32], column_sums: &mut [f32]) -> Result
             format!("{} elements", matrix.len()),
         ));
     }
+    // This matrix's sums first, then added: a batch's sums are the same whether its rows come in
+    // one matrix or in several (micro-batches, or data-parallel replicas whose sums are added).
+    let mut sums = vec![0.0f32; cols];
     for row in matrix.chunks_exact(cols) {
-        column_sums.iter_mut().zip(row).for_each(|(s, &v)| *s += v);
+        sums.iter_mut().zip(row).for_each(|(s, &v)| *s += v);
     }
+    column_sums.iter_mut().zip(&sums).for_each(|(s, &v)| *s += v);
     Ok(())
 }
 

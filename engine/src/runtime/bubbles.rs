@@ -253,7 +253,7 @@ impl StepReport {
             peak_activation_bytes: Vec::new(),
             step_s: timeline.makespan_s(),
             timeline,
-            shard_events: Vec::new(),
+            other_events: Vec::new(),
             grad_norm: 0.0,
             op_cpu_times: Vec::new(),
             core_slots: None,

@@ -8,8 +8,9 @@ use crossbeam::channel;
 use super::super::CoreSlotPolicy;
 use super::super::core_slots::CoreSlots;
 use super::super::stage::{NodeExec, Route, Stage};
-use super::super::worker;
+use super::super::worker::{self, ReplicaComm};
 use super::{REPORT_TIMEOUT, StageInfo, Trainer, TrainerBuilder, WorkerHandle};
+use crate::collective::{ProcessGroup, TransportGroup};
 use crate::graph::NodeId;
 use crate::optim::Optimizer;
 use crate::transport::Transport;
@@ -39,23 +40,40 @@ impl TrainerBuilder {
                 ),
             ));
         }
+        let replicas = self.replicas;
         let groups: Vec<Vec<Device>> = self.devices.chunks(k).map(<[Device]>::to_vec).collect();
+        if replicas == 0 || !groups.len().is_multiple_of(replicas) {
+            return Err(Error::invalid(
+                "data_parallel",
+                format!(
+                    "{replicas} replicas with {} devices in groups of {k}: give replicas x pipeline devices x {k} devices",
+                    self.devices.len()
+                ),
+            ));
+        }
+        // One worker per group: worker `r * n_devices + d` runs pipeline device `d` of replica `r`.
+        let n_workers = groups.len();
+        let n_devices = n_workers / replicas;
         let (rank, world) = (self.transport.rank(), self.transport.world_size());
-        // A rank per pipeline device (a tensor-parallel group stays inside its rank, on threads),
-        // or a rank per device: rank `device * k + shard`, tensor-parallel fastest.
-        if world > 1 && world != groups.len() && world != groups.len() * k {
+        // A rank per worker (a tensor-parallel group stays inside its rank, on threads), or a rank
+        // per device: rank `worker * k + shard`, tensor-parallel fastest.
+        if world > 1 && world != n_workers && world != n_workers * k {
             return Err(Error::WorldSize {
                 world_size: world,
-                needed: groups.len(),
+                needed: n_workers,
                 n_devices: self.devices.len(),
                 tensor_parallel: k,
             });
         }
-        let ranks_per_device = if world > 1 { world / groups.len() } else { 1 };
-        let (pipeline_rank, shard) = (rank / ranks_per_device, rank % ranks_per_device);
-        let plan = self.apply_placement()?;
-        // The schedule's devices are the groups.
-        let n_devices = groups.len();
+        let ranks_per_worker = if world > 1 { world / n_workers } else { 1 };
+        let (worker_rank, shard) = (rank / ranks_per_worker, rank % ranks_per_worker);
+        let worker_here = |w: usize| world == 1 || w == worker_rank;
+        // Replica 0's devices are the ones placement plans for.
+        let first_replica = self.devices[..n_devices * k].to_vec();
+        let all_devices = std::mem::replace(&mut self.devices, first_replica);
+        let plan = self.apply_placement();
+        self.devices = all_devices;
+        let plan = plan?;
         let schedule = Schedule::new(self.schedule, n_devices, self.n_micro_batches, self.n_chunks)?;
         // Channels hold one message per micro-batch; prove the programs complete under that.
         conveyor_schedules::validate(&schedule, self.n_micro_batches)?;
@@ -120,10 +138,11 @@ impl TrainerBuilder {
             })
             .collect();
         let data_inputs = self.graph.inputs();
-        // A stage's device here: its group's first, or this rank's shard's with a rank per shard.
-        let stage_devices: Vec<Device> =
-            (0..n_stages).map(|s| groups[schedule.device_of_stage(s)][shard].clone()).collect();
-        let mut stages: Vec<Stage> = Vec::with_capacity(n_stages);
+        // A stage's device in each replica: its group's first, or this rank's shard's with a rank
+        // per shard.
+        let worker_of = |replica: usize, stage_idx: usize| replica * n_devices + schedule.device_of_stage(stage_idx);
+        let stage_devices: Vec<Vec<Device>> =
+            (0..replicas).map(|r| (0..n_stages).map(|s| groups[worker_of(r, s)][shard].clone()).collect()).collect();
         let mut send_to: Vec<Vec<Route>> = vec![Vec::new(); n_stages];
         let mut recv_from: Vec<Vec<Route>> = vec![Vec::new(); n_stages];
         let mut stage_data_inputs: Vec<Vec<NodeId>> = vec![Vec::new(); n_stages];
@@ -170,127 +189,178 @@ impl TrainerBuilder {
             })
             .sum::<Option<f64>>()
             .map(|total| total / n_stages as f64);
-        // Another rank's stages: what the coordinator needs to route their messages, nothing more.
-        // Their layers (built here as on that rank, so every rank draws the same initial values)
-        // are dropped without touching that rank's devices.
-        let mut stage_info = Vec::with_capacity(n_stages);
-        for (stage_idx, nodes) in stage_nodes.iter().enumerate() {
-            if world > 1 && schedule.device_of_stage(stage_idx) != pipeline_rank {
-                nodes.iter().for_each(|&id| drop(self.graph.take_layer(id)));
-                stage_info.push(StageInfo {
-                    stage_idx,
-                    data_inputs: std::mem::take(&mut stage_data_inputs[stage_idx]),
-                    send_to: send_to[stage_idx].iter().map(|r| r.peer_stage_idx).collect(),
-                    holds_output: nodes.contains(&output),
-                });
-                continue;
-            }
-            let device = &stage_devices[stage_idx];
-            let group = &groups[schedule.device_of_stage(stage_idx)];
-            let mut execs = Vec::with_capacity(nodes.len());
-            let mut n_params = 0;
-            for &id in nodes {
-                let mut layer = self.graph.take_layer(id).expect("checked above");
-                if let Some(&(_, keep)) = self.derived_caches.iter().find(|(node, _)| *node == id) {
-                    layer.set_derived_cache(keep);
-                }
-                layer.to_device(device)?;
-                if ranks_per_device > 1
-                    && let Some(p) = layer.parameters().iter().find(|p| !p.value.device().same_device(device))
-                {
-                    return Err(Error::invalid(
-                        "stages",
-                        format!(
-                            "node `{}` on stage {stage_idx} holds `{}` on {}, but with a rank per tensor-parallel \
-                             shard rank {rank} holds only {device}'s shard; build split layers with \
-                             Shards::Rank (conveyor::pipeline does)",
-                            self.graph.node(id)?.name,
-                            p.name,
-                            p.value.device(),
-                        ),
-                    ));
-                }
-                if let Some(p) =
-                    layer.parameters().iter().find(|p| !group.iter().any(|d| d.same_device(p.value.device())))
-                {
-                    return Err(Error::invalid(
-                        "stages",
-                        format!(
-                            "node `{}` on stage {stage_idx} holds `{}` on {}, outside the stage's devices [{}]; build split layers on their stage's group",
-                            self.graph.node(id)?.name,
-                            p.name,
-                            p.value.device(),
-                            group.iter().map(Device::to_string).collect::<Vec<_>>().join(", ")
-                        ),
-                    ));
-                }
-                // Gradients live beside their parameters: on the shard's device for split layers.
-                let grads = layer
-                    .parameters()
-                    .iter()
-                    .map(|p| Tensor::zeros(p.value.shape().clone(), p.value.dtype(), p.value.device()))
-                    .collect::<Result<Vec<_>>>()?;
-                n_params += grads.len();
-                execs.push(NodeExec {
-                    id,
-                    name: self.graph.node(id)?.name.clone(),
-                    inputs: self.graph.predecessors(id),
-                    layer,
-                    grads,
-                });
-            }
-            let recompute = self.recompute.get(stage_idx).or(self.recompute.last()).copied().unwrap_or_default();
-            let mut stage = Stage::new(
+        // What the coordinator needs to route every stage's messages (the same in every replica).
+        let stage_info: Vec<StageInfo> = stage_nodes
+            .iter()
+            .enumerate()
+            .map(|(stage_idx, nodes)| StageInfo {
                 stage_idx,
-                device.clone(),
-                execs,
-                std::mem::take(&mut stage_data_inputs[stage_idx]),
-                std::mem::take(&mut recv_from[stage_idx]),
-                std::mem::take(&mut send_to[stage_idx]),
-                stage_nodes[stage_idx].contains(&output).then_some(output),
-                recompute,
-                Optimizer::new(self.optimizer, n_params)?,
-                self.commit_snapshot.as_ref().and_then(|keep| keep.get(stage_idx).copied()).unwrap_or(true),
-            );
-            // The other shards' ranks hold copies of the unsplit layers: counted once, on shard 0.
-            stage.counts_unsplit = shard == 0;
-            stages.push(stage);
-        }
-        let mut per_device: Vec<Vec<Stage>> = (0..n_devices).map(|_| Vec::new()).collect();
-        for stage in stages {
-            per_device[schedule.device_of_stage(stage.stage_idx)].push(stage);
-        }
-        for stages in &per_device {
-            for s in stages {
-                stage_info.push(StageInfo {
-                    stage_idx: s.stage_idx,
-                    data_inputs: s.data_inputs.clone(),
-                    send_to: s.send_to.iter().map(|r| r.peer_stage_idx).collect(),
-                    holds_output: s.output_node.is_some(),
-                });
+                data_inputs: stage_data_inputs[stage_idx].clone(),
+                send_to: send_to[stage_idx].iter().map(|r| r.peer_stage_idx).collect(),
+                holds_output: nodes.contains(&output),
+            })
+            .collect();
+        let reference = structure(&self.graph)?;
+        let mut per_worker: Vec<Vec<Stage>> = (0..n_workers).map(|_| Vec::new()).collect();
+        for replica in 0..replicas {
+            let here = (0..n_devices).any(|d| worker_here(replica * n_devices + d));
+            let mut replica_graph = match (replica, here) {
+                (0, _) | (_, false) => None,
+                (_, true) => {
+                    let build = self.replica_graphs.as_ref().ok_or_else(|| {
+                        Error::invalid(
+                            "data_parallel",
+                            "replicas need a way to build their graphs; use .data_parallel(r, build)",
+                        )
+                    })?;
+                    let devices = &self.devices[replica * n_devices * k..(replica + 1) * n_devices * k];
+                    let graph = build(replica, devices)?;
+                    let theirs = structure(&graph)?;
+                    if theirs != reference {
+                        return Err(Error::invalid(
+                            "data_parallel",
+                            format!(
+                                "replica {replica}'s graph differs from replica 0's (nodes or parameter shapes); build every replica's graph the same way"
+                            ),
+                        ));
+                    }
+                    Some(graph)
+                }
+            };
+            let graph = replica_graph.as_mut().unwrap_or(&mut self.graph);
+            for (stage_idx, nodes) in stage_nodes.iter().enumerate() {
+                let worker = worker_of(replica, stage_idx);
+                if !worker_here(worker) {
+                    // Another rank's stage: its layers (built here as on that rank, so every rank
+                    // draws the same initial values) are dropped without touching its devices.
+                    if replica == 0 {
+                        nodes.iter().for_each(|&id| drop(graph.take_layer(id)));
+                    }
+                    continue;
+                }
+                let device = &stage_devices[replica][stage_idx];
+                let group = &groups[worker];
+                let mut execs = Vec::with_capacity(nodes.len());
+                let mut n_params = 0;
+                for &id in nodes {
+                    let mut layer = graph.take_layer(id).expect("checked above");
+                    if let Some(&(_, keep)) = self.derived_caches.iter().find(|(node, _)| *node == id) {
+                        layer.set_derived_cache(keep);
+                    }
+                    layer.to_device(device)?;
+                    if ranks_per_worker > 1
+                        && let Some(p) = layer.parameters().iter().find(|p| !p.value.device().same_device(device))
+                    {
+                        return Err(Error::invalid(
+                            "stages",
+                            format!(
+                                "node `{}` on stage {stage_idx} holds `{}` on {}, but with a rank per tensor-parallel \
+                                 shard rank {rank} holds only {device}'s shard; build split layers with \
+                                 Shards::Rank (conveyor::pipeline does)",
+                                graph.node(id)?.name,
+                                p.name,
+                                p.value.device(),
+                            ),
+                        ));
+                    }
+                    if let Some(p) =
+                        layer.parameters().iter().find(|p| !group.iter().any(|d| d.same_device(p.value.device())))
+                    {
+                        return Err(Error::invalid(
+                            "stages",
+                            format!(
+                                "node `{}` on stage {stage_idx} holds `{}` on {}, outside the stage's devices [{}]; build split layers on their stage's group",
+                                graph.node(id)?.name,
+                                p.name,
+                                p.value.device(),
+                                group.iter().map(Device::to_string).collect::<Vec<_>>().join(", ")
+                            ),
+                        ));
+                    }
+                    // Gradients live beside their parameters: on the shard's device for split layers.
+                    let grads = layer
+                        .parameters()
+                        .iter()
+                        .map(|p| Tensor::zeros(p.value.shape().clone(), p.value.dtype(), p.value.device()))
+                        .collect::<Result<Vec<_>>>()?;
+                    n_params += grads.len();
+                    execs.push(NodeExec {
+                        id,
+                        name: graph.node(id)?.name.clone(),
+                        inputs: graph.predecessors(id),
+                        layer,
+                        grads,
+                    });
+                }
+                let recompute = self.recompute.get(stage_idx).or(self.recompute.last()).copied().unwrap_or_default();
+                let mut stage = Stage::new(
+                    stage_idx,
+                    device.clone(),
+                    execs,
+                    recv_from[stage_idx].clone(),
+                    send_to[stage_idx].clone(),
+                    nodes.contains(&output).then_some(output),
+                    recompute,
+                    Optimizer::new(self.optimizer, n_params)?,
+                    self.commit_snapshot.as_ref().and_then(|keep| keep.get(stage_idx).copied()).unwrap_or(true),
+                );
+                // The other shards' ranks hold copies of the unsplit layers: counted once, on
+                // shard 0; the other replicas hold copies of every gradient (after the all-reduce).
+                stage.counts_unsplit = shard == 0;
+                stage.counts_in_norm = replica == 0;
+                per_worker[worker].push(stage);
             }
         }
-        stage_info.sort_by_key(|s| s.stage_idx);
+        // The replicas' gradient groups: worker `r * n + d` with the same `d` (and shard) in every
+        // replica. Every rank creates the same groups (the transport's subgroups are agreed).
+        let mut replica_comms: Vec<Option<ReplicaComm>> = (0..n_workers).map(|_| None).collect();
+        let mut replica_abort = Vec::new();
+        if replicas > 1 && world == 1 {
+            for d in 0..n_devices {
+                let devices: Vec<Device> = (0..replicas).map(|r| groups[r * n_devices + d][0].clone()).collect();
+                for (r, handle) in ProcessGroup::new(&devices)?.into_iter().enumerate() {
+                    replica_abort.push(handle.abort_handle());
+                    replica_comms[r * n_devices + d] = Some(ReplicaComm::InProcess(handle));
+                }
+            }
+        } else if replicas > 1 {
+            let rank_of = |w: usize, s: usize| w * ranks_per_worker + s;
+            let partition: Vec<Vec<usize>> = (0..n_devices)
+                .flat_map(|d| (0..ranks_per_worker).map(move |s| (d, s)))
+                .map(|(d, s)| (0..replicas).map(|r| rank_of(r * n_devices + d, s)).collect())
+                .collect();
+            let buffers = match &groups[worker_rank][shard] {
+                Device::Cpu(_) => groups[worker_rank][shard].clone(),
+                _ => Device::host(),
+            };
+            let group = TransportGroup::split(
+                Arc::clone(&self.transport),
+                buffers,
+                crate::collective::DEFAULT_TIMEOUT,
+                &partition,
+            )?;
+            replica_comms[worker_rank] = Some(ReplicaComm::Ranks(group));
+        }
         let n_slots = match self.core_slots {
             CoreSlotPolicy::Slots(n) => Some(n.max(1)),
             CoreSlotPolicy::Off => None,
             CoreSlotPolicy::Auto => {
                 let cores = std::thread::available_parallelism().map_or(1, usize::from);
                 let all_cpu = groups.iter().all(|g| matches!(g[0], Device::Cpu(_)));
-                (k == 1 && all_cpu && world == 1 && n_devices > cores).then_some(cores)
+                (k == 1 && all_cpu && world == 1 && n_workers > cores).then_some(cores)
             }
         };
-        let slots = n_slots.map(|n| Arc::new(CoreSlots::new(n, n_devices)));
+        let slots = n_slots.map(|n| Arc::new(CoreSlots::new(n, n_workers)));
         let auto_slots_op_flops = match self.core_slots {
             CoreSlotPolicy::Auto => op_flops_per_sample,
             _ => None,
         };
-        let mut workers = Vec::with_capacity(n_devices);
+        let mut workers = Vec::with_capacity(n_workers);
         // Workers report op spans to the subscriber of the thread that built the trainer.
         let dispatch = tracing::dispatcher::get_default(|d| d.clone());
-        for (device_idx, stages) in per_device.into_iter().enumerate() {
-            if world > 1 && device_idx != pipeline_rank {
-                // Another rank's pipeline device: that rank holds its stages.
+        for (worker_idx, (stages, replica_comm)) in per_worker.into_iter().zip(replica_comms).enumerate() {
+            if !worker_here(worker_idx) {
+                // Another rank's worker: that rank holds its stages.
                 workers.push(None);
                 continue;
             }
@@ -299,23 +369,29 @@ impl TrainerBuilder {
             let dispatch = dispatch.clone();
             let slots = slots.clone();
             let handle = std::thread::Builder::new()
-                .name(format!("conveyor-{}", groups[device_idx][0]))
+                .name(format!("conveyor-{}", groups[worker_idx][0]))
                 .spawn(move || {
-                    tracing::dispatcher::with_default(&dispatch, || worker::run(device_idx, stages, loss, rx, slots))
+                    tracing::dispatcher::with_default(&dispatch, || {
+                        worker::run(worker_idx, stages, loss, rx, slots, replica_comm)
+                    })
                 })
                 .map_err(|e| Error::invalid("worker thread", format!("could not start: {e}")))?;
             workers.push(Some(WorkerHandle { commands: tx, thread: Some(handle) }));
         }
         state.apply(Trainer {
             workers,
+            replicas,
+            replica_abort,
             transport: self.transport,
             round: 0,
             devices: self.devices,
             tensor_parallel: k,
-            ranks_per_device,
+            ranks_per_worker,
             shard,
-            stage_devices: Arc::new(stage_devices),
-            stage_workers: Arc::new((0..schedule.n_stages()).map(|s| schedule.device_of_stage(s)).collect()),
+            stage_devices: stage_devices.into_iter().map(Arc::new).collect(),
+            stage_workers: (0..replicas)
+                .map(|r| Arc::new((0..schedule.n_stages()).map(|s| worker_of(r, s)).collect()))
+                .collect(),
             stage_info,
             schedule,
             seed: self.seed,
@@ -325,6 +401,7 @@ impl TrainerBuilder {
             auto_slots_op_flops,
             step_idx: 0,
             fault: None,
+            fault_replica: None,
             stall: None,
             poisoned: None,
             graph: self.graph,
@@ -334,6 +411,19 @@ impl TrainerBuilder {
             metadata: Default::default(),
         })
     }
+}
+
+/// A graph's nodes in order with their parameters' names and shapes: what every replica's graph
+/// must share with replica 0's.
+fn structure(graph: &crate::graph::Graph) -> Result<Vec<(String, Vec<(String, crate::Shape)>)>> {
+    graph
+        .node_ids()
+        .into_iter()
+        .map(|id| {
+            let name = graph.node(id)?.name.clone();
+            Ok((name, graph.layer(id).map(|l| l.export_parameter_shapes()).unwrap_or_default()))
+        })
+        .collect()
 }
 
 /// Seconds since the Unix epoch on this machine's clock.

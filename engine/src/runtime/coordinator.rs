@@ -150,6 +150,8 @@ impl Trainer {
             }
             if local.failure.is_some() {
                 abort.take();
+                // Free the workers of other replicas waiting in the gradient all-reduce.
+                self.replica_abort.iter().for_each(|group| group.abort(0, "the step was abandoned"));
                 if world > 1 && !notified {
                     crate::collective::interrupt_waits();
                     // Wake every rank's workers that wait for a message from here.
@@ -224,7 +226,7 @@ impl Trainer {
         for &d in &local_workers {
             let group = d * self.tensor_parallel..(d + 1) * self.tensor_parallel;
             // With a rank per shard this rank reports its own device of the group.
-            let here = |i: &usize| self.ranks_per_device == 1 || *i == d * self.tensor_parallel + self.shard;
+            let here = |i: &usize| self.ranks_per_worker == 1 || *i == d * self.tensor_parallel + self.shard;
             finish.peak_memory.extend(group.filter(here).map(|i| (i, self.devices[i].peak_memory())));
         }
         let finishes = match world {
@@ -252,6 +254,9 @@ impl Trainer {
                 crate::collective::resume_waits();
                 recovered?;
             }
+            if self.replicas > 1 {
+                self.renew_replica_groups()?;
+            }
             return Err(error);
         }
         Ok(self.report(finishes, all_losses, global_norm, started, slots_this_step))
@@ -262,9 +267,10 @@ impl Trainer {
     /// rank that only aborted because another failed is named only if no rank reports a failure of
     /// its own: the error names the rank that failed, not the first one woken by its notice.
     fn decide(&self, votes: Vec<Vote>, all_losses: &mut Vec<(usize, f64)>) -> Result<f64> {
-        // One slot per rank's worker: pipeline device `d`, shard `rank % ranks_per_device`.
-        let per_device = self.ranks_per_device;
-        let mut sums = vec![0.0; self.workers.len() * per_device];
+        // One slot per rank's worker: worker `w`, shard `rank % ranks_per_worker` (replicas other
+        // than 0 vote 0: their gradients are replica 0's after the all-reduce).
+        let per_worker = self.ranks_per_worker;
+        let mut sums = vec![0.0; self.workers.len() * per_worker];
         let mut non_finite: Option<(usize, String)> = None;
         let mut first_aborted = None;
         for (rank, vote) in votes.into_iter().enumerate() {
@@ -275,8 +281,8 @@ impl Trainer {
                 }
                 Vote::Ready { losses, sums_of_squares, non_finite: nf } => {
                     all_losses.extend(losses);
-                    for (d, s) in sums_of_squares {
-                        sums[d * per_device + rank % per_device] = s;
+                    for (w, s) in sums_of_squares {
+                        sums[w * per_worker + rank % per_worker] = s;
                     }
                     if let Some((stage_idx, parameter)) = nf
                         && non_finite.as_ref().is_none_or(|(first, _)| stage_idx < *first)
@@ -311,17 +317,19 @@ impl Trainer {
         let mut peak_activation_bytes = vec![0; self.stage_info.len()];
         let mut peak_memory = vec![0; self.devices.len()];
         let mut outputs = Vec::new();
-        let mut shard_events = Vec::new();
+        let mut other_events = Vec::new();
+        let n_devices = self.schedule().n_devices();
         for (rank, finish) in finishes.into_iter().enumerate() {
             let shift = if origin.is_finite() { finish.started_s - origin } else { 0.0 };
-            let shifted = finish.events.into_iter().map(|mut e| {
+            let shard = rank % self.ranks_per_worker;
+            for mut e in finish.events {
                 e.start_s += shift;
                 e.end_s += shift;
-                e
-            });
-            match rank % self.ranks_per_device {
-                0 => events.extend(shifted),
-                _ => shard_events.extend(shifted.map(|e| (rank, e))),
+                // Replica 0's shard-0 ops make the pipeline's time line; the others are kept by row.
+                match (e.device_idx < n_devices, shard) {
+                    (true, 0) => events.push(e),
+                    _ => other_events.push((e.device_idx * self.ranks_per_worker + shard, e)),
+                }
             }
             op_cpu_times.extend(finish.cpu_times);
             for (stage_idx, bytes) in finish.peak_activation_bytes {
@@ -335,7 +343,7 @@ impl Trainer {
         losses.sort_by_key(|(mb, _)| *mb);
         let loss = losses.iter().map(|(_, l)| l).sum();
         outputs.sort_by_key(|(mb, _)| *mb);
-        let mut timeline = conveyor_schedules::Timeline::new(self.workers.len(), self.stage_info.len());
+        let mut timeline = conveyor_schedules::Timeline::new(n_devices, self.stage_info.len());
         events.sort_by(|a: &conveyor_schedules::TimelineEvent, b| a.start_s.total_cmp(&b.start_s));
         timeline.events = events;
         StepOutcome {
@@ -344,7 +352,7 @@ impl Trainer {
                 peak_memory,
                 peak_activation_bytes,
                 timeline,
-                shard_events,
+                other_events,
                 started_s: if origin.is_finite() { origin } else { 0.0 },
                 step_s: started.elapsed().as_secs_f64(),
                 grad_norm: global_norm,
@@ -372,7 +380,7 @@ impl Trainer {
         Some(Error::NonFiniteStep {
             step_idx: self.step_idx,
             stage_idx,
-            device: self.stage_devices[stage_idx].to_string(),
+            device: self.stage_devices[0][stage_idx].to_string(),
             what,
             micro_batch_idx,
             parameter: non_finite_grad.map(|(_, p)| p),
@@ -391,6 +399,37 @@ impl Trainer {
             Ok(())
         })?;
         outcomes.into_iter().collect::<Result<()>>()
+    }
+
+    /// Makes the replicas' gradient groups usable after an abandoned step: in one process, new
+    /// groups for every worker (the old ones may hold the aborted all-reduce's messages); across
+    /// ranks, every rank's group recovers (every rank does this after the same step).
+    fn renew_replica_groups(&mut self) -> Result<()> {
+        let n_devices = self.schedule().n_devices();
+        if self.transport.world_size() == 1 {
+            let mut aborts = Vec::new();
+            for d in 0..n_devices {
+                let workers: Vec<usize> = (0..self.replicas).map(|r| self.worker_index(r, d)).collect();
+                let devices: Vec<crate::Device> =
+                    workers.iter().map(|&w| self.devices[w * self.tensor_parallel].clone()).collect();
+                for (handle, &w) in crate::collective::ProcessGroup::new(&devices)?.into_iter().zip(&workers) {
+                    aborts.push(handle.abort_handle());
+                    if let Some(worker) = &self.workers[w] {
+                        let comm = super::worker::ReplicaComm::InProcess(handle);
+                        let _ = worker.commands.send(Command::SetReplicaComm(Some(comm)));
+                    }
+                }
+            }
+            self.replica_abort = aborts;
+            return Ok(());
+        }
+        for worker in self.workers.iter().flatten() {
+            let (tx, rx) = channel::bounded(1);
+            if worker.commands.send(Command::RecoverReplicaComm(tx)).is_ok() {
+                rx.recv().unwrap_or(Ok(()))?;
+            }
+        }
+        Ok(())
     }
 
     /// Undoes a step that some workers applied before another failed: every local worker that may

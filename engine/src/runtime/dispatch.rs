@@ -17,28 +17,28 @@ use crate::transport::Tag;
 use crate::{Error, Result, Targets, Tensor};
 
 impl Trainer {
-    /// Splits `rows` into `n` micro-batches: sizes differ by at most one, the first
-    /// `rows % n` get the extra row.
-    fn split(&self, rows: usize) -> Result<Vec<(usize, usize)>> {
-        let n = self.schedule.n_micro_batches();
-        if rows < n {
+    /// Cuts `rows` into the replicas' shares and each share into micro-batches: per replica, its
+    /// micro-batches as `(start row, rows)`. Sizes differ by at most one, the first ones get the
+    /// extra rows.
+    fn split(&self, rows: usize) -> Result<Vec<Vec<(usize, usize)>>> {
+        let (replicas, n) = (self.replicas, self.schedule.n_micro_batches());
+        if rows < replicas * n {
             return Err(Error::invalid(
                 "batch",
-                format!(
-                    "{rows} rows cannot make {n} micro-batches; use at most {rows} micro-batches or a larger batch"
-                ),
+                match replicas {
+                    1 => format!(
+                        "{rows} rows cannot make {n} micro-batches; use at most {rows} micro-batches or a larger batch"
+                    ),
+                    _ => format!(
+                        "{rows} rows cannot make {n} micro-batches in each of {replicas} replicas; use at most {} \
+                         micro-batches or a batch of at least {} rows",
+                        rows / replicas,
+                        replicas * n
+                    ),
+                },
             ));
         }
-        let (base, extra) = (rows / n, rows % n);
-        let mut start = 0;
-        Ok((0..n)
-            .map(|i| {
-                let len = base + usize::from(i < extra);
-                let range = (start, len);
-                start += len;
-                range
-            })
-            .collect())
+        Ok(even_parts(0, rows, replicas).into_iter().map(|(start, len)| even_parts(start, len, n)).collect())
     }
 
     pub(in crate::runtime) fn dispatch(
@@ -71,7 +71,7 @@ impl Trainer {
             ));
         }
         let splits = self.split(rows)?;
-        let n_micro_batches = splits.len();
+        let n_micro_batches = splits[0].len();
         let round = self.round;
         self.round += 1;
         self.transport.close_rounds_before(round);
@@ -81,67 +81,84 @@ impl Trainer {
         let started = Instant::now();
         let started_s = wall_clock_s() - self.transport.clock_offset_s();
         let local_workers = self.local_workers();
-        let is_local = |stage_idx: usize| self.workers[self.schedule.device_of_stage(stage_idx)].is_some();
-        // Channels: one per (from, to, direction), bounded by the micro-batch count, between
-        // stages of this process; a stage on another rank is reached through the transport.
+        let n_devices = self.schedule.n_devices();
+        let worker_of =
+            |replica: usize, stage_idx: usize| self.worker_index(replica, self.schedule.device_of_stage(stage_idx));
+        let is_local = |replica: usize, stage_idx: usize| self.workers[worker_of(replica, stage_idx)].is_some();
+        // Channels: per replica, one per (from, to, direction), bounded by the micro-batch count,
+        // between stages of this process; a stage on another rank is reached through the
+        // transport.
         let mut senders = HashMap::new();
         let mut receivers = HashMap::new();
         let mut remote_senders = HashMap::new();
         let mut remote_receivers = HashMap::new();
-        for info in &self.stage_info {
-            for &peer in &info.send_to {
-                for (from, to, gradient) in [(info.stage_idx, peer, false), (peer, info.stage_idx, true)] {
-                    let key = (from, to, gradient);
-                    let tag = Tag { round, channel: ((from as u64) << 32) | ((to as u64) << 1) | u64::from(gradient) };
-                    match (is_local(from), is_local(to)) {
-                        (true, true) => {
-                            let (tx, rx) = channel::bounded(n_micro_batches);
-                            senders.insert(key, tx);
-                            receivers.insert(key, rx);
+        for replica in 0..self.replicas {
+            for info in &self.stage_info {
+                for &peer in &info.send_to {
+                    for (from, to, gradient) in [(info.stage_idx, peer, false), (peer, info.stage_idx, true)] {
+                        let key = (replica, (from, to, gradient));
+                        let channel =
+                            ((replica as u64) << 48) | ((from as u64) << 32) | ((to as u64) << 1) | u64::from(gradient);
+                        let tag = Tag { round, channel };
+                        match (is_local(replica, from), is_local(replica, to)) {
+                            (true, true) => {
+                                let (tx, rx) = channel::bounded(n_micro_batches);
+                                senders.insert(key, tx);
+                                receivers.insert(key, rx);
+                            }
+                            (true, false) => {
+                                // The receiving stage's rank of this rank's shard.
+                                let to_rank = worker_of(replica, to) * self.ranks_per_worker + self.shard;
+                                remote_senders.insert(key, (to_rank, tag));
+                            }
+                            (false, true) => {
+                                remote_receivers.insert(key, self.transport.inbox(tag)?);
+                            }
+                            (false, false) => {}
                         }
-                        (true, false) => {
-                            // The receiving stage's rank of this rank's shard.
-                            let to_rank = self.schedule.device_of_stage(to) * self.ranks_per_device + self.shard;
-                            remote_senders.insert(key, (to_rank, tag));
-                        }
-                        (false, true) => {
-                            remote_receivers.insert(key, self.transport.inbox(tag)?);
-                        }
-                        (false, false) => {}
                     }
                 }
             }
         }
-        let slots_this_step = self.slots_for(rows / n_micro_batches.max(1));
+        let slots_this_step = self.slots_for(rows / (self.replicas * n_micro_batches).max(1));
         if let Some(slots) = &self.slots {
             slots.take_wake_latencies();
         }
         let (abort_tx, abort_rx) = channel::bounded::<()>(0);
         let (report_tx, report_rx) = channel::unbounded();
         let mut commit_txs = Vec::with_capacity(local_workers.len());
-        let mut programs: Vec<Vec<Instruction>> = if training {
+        let programs: Vec<Vec<Instruction>> = if training {
             self.schedule.programs().to_vec()
         } else {
             forward_only_programs(&self.schedule, n_micro_batches)
         };
-        for &device_idx in &local_workers {
-            let program = std::mem::take(&mut programs[device_idx]);
+        for &worker_idx in &local_workers {
+            let (replica, device_idx) = (worker_idx / n_devices, worker_idx % n_devices);
+            let program = programs[device_idx].clone();
             let my_stages: Vec<&StageInfo> =
                 self.stage_info.iter().filter(|s| self.schedule.device_of_stage(s.stage_idx) == device_idx).collect();
             let mine = |stage_idx: usize| my_stages.iter().any(|s| s.stage_idx == stage_idx);
+            let ours = |r: usize| r == replica;
             let mut links = Links { transport: Some(Arc::clone(&self.transport)), ..Links::default() };
-            links.senders.extend(senders.iter().filter(|(k, _)| mine(k.0)).map(|(k, tx)| (*k, tx.clone())));
-            links.receivers.extend(receivers.iter().filter(|(k, _)| mine(k.1)).map(|(k, rx)| (*k, rx.clone())));
-            links.remote_senders.extend(remote_senders.iter().filter(|(k, _)| mine(k.0)).map(|(k, v)| (*k, *v)));
-            let remote_in: Vec<_> = remote_receivers.keys().filter(|k| mine(k.1)).copied().collect();
+            links.senders.extend(
+                senders.iter().filter(|((r, k), _)| ours(*r) && mine(k.0)).map(|((_, k), tx)| (*k, tx.clone())),
+            );
+            links.receivers.extend(
+                receivers.iter().filter(|((r, k), _)| ours(*r) && mine(k.1)).map(|((_, k), rx)| (*k, rx.clone())),
+            );
+            links
+                .remote_senders
+                .extend(remote_senders.iter().filter(|((r, k), _)| ours(*r) && mine(k.0)).map(|((_, k), v)| (*k, *v)));
+            let remote_in: Vec<_> = remote_receivers.keys().filter(|(r, k)| ours(*r) && mine(k.1)).copied().collect();
             for key in remote_in {
-                links.remote_receivers.insert(key, remote_receivers.remove(&key).expect("listed"));
+                links.remote_receivers.insert(key.1, remote_receivers.remove(&key).expect("listed"));
             }
+            let stage_devices = &self.stage_devices[replica];
             let mut data: HashMap<usize, Vec<Payload>> = HashMap::new();
             for info in &my_stages {
                 if info.data_inputs.contains(&input_id) {
-                    let device = &self.stage_devices[info.stage_idx];
-                    let per_mb = splits
+                    let device = &stage_devices[info.stage_idx];
+                    let per_mb = splits[replica]
                         .iter()
                         .map(|&(start, len)| {
                             Ok(vec![(input_id, inputs.narrow_rows(start, len)?.move_to_device(device)?)])
@@ -152,39 +169,42 @@ impl Trainer {
             }
             let holds_output = my_stages.iter().any(|s| s.holds_output);
             let mb_targets = match (targets, holds_output) {
-                (Some(targets), true) => splits
+                (Some(targets), true) => splits[replica]
                     .iter()
                     .map(|&(start, len)| targets.slice_rows(start, len).map(Some))
                     .collect::<Result<Vec<_>>>()?,
                 _ => Vec::new(),
             };
             let (commit_tx, commit_rx) = channel::bounded(1);
-            commit_txs.push((device_idx, commit_tx));
+            commit_txs.push((worker_idx, commit_tx));
             let job = StepJob {
                 step_idx: self.step_idx,
                 seed: self.seed,
                 training,
                 program,
                 n_micro_batches,
+                // Every replica's losses are divided by the whole batch's rows: their sum is the
+                // batch's mean, and the summed gradients are one device's on the whole batch.
                 normalizer: rows as f32,
                 data,
                 targets: mb_targets,
                 links,
-                stage_devices: Arc::clone(&self.stage_devices),
-                stage_workers: Arc::clone(&self.stage_workers),
+                stage_devices: Arc::clone(stage_devices),
+                stage_workers: Arc::clone(&self.stage_workers[replica]),
                 abort: abort_rx.clone(),
                 commit: commit_rx,
-                fault: self.fault,
+                fault: self.fault.filter(|_| self.fault_replica.is_none_or(|r| r == replica)),
                 stall: self.stall,
                 started,
                 max_grad_norm: self.max_grad_norm,
                 use_core_slots: slots_this_step.is_some(),
+                micro_batch_offset: replica * n_micro_batches,
             };
-            let worker = self.workers[device_idx].as_ref().expect("a local worker");
+            let worker = self.workers[worker_idx].as_ref().expect("a local worker");
             worker
                 .commands
                 .send(Command::Step(Box::new(job), report_tx.clone()))
-                .map_err(|_| Error::invalid("worker", format!("the worker of device {device_idx} has stopped")))?;
+                .map_err(|_| Error::invalid("worker", format!("the worker {worker_idx} has stopped")))?;
         }
         // Only workers hold report senders now: a worker that vanishes closes its end.
         drop((senders, receivers, report_tx));
@@ -199,6 +219,21 @@ impl Trainer {
             round,
         })
     }
+}
+
+/// `len` rows from `start` cut into `n` parts `(start, rows)`, sizes differing by at most one, the
+/// first `len % n` one larger.
+fn even_parts(start: usize, len: usize, n: usize) -> Vec<(usize, usize)> {
+    let (base, extra) = (len / n, len % n);
+    let mut at = start;
+    (0..n)
+        .map(|i| {
+            let rows = base + usize::from(i < extra);
+            let part = (at, rows);
+            at += rows;
+            part
+        })
+        .collect()
 }
 
 /// Forward-only programs for evaluation: each device runs its stages' forwards in

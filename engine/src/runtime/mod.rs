@@ -182,11 +182,13 @@ pub struct StepReport {
     pub peak_activation_bytes: Vec<u64>,
     /// Every op executed, with its start and end relative to the step's start.
     pub timeline: conveyor_schedules::Timeline,
-    /// With a rank per tensor-parallel shard ([`Trainer::ranks_per_device`] > 1): the ops of the
-    /// ranks of shards other than 0 as `(rank, op)`, on the same clock as `timeline` (whose ops
-    /// are shard 0's ranks', one per pipeline device, which the bubble figures use). Empty
-    /// otherwise.
-    pub shard_events: Vec<(usize, conveyor_schedules::TimelineEvent)>,
+    /// The ops that `timeline` leaves out, as `(row, op)` on its clock: those of data-parallel
+    /// replicas other than 0, and with a rank per tensor-parallel shard those of shards other than
+    /// 0. `timeline` holds replica 0's shard-0 ops, one row per pipeline device, which the bubble
+    /// figures use. A row is `worker * ranks_per_worker + shard` ([`Trainer::ranks_per_worker`];
+    /// worker `replica * pipeline devices + device`): the rank under MPI. Empty with one replica
+    /// and no rank per shard.
+    pub other_events: Vec<(usize, conveyor_schedules::TimelineEvent)>,
     /// When the step started, the zero of [`StepReport::timeline`]: seconds since the Unix epoch
     /// on rank 0's clock (under MPI, the earliest rank's start, each rank's clock shifted by the
     /// offset measured at start-up). The steps of a run lie `started_s` apart on one time line.

@@ -57,8 +57,6 @@ pub(crate) struct Stage {
     pub stage_idx: usize,
     pub device: Device,
     pub nodes: Vec<NodeExec>,
-    /// Graph inputs this stage reads from the batch.
-    pub data_inputs: Vec<NodeId>,
     /// Producer stages and which of their node outputs this stage receives.
     pub recv_from: Vec<Route>,
     /// Consumer stages and which of this stage's node outputs they receive.
@@ -70,6 +68,9 @@ pub(crate) struct Stage {
     /// Whether the gradient norm counts the unsplit layers here (false on the ranks of a stage's
     /// shards other than shard 0, which hold copies of them).
     pub counts_unsplit: bool,
+    /// Whether the gradient norm counts this stage at all (false in data-parallel replicas other
+    /// than 0, whose gradients equal replica 0's after the all-reduce).
+    pub counts_in_norm: bool,
     /// Per node, per input: whether the input takes a gradient. An input neither on this stage
     /// nor received from another (a graph input, such as the data) takes none.
     input_needs_grad: Vec<Vec<bool>>,
@@ -109,7 +110,6 @@ impl Stage {
         stage_idx: usize,
         device: Device,
         nodes: Vec<NodeExec>,
-        data_inputs: Vec<NodeId>,
         recv_from: Vec<Route>,
         send_to: Vec<Route>,
         output_node: Option<NodeId>,
@@ -133,7 +133,6 @@ impl Stage {
             stage_idx,
             device,
             nodes,
-            data_inputs,
             recv_from,
             send_to,
             output_node,
@@ -145,6 +144,7 @@ impl Stage {
             deferred_weight: BTreeSet::new(),
             peak_activation_bytes: 0,
             counts_unsplit: true,
+            counts_in_norm: true,
         }
     }
 
@@ -402,9 +402,24 @@ impl Stage {
         Ok(())
     }
 
+    /// Sums every gradient across the data-parallel replicas of this stage (`comm`: one rank per
+    /// replica), in the group's fixed order, so every replica holds the same sum.
+    pub fn all_reduce_gradients(&mut self, comm: &dyn crate::collective::Communicator) -> Result<()> {
+        for node in &mut self.nodes {
+            for grad in &mut node.grads {
+                grad.make_unique()?;
+                comm.all_reduce(grad.as_f32_mut()?)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Sum of squares of this stage's gradients (for global-norm clipping and the reported norm),
     /// accumulated in f64 ([`crate::optim::grad_sum_of_squares`]).
     pub fn grad_sum_of_squares(&self) -> Result<f64> {
+        if !self.counts_in_norm {
+            return Ok(0.0);
+        }
         let counted = |n: &&NodeExec| self.counts_unsplit || n.layer.is_split();
         let grads: Vec<&Tensor> = self.nodes.iter().filter(counted).flat_map(|n| n.grads.iter()).collect();
         crate::optim::grad_sum_of_squares(&grads)

@@ -437,7 +437,7 @@ impl Trainer {
 
     /// Every parameter's unsplit name and shape, and the optimizer's state fields.
     fn state_shapes(&self) -> Result<StateShapes> {
-        let parts = self.on_every_worker(|stages| {
+        let parts = self.on_first_replica(|stages| {
             let mut shapes = Vec::new();
             for stage in stages.iter() {
                 for node in &stage.nodes {

@@ -55,7 +55,12 @@ pub struct TrainerBuilder {
     placement: placement::PlacementChoice,
     state: state_io::StateChoice,
     transport: Arc<dyn Transport>,
+    replicas: usize,
+    replica_graphs: Option<ReplicaGraphs>,
 }
+
+/// Builds replica `r`'s graph on its devices ([`TrainerBuilder::data_parallel`]).
+pub type ReplicaGraphs = Box<dyn Fn(usize, &[Device]) -> Result<Graph>>;
 
 impl TrainerBuilder {
     /// How this process reaches the other ranks of the job (default: the process's transport,
@@ -90,6 +95,28 @@ impl TrainerBuilder {
     /// multiple of `k`.
     pub fn tensor_parallel(mut self, k: usize) -> Self {
         self.tensor_parallel = k;
+        self
+    }
+
+    /// Data parallelism: `replicas` copies of the pipeline, each on its own devices, each taking its
+    /// share of every batch (rows cut into `replicas` contiguous shares, then each share into
+    /// [`TrainerBuilder::micro_batches`] micro-batches). The gradients are summed across replicas
+    /// (all-reduced, in a fixed order) before the optimizer step, which every replica then takes
+    /// alike, so the replicas stay equal and the step commits on all or none.
+    ///
+    /// The devices are `replicas x pipeline devices x tensor_parallel`, replica-major, tensor
+    /// parallel fastest: replica `r`'s are `devices[r * n .. (r + 1) * n]`, `n` = devices / replicas,
+    /// laid out as for one pipeline. `build_replica(r, devices)` builds replica `r`'s graph
+    /// (`r >= 1`) on its devices: the graph given to [`Trainer::builder`] is replica 0's, and every
+    /// replica's must have the same nodes with the same parameter shapes and initial values (build
+    /// them from one seed). The placement is planned for replica 0 and used by all.
+    pub fn data_parallel(
+        mut self,
+        replicas: usize,
+        build_replica: impl Fn(usize, &[Device]) -> Result<Graph> + 'static,
+    ) -> Self {
+        self.replicas = replicas;
+        self.replica_graphs = Some(Box::new(build_replica));
         self
     }
 
@@ -196,9 +223,14 @@ pub(super) struct StageInfo {
 /// device group, with tensor parallelism) owns its stages' parameters, gradients and optimizer
 /// state; a split layer's shards, their gradients and optimizer state live on the group's devices.
 pub struct Trainer {
-    /// Per pipeline device: its worker, when it runs in this process (every one in-process; with
-    /// MPI, this rank's).
+    /// Per worker (`replica * pipeline devices + device`): its worker, when it runs in this process
+    /// (every one in-process; with MPI, this rank's).
     pub(super) workers: Vec<Option<WorkerHandle>>,
+    /// Data-parallel replicas of the pipeline ([`TrainerBuilder::data_parallel`]).
+    pub(super) replicas: usize,
+    /// Per local worker, in order, its replica group's handle when the in-process replicas' groups
+    /// must be rebuilt after an abandoned step (see `coordinator.rs`).
+    pub(super) replica_abort: Vec<crate::collective::GroupAbort>,
     /// How this process reaches the other ranks of the job ([`crate::transport`]).
     pub(super) transport: Arc<dyn Transport>,
     /// Steps and evaluations dispatched so far: the round of the next one's messages.
@@ -207,15 +239,16 @@ pub struct Trainer {
     pub(super) devices: Vec<Device>,
     /// Devices per stage group.
     pub(super) tensor_parallel: usize,
-    /// Ranks per pipeline device: 1 (in-process, or a rank per pipeline device), or the
-    /// tensor-parallel degree (a rank per shard, rank `device * k + shard`).
-    pub(super) ranks_per_device: usize,
+    /// Ranks per worker: 1 (in-process, or a rank per worker), or the tensor-parallel degree (a
+    /// rank per shard, rank `worker * k + shard`).
+    pub(super) ranks_per_worker: usize,
     /// This rank's shard of its stages' split layers with a rank per shard (0 otherwise). Shard 0's
     /// rank speaks for the stage: losses, outputs, the timeline; the others only compute.
     pub(super) shard: usize,
-    pub(super) stage_devices: Arc<Vec<Device>>,
-    /// The worker of every stage (for core slots: whom a message wakes).
-    stage_workers: Arc<Vec<usize>>,
+    /// Per replica, the device of every stage.
+    pub(super) stage_devices: Vec<Arc<Vec<Device>>>,
+    /// Per replica, the worker of every stage (for core slots: whom a message wakes).
+    stage_workers: Vec<Arc<Vec<usize>>>,
     pub(super) stage_info: Vec<StageInfo>,
     schedule: Schedule,
     seed: u64,
@@ -227,6 +260,8 @@ pub struct Trainer {
     auto_slots_op_flops: Option<f64>,
     pub(super) step_idx: u64,
     fault: Option<FaultInjection>,
+    /// The replica the fault strikes (every replica when `None`).
+    fault_replica: Option<usize>,
     stall: Option<StallInjection>,
     /// Why the parameters are no longer one step's (a failed apply that could not be rolled back).
     pub(super) poisoned: Option<String>,
@@ -299,6 +334,8 @@ impl Trainer {
             placement: Default::default(),
             state: Default::default(),
             transport: crate::transport::process_transport(),
+            replicas: 1,
+            replica_graphs: None,
         }
     }
 
@@ -336,14 +373,26 @@ impl Trainer {
         self.tensor_parallel
     }
 
-    /// Ranks per pipeline device: `k` with a rank per tensor-parallel shard (rank `d * k + r` runs
-    /// shard `r` of pipeline device `d`), 1 otherwise (in-process, or a rank per pipeline device).
-    pub fn ranks_per_device(&self) -> usize {
-        self.ranks_per_device
+    /// Ranks per worker (a worker runs one pipeline device of one replica): `k` with a rank per
+    /// tensor-parallel shard (rank `w * k + r` runs shard `r` of worker `w`), 1 otherwise
+    /// (in-process, or a rank per worker).
+    pub fn ranks_per_worker(&self) -> usize {
+        self.ranks_per_worker
     }
 
-    /// The pipeline's device groups, group 0 first: group `g` is `devices()[g*k..(g+1)*k]` and
-    /// runs stages `g, g + n_groups, ...`; its first device is those stages' device.
+    /// Data-parallel replicas of the pipeline ([`TrainerBuilder::data_parallel`]; 1 without).
+    pub fn replicas(&self) -> usize {
+        self.replicas
+    }
+
+    /// The worker of pipeline device `device_idx` in replica `replica`.
+    pub(super) fn worker_index(&self, replica: usize, device_idx: usize) -> usize {
+        replica * self.schedule.n_devices() + device_idx
+    }
+
+    /// The device groups, group 0 first, one per worker: group `g` is `devices()[g*k..(g+1)*k]`;
+    /// in replica `r`, group `r * n + d` (`n` pipeline devices) runs stages `d, d + n, ...`, and its
+    /// first device is those stages' device.
     pub fn device_groups(&self) -> Vec<&[Device]> {
         self.devices.chunks(self.tensor_parallel).collect()
     }
@@ -366,6 +415,13 @@ impl Trainer {
     /// Makes the next steps fail as described (for testing fault handling); `None` clears it.
     pub fn inject_fault(&mut self, fault: Option<FaultInjection>) {
         self.fault = fault;
+        self.fault_replica = None;
+    }
+
+    /// [`Trainer::inject_fault`] in one data-parallel replica only (the others run the step).
+    pub fn inject_fault_in_replica(&mut self, fault: Option<FaultInjection>, replica: usize) {
+        self.fault = fault;
+        self.fault_replica = Some(replica);
     }
 
     /// Makes the next steps pause one worker as described (for testing what timing decides, such

@@ -20,10 +20,29 @@ impl Trainer {
         &self,
         f: impl Fn(&mut [Stage]) -> T + Send + Sync + 'static,
     ) -> Result<Vec<T>> {
+        self.on_workers(|_| true, f)
+    }
+
+    /// [`Trainer::on_every_worker`] for the local workers of replica 0 only: the replicas hold
+    /// the same parameters and optimizer state, so what is read once is read there.
+    pub(super) fn on_first_replica<T: Send + 'static>(
+        &self,
+        f: impl Fn(&mut [Stage]) -> T + Send + Sync + 'static,
+    ) -> Result<Vec<T>> {
+        let n_devices = self.schedule().n_devices();
+        self.on_workers(|w| w < n_devices, f)
+    }
+
+    /// Runs `f` on the stages of every local worker `w` with `which(w)`, in worker order.
+    fn on_workers<T: Send + 'static>(
+        &self,
+        which: impl Fn(usize) -> bool,
+        f: impl Fn(&mut [Stage]) -> T + Send + Sync + 'static,
+    ) -> Result<Vec<T>> {
         let f = Arc::new(f);
         let mut answers = Vec::with_capacity(self.workers.len());
         for (device_idx, worker) in self.workers.iter().enumerate() {
-            let Some(worker) = worker else { continue };
+            let Some(worker) = worker.as_ref().filter(|_| which(device_idx)) else { continue };
             let (tx, rx) = channel::bounded(1);
             let f = Arc::clone(&f);
             worker
@@ -63,7 +82,7 @@ impl Trainer {
     /// # }
     /// ```
     pub fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
-        let parts = self.on_every_worker(move |stages| -> Result<Vec<(String, Tensor)>> {
+        let parts = self.on_first_replica(move |stages| -> Result<Vec<(String, Tensor)>> {
             let mut out = Vec::new();
             for stage in stages.iter() {
                 for node in &stage.nodes {
@@ -162,7 +181,7 @@ impl Trainer {
     /// the layers gather their parameters ([`Optimizer::export_layer_state`]), so the result does
     /// not depend on the tensor-parallel degree.
     pub fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>> {
-        let parts = self.on_every_worker(|stages| -> Result<Vec<(String, Tensor)>> {
+        let parts = self.on_first_replica(|stages| -> Result<Vec<(String, Tensor)>> {
             let mut out = Vec::new();
             for stage in stages.iter_mut() {
                 let mut offset = 0;
@@ -186,9 +205,24 @@ impl Trainer {
     pub fn load_optimizer_state(&mut self, checkpoint: Checkpoint) -> Result<Checkpoint> {
         // The checkpoint travels from worker to worker through channels: each takes its stages'
         // tensors and hands the rest back, so no worker shares it with another.
+        // Replicas other than 0 take their tensors from copies (sharing storage); replica 0 takes
+        // them from the checkpoint and hands back the rest.
+        let n_devices = self.schedule().n_devices();
+        for replica in 1..self.replicas {
+            drop(self.load_optimizer_state_into(checkpoint.share(), replica * n_devices..(replica + 1) * n_devices)?);
+        }
+        self.load_optimizer_state_into(checkpoint, 0..n_devices)
+    }
+
+    /// [`Trainer::load_optimizer_state`] on the local workers `workers` (one replica's).
+    fn load_optimizer_state_into(
+        &mut self,
+        checkpoint: Checkpoint,
+        workers: std::ops::Range<usize>,
+    ) -> Result<Checkpoint> {
         let mut checkpoint = checkpoint;
         for (device_idx, worker) in self.workers.iter().enumerate() {
-            let Some(worker) = worker else { continue };
+            let Some(worker) = worker.as_ref().filter(|_| workers.contains(&device_idx)) else { continue };
             let (tx, rx) = channel::bounded(1);
             let stopped = || Error::invalid("worker", format!("the worker of device {device_idx} has stopped"));
             worker

@@ -82,6 +82,27 @@ pub(crate) struct StepJob {
     pub max_grad_norm: Option<f64>,
     /// Whether this step's compute ops take core slots (when the trainer has them).
     pub use_core_slots: bool,
+    /// Added to this worker's micro-batch indices in what it reports (losses, outputs): replica
+    /// `r`'s micro-batches come after those of the replicas before it.
+    pub micro_batch_offset: usize,
+}
+
+/// A worker's group of the same pipeline device (and shard) in every data-parallel replica: the
+/// gradients of its stages are all-reduced over it before the optimizer step.
+pub(crate) enum ReplicaComm {
+    /// Replicas on threads of this process.
+    InProcess(crate::collective::RankHandle),
+    /// Replicas on other ranks.
+    Ranks(crate::collective::TransportGroup),
+}
+
+impl ReplicaComm {
+    fn comm(&self) -> &dyn crate::collective::Communicator {
+        match self {
+            ReplicaComm::InProcess(handle) => handle,
+            ReplicaComm::Ranks(group) => group,
+        }
+    }
 }
 
 /// The coordinator's decision after every worker is ready.
@@ -122,6 +143,10 @@ pub(crate) enum Command {
     /// step (another worker's update failed after this one applied); answers whether every stage
     /// could be restored.
     RollBack(Sender<bool>),
+    /// Replaces the worker's replica group (after an abandoned step, for in-process replicas).
+    SetReplicaComm(Option<ReplicaComm>),
+    /// Recovers the worker's replica group over ranks after an abandoned step (every rank does).
+    RecoverReplicaComm(Sender<Result<()>>),
     Shutdown,
 }
 
@@ -181,6 +206,7 @@ pub(crate) fn run(
     loss: Arc<dyn Loss>,
     commands: Receiver<Command>,
     core_slots: Option<Arc<CoreSlots>>,
+    mut replica: Option<ReplicaComm>,
 ) {
     let device = stages.first().map(|s| s.device.to_string()).unwrap_or_default();
     while let Ok(command) = commands.recv() {
@@ -189,8 +215,10 @@ pub(crate) fn run(
                 let mut guard = ReportGuard { device_idx, device: device.clone(), reports: &reports, sent: false };
                 let slots = core_slots.as_deref().filter(|_| job.use_core_slots);
                 let mut applied = false;
+                let replica = replica.as_ref().map(ReplicaComm::comm);
                 let report = catch_unwind(AssertUnwindSafe(|| {
-                    run_step(device_idx, &mut stages, loss.as_ref(), &mut job, &reports, slots, &mut applied)
+                    let ctx = RunCtx { device_idx, loss: loss.as_ref(), reports: &reports, core_slots: slots, replica };
+                    run_step(&ctx, &mut stages, &mut job, &mut applied)
                 }))
                 .unwrap_or_else(|payload| {
                     let message = panic_message(payload);
@@ -214,6 +242,14 @@ pub(crate) fn run(
                     stages.iter_mut().map(Stage::roll_back).fold(true, |all, restored| all & restored)
                 }));
                 let _ = answer.send(restored.unwrap_or(false));
+            }
+            Command::SetReplicaComm(comm) => replica = comm,
+            Command::RecoverReplicaComm(answer) => {
+                let outcome = match replica.as_mut() {
+                    Some(ReplicaComm::Ranks(group)) => group.recover(),
+                    _ => Ok(()),
+                };
+                let _ = answer.send(outcome);
             }
             Command::Shutdown => break,
         }
@@ -293,20 +329,21 @@ fn guarded_mut<T>(
     guarded(stage_idx, &device, FaultPoint::Op(op), Some(micro_batch_idx), fault, || f(stage))
 }
 
-fn run_step(
+/// What a step's run needs from the worker besides its stages and the job.
+struct RunCtx<'a> {
     device_idx: usize,
-    stages: &mut [Stage],
-    loss: &dyn Loss,
-    job: &mut StepJob,
-    reports: &Sender<Report>,
-    core_slots: Option<&CoreSlots>,
-    applied: &mut bool,
-) -> Report {
+    loss: &'a dyn Loss,
+    reports: &'a Sender<Report>,
+    core_slots: Option<&'a CoreSlots>,
+    replica: Option<&'a dyn crate::collective::Communicator>,
+}
+
+fn run_step(ctx: &RunCtx<'_>, stages: &mut [Stage], job: &mut StepJob, applied: &mut bool) -> Report {
+    let device_idx = ctx.device_idx;
     let mut events = Vec::with_capacity(job.program.len() * 2);
     let mut cpu_times = Vec::with_capacity(job.program.len());
     let mut outputs = Vec::new();
-    let outcome =
-        execute(device_idx, stages, loss, job, reports, core_slots, &mut events, &mut cpu_times, &mut outputs, applied);
+    let outcome = execute(ctx, stages, job, &mut events, &mut cpu_times, &mut outputs, applied);
     match outcome {
         Ok(()) => Report::Done {
             device_idx,
@@ -321,19 +358,16 @@ fn run_step(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn execute(
-    device_idx: usize,
+    run: &RunCtx<'_>,
     stages: &mut [Stage],
-    loss: &dyn Loss,
     job: &mut StepJob,
-    reports: &Sender<Report>,
-    core_slots: Option<&CoreSlots>,
     events: &mut Vec<TimelineEvent>,
     cpu_times: &mut Vec<super::OpCpuTime>,
     outputs: &mut Vec<(usize, Tensor)>,
     applied: &mut bool,
 ) -> std::result::Result<(), OpFailure> {
+    let (device_idx, loss, reports, core_slots) = (run.device_idx, run.loss, run.reports, run.core_slots);
     let ctx = StepCtx {
         step_idx: job.step_idx,
         seed: job.seed,
@@ -367,6 +401,16 @@ fn execute(
         if op == OpKind::OptimizerStep {
             if !job.training {
                 continue;
+            }
+            // Data parallelism: every replica's gradients summed into each (a fixed order, the same
+            // sum in every replica) before anything reads them.
+            if let Some(replica) = run.replica {
+                for stage in stages.iter_mut() {
+                    let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
+                    guarded(stage_idx, &device, FaultPoint::Prepare, None, job.fault, || {
+                        Ok(stage.all_reduce_gradients(replica)?)
+                    })?;
+                }
             }
             // The commit (see runtime/README.md). Prepare: everything that can fail, then vote.
             let mut sum_of_squares = 0.0;
@@ -441,10 +485,10 @@ fn execute(
                         })
                     })?;
                 if let Some(l) = loss_value {
-                    losses.push((micro_batch_idx, l));
+                    losses.push((job.micro_batch_offset + micro_batch_idx, l));
                 }
                 if let Some(out) = eval_output {
-                    outputs.push((micro_batch_idx, out));
+                    outputs.push((job.micro_batch_offset + micro_batch_idx, out));
                 }
                 send_all(job, &seat, stage_idx, micro_batch_idx, messages, false)?;
             }

@@ -229,14 +229,15 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         _ => None,
     };
     // With a rank per tensor-parallel shard the trace has a row per rank, named by its device.
-    let ranks_per_device = run.trainer.ranks_per_device();
-    let trace_labels: Vec<String> = match ranks_per_device {
+    // A row per worker (every replica's pipeline devices), or per device with a rank per shard.
+    let ranks_per_worker = run.trainer.ranks_per_worker();
+    let trace_labels: Vec<String> = match ranks_per_worker {
         1 => worker_labels.clone(),
         _ => run.trainer.devices().iter().map(Device::to_string).collect(),
     };
     let mut trace = match &spec.outputs.trace {
         Some(path) if writes_files => {
-            Some(outputs::TraceStream::create(path, n_devices * ranks_per_device, trace_labels, ranks.is_some())?)
+            Some(outputs::TraceStream::create(path, trace_labels.len(), trace_labels, ranks.is_some())?)
         }
         _ => None,
     };
@@ -345,7 +346,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             && let Some(trace) = trace.as_mut()
         {
             let origin_s = *trace_origin_s.get_or_insert(report.started_s);
-            trace.write_step(&report.timeline, &report.shard_events, ranks_per_device, report.started_s - origin_s);
+            trace.write_step(&report.timeline, &report.other_events, ranks_per_worker, report.started_s - origin_s);
         }
         if let Some(out) = metrics.as_mut() {
             let mut line = serde_json::json!({
@@ -486,7 +487,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             device_labels = worker_labels
                 .iter()
                 .enumerate()
-                .map(|(d, label)| format!("{label}, rank {}", d * ranks_per_device))
+                .map(|(d, label)| format!("{label}, rank {}", d * ranks_per_worker))
                 .collect();
         } else {
             last_step.events = last_step_events

@@ -252,15 +252,15 @@ impl TraceStream {
         Ok(TraceStream { writer: Some(writer), path: path.to_path_buf(), ops: 0, failed: None })
     }
 
-    /// Appends one step's timeline, its events placed `at_s` seconds after the trace's zero. With a
-    /// rank per tensor-parallel shard (`ranks_per_device` > 1) the trace has a row per rank: the
-    /// timeline's ops (pipeline device `d`) go to rank `d * ranks_per_device`'s row and
-    /// `shard_events` to their ranks' rows.
+    /// Appends one step's timeline, its events placed `at_s` seconds after the trace's zero: the
+    /// timeline's ops (replica 0's pipeline device `d`, shard 0) in row `d * ranks_per_worker`, and
+    /// `other_events` (other replicas and shards, [`conveyor::engine::runtime::StepReport`]) in
+    /// their rows: a row per rank.
     pub fn write_step(
         &mut self,
         timeline: &Timeline,
-        shard_events: &[(usize, TimelineEvent)],
-        ranks_per_device: usize,
+        other_events: &[(usize, TimelineEvent)],
+        ranks_per_worker: usize,
         at_s: f64,
     ) {
         let shifted = |e: &TimelineEvent, row: usize| TimelineEvent {
@@ -270,8 +270,8 @@ impl TraceStream {
             ..*e
         };
         let mut events: Vec<TimelineEvent> =
-            timeline.events.iter().map(|e| shifted(e, e.device_idx * ranks_per_device)).collect();
-        events.extend(shard_events.iter().map(|(rank, e)| shifted(e, *rank)));
+            timeline.events.iter().map(|e| shifted(e, e.device_idx * ranks_per_worker)).collect();
+        events.extend(other_events.iter().map(|(row, e)| shifted(e, *row)));
         events.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
         self.write(&events, &[]);
     }

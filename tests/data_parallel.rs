@@ -1,0 +1,200 @@
+//! Data-parallel replicas in one process (`TrainerBuilder::data_parallel`): two replicas of one
+//! device each train bit for bit what one device trains on the whole batch in two micro-batches;
+//! replicas of pipelines and of tensor-parallel groups train what one pipeline trains (within
+//! f32 rounding: the gradients are summed in another order); a fault in one replica fails the step
+//! in every replica with no parameter changed, and the next step trains; parameters, checkpoints
+//! and resumes go through replica 0 and reach every replica.
+mod common;
+
+use std::sync::Arc;
+
+use common::{data, even_stages, max_rel_diff, weights};
+use conveyor::Sequential;
+use conveyor::engine::graph::Graph;
+use conveyor::engine::optim::{OptimizerConfig, SgdConfig};
+use conveyor::engine::runtime::{FaultInjection, FaultPoint, Trainer};
+use conveyor::engine::{Device, Error};
+use conveyor::layers::CrossEntropyLoss;
+use conveyor::schedules::{OpKind, ScheduleKind};
+
+const ROWS: usize = 24;
+
+fn mlp() -> Graph {
+    Sequential::new([10]).linear(16).relu().linear(16).relu().linear(12).relu().linear(4).build(5).unwrap()
+}
+
+fn optimizers() -> [OptimizerConfig; 2] {
+    [OptimizerConfig::Sgd(SgdConfig::new(0.05).with_momentum(0.9)), OptimizerConfig::adam(0.01)]
+}
+
+/// `replicas` replicas of a pipeline of `stages` CPU devices, `micro_batches` each.
+fn replicated(
+    replicas: usize,
+    stages: usize,
+    micro_batches: usize,
+    schedule: ScheduleKind,
+    optimizer: OptimizerConfig,
+) -> Trainer {
+    resumed(replicas, stages, micro_batches, schedule, optimizer, None)
+}
+
+/// [`replicated`], resumed from a checkpoint when `path` is given.
+fn resumed(
+    replicas: usize,
+    stages: usize,
+    micro_batches: usize,
+    schedule: ScheduleKind,
+    optimizer: OptimizerConfig,
+    path: Option<&std::path::Path>,
+) -> Trainer {
+    let graph = mlp();
+    let stage_nodes = even_stages(&graph, stages);
+    let builder = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
+        .devices((0..replicas * stages).map(Device::cpu).collect())
+        .stages(stage_nodes)
+        .schedule(schedule, 1)
+        .micro_batches(micro_batches)
+        .optimizer(optimizer)
+        .seed(11);
+    let builder = if replicas > 1 { builder.data_parallel(replicas, |_, _| Ok(mlp())) } else { builder };
+    let builder = match path {
+        Some(path) => builder.resume(path),
+        None => builder,
+    };
+    builder.build().unwrap()
+}
+
+fn train(trainer: &mut Trainer, steps: usize) -> Vec<f64> {
+    (0..steps)
+        .map(|step| {
+            let (x, y) = data(ROWS, &[10], 4, step as u64);
+            trainer.train_step(&x, &y).unwrap().loss
+        })
+        .collect()
+}
+
+fn bits(losses: &[f64]) -> Vec<u64> {
+    losses.iter().map(|l| l.to_bits()).collect()
+}
+
+#[test]
+fn two_replicas_equal_one_device_with_two_micro_batches_bit_for_bit() {
+    for optimizer in optimizers() {
+        let mut one = replicated(1, 1, 2, ScheduleKind::OneFOneB, optimizer);
+        let mut two = replicated(2, 1, 1, ScheduleKind::OneFOneB, optimizer);
+        assert_eq!(two.replicas(), 2);
+        let (a, b) = (train(&mut one, 4), train(&mut two, 4));
+        assert_eq!(bits(&a), bits(&b), "{optimizer:?}: losses {a:?} against {b:?}");
+        assert_eq!(weights(&one), weights(&two), "{optimizer:?}: weights differ");
+        // The optimizer state too: what a checkpoint holds.
+        let state = |t: &Trainer| -> Vec<(String, Vec<u32>)> {
+            let tensors = t.optimizer_state().unwrap();
+            tensors.into_iter().map(|(n, t)| (n, t.to_vec_f32().iter().map(|v| v.to_bits()).collect())).collect()
+        };
+        assert_eq!(state(&one), state(&two), "{optimizer:?}: optimizer state differs");
+    }
+}
+
+#[test]
+fn replicated_pipelines_train_what_one_pipeline_trains() {
+    // 2 replicas x 2 stages x 2 micro-batches against one 2-stage pipeline with 4 micro-batches:
+    // the same samples in each micro-batch, the gradients summed in another order.
+    for schedule in [ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::ZbH2] {
+        let optimizer = OptimizerConfig::adam(0.01);
+        let mut one = replicated(1, 2, 4, schedule, optimizer);
+        let mut two = replicated(2, 2, 2, schedule, optimizer);
+        let (a, b) = (train(&mut one, 4), train(&mut two, 4));
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-6 * x.abs().max(1.0), "{schedule:?}: losses {a:?} against {b:?}");
+        }
+        let diff = max_rel_diff(&weights(&two), &weights(&one));
+        assert!(diff < 1e-5, "{schedule:?}: weights differ by {diff} (relative)");
+    }
+}
+
+#[test]
+fn a_fault_in_one_replica_fails_the_step_in_every_replica_and_the_next_step_trains() {
+    for (at, panic) in [
+        (FaultPoint::Op(OpKind::Forward), false),
+        (FaultPoint::Op(OpKind::Backward), true),
+        (FaultPoint::Prepare, false),
+        (FaultPoint::Apply, false),
+    ] {
+        let mut trainer = replicated(2, 2, 2, ScheduleKind::OneFOneB, OptimizerConfig::adam(0.01));
+        train(&mut trainer, 2);
+        let before = weights(&trainer);
+        let fault = FaultInjection { stage_idx: 1, at, micro_batch_idx: 1, panic };
+        trainer.inject_fault_in_replica(Some(fault), 1);
+        let (x, y) = data(ROWS, &[10], 4, 9);
+        let started = std::time::Instant::now();
+        let error = trainer.train_step(&x, &y).unwrap_err();
+        assert!(started.elapsed().as_secs_f64() < 5.0, "{at:?}: the failed step took {:?}", started.elapsed());
+        assert!(matches!(error, Error::StageFailed { stage_idx: 1, .. }), "{at:?}: {error}");
+        assert_eq!(weights(&trainer), before, "{at:?}: a parameter changed");
+        trainer.inject_fault(None);
+        // Every replica trains on: the next step succeeds, and the replicas still agree (a step
+        // on replica 0's parameters alone would give another loss than this reference's).
+        let mut reference = replicated(2, 2, 2, ScheduleKind::OneFOneB, OptimizerConfig::adam(0.01));
+        train(&mut reference, 2);
+        let (x, y) = data(ROWS, &[10], 4, 3);
+        let got = trainer.train_step(&x, &y).unwrap().loss;
+        let want = reference.train_step(&x, &y).unwrap().loss;
+        assert_eq!(got.to_bits(), want.to_bits(), "{at:?}: the step after the fault");
+        assert_eq!(weights(&trainer), weights(&reference), "{at:?}: weights after the next step");
+    }
+}
+
+#[test]
+fn parameters_load_and_checkpoints_reach_every_replica() {
+    let dir = std::env::temp_dir().join(format!("conveyor-data-parallel-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("one.safetensors");
+    // One device trains 2 steps and checkpoints; 2 replicas resume from it and train 2 more, as
+    // one device does: the same bits (each replica took the parameters and optimizer state).
+    let mut one = replicated(1, 1, 2, ScheduleKind::OneFOneB, OptimizerConfig::adam(0.01));
+    train(&mut one, 2);
+    one.checkpoint(&path).unwrap();
+    let mut two = resumed(2, 1, 1, ScheduleKind::OneFOneB, OptimizerConfig::adam(0.01), Some(&path));
+    let next = |t: &mut Trainer| -> Vec<f64> {
+        (2..4)
+            .map(|step| {
+                let (x, y) = data(ROWS, &[10], 4, step);
+                t.train_step(&x, &y).unwrap().loss
+            })
+            .collect()
+    };
+    let (a, b) = (next(&mut one), next(&mut two));
+    assert_eq!(bits(&a), bits(&b));
+    assert_eq!(weights(&one), weights(&two));
+    // Predictions are every replica's rows in order.
+    let (x, _) = data(ROWS, &[10], 4, 7);
+    assert!(one.predict(&x).unwrap().bit_eq(&two.predict(&x).unwrap()));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn layouts_that_do_not_fit_are_refused() {
+    let build = |devices: usize, replicas: usize| {
+        Trainer::builder(mlp(), Arc::new(CrossEntropyLoss::new()))
+            .devices((0..devices).map(Device::cpu).collect())
+            .data_parallel(replicas, |_, _| Ok(mlp()))
+            .build()
+    };
+    let error = build(3, 2).err().expect("3 devices for 2 replicas");
+    assert!(error.to_string().contains("replicas"), "{error}");
+    let error = build(2, 0).err().expect("0 replicas");
+    assert!(error.to_string().contains("replicas"), "{error}");
+    // A replica whose graph differs from replica 0's.
+    let error = Trainer::builder(mlp(), Arc::new(CrossEntropyLoss::new()))
+        .devices(vec![Device::cpu(0), Device::cpu(1)])
+        .data_parallel(2, |_, _| Ok(Sequential::new([10]).linear(4).build(5).unwrap()))
+        .build()
+        .err()
+        .expect("a different replica graph");
+    assert!(error.to_string().contains("differs from replica 0"), "{error}");
+    // Too few rows for every replica's micro-batches.
+    let mut two = replicated(2, 1, 2, ScheduleKind::OneFOneB, OptimizerConfig::adam(0.01));
+    let (x, y) = data(3, &[10], 4, 0);
+    let error = two.train_step(&x, &y).unwrap_err();
+    assert!(error.to_string().contains("replicas"), "{error}");
+}
