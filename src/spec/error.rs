@@ -171,6 +171,26 @@ pub enum SpecError {
         /// Devices used.
         devices: usize,
     },
+    /// `data_parallel` = 0 or over the device limit.
+    #[error("--data-parallel {replicas}: give 1 to {limit} replicas of the pipeline (pipeline.data_parallel)")]
+    DataParallelReplicas {
+        /// The replicas given.
+        replicas: usize,
+        /// [`crate::limits::MAX_DEVICES`].
+        limit: usize,
+    },
+    /// Devices that do not split into replicas of tensor-parallel groups.
+    #[error(
+        "--data-parallel {replicas} --tensor-parallel {tensor_parallel}: the {devices} devices do not split into {replicas} replicas of groups of {tensor_parallel}; give replicas x stages x {tensor_parallel} devices (pipeline.data_parallel)"
+    )]
+    DataParallelDevices {
+        /// The replicas given.
+        replicas: usize,
+        /// The tensor-parallel degree.
+        tensor_parallel: usize,
+        /// Devices used.
+        devices: usize,
+    },
     /// A placement other than `auto` with tensor parallelism.
     #[error("--placement FILE is not supported with --tensor-parallel yet; use --placement auto (pipeline.placement)")]
     TensorParallelPlacement,

@@ -163,6 +163,11 @@ pub struct PipelineSection {
     /// `tensor_parallel` (`--tensor-parallel`): devices per stage. Default 1.
     #[serde(with = "toml::wide")]
     pub tensor_parallel: usize,
+    /// `data_parallel` (`--data-parallel`): replicas of the pipeline, each on its own devices
+    /// (devices = replicas x stages x tensor_parallel, replica-major), each taking its share of
+    /// every batch; `microbatches` is per replica. Default 1.
+    #[serde(with = "toml::wide")]
+    pub data_parallel: usize,
     /// `placement` (`--placement`). Default auto.
     #[serde(with = "toml::placement")]
     pub placement: PlacementSpec,
@@ -190,6 +195,7 @@ impl Default for PipelineSection {
             device_memory: None,
             stages: None,
             tensor_parallel: 1,
+            data_parallel: 1,
             placement: PlacementSpec::Auto,
             schedule: ScheduleKind::OneFOneB,
             chunks: 1,

@@ -10,10 +10,9 @@ use super::validate::{model_spec, reason};
 use super::{PlacementSpec, RunSpec, SpecError, data, devices_used, total_steps};
 use crate::cli_input::{parse_devices, read_placement_file};
 use crate::data::Dataset;
-use crate::pipeline::{
-    PipelineConfig, build_trainer, build_trainer_tensor_parallel, build_trainer_with_plan, plan_by_time, plan_manually,
-};
+use crate::pipeline::{PipelineConfig, build_trainer_replicated, builder, plan_by_time, plan_manually, with_replicas};
 use crate::zoo::ModelSpec;
+use conveyor_engine::placement::Placement;
 
 /// A run ready to train: the trainer, its plan and data, and the run's schedule of batches and
 /// learning rates. [`PreparedRun::train_step`] takes one step of the run; the fields are public
@@ -102,12 +101,14 @@ impl RunSpec {
             seed: training.seed,
             core_slots: pipeline.core_slots,
         };
-        let pipeline_devices = devices.len() / k;
+        let replicas = pipeline.data_parallel;
+        let pipeline_devices = devices.len() / k / replicas;
         let (plan, trainer) = if k > 1 {
             drop(graph);
-            build_trainer_tensor_parallel(&model, training.seed, devices, k, &config)?
+            build_trainer_replicated(&model, training.seed, devices, k, replicas, &config)?
         } else {
-            place_and_build(graph, devices, &config, &pipeline.placement)?
+            let replicated = Replicated { replicas, model: model.clone(), seed: training.seed };
+            place_and_build(graph, devices, &config, &pipeline.placement, replicated)?
         };
         let mut spec = self.clone();
         spec.model.spec = Some(model_text);
@@ -131,18 +132,39 @@ impl RunSpec {
     }
 }
 
-/// Places the graph as `placement` says and starts the trainer.
+/// Data-parallel replicas of an unsplit model: how many, and what every replica's graph is built from.
+struct Replicated {
+    replicas: usize,
+    model: ModelSpec,
+    seed: u64,
+}
+
+/// Places the graph as `placement` says (for replica 0's devices) and starts the trainer, with
+/// `replicated`'s replicas on the other devices.
 fn place_and_build(
     graph: conveyor_engine::graph::Graph,
     devices: Vec<Device>,
     config: &PipelineConfig,
     placement: &PlacementSpec,
+    replicated: Replicated,
 ) -> Result<(Plan, Trainer), SpecError> {
+    let Replicated { replicas, model, seed } = replicated;
+    let first = devices[..devices.len() / replicas.max(1)].to_vec();
+    let start = |graph, placement: Placement| -> Result<Trainer, SpecError> {
+        let builder = with_replicas(builder(graph, devices, config), replicas, move |_, _| model.build(seed));
+        Ok(builder.placement(placement).build()?)
+    };
     let (stages, name) = match placement {
-        PlacementSpec::Auto => return Ok(build_trainer(graph, devices, config)?),
+        PlacementSpec::Auto => {
+            let trainer = start(graph, Placement::auto())?;
+            let plan = trainer.plan().cloned().ok_or_else(|| {
+                SpecError::from(conveyor_engine::Error::invalid("placement", "the trainer kept no plan"))
+            })?;
+            return Ok((plan, trainer));
+        }
         PlacementSpec::Time => {
-            let plan = plan_by_time(&graph, &devices, config)?;
-            let trainer = build_trainer_with_plan(graph, devices, &plan, config)?;
+            let plan = plan_by_time(&graph, &first, config)?;
+            let trainer = start(graph, Placement::Plan(Box::new(plan.clone())))?;
             return Ok((plan, trainer));
         }
         PlacementSpec::File(path) => (read_placement_file(path)?, path.display().to_string()),
@@ -150,9 +172,9 @@ fn place_and_build(
     };
     // The same memory model as `auto`: measured layer memory, the recompute mode, the undo
     // snapshot and caches kept only where they fit.
-    let plan = plan_manually(&graph, &stages, &devices, config)
+    let plan = plan_manually(&graph, &stages, &first, config)
         .map_err(|source| SpecError::Placement { placement: name, source: Box::new(source) })?;
-    let trainer = build_trainer_with_plan(graph, devices, &plan, config)?;
+    let trainer = start(graph, Placement::Plan(Box::new(plan.clone())))?;
     Ok((plan, trainer))
 }
 

@@ -24,6 +24,7 @@ const FLAGS: &[(&str, &str)] = &[
     ("pipeline.device_memory", "--device-memory"),
     ("pipeline.stages", "--stages"),
     ("pipeline.tensor_parallel", "--tensor-parallel"),
+    ("pipeline.data_parallel", "--data-parallel"),
     ("pipeline.placement", "--placement"),
     ("pipeline.schedule", "--schedule"),
     ("pipeline.chunks", "--chunks"),

@@ -52,6 +52,9 @@ impl RunSpec {
             return Err(SpecError::ChunksNeedInterleaved { chunks: pipeline.chunks, schedule: pipeline.schedule });
         }
         stages_needed(pipeline.stages, pipeline.tensor_parallel)?;
+        if !(1..=MAX_DEVICES).contains(&pipeline.data_parallel) {
+            return Err(SpecError::DataParallelReplicas { replicas: pipeline.data_parallel, limit: MAX_DEVICES });
+        }
         if pipeline.tensor_parallel > 1 && pipeline.placement != PlacementSpec::Auto {
             return Err(SpecError::TensorParallelPlacement);
         }
@@ -178,8 +181,15 @@ fn stages_needed(stages: Option<usize>, tensor_parallel: usize) -> Result<Option
 /// stages, is within [`MAX_STAGES`].
 pub fn devices_used(spec: &RunSpec, n_devices: usize) -> Result<usize, SpecError> {
     let pipeline = &spec.pipeline;
-    let k = pipeline.tensor_parallel;
-    let used = match (stages_needed(pipeline.stages, k)?, pipeline.stages) {
+    let (k, replicas) = (pipeline.tensor_parallel, pipeline.data_parallel.max(1));
+    let needed = stages_needed(pipeline.stages, k)?
+        .map(|n| {
+            n.checked_mul(replicas)
+                .filter(|&n| n <= MAX_DEVICES)
+                .ok_or(SpecError::DataParallelReplicas { replicas, limit: MAX_DEVICES })
+        })
+        .transpose()?;
+    let used = match (needed, pipeline.stages) {
         (Some(needed), Some(stages)) if needed > n_devices => {
             return Err(SpecError::StagesNeedDevices {
                 stages,
@@ -192,10 +202,13 @@ pub fn devices_used(spec: &RunSpec, n_devices: usize) -> Result<usize, SpecError
         (Some(needed), _) => needed,
         (None, _) => n_devices,
     };
-    if (used / k).checked_mul(pipeline.chunks).is_none_or(|n| n > MAX_STAGES) {
+    if replicas > 1 && !used.is_multiple_of(replicas * k) {
+        return Err(SpecError::DataParallelDevices { replicas, tensor_parallel: k, devices: used });
+    }
+    if (used / k / replicas).checked_mul(pipeline.chunks).is_none_or(|n| n > MAX_STAGES) {
         return Err(SpecError::ChunksOverLimit {
             chunks: pipeline.chunks,
-            pipeline_devices: used / k,
+            pipeline_devices: used / k / replicas,
             limit: MAX_STAGES,
         });
     }

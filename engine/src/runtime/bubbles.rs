@@ -267,7 +267,9 @@ impl Trainer {
     /// the last one's), under its schedule, on this machine's cores, with its devices' names.
     /// `conveyor train` prints this for its last 5 steps.
     pub fn bubbles(&self, reports: &[StepReport]) -> Result<BubbleReport> {
-        let names: Vec<String> = self.devices().iter().map(ToString::to_string).collect();
+        // The time line is replica 0's pipeline (its devices named), on the machine's cores.
+        let n_devices = self.schedule().n_devices() * self.tensor_parallel();
+        let names: Vec<String> = self.devices()[..n_devices].iter().map(ToString::to_string).collect();
         let cores = match self.transport.world_size() {
             1 => available_cores(),
             // Ranks are processes the launcher binds to cores of their own (a rank sees only its
@@ -387,8 +389,10 @@ pub fn bubbles_over(
         }
         _ => None,
     };
-    let group_size = match last.peak_memory.len() {
-        n if n > n_workers && n % n_workers == 0 => n / n_workers,
+    // Devices per worker: from the names given (one pipeline's devices), else from the peaks.
+    let group_size = match (device_names.len(), last.peak_memory.len()) {
+        (n, _) if n >= n_workers && n % n_workers == 0 => n / n_workers,
+        (_, n) if n > n_workers && n % n_workers == 0 => n / n_workers,
         _ => 1,
     };
     let name = |idx: usize| device_names.get(idx).cloned().unwrap_or_else(|| format!("device {idx}"));

@@ -64,6 +64,11 @@ pub struct TrainArgs {
     /// [default: 1]
     #[arg(long, value_name = "K")]
     pub tensor_parallel: Option<usize>,
+    /// Data parallelism: R replicas of the pipeline, each on its own devices (devices = R x stages
+    /// x K, replica-major), each taking 1/R of every batch (--microbatches is per replica); the
+    /// gradients are summed across replicas before every step. [default: 1]
+    #[arg(long, value_name = "R")]
+    pub data_parallel: Option<usize>,
     /// Placement of layers on stages: `auto` (minimise the slowest stage under the budgets, from
     /// FLOP estimates), `time` (the same from layer times measured on this machine first:
     /// balance by time), or a file as `conveyor plan --placement` reads: one line per stage
@@ -238,6 +243,7 @@ impl TrainArgs {
         }
         set_some(&mut pipeline.stages, &self.stages);
         set(&mut pipeline.tensor_parallel, &self.tensor_parallel);
+        set(&mut pipeline.data_parallel, &self.data_parallel);
         if let Some(text) = &self.placement {
             pipeline.placement = PlacementSpec::from_text(text);
         }

@@ -140,8 +140,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let model_text = run.model_text().to_string();
     let optimizer = run.optimizer;
     let base_lr = run.base_lr();
-    // The pipeline's width: one worker per group of --tensor-parallel devices.
+    // The pipeline's width: one worker per group of --tensor-parallel devices (in each replica).
     let n_devices = run.pipeline_devices;
+    let replicas = run.trainer.replicas();
     // One label per worker: its device, or its group of devices joined with `+`.
     let worker_labels: Vec<String> = run
         .trainer
@@ -192,15 +193,23 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let test = run.test.take();
     let first_step = state.step;
     outln!(
-        "conveyor train: {model_text} on {} ({} train rows{}), {n_devices} device(s), {schedule}{}, {} micro-batches of {} rows, {} lr {base_lr} ({lr_schedule})",
+        "conveyor train: {model_text} on {} ({} train rows{}), {n_devices} device(s){}, {schedule}{}, {} micro-batches of {} rows{}, {} lr {base_lr} ({lr_schedule})",
         spec.data.source,
         run.train.len(),
         test.as_ref().map(|t| format!(", {} test rows", t.len())).unwrap_or_default(),
+        if replicas > 1 { format!(" x {replicas} data-parallel replicas") } else { String::new() },
         if spec.pipeline.chunks > 1 { format!(" x{} chunks", spec.pipeline.chunks) } else { String::new() },
         microbatches,
-        batch.div_ceil(microbatches),
+        batch.div_ceil(replicas * microbatches),
+        if replicas > 1 { " per replica" } else { "" },
         optimizer.name(),
     );
+    if replicas > 1 {
+        for replica in 1..replicas {
+            let labels = &worker_labels[replica * n_devices..(replica + 1) * n_devices];
+            outln!("  replica {replica} on {}: the same stages", labels.join(", "));
+        }
+    }
     for stage in &run.plan.stages {
         outln!(
             "  stage {} on {}: {} ({} parameters)",
@@ -325,7 +334,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         let eval_now = spec.training.eval_every.is_some_and(|n| (step + 1) % n == 0);
         // None also when a signal stopped the evaluation midway.
         let eval_accuracy = match (&test, eval_now) {
-            (Some(test), true) => summary::accuracy(&mut run.trainer, test, batch, microbatches, || {
+            (Some(test), true) => summary::accuracy(&mut run.trainer, test, batch, replicas * microbatches, || {
                 Ok(agreed_stop(ranks.as_ref())?.is_some())
             })?,
             _ => None,
@@ -407,9 +416,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let wall_s = started.elapsed().as_secs_f64();
     // A stopped run skips the final evaluation: the user asked for the outputs, now.
     let accuracy = match (&test, interrupted) {
-        (Some(test), None) => {
-            summary::accuracy(&mut trainer, test, batch, microbatches, || Ok(agreed_stop(ranks.as_ref())?.is_some()))?
-        }
+        (Some(test), None) => summary::accuracy(&mut trainer, test, batch, replicas * microbatches, || {
+            Ok(agreed_stop(ranks.as_ref())?.is_some())
+        })?,
         _ => None,
     };
     if let Some(recorder) = &recorder {
@@ -478,13 +487,22 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         attempt(trace.finish().map(|ops| outln!("wrote a trace of {ops} ops to {}", path.display())));
     }
     if let Some(path) = spec.outputs.svg.as_ref().filter(|_| writes_files) {
-        let mut last_step = Timeline::new(n_devices, sched.n_stages());
-        let mut device_labels = worker_labels.clone();
+        // In one process every worker's ops (every replica's); across ranks replica 0's pipeline.
+        let rows = if ranks.is_some() { n_devices } else { worker_labels.len() };
+        let mut last_step = Timeline::new(rows, sched.n_stages());
+        let mut device_labels: Vec<String> = worker_labels
+            .iter()
+            .enumerate()
+            .map(|(w, label)| match replicas {
+                1 => label.clone(),
+                _ => format!("{label}, replica {}", w / n_devices),
+            })
+            .collect();
         if ranks.is_some() {
             // The last step's gathered timeline, already from the step's start; rank d runs device d
             // (rows `device 1 (cpu:1, rank 1)`).
             last_step.events = last_report.as_ref().map(|r| r.timeline.events.clone()).unwrap_or_default();
-            device_labels = worker_labels
+            device_labels = worker_labels[..n_devices]
                 .iter()
                 .enumerate()
                 .map(|(d, label)| format!("{label}, rank {}", d * ranks_per_worker))
