@@ -133,6 +133,17 @@ fn drive() -> Result<()> {
             result,
         );
     }
+    // Data-parallel replicas across ranks: a rank per worker (replica x pipeline device), and a
+    // rank per device with tensor-parallel groups (2 replicas x 2 stages x 2 shards = 8 ranks).
+    for (ranks, devices, extra) in [
+        (2, "cpu:2", vec!["--microbatches", "1"]),
+        (4, "cpu:4", vec!["--stages", "2", "--schedule", "zb-h2", "--microbatches", "2"]),
+        (4, "cpu:8", vec!["--stages", "2", "--tensor-parallel", "2", "--microbatches", "2"]),
+        (8, "cpu:8", vec!["--stages", "2", "--tensor-parallel", "2", "--microbatches", "2"]),
+    ] {
+        let result = h.equivalence_data_parallel(ranks, devices, &extra);
+        h.record(&format!("equivalence --data-parallel 2 {} on {devices}: -n {ranks}", extra.join(" ")), result);
+    }
 
     println!("== world size");
     let result = h.world_size();
@@ -343,6 +354,25 @@ impl Harness {
         ))
     }
 
+    /// `mpirun -n ranks` with 2 data-parallel replicas (the cnn) against the same layout in one
+    /// process: every tensor of the checkpoint bit for bit, and a trace row per rank.
+    fn equivalence_data_parallel(&self, ranks: usize, devices: &str, extra: &[&str]) -> Result<String> {
+        let mut args =
+            strings(&["--model", "cnn", "--devices", devices, "--data-parallel", "2", "--steps", "5", "--batch", "64"]);
+        args.extend(strings(extra));
+        let name = format!("dp-{ranks}-{}", extra.join("").replace("--", "-"));
+        let (mpi, local) =
+            (self.path(&format!("{name}-mpi.safetensors")), self.path(&format!("{name}-local.safetensors")));
+        let trace = self.path(&format!("{name}.trace.json"));
+        let t0 = Instant::now();
+        self.train_ok(Some(ranks), &with_path(&with_path(&args, "--checkpoint", &mpi), "--trace", &trace))?;
+        let mpi_s = t0.elapsed().as_secs_f64();
+        self.train_ok(None, &with_path(&args, "--checkpoint", &local))?;
+        let same = same_tensors(&mpi, &local)?;
+        let rows = trace_rows(&trace, ranks)?;
+        Ok(format!("{same}; a trace row for each of the {rows} ranks (mpirun {mpi_s:.2} s)"))
+    }
+
     /// `mpirun -n devices` with a rank per tensor-parallel shard against the same layout in one
     /// process: every tensor of the checkpoint (parameters and Adam's state) bit for bit.
     fn equivalence_rank_per_shard(&self, model: &str, devices: usize, k: usize, schedule: &str) -> Result<String> {
@@ -381,21 +411,27 @@ impl Harness {
         for kind in [Kind::Error, Kind::Panic] {
             for at in points {
                 for stage_idx in [1, 0] {
-                    cases.push(FaultCase { ranks: 2, kind, at: Some(at), victim: stage_idx, per_shard: false });
+                    cases.push(FaultCase { ranks: 2, kind, at: Some(at), victim: stage_idx, layout: Layout::Pipeline });
                 }
             }
         }
         for at in points {
-            cases.push(FaultCase { ranks: 2, kind: Kind::Kill, at: Some(at), victim: 1, per_shard: false });
+            cases.push(FaultCase { ranks: 2, kind: Kind::Kill, at: Some(at), victim: 1, layout: Layout::Pipeline });
         }
         cases.push(FaultCase {
             ranks: 2,
             kind: Kind::Kill,
             at: Some(FaultAt::Op(OpKind::Forward)),
             victim: 0,
-            per_shard: false,
+            layout: Layout::Pipeline,
         });
-        cases.push(FaultCase { ranks: 2, kind: Kind::Kill, at: Some(FaultAt::Apply), victim: 0, per_shard: false });
+        cases.push(FaultCase {
+            ranks: 2,
+            kind: Kind::Kill,
+            at: Some(FaultAt::Apply),
+            victim: 0,
+            layout: Layout::Pipeline,
+        });
         for (kind, at, victim) in [
             (Kind::Error, FaultAt::Op(OpKind::Forward), 2),
             (Kind::Panic, FaultAt::Receive, 3),
@@ -405,7 +441,7 @@ impl Harness {
             (Kind::Kill, FaultAt::Op(OpKind::Backward), 2),
             (Kind::Kill, FaultAt::Vote, 3),
         ] {
-            cases.push(FaultCase { ranks: 4, kind, at: Some(at), victim, per_shard: false });
+            cases.push(FaultCase { ranks: 4, kind, at: Some(at), victim, layout: Layout::Pipeline });
         }
         // A rank per tensor-parallel shard (2 stages x 2 shards): the struck rank is one shard, the
         // other shard of its stage waits for it inside the split layers' collectives.
@@ -415,23 +451,33 @@ impl Harness {
             (Kind::Error, FaultAt::Apply, 3),
             (Kind::Kill, FaultAt::Op(OpKind::Forward), 3),
         ] {
-            cases.push(FaultCase { ranks: 4, kind, at: Some(at), victim, per_shard: true });
+            cases.push(FaultCase { ranks: 4, kind, at: Some(at), victim, layout: Layout::PerShard });
         }
-        cases.push(FaultCase { ranks: 2, kind: Kind::MainPanic, at: None, victim: 1, per_shard: false });
-        cases.push(FaultCase { ranks: 2, kind: Kind::Exit, at: None, victim: 1, per_shard: false });
-        cases.push(FaultCase { ranks: 4, kind: Kind::MainPanic, at: None, victim: 2, per_shard: false });
-        cases.push(FaultCase { ranks: 4, kind: Kind::Exit, at: None, victim: 0, per_shard: false });
+        // Two data-parallel replicas of 2 stages (4 ranks): the struck rank is one replica's; the
+        // other replica waits for it in the gradient all-reduce.
+        for (kind, at, victim) in [
+            (Kind::Error, FaultAt::Op(OpKind::Forward), 3),
+            (Kind::Panic, FaultAt::Prepare, 2),
+            (Kind::Error, FaultAt::Apply, 1),
+            (Kind::Kill, FaultAt::Op(OpKind::Backward), 2),
+        ] {
+            cases.push(FaultCase { ranks: 4, kind, at: Some(at), victim, layout: Layout::Replicas });
+        }
+        cases.push(FaultCase { ranks: 2, kind: Kind::MainPanic, at: None, victim: 1, layout: Layout::Pipeline });
+        cases.push(FaultCase { ranks: 2, kind: Kind::Exit, at: None, victim: 1, layout: Layout::Pipeline });
+        cases.push(FaultCase { ranks: 4, kind: Kind::MainPanic, at: None, victim: 2, layout: Layout::Pipeline });
+        cases.push(FaultCase { ranks: 4, kind: Kind::Exit, at: None, victim: 0, layout: Layout::Pipeline });
 
         let mut references = std::collections::BTreeMap::new();
         let mut rows = Vec::new();
         for (i, case) in cases.into_iter().enumerate() {
             let case_dir = self.dir.join(format!("fault-{i}"));
-            let key = (case.ranks, case.per_shard);
+            let key = (case.ranks, case.layout);
             let reference = match references.get(&key) {
                 Some(path) => Ok(PathBuf::clone(path)),
                 None => {
-                    let path = self.path(&format!("fault-reference-{}-{}.safetensors", case.ranks, case.per_shard));
-                    fault_free_reference(case.ranks, case.per_shard, &path).map(|()| {
+                    let path = self.path(&format!("fault-reference-{}-{:?}.safetensors", case.ranks, case.layout));
+                    fault_free_reference(case.ranks, case.layout, &path).map(|()| {
                         references.insert(key, path.clone());
                         path
                     })
@@ -515,11 +561,8 @@ fn print_fault_table(rows: &[FaultRow]) {
 
 /// The parameters and optimizer state after [`STEPS_BEFORE_FAULT`] fault-free steps of the fault
 /// cases' model, trained in this process on `ranks` devices, written to `path`.
-fn fault_free_reference(ranks: usize, per_shard: bool, path: &Path) -> Result<()> {
-    let mut trainer = match per_shard {
-        true => per_shard_fault_trainer(ranks)?,
-        false => fault_trainer(ranks, Arc::new(InProcess))?,
-    };
+fn fault_free_reference(ranks: usize, layout: Layout, path: &Path) -> Result<()> {
+    let mut trainer = layout.trainer(ranks, Arc::new(InProcess))?;
     for step in 0..STEPS_BEFORE_FAULT {
         trainer.step(fault_batch(step)?)?;
     }
@@ -550,10 +593,10 @@ fn run_fault_case(case: &FaultCase, dir: &Path, reference: &Path) -> Result<Faul
                 ensure!(text.starts_with("error: "), "rank {rank}'s faulty step did not fail: {text}");
                 texts.push(text);
             }
-            let named = match case.per_shard {
-                // The struck rank, never the shard of its stage freed from waiting for it.
-                true => vec![format!("rank {}", case.victim)],
-                false => vec![format!("stage {}", case.victim), format!("rank {}", case.victim)],
+            let named = match case.layout {
+                // The struck rank, never the rank freed from waiting for it.
+                Layout::PerShard | Layout::Replicas => vec![format!("rank {}", case.victim)],
+                Layout::Pipeline => vec![format!("stage {}", case.victim), format!("rank {}", case.victim)],
             };
             ensure!(
                 named.iter().any(|n| texts[0].contains(n.as_str())),
@@ -690,18 +733,19 @@ struct FaultCase {
     kind: Kind,
     at: Option<FaultAt>,
     victim: usize,
-    /// A rank per tensor-parallel shard (2 stages x `ranks / 2` shards); `victim` is then a rank.
-    per_shard: bool,
+    /// How the ranks are laid out; with a rank per shard or replicas `victim` is a rank.
+    layout: Layout,
 }
 
 impl FaultCase {
     fn name(&self) -> String {
         match self.at {
-            Some(at) if self.per_shard => format!(
-                "{} at {} on rank {} (a rank per shard), {} ranks",
+            Some(at) if self.layout != Layout::Pipeline => format!(
+                "{} at {} on rank {} ({}), {} ranks",
                 self.kind.name(),
                 at.name(),
                 self.victim,
+                self.layout.name(),
                 self.ranks
             ),
             Some(at) => format!("{} at {} on stage {}, {} ranks", self.kind.name(), at.name(), self.victim, self.ranks),
@@ -709,10 +753,10 @@ impl FaultCase {
         }
     }
 
-    /// `kind;point;victim;per_shard;dir`.
+    /// `kind;point;victim;layout;dir`.
     fn encode(&self, dir: &Path) -> String {
         let (kind, at) = (self.kind.name(), self.at.map_or("-", FaultAt::name));
-        format!("{kind};{at};{};{};{}", self.victim, self.per_shard, dir.display())
+        format!("{kind};{at};{};{:?};{}", self.victim, self.layout, dir.display())
     }
 
     fn decode(text: &str) -> Result<(FaultCase, PathBuf)> {
@@ -723,9 +767,13 @@ impl FaultCase {
         let at = next()?;
         let at = FaultAt::ALL.into_iter().find(|a| a.name() == at);
         let victim = next()?.parse()?;
-        let per_shard = next()?.parse()?;
+        let layout = next()?;
+        let layout = Layout::ALL
+            .into_iter()
+            .find(|l| format!("{l:?}") == layout)
+            .ok_or_else(|| anyhow!("unknown layout `{layout}`"))?;
         let dir = PathBuf::from(next()?);
-        Ok((FaultCase { ranks: 0, kind, at, victim, per_shard }, dir))
+        Ok((FaultCase { ranks: 0, kind, at, victim, layout }, dir))
     }
 }
 
@@ -760,6 +808,52 @@ fn fault_trainer(n: usize, transport: Arc<dyn Transport>) -> Result<Trainer> {
         .micro_batches(4)
         .optimizer(OptimizerConfig::adam(0.01))
         .build()?)
+}
+
+/// How a fault case's ranks are laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Layout {
+    /// One stage per rank.
+    Pipeline,
+    /// 2 stages of `ranks / 2` tensor-parallel shards, a rank per shard.
+    PerShard,
+    /// 2 data-parallel replicas of `ranks / 2` stages, a rank per stage.
+    Replicas,
+}
+
+impl Layout {
+    const ALL: [Layout; 3] = [Layout::Pipeline, Layout::PerShard, Layout::Replicas];
+
+    fn name(self) -> &'static str {
+        match self {
+            Layout::Pipeline => "a stage per rank",
+            Layout::PerShard => "a rank per shard",
+            Layout::Replicas => "2 replicas",
+        }
+    }
+
+    /// The case's trainer on `ranks` CPU devices (in one process with [`InProcess`]).
+    fn trainer(self, ranks: usize, transport: Arc<dyn Transport>) -> Result<Trainer> {
+        match self {
+            Layout::Pipeline => fault_trainer(ranks, transport),
+            Layout::PerShard => per_shard_fault_trainer(ranks),
+            Layout::Replicas => {
+                let graph = fault_model()?;
+                let stages = even_stages(&graph, ranks / 2)?;
+                Ok(Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
+                    .transport(transport)
+                    .devices((0..ranks).map(Device::cpu).collect())
+                    .data_parallel(2, |_, _| {
+                        Sequential::new([16]).linear(32).relu().linear(32).relu().linear(32).relu().linear(4).build(0)
+                    })
+                    .stages(stages)
+                    .schedule(ScheduleKind::OneFOneB, 1)
+                    .micro_batches(2)
+                    .optimizer(OptimizerConfig::adam(0.01))
+                    .build()?)
+            }
+        }
+    }
 }
 
 /// The per-shard fault cases' trainer: `mlp:16,32,32,32,4` on cpu:`n` in 2 stages of `n / 2`
@@ -829,10 +923,7 @@ fn rank_program(text: &str) -> Result<()> {
             default_hook(info);
         }));
     }
-    let mut trainer = match case.per_shard {
-        true => per_shard_fault_trainer(ranks)?,
-        false => fault_trainer(ranks, transport::process_transport())?,
-    };
+    let mut trainer = case.layout.trainer(ranks, transport::process_transport())?;
     for step in 0..STEPS_BEFORE_FAULT {
         trainer.step(fault_batch(step)?)?;
     }
@@ -848,9 +939,10 @@ fn rank_program(text: &str) -> Result<()> {
         _ => {}
     }
     // With a rank per shard every shard's rank holds the stage: strike the victim rank alone.
-    let (strikes_here, stage_idx) = match case.per_shard {
-        true => (rank == case.victim, case.victim / (ranks / 2)),
-        false => (true, case.victim),
+    let (strikes_here, stage_idx) = match case.layout {
+        Layout::PerShard => (rank == case.victim, case.victim / (ranks / 2)),
+        Layout::Replicas => (rank == case.victim, case.victim % 2),
+        Layout::Pipeline => (true, case.victim),
     };
     if let Some(at) = case.at.filter(|_| strikes_here) {
         trainer.inject_fault(Some(FaultInjection {
@@ -1013,7 +1105,7 @@ fn same_tensors(a: &Path, b: &Path) -> Result<String> {
     Ok(format!("{} tensors, {values} values bit for bit equal", left_names.len()))
 }
 
-/// Checks that a Perfetto trace names `ranks` processes `rank r (cpu:r)` and holds ops in each;
+/// Checks that a Perfetto trace names `ranks` processes `rank r (cpu:...)` and holds ops in each;
 /// returns the number of ranks.
 fn trace_rows(path: &Path, ranks: usize) -> Result<usize> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -1021,9 +1113,12 @@ fn trace_rows(path: &Path, ranks: usize) -> Result<usize> {
     let events = json.get("traceEvents").and_then(|e| e.as_array()).context("traceEvents")?;
     for rank in 0..ranks {
         let pid = serde_json::json!(rank);
-        let name = format!("rank {rank} (cpu:{rank})");
+        let name = format!("rank {rank} (cpu:");
         let named = events.iter().any(|e| {
-            e["ph"] == "M" && e["name"] == "process_name" && e["pid"] == pid && e["args"]["name"] == name.as_str()
+            e["ph"] == "M"
+                && e["name"] == "process_name"
+                && e["pid"] == pid
+                && e["args"]["name"].as_str().is_some_and(|n| n.starts_with(name.as_str()))
         });
         ensure!(named, "the trace names no process `{name}`");
         let ops = events.iter().filter(|e| e["ph"] == "X" && e["pid"] == pid).count();
