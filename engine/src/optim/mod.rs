@@ -232,6 +232,32 @@ impl Optimizer {
         Ok(())
     }
 
+    /// [`Optimizer::prepare_all`] for the parameters with `owned[i]` only (ZeRO-1: this replica
+    /// updates its shard of the parameters, and the others keep no state here).
+    pub fn prepare_owned(&mut self, params: &[&Tensor], grads: &[&Tensor], owned: &[bool]) -> Result<()> {
+        if owned.len() != params.len() {
+            return Err(Error::invalid(
+                "owned",
+                format!("{} flags for {} parameters; give one per parameter", owned.len(), params.len()),
+            ));
+        }
+        let pick = |all: &[&'_ Tensor]| -> Vec<usize> { (0..all.len()).filter(|&i| owned[i]).collect() };
+        if params.len() != self.states.len() || grads.len() != self.states.len() {
+            return self.prepare_all(params, grads);
+        }
+        for param_idx in pick(params) {
+            if let Err(error) = self.prepare(param_idx, params[param_idx], grads[param_idx]) {
+                for state in &mut self.states[..=param_idx] {
+                    if state.step == 0 {
+                        *state = ParamState::default();
+                    }
+                }
+                return Err(error);
+            }
+        }
+        Ok(())
+    }
+
     /// Updates parameter `param_idx` after [`Optimizer::prepare_all`] checked the same operands.
     pub fn apply_prepared(&mut self, param_idx: usize, param: &mut Tensor, grad: &Tensor) -> Result<()> {
         if param_idx >= self.states.len() {

@@ -7,7 +7,7 @@ use crossbeam::channel;
 
 use super::super::CoreSlotPolicy;
 use super::super::core_slots::CoreSlots;
-use super::super::stage::{NodeExec, Route, Stage};
+use super::super::stage::{NodeExec, Route, Stage, ZeroShards};
 use super::super::worker::{self, ReplicaComm};
 use super::{REPORT_TIMEOUT, StageInfo, Trainer, TrainerBuilder, WorkerHandle};
 use crate::collective::{ProcessGroup, TransportGroup};
@@ -41,6 +41,13 @@ impl TrainerBuilder {
             ));
         }
         let replicas = self.replicas;
+        if self.zero > 1 {
+            return Err(Error::invalid(
+                "zero",
+                format!("ZeRO stage {}: only 0 (no sharding) and 1 (optimizer state) are built", self.zero),
+            ));
+        }
+        let zero = self.zero == 1 && replicas > 1;
         let groups: Vec<Vec<Device>> = self.devices.chunks(k).map(<[Device]>::to_vec).collect();
         if replicas == 0 || !groups.len().is_multiple_of(replicas) {
             return Err(Error::invalid(
@@ -308,6 +315,16 @@ impl TrainerBuilder {
                 // shard 0; the other replicas hold copies of every gradient (after the all-reduce).
                 stage.counts_unsplit = shard == 0;
                 stage.counts_in_norm = replica == 0;
+                if zero {
+                    let node_bytes: Vec<u64> = nodes
+                        .iter()
+                        .map(|&id| {
+                            let shapes = reference_shapes(&reference, graph, id);
+                            shapes.iter().map(|s| 4 * s.numel() as u64).sum()
+                        })
+                        .collect();
+                    stage.zero = Some(ZeroShards::balanced(replica, replicas, &node_bytes));
+                }
                 per_worker[worker].push(stage);
             }
         }
@@ -381,6 +398,7 @@ impl TrainerBuilder {
         state.apply(Trainer {
             workers,
             replicas,
+            zero,
             replica_abort,
             transport: self.transport,
             round: 0,
@@ -424,6 +442,21 @@ fn structure(graph: &crate::graph::Graph) -> Result<Vec<(String, Vec<(String, cr
             Ok((name, graph.layer(id).map(|l| l.export_parameter_shapes()).unwrap_or_default()))
         })
         .collect()
+}
+
+/// The unsplit parameter shapes of node `id` as recorded in `reference` ([`structure`]), which
+/// every rank and replica shares (a layer already taken from `graph` is found there).
+fn reference_shapes(
+    reference: &[(String, Vec<(String, crate::Shape)>)],
+    graph: &crate::graph::Graph,
+    id: NodeId,
+) -> Vec<crate::Shape> {
+    let name = graph.node(id).map(|n| n.name.clone()).unwrap_or_default();
+    reference
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, shapes)| shapes.iter().map(|(_, s)| s.clone()).collect())
+        .unwrap_or_default()
 }
 
 /// Seconds since the Unix epoch on this machine's clock.

@@ -206,10 +206,31 @@ impl Trainer {
                 abort.take();
             }
         }
-        // Every local worker finishes: applied, failed or aborted.
+        // Every local worker finishes: applied, failed or aborted. A failure now (the apply phase)
+        // must free the workers of other replicas or ranks that wait for this one in the apply
+        // phase's broadcasts (ZeRO-1).
+        let mut late_notified = local.failure.is_some();
         while local_workers.iter().any(|&d| !local.finished[d]) {
-            let report = reports.recv_timeout(REPORT_TIMEOUT).map_err(lost)?;
-            local.absorb(report, true);
+            select! {
+                recv(reports) -> report => {
+                    let report = report.map_err(|_| lost(channel::RecvTimeoutError::Disconnected))?;
+                    local.absorb(report, true);
+                    if local.failure.is_some() && !late_notified {
+                        late_notified = true;
+                        self.replica_abort.iter().for_each(|group| group.abort(0, "the step was abandoned"));
+                        if world > 1 {
+                            crate::collective::interrupt_waits();
+                            for peer in (0..world).filter(|&p| p != self.transport.rank()) {
+                                let _ = self.transport.send(peer, Tag { round, channel: ABORT_CHANNEL }, Vec::new());
+                            }
+                        }
+                    }
+                }
+                recv(peer_abort) -> _ => {
+                    crate::collective::interrupt_waits();
+                }
+                default(REPORT_TIMEOUT) => return Err(lost(channel::RecvTimeoutError::Timeout)),
+            }
         }
         drop(abort);
         let mut finish = std::mem::take(&mut local.finish);

@@ -71,6 +71,10 @@ pub(crate) struct Stage {
     /// Whether the gradient norm counts this stage at all (false in data-parallel replicas other
     /// than 0, whose gradients equal replica 0's after the all-reduce).
     pub counts_in_norm: bool,
+    /// ZeRO-1 across data-parallel replicas: which replica updates each node's parameters (and
+    /// alone keeps their optimizer state), and this stage's replica. `None`: every replica
+    /// updates every parameter.
+    pub zero: Option<ZeroShards>,
     /// Per node, per input: whether the input takes a gradient. An input neither on this stage
     /// nor received from another (a graph input, such as the data) takes none.
     input_needs_grad: Vec<Vec<bool>>,
@@ -145,6 +149,7 @@ impl Stage {
             peak_activation_bytes: 0,
             counts_unsplit: true,
             counts_in_norm: true,
+            zero: None,
         }
     }
 
@@ -453,7 +458,10 @@ impl Stage {
             let params: Vec<&Tensor> =
                 self.nodes.iter().flat_map(|n| n.layer.parameters().iter().map(|p| &p.value)).collect();
             let grad_refs: Vec<&Tensor> = self.nodes.iter().flat_map(|n| n.grads.iter()).collect();
-            self.optimizer.prepare_all(&params, &grad_refs)?;
+            match &self.zero {
+                Some(zero) => self.optimizer.prepare_owned(&params, &grad_refs, &zero.owned_params(&self.nodes))?,
+                None => self.optimizer.prepare_all(&params, &grad_refs)?,
+            }
         }
         for node in &mut self.nodes {
             // Only a shared parameter needs `parameters_mut` (which marks derived copies stale).
@@ -473,17 +481,38 @@ impl Stage {
     /// with the global norm and applies the optimizer. After [`Stage::prepare_commit`] nothing
     /// here allocates; an error (or panic) is still possible from a GPU kernel launch, a custom
     /// layer or an injected fault, and [`Stage::roll_back`] then restores the stage exactly.
-    pub fn apply_commit(&mut self, max_norm: Option<f64>, global_norm: f64) -> Result<()> {
+    ///
+    /// With ZeRO-1 ([`Stage::zero`]) only this replica's nodes are updated; every other parameter is
+    /// then broadcast from the replica that updated it (`replicas`, one rank per replica), the old
+    /// values kept in the undo snapshot as for an update.
+    pub fn apply_commit(
+        &mut self,
+        max_norm: Option<f64>,
+        global_norm: f64,
+        replicas: Option<&dyn crate::collective::Communicator>,
+    ) -> Result<()> {
         let mut grads: Vec<&mut Tensor> = self.nodes.iter_mut().flat_map(|n| n.grads.iter_mut()).collect();
         if let Some(max_norm) = max_norm {
             crate::optim::clip_grads_with_norm(&mut grads, max_norm, global_norm)?;
         }
+        let zero = self.zero.clone();
         // Each layer refreshes its derived copies right after its own update, while its weight
         // is still in cache. A refresh that fails leaves the copies stale, which layers treat as
         // absent (they are an optimization): the update itself stands.
         let mut param_idx = 0;
-        for node in &mut self.nodes {
+        for (node_idx, node) in self.nodes.iter_mut().enumerate() {
             let NodeExec { layer, grads, name, .. } = node;
+            if zero.as_ref().is_some_and(|z| !z.owns(node_idx)) {
+                // Another replica updates this node; its new values arrive below.
+                for p in layer.parameters_mut().iter_mut() {
+                    if let Some(undo) = self.undo.as_mut() {
+                        std::mem::swap(&mut p.value, &mut undo.params[param_idx]);
+                        undo.holds_old[param_idx] = true;
+                    }
+                    param_idx += 1;
+                }
+                continue;
+            }
             for (p, g) in layer.parameters_mut().iter_mut().zip(grads.iter()) {
                 match self.undo.as_mut() {
                     // Out of place: the old values stay in the snapshot's spares.
@@ -504,6 +533,21 @@ impl Stage {
             }
             if let Err(error) = layer.refresh() {
                 tracing::warn!(node = %name, %error, "derived copies not refreshed; the layer runs without them");
+            }
+        }
+        let Some(zero) = zero else { return Ok(()) };
+        let comm = replicas.ok_or_else(|| {
+            Error::invalid("ZeRO-1", "a stage with sharded optimizer state has no group of its replicas")
+        })?;
+        for (node_idx, node) in self.nodes.iter_mut().enumerate() {
+            let owner = zero.owners[node_idx];
+            for p in node.layer.parameters_mut().iter_mut() {
+                comm.broadcast(p.value.as_f32_mut()?, owner)?;
+            }
+            if !zero.owns(node_idx)
+                && let Err(error) = node.layer.refresh()
+            {
+                tracing::warn!(node = %node.name, %error, "derived copies not refreshed; the layer runs without them");
             }
         }
         Ok(())
@@ -539,6 +583,47 @@ impl Stage {
         self.nodes
             .iter()
             .flat_map(|n| n.layer.parameters().iter().map(move |p| (format!("{}.{}", n.name, p.name), &p.value)))
+    }
+}
+
+/// ZeRO-1 for one stage of one replica: the replica that updates each node's parameters.
+#[derive(Clone, Debug)]
+pub(crate) struct ZeroShards {
+    /// This stage's replica.
+    pub replica: usize,
+    /// Per node of the stage (in stage order), the replica that owns it.
+    pub owners: Vec<usize>,
+}
+
+impl ZeroShards {
+    /// Owners for `node_bytes` (each node's parameter bytes) over `replicas`: each node in turn
+    /// to the replica with the fewest bytes so far (the lowest index on a tie), the same on every
+    /// replica.
+    pub fn balanced(replica: usize, replicas: usize, node_bytes: &[u64]) -> ZeroShards {
+        let mut load = vec![0u64; replicas.max(1)];
+        let owners = node_bytes
+            .iter()
+            .map(|&bytes| {
+                let owner = (0..load.len()).min_by_key(|&r| (load[r], r)).expect("at least one replica");
+                load[owner] += bytes;
+                owner
+            })
+            .collect();
+        ZeroShards { replica, owners }
+    }
+
+    /// Whether this replica updates node `node_idx`.
+    pub fn owns(&self, node_idx: usize) -> bool {
+        self.owners.get(node_idx) == Some(&self.replica)
+    }
+
+    /// Per parameter of `nodes` (in stage order), whether this replica updates it.
+    pub fn owned_params(&self, nodes: &[NodeExec]) -> Vec<bool> {
+        nodes
+            .iter()
+            .enumerate()
+            .flat_map(|(i, n)| std::iter::repeat_n(self.owns(i), n.layer.parameters().len()))
+            .collect()
     }
 }
 

@@ -57,6 +57,7 @@ pub struct TrainerBuilder {
     transport: Arc<dyn Transport>,
     replicas: usize,
     replica_graphs: Option<ReplicaGraphs>,
+    zero: u8,
 }
 
 /// Builds replica `r`'s graph on its devices ([`TrainerBuilder::data_parallel`]).
@@ -117,6 +118,18 @@ impl TrainerBuilder {
     ) -> Self {
         self.replicas = replicas;
         self.replica_graphs = Some(Box::new(build_replica));
+        self
+    }
+
+    /// ZeRO stage (0 or 1, default 0) for data-parallel replicas ([`TrainerBuilder::data_parallel`]):
+    /// with 1 the optimizer state is sharded across the replicas. Each stage's layers are dealt
+    /// out to the replicas by parameter bytes (the next layer to the replica with the fewest so
+    /// far); a replica keeps optimizer state and takes the update only for its own layers, and
+    /// broadcasts their new values to the others. The gradients are all-reduced as without it, so
+    /// the weights and the optimizer state are bit for bit those of unsharded replicas, with about
+    /// `1 / replicas` of the optimizer state per device.
+    pub fn zero(mut self, stage: u8) -> Self {
+        self.zero = stage;
         self
     }
 
@@ -228,6 +241,8 @@ pub struct Trainer {
     pub(super) workers: Vec<Option<WorkerHandle>>,
     /// Data-parallel replicas of the pipeline ([`TrainerBuilder::data_parallel`]).
     pub(super) replicas: usize,
+    /// Whether the replicas shard the optimizer state ([`TrainerBuilder::zero`]).
+    pub(super) zero: bool,
     /// Per local worker, in order, its replica group's handle when the in-process replicas' groups
     /// must be rebuilt after an abandoned step (see `coordinator.rs`).
     pub(super) replica_abort: Vec<crate::collective::GroupAbort>,
@@ -336,6 +351,7 @@ impl Trainer {
             transport: crate::transport::process_transport(),
             replicas: 1,
             replica_graphs: None,
+            zero: 0,
         }
     }
 
@@ -383,6 +399,11 @@ impl Trainer {
     /// Data-parallel replicas of the pipeline ([`TrainerBuilder::data_parallel`]; 1 without).
     pub fn replicas(&self) -> usize {
         self.replicas
+    }
+
+    /// The ZeRO stage in use: 1 when the replicas shard the optimizer state, else 0.
+    pub fn zero(&self) -> u8 {
+        u8::from(self.zero)
     }
 
     /// The worker of pipeline device `device_idx` in replica `replica`.

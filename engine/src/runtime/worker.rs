@@ -436,7 +436,7 @@ fn execute(
                 for stage in stages.iter_mut() {
                     let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
                     guarded(stage_idx, &device, FaultPoint::Apply, None, job.fault, || {
-                        Ok(stage.apply_commit(job.max_grad_norm, commit.global_norm)?)
+                        Ok(stage.apply_commit(job.max_grad_norm, commit.global_norm, run.replica)?)
                     })?;
                 }
                 Ok(())
