@@ -19,7 +19,11 @@ pub fn assert_close(what: &str, actual: &[f64], expected: &[f64]) {
     let scale = expected.iter().fold(0.0f64, |m, v| m.max(v.abs()));
     for (i, (a, e)) in actual.iter().zip(expected).enumerate() {
         let bound = RELATIVE_TOLERANCE * (e.abs() + scale) + ABSOLUTE_TOLERANCE;
-        assert!((a - e).abs() <= bound, "{what}[{i}]: got {a}, expected {e} (|diff| {} > bound {bound})", (a - e).abs());
+        assert!(
+            (a - e).abs() <= bound,
+            "{what}[{i}]: got {a}, expected {e} (|diff| {} > bound {bound})",
+            (a - e).abs()
+        );
     }
 }
 
@@ -88,7 +92,14 @@ pub type Reference<'a> = &'a dyn Fn(&[Vec<f64>], &[Vec<f64>]) -> Vec<f64>;
 /// `backward_weight` against central finite differences (step [`FD_STEP`]) of
 /// `L = Σ g ⊙ reference(x, θ)` for a seeded random `g`, all within [`assert_close`]'s bound.
 /// Also checks that `backward_weight` adds into its gradients (calling it twice doubles them).
-pub fn check_layer(name: &str, layer: &dyn Layer, inputs: &[Input], ctx: ForwardCtx, reference: Reference<'_>, seed: u64) {
+pub fn check_layer(
+    name: &str,
+    layer: &dyn Layer,
+    inputs: &[Input],
+    ctx: ForwardCtx,
+    reference: Reference<'_>,
+    seed: u64,
+) {
     let mut rng = conveyor_engine::init::rng(seed);
     let tensors: Vec<Tensor> = inputs.iter().map(|i| tensor(&i.values, &i.shape)).collect();
     let refs: Vec<&Tensor> = tensors.iter().collect();
