@@ -126,12 +126,6 @@ impl Dims {
         start..start + self.block_len()
     }
 
-    /// Range of sample `b`'s `[tokens, head_dim]` rows of block `(w, h)`.
-    fn sample(&self, which: usize, head: usize, b: usize) -> std::ops::Range<usize> {
-        let start = self.block(which, head).start + b * self.tokens * self.head_dim;
-        start..start + self.tokens * self.head_dim
-    }
-
     /// The attention kernel's sizes.
     fn kernel(&self, causal: bool) -> AttentionDims {
         AttentionDims { batch: self.batch, tokens: self.tokens, n_heads: self.n_heads, head_dim: self.head_dim, causal }
