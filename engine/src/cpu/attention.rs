@@ -186,6 +186,13 @@ unsafe fn gemm<V: Lanes>(
     let mut r = 0;
     // SAFETY (all calls): rows r..r+R < m of a and c, columns < n, as the caller guarantees.
     unsafe {
+        // 8 rows where the ISA has 32 registers (16 accumulators at most), else 4.
+        if V::N >= 16 {
+            while r + 8 <= m {
+                gemm_rows::<V, 8>(n, k, a.add(r * lda), lda, b, ldb, c.add(r * ldc), ldc, accumulate);
+                r += 8;
+            }
+        }
         while r + 4 <= m {
             gemm_rows::<V, 4>(n, k, a.add(r * lda), lda, b, ldb, c.add(r * ldc), ldc, accumulate);
             r += 4;
