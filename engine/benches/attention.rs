@@ -9,7 +9,8 @@
 //! it (two GEMMs forward, five backward, probabilities `[H, B, T, T]` kept), copied here as the
 //! "before" figure.
 //!
-//! Run alone: `cargo bench -p conveyor-engine --bench attention` (prints `op ns_per_call` lines).
+//! Run alone: `cargo bench -p conveyor-engine --bench attention` (prints `op ns_per_call` lines;
+//! `BENCH_ONLY=attn` or `BENCH_ONLY=maxpool` runs one half).
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -108,7 +109,9 @@ fn attention_old(
 }
 
 fn main() {
-    for (tokens, batch) in [(16usize, 256usize), (128, 32), (512, 8)] {
+    // `BENCH_ONLY=maxpool` (or `attn`) runs one half.
+    let only = std::env::var("BENCH_ONLY").unwrap_or_default();
+    for (tokens, batch) in [(16usize, 256usize), (128, 32), (512, 8)].into_iter().filter(|_| "attn".contains(&*only)) {
         for head_dim in [8usize, 64] {
             let dims = AttentionDims { batch, tokens, n_heads: 4, head_dim, causal: false };
             let qkv = values(dims.qkv_len(), 1.0);
@@ -125,7 +128,7 @@ fn main() {
             println!("attn_old_t{tokens}_d{head_dim} {old:.0}");
         }
     }
-    for (name, channels) in [("cnn", 32usize), ("resnet", 8)] {
+    for (name, channels) in [("cnn", 32usize), ("resnet", 8)].into_iter().filter(|_| "maxpool".contains(&*only)) {
         let planes = 256 * channels;
         let window = Window2d::new(channels, (8, 8), (2, 2), (2, 2), (0, 0)).unwrap();
         let x = values(planes * 64, 1.0);

@@ -93,16 +93,20 @@ fn max_pool_plane_unpadded(plane: &[f32], window: &Window2d, kh: usize, kw: usiz
         let row_start = out_row * sh * in_w;
         for (out_col, (out, arg)) in out.iter_mut().zip(arg.iter_mut()).enumerate() {
             let start = row_start + out_col * sw;
-            let mut best_idx = start;
+            // Positions fit u32 (planes are below MAX_POOL_PLANE_LIMIT), whose conversion to f32
+            // is one instruction where usize's is not.
+            let mut best_idx = start as u32;
             let mut best = plane[start];
             for kernel_row in 0..kh {
                 for kernel_col in 0..kw {
                     if kernel_row + kernel_col > 0 {
                         let idx = start + kernel_row * in_w + kernel_col;
                         let v = plane[idx];
-                        let take = v > best || v.is_nan();
-                        best = if take { v } else { best };
-                        best_idx = if take { idx } else { best_idx };
+                        // All-ones where v replaces the running maximum; blended as bits so the
+                        // compiler emits no data-dependent branch (random data would mispredict).
+                        let take = 0u32.wrapping_sub(u32::from(v > best || v.is_nan()));
+                        best = f32::from_bits((v.to_bits() & take) | (best.to_bits() & !take));
+                        best_idx = (idx as u32 & take) | (best_idx & !take);
                     }
                 }
             }
