@@ -1,5 +1,6 @@
 //! CPU kernels on f32 slices, single-threaded (one device is one core). Tensors and layers call these.
 pub mod activation;
+pub mod attention;
 pub mod conv;
 pub mod conv_weight;
 pub mod elementwise;

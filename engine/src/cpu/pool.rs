@@ -1,6 +1,12 @@
 //! Pooling kernels over `n_planes` planes (batch x channels) of one size: max pooling with saved
 //! argmax positions, average pooling (padding counted in the divisor, PyTorch's
 //! `count_include_pad=True`), and global average pooling.
+//!
+//! Without padding every window lies inside the plane, so the window loops need no bounds
+//! checks: those planes take a branch-free path (the running maximum and its position by
+//! selects, no `Option`s), with the common 2×2 and 3×3 kernels unrolled. It visits the window
+//! in the same order and applies the same rule as the general path, so the results are the
+//! same bit for bit; padded windows take the general path.
 use super::window::{Window2d, check_len};
 use crate::{Error, Result};
 
@@ -34,6 +40,16 @@ pub fn max_pool2d_forward(
     check_len("max_pool2d", "argmax", n_planes * out_h * out_w, argmax.len())?;
     let planes = input.chunks_exact(window.in_plane_len().max(1));
     let outs = output.chunks_exact_mut(out_h * out_w).zip(argmax.chunks_exact_mut(out_h * out_w));
+    if is_unpadded(window) {
+        for (plane, (out, arg)) in planes.zip(outs) {
+            match (window.kernel_height, window.kernel_width) {
+                (2, 2) => max_pool_plane_unpadded(plane, window, 2, 2, out, arg),
+                (3, 3) => max_pool_plane_unpadded(plane, window, 3, 3, out, arg),
+                (kh, kw) => max_pool_plane_unpadded(plane, window, kh, kw, out, arg),
+            }
+        }
+        return Ok(());
+    }
     for (plane, (out, arg)) in planes.zip(outs) {
         for out_row in 0..out_h {
             for out_col in 0..out_w {
@@ -61,6 +77,45 @@ pub fn max_pool2d_forward(
     Ok(())
 }
 
+/// Whether every window lies inside the plane (no padding), for the unchecked paths.
+fn is_unpadded(window: &Window2d) -> bool {
+    window.pad_height == 0 && window.pad_width == 0
+}
+
+/// One plane of [`max_pool2d_forward`] without padding: the window's first element, then each
+/// later one taken where `v > best || v.is_nan()`, as selects. `kh`, `kw` are constants where
+/// the caller passes literals (this function is inlined), so those windows unroll.
+#[inline(always)]
+fn max_pool_plane_unpadded(plane: &[f32], window: &Window2d, kh: usize, kw: usize, out: &mut [f32], arg: &mut [f32]) {
+    let (out_w, in_w) = (window.out_width(), window.in_width);
+    let (sh, sw) = (window.stride_height, window.stride_width);
+    for (out_row, (out, arg)) in out.chunks_exact_mut(out_w).zip(arg.chunks_exact_mut(out_w)).enumerate() {
+        let row_start = out_row * sh * in_w;
+        for (out_col, (out, arg)) in out.iter_mut().zip(arg.iter_mut()).enumerate() {
+            let start = row_start + out_col * sw;
+            // Positions fit u32 (planes are below MAX_POOL_PLANE_LIMIT), whose conversion to f32
+            // is one instruction where usize's is not.
+            let mut best_idx = start as u32;
+            let mut best = plane[start];
+            for kernel_row in 0..kh {
+                for kernel_col in 0..kw {
+                    if kernel_row + kernel_col > 0 {
+                        let idx = start + kernel_row * in_w + kernel_col;
+                        let v = plane[idx];
+                        // All-ones where v replaces the running maximum; blended as bits so the
+                        // compiler emits no data-dependent branch (random data would mispredict).
+                        let take = 0u32.wrapping_sub(u32::from(v > best || v.is_nan()));
+                        best = f32::from_bits((v.to_bits() & take) | (best.to_bits() & !take));
+                        best_idx = (idx as u32 & take) | (best_idx & !take);
+                    }
+                }
+            }
+            *out = best;
+            *arg = best_idx as f32;
+        }
+    }
+}
+
 /// Max pooling's input gradient: adds each output gradient onto the input position recorded in
 /// `argmax` (`input_grad += scatter(grad_output)`).
 pub fn max_pool2d_backward(
@@ -80,9 +135,11 @@ pub fn max_pool2d_backward(
         .zip(argmax.chunks_exact(out_plane))
         .zip(input_grad.chunks_exact_mut(in_plane.max(1)))
     {
-        for (gv, &a) in g.iter().zip(arg) {
-            if a >= 0.0 && (a as usize) < in_plane {
-                dst[a as usize] += *gv;
+        for (&gv, &a) in g.iter().zip(arg) {
+            // `a` is -1 for a window entirely in padding (no gradient); `as usize` saturates.
+            let idx = a as usize;
+            if a >= 0.0 && idx < in_plane {
+                dst[idx] += gv;
             }
         }
     }
@@ -96,7 +153,28 @@ pub fn avg_pool2d_forward(input: &[f32], n_planes: usize, window: &Window2d, out
     check_len("avg_pool2d", "input", n_planes * window.in_plane_len(), input.len())?;
     check_len("avg_pool2d", "output", n_planes * out_h * out_w, output.len())?;
     let scale = 1.0 / (window.kernel_height * window.kernel_width) as f32;
-    for (plane, out) in input.chunks_exact(window.in_plane_len().max(1)).zip(output.chunks_exact_mut(out_h * out_w)) {
+    let planes = input.chunks_exact(window.in_plane_len().max(1)).zip(output.chunks_exact_mut(out_h * out_w));
+    if is_unpadded(window) {
+        let (kh, kw, in_w) = (window.kernel_height, window.kernel_width, window.in_width);
+        let (sh, sw) = (window.stride_height, window.stride_width);
+        for (plane, out) in planes {
+            for (out_row, out) in out.chunks_exact_mut(out_w).enumerate() {
+                for (out_col, out) in out.iter_mut().enumerate() {
+                    let start = out_row * sh * in_w + out_col * sw;
+                    // The general path's order: rows, then columns, from +0.0.
+                    let mut sum = 0.0;
+                    for kernel_row in 0..kh {
+                        for &x in &plane[start + kernel_row * in_w..][..kw] {
+                            sum += x;
+                        }
+                    }
+                    *out = sum * scale;
+                }
+            }
+        }
+        return Ok(());
+    }
+    for (plane, out) in planes {
         for out_row in 0..out_h {
             for out_col in 0..out_w {
                 let mut sum = 0.0;
@@ -126,9 +204,25 @@ pub fn avg_pool2d_backward(
     check_len("avg_pool2d_backward", "grad_output", n_planes * out_h * out_w, grad_output.len())?;
     check_len("avg_pool2d_backward", "input_grad", n_planes * window.in_plane_len(), input_grad.len())?;
     let scale = 1.0 / (window.kernel_height * window.kernel_width) as f32;
-    for (g, plane) in
-        grad_output.chunks_exact(out_h * out_w).zip(input_grad.chunks_exact_mut(window.in_plane_len().max(1)))
-    {
+    let planes = grad_output.chunks_exact(out_h * out_w).zip(input_grad.chunks_exact_mut(window.in_plane_len().max(1)));
+    if is_unpadded(window) {
+        let (kh, kw, in_w) = (window.kernel_height, window.kernel_width, window.in_width);
+        let (sh, sw) = (window.stride_height, window.stride_width);
+        for (g, plane) in planes {
+            for (out_row, g) in g.chunks_exact(out_w).enumerate() {
+                for (out_col, &g) in g.iter().enumerate() {
+                    let share = g * scale;
+                    let start = out_row * sh * in_w + out_col * sw;
+                    // The general path's order, so overlapping windows add in the same order.
+                    for kernel_row in 0..kh {
+                        plane[start + kernel_row * in_w..][..kw].iter_mut().for_each(|x| *x += share);
+                    }
+                }
+            }
+        }
+        return Ok(());
+    }
+    for (g, plane) in planes {
         for out_row in 0..out_h {
             for out_col in 0..out_w {
                 let share = g[out_row * out_w + out_col] * scale;
@@ -204,6 +298,83 @@ mod tests {
         max_pool2d_forward(&[f32::NAN, 1.0, f32::NAN, 2.0], 1, &w, &mut out, &mut arg).unwrap();
         assert!(out[0].is_nan());
         assert_eq!(arg, vec![2.0]);
+    }
+
+    /// Seeded values with many ties (a few distinct levels) and some NaNs.
+    fn tied_values(n: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                match state % 23 {
+                    0 => f32::NAN,
+                    r => (r % 5) as f32 - 2.0 + ((state >> 32) % 3) as f32 * 0.25,
+                }
+            })
+            .collect()
+    }
+
+    /// The general (bounds-checked) loops, written out: what the unpadded paths must equal bit
+    /// for bit.
+    fn reference(input: &[f32], planes: usize, w: &Window2d, grad: &[f32]) -> [Vec<f32>; 5] {
+        let (out_h, out_w) = (w.out_height(), w.out_width());
+        let (mut out, mut arg, mut avg) = (vec![], vec![], vec![]);
+        let mut max_grad = vec![0.0; input.len()];
+        let mut avg_grad = vec![0.0; input.len()];
+        let scale = 1.0 / (w.kernel_height * w.kernel_width) as f32;
+        for p in 0..planes {
+            let plane = &input[p * w.in_plane_len()..][..w.in_plane_len()];
+            for i in 0..out_h * out_w {
+                let (mut best, mut best_idx, mut sum) = (f32::NEG_INFINITY, usize::MAX, 0.0f32);
+                for kr in 0..w.kernel_height {
+                    let Some(r) = w.input_row(i / out_w, kr) else { continue };
+                    for kc in 0..w.kernel_width {
+                        let Some(c) = w.input_col(i % out_w, kc) else { continue };
+                        let v = plane[r * w.in_width + c];
+                        sum += v;
+                        if best_idx == usize::MAX || v > best || v.is_nan() {
+                            (best, best_idx) = (v, r * w.in_width + c);
+                        }
+                        avg_grad[p * w.in_plane_len() + r * w.in_width + c] += grad[p * out_h * out_w + i] * scale;
+                    }
+                }
+                out.push(best);
+                arg.push(best_idx as f32);
+                avg.push(sum * scale);
+                max_grad[p * w.in_plane_len() + best_idx] += grad[p * out_h * out_w + i];
+            }
+        }
+        [out, arg, avg, max_grad, avg_grad]
+    }
+
+    #[test]
+    fn unpadded_paths_equal_the_general_loops_bit_for_bit() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (kh, kw) in [(1, 1), (2, 2), (3, 3), (2, 3), (4, 1)] {
+            for (sh, sw) in [(1, 1), (2, 2), (3, 1)] {
+                let (planes, height, width) = (3, 7, 9);
+                let w = Window2d::new(1, (height, width), (kh, kw), (sh, sw), (0, 0)).unwrap();
+                let input = tied_values(planes * height * width, (kh * 10 + sh) as u64);
+                let n_out = planes * w.out_plane_len();
+                let grad = tied_values(n_out, 99).iter().map(|g| if g.is_nan() { 0.5 } else { *g }).collect::<Vec<_>>();
+                let [out, arg, avg, max_grad, avg_grad] = reference(&input, planes, &w, &grad);
+                let (mut got, mut got_arg, mut got_avg) = (vec![0.0; n_out], vec![0.0; n_out], vec![0.0; n_out]);
+                max_pool2d_forward(&input, planes, &w, &mut got, &mut got_arg).unwrap();
+                avg_pool2d_forward(&input, planes, &w, &mut got_avg).unwrap();
+                let mut got_max_grad = vec![0.0; input.len()];
+                max_pool2d_backward(&grad, &got_arg, planes, &w, &mut got_max_grad).unwrap();
+                let mut got_avg_grad = vec![0.0; input.len()];
+                avg_pool2d_backward(&grad, planes, &w, &mut got_avg_grad).unwrap();
+                let what = format!("kernel {kh}x{kw} stride {sh}x{sw}");
+                assert_eq!(bits(&got), bits(&out), "{what} max");
+                assert_eq!(bits(&got_arg), bits(&arg), "{what} argmax");
+                assert_eq!(bits(&got_avg), bits(&avg), "{what} avg");
+                assert_eq!(bits(&got_max_grad), bits(&max_grad), "{what} max grad");
+                assert_eq!(bits(&got_avg_grad), bits(&avg_grad), "{what} avg grad");
+            }
+        }
     }
 
     #[test]
