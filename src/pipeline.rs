@@ -218,20 +218,22 @@ pub fn build_trainer_tensor_parallel(
     tensor_parallel: usize,
     config: &PipelineConfig,
 ) -> Result<(Plan, Trainer)> {
-    build_trainer_replicated(spec, seed, devices, tensor_parallel, 1, config)
+    build_trainer_replicated(spec, seed, devices, tensor_parallel, 1, 0, config)
 }
 
 /// [`build_trainer_tensor_parallel`] with `replicas` data-parallel replicas of the pipeline
 /// (`TrainerBuilder::data_parallel`): `devices` are `replicas x pipeline devices x
 /// tensor_parallel`, replica-major; the plan is made for replica 0's devices and every replica's
 /// graph is built from `seed` with its layers split over its own groups. With `tensor_parallel`
-/// 1 nothing is split and the plan is the automatic one ([`plan`]).
+/// 1 nothing is split and the plan is the automatic one ([`plan`]). `zero` 1 shards the
+/// optimizer state across the replicas (`TrainerBuilder::zero`).
 pub fn build_trainer_replicated(
     spec: &ModelSpec,
     seed: u64,
     devices: Vec<Device>,
     tensor_parallel: usize,
     replicas: usize,
+    zero: u8,
     config: &PipelineConfig,
 ) -> Result<(Plan, Trainer)> {
     let k = tensor_parallel;
@@ -248,7 +250,7 @@ pub fn build_trainer_replicated(
     if k == 1 {
         let graph = spec.build(seed)?;
         let owned = spec.clone();
-        let trainer = with_replicas(builder(graph, devices, config), replicas, move |_, _| owned.build(seed))
+        let trainer = with_replicas(builder(graph, devices, config), replicas, zero, move |_, _| owned.build(seed))
             .placement(Placement::auto())
             .build()?;
         let plan = trainer.plan().cloned().ok_or_else(|| Error::invalid("placement", "the trainer kept no plan"))?;
@@ -278,7 +280,7 @@ pub fn build_trainer_replicated(
     let build_replica = move |_: usize, replica_devices: &[Device]| {
         owned.build_split_on(seed, &splits_on(replica_devices)?, here.as_ref())
     };
-    let trainer = with_replicas(builder(graph, devices, config), replicas, build_replica)
+    let trainer = with_replicas(builder(graph, devices, config), replicas, zero, build_replica)
         .tensor_parallel(k)
         .stages(stages)
         .derived_caches(plan.derived_caches())
@@ -287,14 +289,16 @@ pub fn build_trainer_replicated(
     Ok((plan, trainer))
 }
 
-/// `builder` with `replicas` data-parallel replicas built by `build_replica` (unchanged for one).
+/// `builder` with `replicas` data-parallel replicas built by `build_replica`, sharding the
+/// optimizer state across them with `zero` 1 (`TrainerBuilder::zero`); unchanged for one replica.
 pub fn with_replicas(
     builder: TrainerBuilder,
     replicas: usize,
+    zero: u8,
     build_replica: impl Fn(usize, &[Device]) -> Result<Graph> + 'static,
 ) -> TrainerBuilder {
     match replicas {
         1 => builder,
-        _ => builder.data_parallel(replicas, build_replica),
+        _ => builder.data_parallel(replicas, build_replica).zero(zero),
     }
 }

@@ -3,7 +3,9 @@
 //! replicas of pipelines and of tensor-parallel groups train what one pipeline trains (within
 //! f32 rounding: the gradients are summed in another order); a fault in one replica fails the step
 //! in every replica with no parameter changed, and the next step trains; parameters, checkpoints
-//! and resumes go through replica 0 and reach every replica.
+//! and resumes go through replica 0 and reach every replica. With ZeRO-1 (optimizer state sharded
+//! across the replicas) the weights and the optimizer state are bit for bit the unsharded ones,
+//! with each replica holding part of the state.
 mod common;
 
 use std::sync::Arc;
@@ -47,6 +49,19 @@ fn resumed(
     optimizer: OptimizerConfig,
     path: Option<&std::path::Path>,
 ) -> Trainer {
+    with_zero(replicas, stages, micro_batches, schedule, optimizer, path, 0)
+}
+
+/// [`resumed`] with ZeRO stage `zero`.
+fn with_zero(
+    replicas: usize,
+    stages: usize,
+    micro_batches: usize,
+    schedule: ScheduleKind,
+    optimizer: OptimizerConfig,
+    path: Option<&std::path::Path>,
+    zero: u8,
+) -> Trainer {
     let graph = mlp();
     let stage_nodes = even_stages(&graph, stages);
     let builder = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
@@ -55,6 +70,7 @@ fn resumed(
         .schedule(schedule, 1)
         .micro_batches(micro_batches)
         .optimizer(optimizer)
+        .zero(zero)
         .seed(11);
     let builder = if replicas > 1 { builder.data_parallel(replicas, |_, _| Ok(mlp())) } else { builder };
     let builder = match path {
@@ -197,4 +213,73 @@ fn layouts_that_do_not_fit_are_refused() {
     let (x, y) = data(3, &[10], 4, 0);
     let error = two.train_step(&x, &y).unwrap_err();
     assert!(error.to_string().contains("replicas"), "{error}");
+}
+
+/// Every optimizer-state tensor, sorted by name, as bits.
+fn state_bits(trainer: &Trainer) -> Vec<(String, Vec<u32>)> {
+    let mut tensors = trainer.optimizer_state().unwrap();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    tensors.into_iter().map(|(n, t)| (n, t.to_vec_f32().iter().map(|v| v.to_bits()).collect())).collect()
+}
+
+#[test]
+fn zero_one_trains_what_unsharded_replicas_train_with_part_of_the_state_on_each() {
+    for optimizer in optimizers() {
+        for stages in [1, 2] {
+            let mut plain = with_zero(2, stages, 2, ScheduleKind::OneFOneB, optimizer, None, 0);
+            let mut sharded = with_zero(2, stages, 2, ScheduleKind::OneFOneB, optimizer, None, 1);
+            assert_eq!((plain.zero(), sharded.zero()), (0, 1));
+            let (a, b) = (train(&mut plain, 4), train(&mut sharded, 4));
+            assert_eq!(bits(&a), bits(&b), "{optimizer:?}, {stages} stages: losses");
+            assert_eq!(weights(&plain), weights(&sharded), "{optimizer:?}, {stages} stages: weights");
+            assert_eq!(state_bits(&plain), state_bits(&sharded), "{optimizer:?}, {stages} stages: state");
+            // Optimizer state bytes per stage, replica 0's stages first: every layer's state is
+            // kept once over the replicas, and neither replica keeps all of it.
+            let bytes = |t: &Trainer| t.with_optimizers(|o, _| o.state_size_in_bytes()).unwrap();
+            let (whole, parts) = (bytes(&plain), bytes(&sharded));
+            let per_replica = |v: &[usize]| -> Vec<usize> { v.chunks(stages).map(|c| c.iter().sum()).collect() };
+            let (whole, parts) = (per_replica(&whole), per_replica(&parts));
+            assert_eq!(whole[0], whole[1], "unsharded replicas hold the same state");
+            assert_eq!(parts.iter().sum::<usize>(), whole[0], "{optimizer:?}: sharded {parts:?}, unsharded {whole:?}");
+            assert!(parts.iter().all(|&p| p < whole[0]), "{optimizer:?}: sharded {parts:?}, unsharded {whole:?}");
+        }
+    }
+}
+
+#[test]
+fn zero_one_rolls_back_a_failed_apply_and_resumes_from_a_checkpoint() {
+    let adam = OptimizerConfig::adam(0.01);
+    let mut trainer = with_zero(2, 2, 2, ScheduleKind::OneFOneB, adam, None, 1);
+    train(&mut trainer, 2);
+    let (before, state) = (weights(&trainer), state_bits(&trainer));
+    // Replica 1 fails while applying: replica 0 has applied and broadcast nothing yet, or waits.
+    let fault = FaultInjection { stage_idx: 0, at: FaultPoint::Apply, micro_batch_idx: 0, panic: false };
+    trainer.inject_fault_in_replica(Some(fault), 1);
+    let (x, y) = data(ROWS, &[10], 4, 9);
+    assert!(trainer.train_step(&x, &y).is_err());
+    trainer.inject_fault(None);
+    assert_eq!(weights(&trainer), before, "a parameter changed");
+    assert_eq!(state_bits(&trainer), state, "optimizer state changed");
+    // A checkpoint of the sharded replicas resumes one device, and the other way round.
+    let dir = std::env::temp_dir().join(format!("conveyor-zero-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("sharded.safetensors");
+    trainer.checkpoint(&path).unwrap();
+    let mut one = resumed(1, 1, 4, ScheduleKind::OneFOneB, adam, Some(&path));
+    let mut again = with_zero(2, 2, 2, ScheduleKind::OneFOneB, adam, Some(&path), 1);
+    let mut reference = with_zero(2, 2, 2, ScheduleKind::OneFOneB, adam, None, 0);
+    train(&mut reference, 2);
+    for step in 3..5 {
+        let (x, y) = data(ROWS, &[10], 4, step);
+        let losses: Vec<f64> =
+            [&mut trainer, &mut again, &mut reference].map(|t| t.train_step(&x, &y).unwrap().loss).to_vec();
+        assert_eq!(bits(&losses[..1]), bits(&losses[1..2]), "resumed sharded replicas");
+        assert_eq!(bits(&losses[..1]), bits(&losses[2..]), "unsharded replicas");
+        one.train_step(&x, &y).unwrap();
+    }
+    assert_eq!(weights(&trainer), weights(&again));
+    assert_eq!(weights(&trainer), weights(&reference));
+    let diff = max_rel_diff(&weights(&one), &weights(&trainer));
+    assert!(diff < 1e-5, "one device resumed from the sharded checkpoint: {diff}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1,7 +1,9 @@
 //! `conveyor train --data-parallel`: two replicas of one device (one micro-batch each) save
 //! bit for bit what one device saves with two micro-batches; replicas of 2-stage pipelines and of
 //! tensor-parallel groups (2 replicas x 2 stages x 2 shards on cpu:8) train what one device trains
-//! within f32 rounding; device counts that do not split into replicas are refused (exit code 2).
+//! within f32 rounding; `--zero 1` saves the same bits as unsharded replicas and says what each
+//! replica holds of the optimizer state; device counts that do not split into replicas are
+//! refused (exit code 2).
 mod train_cli_support;
 
 use std::path::Path;
@@ -94,4 +96,23 @@ fn devices_that_do_not_split_into_replicas_are_refused() {
     args.extend(["--devices", "cpu:2", "--data-parallel", "0"]);
     let out = conveyor(&args);
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn zero_one_saves_what_unsharded_replicas_save() {
+    let dir = train_cli_support::temp_dir("dp-cli-zero");
+    let (plain, sharded) = (dir.join("plain.safetensors"), dir.join("sharded.safetensors"));
+    let common = ["--devices", "cpu:4", "--data-parallel", "2", "--microbatches", "2"];
+    let stdout = train(&common, &plain);
+    assert!(stdout.contains("(replicated; --zero 1 shards it)"), "{stdout}");
+    let mut args = common.to_vec();
+    args.extend(["--zero", "1"]);
+    let stdout = train(&args, &sharded);
+    assert!(stdout.contains("ZeRO-1: sharded"), "{stdout}");
+    assert_eq!(worst(&plain, &sharded), 0.0, "--zero 1 against --zero 0: not bit for bit");
+    let mut bad = RUN.to_vec();
+    bad.extend(["--devices", "cpu:2", "--data-parallel", "2", "--zero", "2"]);
+    let out = conveyor(&bad);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--zero 2"));
 }

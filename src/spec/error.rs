@@ -179,6 +179,12 @@ pub enum SpecError {
         /// [`crate::limits::MAX_DEVICES`].
         limit: usize,
     },
+    /// A ZeRO stage other than 0 or 1.
+    #[error("--zero {zero}: give 0 (no sharding) or 1 (optimizer state sharded across replicas) (pipeline.zero)")]
+    ZeroStage {
+        /// The stage given.
+        zero: u8,
+    },
     /// Devices that do not split into replicas of tensor-parallel groups.
     #[error(
         "--data-parallel {replicas} --tensor-parallel {tensor_parallel}: the {devices} devices do not split into {replicas} replicas of groups of {tensor_parallel}; give replicas x stages x {tensor_parallel} devices (pipeline.data_parallel)"

@@ -168,6 +168,10 @@ pub struct PipelineSection {
     /// every batch; `microbatches` is per replica. Default 1.
     #[serde(with = "toml::wide")]
     pub data_parallel: usize,
+    /// `zero` (`--zero`): 1 shards the optimizer state across the data-parallel replicas
+    /// (ZeRO-1: each keeps and updates its share of the layers, then broadcasts them), 0 does
+    /// not. Default 0.
+    pub zero: u8,
     /// `placement` (`--placement`). Default auto.
     #[serde(with = "toml::placement")]
     pub placement: PlacementSpec,
@@ -196,6 +200,7 @@ impl Default for PipelineSection {
             stages: None,
             tensor_parallel: 1,
             data_parallel: 1,
+            zero: 0,
             placement: PlacementSpec::Auto,
             schedule: ScheduleKind::OneFOneB,
             chunks: 1,

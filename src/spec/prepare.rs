@@ -105,9 +105,9 @@ impl RunSpec {
         let pipeline_devices = devices.len() / k / replicas;
         let (plan, trainer) = if k > 1 {
             drop(graph);
-            build_trainer_replicated(&model, training.seed, devices, k, replicas, &config)?
+            build_trainer_replicated(&model, training.seed, devices, k, replicas, pipeline.zero, &config)?
         } else {
-            let replicated = Replicated { replicas, model: model.clone(), seed: training.seed };
+            let replicated = Replicated { replicas, zero: pipeline.zero, model: model.clone(), seed: training.seed };
             place_and_build(graph, devices, &config, &pipeline.placement, replicated)?
         };
         let mut spec = self.clone();
@@ -135,6 +135,7 @@ impl RunSpec {
 /// Data-parallel replicas of an unsplit model: how many, and what every replica's graph is built from.
 struct Replicated {
     replicas: usize,
+    zero: u8,
     model: ModelSpec,
     seed: u64,
 }
@@ -148,10 +149,10 @@ fn place_and_build(
     placement: &PlacementSpec,
     replicated: Replicated,
 ) -> Result<(Plan, Trainer), SpecError> {
-    let Replicated { replicas, model, seed } = replicated;
+    let Replicated { replicas, zero, model, seed } = replicated;
     let first = devices[..devices.len() / replicas.max(1)].to_vec();
     let start = |graph, placement: Placement| -> Result<Trainer, SpecError> {
-        let builder = with_replicas(builder(graph, devices, config), replicas, move |_, _| model.build(seed));
+        let builder = with_replicas(builder(graph, devices, config), replicas, zero, move |_, _| model.build(seed));
         Ok(builder.placement(placement).build()?)
     };
     let (stages, name) = match placement {

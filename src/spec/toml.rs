@@ -25,6 +25,7 @@ const FLAGS: &[(&str, &str)] = &[
     ("pipeline.stages", "--stages"),
     ("pipeline.tensor_parallel", "--tensor-parallel"),
     ("pipeline.data_parallel", "--data-parallel"),
+    ("pipeline.zero", "--zero"),
     ("pipeline.placement", "--placement"),
     ("pipeline.schedule", "--schedule"),
     ("pipeline.chunks", "--chunks"),

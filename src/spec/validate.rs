@@ -52,6 +52,9 @@ impl RunSpec {
             return Err(SpecError::ChunksNeedInterleaved { chunks: pipeline.chunks, schedule: pipeline.schedule });
         }
         stages_needed(pipeline.stages, pipeline.tensor_parallel)?;
+        if pipeline.zero > 1 {
+            return Err(SpecError::ZeroStage { zero: pipeline.zero });
+        }
         if !(1..=MAX_DEVICES).contains(&pipeline.data_parallel) {
             return Err(SpecError::DataParallelReplicas { replicas: pipeline.data_parallel, limit: MAX_DEVICES });
         }

@@ -544,9 +544,9 @@ impl Stage {
             for p in node.layer.parameters_mut().iter_mut() {
                 comm.broadcast(p.value.as_f32_mut()?, owner)?;
             }
-            if !zero.owns(node_idx)
-                && let Err(error) = node.layer.refresh()
-            {
+            // `parameters_mut` marked the derived copies stale, the owner's too (its values did
+            // not change, but a stale copy is treated as absent, which changes the arithmetic).
+            if let Err(error) = node.layer.refresh() {
                 tracing::warn!(node = %node.name, %error, "derived copies not refreshed; the layer runs without them");
             }
         }

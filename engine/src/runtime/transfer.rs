@@ -180,18 +180,27 @@ impl Trainer {
     /// [`Optimizer::export_state`] names them): split layers' per-shard buffers are gathered the way
     /// the layers gather their parameters ([`Optimizer::export_layer_state`]), so the result does
     /// not depend on the tensor-parallel degree.
+    ///
+    /// With ZeRO-1 ([`crate::runtime::TrainerBuilder::zero`]) each layer's state comes from the
+    /// replica that keeps it.
     pub fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>> {
-        let parts = self.on_first_replica(|stages| -> Result<Vec<(String, Tensor)>> {
+        let export = |stages: &mut [Stage]| -> Result<Vec<(String, Tensor)>> {
             let mut out = Vec::new();
             for stage in stages.iter_mut() {
                 let mut offset = 0;
-                for node in &mut stage.nodes {
-                    out.extend(stage.optimizer.export_layer_state(&node.name, node.layer.as_mut(), offset)?);
+                for (node_idx, node) in stage.nodes.iter_mut().enumerate() {
+                    if stage.zero.as_ref().is_none_or(|z| z.owns(node_idx)) {
+                        out.extend(stage.optimizer.export_layer_state(&node.name, node.layer.as_mut(), offset)?);
+                    }
                     offset += node.layer.parameters().len();
                 }
             }
             Ok(out)
-        })?;
+        };
+        let parts = match self.zero {
+            true => self.on_every_worker(export)?,
+            false => self.on_first_replica(export)?,
+        };
         let mut gathered = Vec::new();
         for part in parts {
             gathered.extend(part?);
@@ -232,9 +241,12 @@ impl Trainer {
                     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<()> {
                         for stage in stages.iter_mut() {
                             let mut offset = 0;
-                            for node in &mut stage.nodes {
-                                let layer = node.layer.as_mut();
-                                stage.optimizer.import_layer_state(&node.name, layer, offset, &mut checkpoint)?;
+                            for (node_idx, node) in stage.nodes.iter_mut().enumerate() {
+                                // With ZeRO-1 a replica keeps the state of its own layers only.
+                                if stage.zero.as_ref().is_none_or(|z| z.owns(node_idx)) {
+                                    let layer = node.layer.as_mut();
+                                    stage.optimizer.import_layer_state(&node.name, layer, offset, &mut checkpoint)?;
+                                }
                                 offset += node.layer.parameters().len();
                             }
                         }

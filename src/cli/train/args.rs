@@ -69,6 +69,11 @@ pub struct TrainArgs {
     /// gradients are summed across replicas before every step. [default: 1]
     #[arg(long, value_name = "R")]
     pub data_parallel: Option<usize>,
+    /// ZeRO stage with --data-parallel: 1 shards the optimizer state across the replicas (each
+    /// keeps and updates its share of the layers and broadcasts them; the same weights as 0).
+    /// [default: 0]
+    #[arg(long, value_name = "STAGE")]
+    pub zero: Option<u8>,
     /// Placement of layers on stages: `auto` (minimise the slowest stage under the budgets, from
     /// FLOP estimates), `time` (the same from layer times measured on this machine first:
     /// balance by time), or a file as `conveyor plan --placement` reads: one line per stage
@@ -244,6 +249,7 @@ impl TrainArgs {
         set_some(&mut pipeline.stages, &self.stages);
         set(&mut pipeline.tensor_parallel, &self.tensor_parallel);
         set(&mut pipeline.data_parallel, &self.data_parallel);
+        set(&mut pipeline.zero, &self.zero);
         if let Some(text) = &self.placement {
             pipeline.placement = PlacementSpec::from_text(text);
         }

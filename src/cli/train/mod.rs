@@ -446,6 +446,20 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if let Some(bubble) = &bubble {
         outln!("{bubble}");
     }
+    if replicas > 1 && ranks.is_none() {
+        // What each replica's devices hold of the optimizer state (ZeRO-1 shards it).
+        let per_stage = trainer.with_optimizers(|optimizer, _| optimizer.state_size_in_bytes() as u64)?;
+        let per_replica: Vec<u64> = per_stage.chunks(sched.n_stages()).map(|c| c.iter().sum()).collect();
+        let total: u64 = per_replica.iter().sum();
+        outln!(
+            "optimizer state per replica: {} ({})",
+            per_replica.iter().map(|&b| conveyor::engine::placement::format_bytes(b)).collect::<Vec<_>>().join(", "),
+            match trainer.zero() {
+                1 => format!("ZeRO-1: sharded, {} in all", conveyor::engine::placement::format_bytes(total)),
+                _ => "replicated; --zero 1 shards it".to_string(),
+            }
+        );
+    }
     // The outputs, most valuable first; a failure is reported and the others are still written.
     let mut failures: Vec<anyhow::Error> = Vec::new();
     let mut attempt = |result: anyhow::Result<()>| {
