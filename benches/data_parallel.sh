@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Data-parallel replicas (issue 19's benchmark): the 8 x 1024 MLP (8 x Linear(1024) + ReLU, then
+# Linear(1024, 10)), batch 256, SGD, trained by `conveyor train` on one device and as 2 replicas on
+# cpu:2 (one micro-batch each), and by PyTorch DistributedDataParallel with 2 processes (gloo, one
+# thread each; benches/ddp_torch.py) when torch is installed. Rounds rotate which runs first; the
+# figures are the medians of the per-round ratios of the samples/s each run reports. Run on a
+# quiet machine:
+#   cargo build --release && bash benches/data_parallel.sh [ROUNDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUNDS=${1:-5}
+BIN=target/release/conveyor
+MODEL=mlp:1024,1024,1024,1024,1024,1024,1024,1024,1024,10
+ARGS=(--model "$MODEL" --data synthetic:4096,1024,10 --batch 256 --optimizer sgd --steps 30 --log-every 0)
+rate() { grep -o '[0-9.]* samples/s' | tail -1 | cut -d' ' -f1; }
+one() { "$BIN" train "${ARGS[@]}" --devices cpu:1 --microbatches 1 2>/dev/null | rate; }
+two() { "$BIN" train "${ARGS[@]}" --devices cpu:2 --data-parallel 2 --microbatches 1 2>/dev/null | rate; }
+torch_ddp() {
+    if python3 -c 'import torch' 2>/dev/null; then python3 benches/ddp_torch.py 20 2>/dev/null | rate; else echo 0; fi
+}
+speedups=(); versus=()
+printf '%-6s %14s %14s %14s %10s %12s\n' round "1 device" "2 replicas" "torch DDP" "speedup" "vs DDP"
+for round in $(seq 1 "$ROUNDS"); do
+    case $((round % 3)) in
+        1) a=$(one); b=$(two); c=$(torch_ddp) ;;
+        2) b=$(two); c=$(torch_ddp); a=$(one) ;;
+        0) c=$(torch_ddp); a=$(one); b=$(two) ;;
+    esac
+    s=$(python3 -c "print(f'{$b / $a:.3f}')")
+    v=$(python3 -c "print(f'{$b / $c:.3f}' if $c > 0 else 'n/a')")
+    speedups+=("$s"); versus+=("$v")
+    printf '%-6s %14s %14s %14s %10s %12s\n' "$round" "$a" "$b" "$c" "$s" "$v"
+done
+python3 - "${speedups[@]}" -- "${versus[@]}" <<'PY'
+import statistics, sys
+args = sys.argv[1:]
+cut = args.index("--")
+speedups = [float(a) for a in args[:cut]]
+versus = [float(a) for a in args[cut + 1:] if a != "n/a"]
+print("median speedup of 2 replicas over 1 device:", statistics.median(speedups))
+if versus:
+    print("median ratio of 2 replicas to torch DDP (2 processes, gloo):", statistics.median(versus))
+PY
