@@ -209,7 +209,7 @@ impl TrainerBuilder {
             .collect();
         let reference = structure(&self.graph)?;
         let mut per_worker: Vec<Vec<Stage>> = (0..n_workers).map(|_| Vec::new()).collect();
-        for replica in 0..replicas {
+        for (replica, replica_stage_devices) in stage_devices.iter().enumerate() {
             let here = (0..n_devices).any(|d| worker_here(replica * n_devices + d));
             let mut replica_graph = match (replica, here) {
                 (0, _) | (_, false) => None,
@@ -245,7 +245,7 @@ impl TrainerBuilder {
                     }
                     continue;
                 }
-                let device = &stage_devices[replica][stage_idx];
+                let device = &replica_stage_devices[stage_idx];
                 let group = &groups[worker];
                 let mut execs = Vec::with_capacity(nodes.len());
                 let mut n_params = 0;
@@ -431,9 +431,12 @@ impl TrainerBuilder {
     }
 }
 
+/// Every node's name with its parameters' names and shapes, in node order.
+type GraphStructure = Vec<(String, Vec<(String, crate::Shape)>)>;
+
 /// A graph's nodes in order with their parameters' names and shapes: what every replica's graph
 /// must share with replica 0's.
-fn structure(graph: &crate::graph::Graph) -> Result<Vec<(String, Vec<(String, crate::Shape)>)>> {
+fn structure(graph: &crate::graph::Graph) -> Result<GraphStructure> {
     graph
         .node_ids()
         .into_iter()
@@ -446,11 +449,7 @@ fn structure(graph: &crate::graph::Graph) -> Result<Vec<(String, Vec<(String, cr
 
 /// The unsplit parameter shapes of node `id` as recorded in `reference` ([`structure`]), which
 /// every rank and replica shares (a layer already taken from `graph` is found there).
-fn reference_shapes(
-    reference: &[(String, Vec<(String, crate::Shape)>)],
-    graph: &crate::graph::Graph,
-    id: NodeId,
-) -> Vec<crate::Shape> {
+fn reference_shapes(reference: &GraphStructure, graph: &crate::graph::Graph, id: NodeId) -> Vec<crate::Shape> {
     let name = graph.node(id).map(|n| n.name.clone()).unwrap_or_default();
     reference
         .iter()

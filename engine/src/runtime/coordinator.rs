@@ -437,7 +437,7 @@ impl Trainer {
                     aborts.push(handle.abort_handle());
                     if let Some(worker) = &self.workers[w] {
                         let comm = super::worker::ReplicaComm::InProcess(handle);
-                        let _ = worker.commands.send(Command::SetReplicaComm(Some(comm)));
+                        let _ = worker.commands.send(Command::SetReplicaComm(Some(Box::new(comm))));
                     }
                 }
             }

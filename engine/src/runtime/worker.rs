@@ -144,7 +144,7 @@ pub(crate) enum Command {
     /// could be restored.
     RollBack(Sender<bool>),
     /// Replaces the worker's replica group (after an abandoned step, for in-process replicas).
-    SetReplicaComm(Option<ReplicaComm>),
+    SetReplicaComm(Option<Box<ReplicaComm>>),
     /// Recovers the worker's replica group over ranks after an abandoned step (every rank does).
     RecoverReplicaComm(Sender<Result<()>>),
     Shutdown,
@@ -243,7 +243,7 @@ pub(crate) fn run(
                 }));
                 let _ = answer.send(restored.unwrap_or(false));
             }
-            Command::SetReplicaComm(comm) => replica = comm,
+            Command::SetReplicaComm(comm) => replica = comm.map(|comm| *comm),
             Command::RecoverReplicaComm(answer) => {
                 let outcome = match replica.as_mut() {
                     Some(ReplicaComm::Ranks(group)) => group.recover(),
