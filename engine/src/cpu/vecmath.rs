@@ -503,7 +503,7 @@ fn erfcx_over_t<V: Lanes>(th: V) -> V {
     let p = V::splat(-5.932_692_4e-2 * 256.0);
     let p = p.fma(th, V::splat(2.858_342_5e-1 * 128.0));
     let p = p.fma(th, V::splat(-4.898_085_3e-1 * 64.0));
-    let p = p.fma(th, V::splat(2.810_522_9e-1 * 32.0));
+    let p = p.fma(th, V::splat(2.810_523e-1 * 32.0));
     let p = p.fma(th, V::splat(-2.868_201e-2 * 16.0));
     let p = p.fma(th, V::splat(2.035_565_7e-1 * 8.0));
     let p = p.fma(th, V::splat(2.428_841_7e-1 * 4.0));
