@@ -13,11 +13,11 @@
 //!
 //! Accuracy (the tests measure these bounds against f64 references):
 //! - `exp`: Cody–Waite reduction by `ln 2`, Cephes' degree-7 polynomial; ≤ 1e-7 relative.
-//! - `Φ(x) = erfc(-x/√2)/2` with Numerical Recipes' `erfcc` Chebyshev fit
-//!   (`erfc(z) = t·exp(-z² + P(t))`, `t = 1/(1+z/2)`, fit error 1.2e-7 relative). `z² = x²/2` is
-//!   carried as an exact double-float (`fma(x, x, -x·x)`) into `exp`, so the lower tail stays
-//!   accurate relative to its own value (where `1 + erf` would cancel): ≤ 4e-7 relative on
-//!   [-10, 10] (φ ≤ 2e-7).
+//! - `Φ(x) = erfc(-x/√2)/2`, `erfc(z) = erfcx(z)·e^{-z²}` with `erfcx(z) = t·R(t)`,
+//!   `t = 1/(1+z/2)`, `R` a degree-8 polynomial fitted here (1.4e-7 relative in f32). `-x²/2` is
+//!   carried as an exact double-float (`fma(x, x, -x·x)`) into the one `exp`, which `φ` shares, so
+//!   the lower tail stays accurate relative to its own value (where `1 + erf` would cancel):
+//!   ≤ 4e-7 relative on [-10, 10] (φ ≤ 2e-7). One true division (`t`) per element.
 //! - `tanh`: Cephes' odd polynomial for `|x| < 0.625`, `1 - 2/(e^{2|x|} + 1)` above; ≤ 2e-7.
 //!
 //! Non-finite inputs: NaN propagates everywhere; `exp(-inf) = 0`, `exp(inf) = inf`,
@@ -51,6 +51,8 @@ pub(crate) trait Lanes: Copy {
     fn div(self, rhs: Self) -> Self;
     /// `self · b + c`, rounded once.
     fn fma(self, b: Self, c: Self) -> Self;
+    /// `c - self · b`, rounded once.
+    fn fnma(self, b: Self, c: Self) -> Self;
     /// `self > rhs ? self : rhs` (x86's `maxps` operand order: `rhs` where either is NaN).
     fn max(self, rhs: Self) -> Self;
     /// `self < rhs ? self : rhs` (`minps`: `rhs` where either is NaN).
@@ -63,6 +65,14 @@ pub(crate) trait Lanes: Copy {
     fn copysign(self, sign: Self) -> Self;
     /// `2^self` for integral `self` in `[-126, 127]`, by building the exponent bits.
     fn pow2i(self) -> Self;
+    /// `self · 2^n` rounded once, for `self` in [0.5, 2] (or 0, ±inf, NaN) and integral `n` in
+    /// `[-250, 254]`: two exact power-of-two factors by default (the first product stays normal,
+    /// only the second rounds), one `vscalefps` on AVX-512, which rounds the same product once.
+    #[inline(always)]
+    fn scale2(self, n: Self) -> Self {
+        let n_half = n.mul(Self::splat(0.5)).round();
+        self.mul(n_half.pow2i()).mul(n.sub(n_half).pow2i())
+    }
     /// `self < rhs`, false where either is NaN.
     fn lt(self, rhs: Self) -> Self::Mask;
     /// Lanes that are NaN.
@@ -108,6 +118,10 @@ impl Lanes for f32 {
     #[inline(always)]
     fn fma(self, b: f32, c: f32) -> f32 {
         self.mul_add(b, c)
+    }
+    #[inline(always)]
+    fn fnma(self, b: f32, c: f32) -> f32 {
+        (-self).mul_add(b, c)
     }
     #[inline(always)]
     fn max(self, rhs: f32) -> f32 {
@@ -194,6 +208,10 @@ impl Lanes for Avx512 {
         Avx512(unsafe { _mm512_fmadd_ps(self.0, b.0, c.0) })
     }
     #[inline(always)]
+    fn fnma(self, b: Self, c: Self) -> Self {
+        Avx512(unsafe { _mm512_fnmadd_ps(self.0, b.0, c.0) })
+    }
+    #[inline(always)]
     fn max(self, rhs: Self) -> Self {
         Avx512(unsafe { _mm512_max_ps(self.0, rhs.0) })
     }
@@ -223,6 +241,11 @@ impl Lanes for Avx512 {
             let biased = _mm512_add_epi32(_mm512_cvtps_epi32(self.0), _mm512_set1_epi32(127));
             Avx512(_mm512_castsi512_ps(_mm512_slli_epi32::<23>(biased)))
         }
+    }
+    #[inline(always)]
+    fn scale2(self, n: Self) -> Self {
+        // self · 2^floor(n), rounded once as the two-factor default does.
+        Avx512(unsafe { _mm512_scalef_ps(self.0, n.0) })
     }
     #[inline(always)]
     fn lt(self, rhs: Self) -> __mmask16 {
@@ -283,6 +306,10 @@ impl Lanes for Avx2 {
     #[inline(always)]
     fn fma(self, b: Self, c: Self) -> Self {
         Avx2(unsafe { _mm256_fmadd_ps(self.0, b.0, c.0) })
+    }
+    #[inline(always)]
+    fn fnma(self, b: Self, c: Self) -> Self {
+        Avx2(unsafe { _mm256_fnmadd_ps(self.0, b.0, c.0) })
     }
     #[inline(always)]
     fn max(self, rhs: Self) -> Self {
@@ -436,6 +463,18 @@ const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 /// `1/√(2π)`.
 const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
 
+/// `e^r` for `|r| ≤ ln2/2` (a little beyond is fine): Cephes expf, `1 + r + r²·P(r)`.
+#[inline(always)]
+fn exp_reduced<V: Lanes>(r: V) -> V {
+    let p = V::splat(1.987_569_1e-4);
+    let p = p.fma(r, V::splat(1.398_199_9e-3));
+    let p = p.fma(r, V::splat(8.333_452e-3));
+    let p = p.fma(r, V::splat(4.166_579_6e-2));
+    let p = p.fma(r, V::splat(1.666_666_5e-1));
+    let p = p.fma(r, V::splat(0.5));
+    p.fma(r.mul(r), r).add(V::splat(1.0))
+}
+
 /// `e^(hi + lo)` for a small correction `lo` (|lo| ≤ ulp(hi)), NaN propagating.
 #[inline(always)]
 pub(crate) fn exp2parts<V: Lanes>(hi: V, lo: V) -> V {
@@ -444,17 +483,8 @@ pub(crate) fn exp2parts<V: Lanes>(hi: V, lo: V) -> V {
     let n = x.mul(V::splat(LOG2_E)).round();
     let r = n.fma(V::splat(-LN2_HI), x);
     let r = n.fma(V::splat(-LN2_LO), r).add(lo);
-    // Cephes expf: e^r = 1 + r + r²·P(r) on |r| ≤ ln2/2.
-    let p = V::splat(1.987_569_1e-4);
-    let p = p.fma(r, V::splat(1.398_199_9e-3));
-    let p = p.fma(r, V::splat(8.333_452e-3));
-    let p = p.fma(r, V::splat(4.166_579_6e-2));
-    let p = p.fma(r, V::splat(1.666_666_5e-1));
-    let p = p.fma(r, V::splat(0.5));
-    let y = p.fma(r.mul(r), r).add(V::splat(1.0));
-    // 2^n as two factors, so n in [-150, 128] never leaves the normal exponent range.
-    let n_half = n.mul(V::splat(0.5)).round();
-    let y = y.mul(n_half.pow2i()).mul(n.sub(n_half).pow2i());
+    // 2^n with n in [-150, 128], rounded once (subnormal results kept).
+    let y = exp_reduced(r).scale2(n);
     V::select(hi.is_nan(), hi, y)
 }
 
@@ -464,37 +494,65 @@ pub(crate) fn exp<V: Lanes>(x: V) -> V {
     exp2parts(x, V::splat(0.0))
 }
 
-/// `x²/2` as an exact sum `hi + lo` (barring underflow), for arguments of `exp`.
+/// `R(t) = erfcx(z)/t` for `t = 1/(1 + z/2)` on [0.15, 1] (`z ≤ 16/√2`), evaluated at
+/// `th = t/2`: a degree-8 polynomial in `t` fitted for relative error (7e-8 in exact arithmetic,
+/// 1.4e-7 evaluated in f32), its coefficients of `t^k` times `2^k` here (exact), so that Horner in
+/// `th` gives the same bits as Horner in `t` would.
 #[inline(always)]
-fn half_square<V: Lanes>(x: V) -> (V, V) {
-    let square = x.mul(x);
-    let error = x.fma(x, V::splat(0.0).sub(square));
-    (square.mul(V::splat(0.5)), error.mul(V::splat(0.5)))
+fn erfcx_over_t<V: Lanes>(th: V) -> V {
+    let p = V::splat(-5.932_692_4e-2 * 256.0);
+    let p = p.fma(th, V::splat(2.858_342_5e-1 * 128.0));
+    let p = p.fma(th, V::splat(-4.898_085_3e-1 * 64.0));
+    let p = p.fma(th, V::splat(2.810_523e-1 * 32.0));
+    let p = p.fma(th, V::splat(-2.868_201e-2 * 16.0));
+    let p = p.fma(th, V::splat(2.035_565_7e-1 * 8.0));
+    let p = p.fma(th, V::splat(2.428_841_7e-1 * 4.0));
+    let p = p.fma(th, V::splat(2.824_054_4e-1 * 2.0));
+    p.fma(th, V::splat(2.820_847e-1))
 }
 
-/// `Φ(x) = erfc(-x/√2)/2` for `x` already clamped to a finite range, given `x²/2 = hi + lo`.
+/// `e^{w/2}` for `|w| ≤ ln 2` (a little beyond is fine): `1 + w·q(w)`, `q` of degree 5 fitted
+/// for relative error (2e-9 exact, 8e-8 evaluated in f32), written in `w = 2r` so that the caller
+/// need not halve its argument.
 #[inline(always)]
-fn normal_cdf_clamped<V: Lanes>(x: V, half_sq: (V, V)) -> V {
-    let z = x.abs().mul(V::splat(FRAC_1_SQRT_2));
-    let t = V::splat(1.0).div(z.fma(V::splat(0.5), V::splat(1.0)));
-    // Numerical Recipes' erfcc: erfc(z) = t·exp(-z² + P(t)).
-    let p = V::splat(0.170_872_77);
-    let p = p.fma(t, V::splat(-0.822_152_23));
-    let p = p.fma(t, V::splat(1.488_515_9));
-    let p = p.fma(t, V::splat(-1.135_204));
-    let p = p.fma(t, V::splat(0.278_868_07));
-    let p = p.fma(t, V::splat(-0.186_288_06));
-    let p = p.fma(t, V::splat(0.096_784_18));
-    let p = p.fma(t, V::splat(0.374_091_96));
-    let p = p.fma(t, V::splat(1.000_023_7));
-    let p = p.fma(t, V::splat(-1.265_512_2));
-    // P - z² as hi + lo (Fast2Sum; exact enough where |P| > z², where the sum is small anyway).
-    let (sq_hi, sq_lo) = half_sq;
-    let hi = p.sub(sq_hi);
-    let lo = p.sub(hi.add(sq_hi)).sub(sq_lo);
-    let half_tail = t.mul(exp2parts(hi, lo)).mul(V::splat(0.5));
-    // erfc(u) for u = -x/√2 is the tail where u ≥ 0 (x ≤ 0), 2 - tail otherwise.
-    V::select(V::splat(0.0).lt(x), V::splat(1.0).sub(half_tail), half_tail)
+fn exp_of_half<V: Lanes>(w: V) -> V {
+    let p = V::splat(1.384_271_1e-3 / 64.0);
+    let p = p.fma(w, V::splat(8.374_965e-3 / 32.0));
+    let p = p.fma(w, V::splat(4.166_805_7e-2 / 16.0));
+    let p = p.fma(w, V::splat(1.666_642_1e-1 / 8.0));
+    let p = p.fma(w, V::splat(0.499_999_94 / 4.0));
+    let p = p.fma(w, V::splat(0.5));
+    p.fma(w, V::splat(1.0))
+}
+
+/// For `xc` clamped to [-16, 16]: the lower tail `Φ(-|x|) = erfc(z)/2` (`z = |x|/√2`) and the
+/// Gaussian `e^{-x²/2}`, from one `exp`.
+///
+/// `erfc(z) = erfcx(z)·e^{-z²}` with `erfcx(z) = t·R(t)`, `t = 1/(1 + z/2)` ([`erfcx_over_t`]).
+/// `x²` is carried as an exact double-float (`sq = fl(x·x)`, `sq - x²` by one fused
+/// multiply-add) into the exponential, so the lower tail stays accurate relative to its own
+/// value, where `1 + erf` would cancel. The reduction works on `-x²` and `2n·ln 2` (both halves
+/// of `ln 2` doubled exactly) and the polynomial takes the doubled residual ([`exp_of_half`]).
+#[inline(always)]
+fn normal_tail_and_gauss<V: Lanes>(xc: V) -> (V, V) {
+    let sq = xc.mul(xc);
+    let sq_minus_exact = xc.fnma(xc, sq);
+    // -x²/2 ∈ [-128, 0], so n ∈ [-185, 0]: no clamp needed for `scale2`.
+    let n = sq.mul(V::splat(-0.5 * LOG2_E)).round();
+    // sq + 2n·LN2_HI is exact (the terms nearly cancel); w = -x² - 2n·ln 2 = 2r.
+    let u = n.fma(V::splat(2.0 * LN2_HI), sq);
+    let v = n.fnma(V::splat(2.0 * LN2_LO), sq_minus_exact);
+    let gauss = exp_of_half(v.sub(u)).scale2(n);
+    // th = t/2 = 1/(2 + z).
+    let th = V::splat(1.0).div(xc.abs().fma(V::splat(FRAC_1_SQRT_2), V::splat(2.0)));
+    let tail = th.mul(erfcx_over_t(th)).mul(gauss);
+    (tail, gauss)
+}
+
+/// `Φ(x)` from the lower tail `Φ(-|x|)`.
+#[inline(always)]
+fn cdf_from_tail<V: Lanes>(x: V, tail: V) -> V {
+    V::select(V::splat(0.0).lt(x), V::splat(1.0).sub(tail), tail)
 }
 
 /// `x` clamped to [-16, 16], where `Φ` and `φ` are already 0/1 and 0 in f32 beyond.
@@ -506,35 +564,31 @@ fn clamp_for_cdf<V: Lanes>(x: V) -> V {
 /// The standard normal CDF `Φ(x)`, NaN propagating.
 #[inline(always)]
 pub(crate) fn normal_cdf<V: Lanes>(x: V) -> V {
-    let xc = clamp_for_cdf(x);
-    V::select(x.is_nan(), x, normal_cdf_clamped(xc, half_square(xc)))
+    let (tail, _) = normal_tail_and_gauss(clamp_for_cdf(x));
+    V::select(x.is_nan(), x, cdf_from_tail(x, tail))
 }
 
 /// The standard normal density `φ(x) = e^{-x²/2}/√(2π)`, NaN propagating.
 #[inline(always)]
 pub(crate) fn normal_pdf<V: Lanes>(x: V) -> V {
-    let (hi, lo) = half_square(clamp_for_cdf(x));
-    let zero = V::splat(0.0);
-    V::select(x.is_nan(), x, exp2parts(zero.sub(hi), zero.sub(lo)).mul(V::splat(FRAC_1_SQRT_2PI)))
+    let (_, gauss) = normal_tail_and_gauss(clamp_for_cdf(x));
+    V::select(x.is_nan(), x, gauss.mul(V::splat(FRAC_1_SQRT_2PI)))
 }
 
 /// Exact GELU `x·Φ(x)` (PyTorch's `approximate='none'`).
 #[inline(always)]
 pub(crate) fn gelu<V: Lanes>(x: V) -> V {
-    let xc = clamp_for_cdf(x);
+    let (tail, _) = normal_tail_and_gauss(clamp_for_cdf(x));
     // x·Φ(x) propagates NaN by itself (NaN · anything).
-    x.mul(normal_cdf_clamped(xc, half_square(xc)))
+    x.mul(cdf_from_tail(x, tail))
 }
 
-/// Exact GELU's input gradient `dy·(Φ(x) + x·φ(x))`.
+/// Exact GELU's input gradient `dy·(Φ(x) + x·φ(x))`: `Φ` and `φ` share one `exp`.
 #[inline(always)]
 pub(crate) fn gelu_grad<V: Lanes>(x: V, dy: V) -> V {
-    let xc = clamp_for_cdf(x);
-    let (hi, lo) = half_square(xc);
-    let cdf = normal_cdf_clamped(xc, (hi, lo));
-    let zero = V::splat(0.0);
-    let pdf = exp2parts(zero.sub(hi), zero.sub(lo)).mul(V::splat(FRAC_1_SQRT_2PI));
-    x.fma(pdf, cdf).mul(dy)
+    let (tail, gauss) = normal_tail_and_gauss(clamp_for_cdf(x));
+    let pdf = gauss.mul(V::splat(FRAC_1_SQRT_2PI));
+    x.fma(pdf, cdf_from_tail(x, tail)).mul(dy)
 }
 
 /// `√(2/π)` and the cubic coefficient of PyTorch's tanh-approximate GELU.
