@@ -129,8 +129,6 @@ pub struct TransportGroup {
     epoch: AtomicU64,
     /// The first failure seen by this rank: (the rank that failed, its reason).
     failure: Mutex<Option<(usize, String)>>,
-    /// Whether that failure was an interrupt of this rank ([`interrupt_waits`]).
-    interrupted: AtomicBool,
     bytes_sent: AtomicU64,
     messages_sent: AtomicU64,
 }
@@ -225,7 +223,6 @@ impl TransportGroup {
             seq: AtomicU64::new(0),
             epoch: AtomicU64::new(0),
             failure: Mutex::new(None),
-            interrupted: AtomicBool::new(false),
             bytes_sent: AtomicU64::new(0),
             messages_sent: AtomicU64::new(0),
         })
@@ -323,20 +320,7 @@ impl TransportGroup {
         self.seq.store(next, Ordering::Release);
         self.epoch.store(next, Ordering::Release);
         *self.failure.get_mut() = None;
-        *self.interrupted.get_mut() = false;
         Ok(())
-    }
-
-    /// Whether a collective failed since the last recovery (new calls are refused until
-    /// [`Self::recover`]).
-    pub fn has_failed(&self) -> bool {
-        self.failure.lock().is_some()
-    }
-
-    /// Whether this rank's last failure was an interrupt ([`interrupt_waits`]): the rank that failed
-    /// may not be in a collective at all, so recover only when every member does (after the step).
-    pub fn was_interrupted(&self) -> bool {
-        self.interrupted.load(Ordering::Acquire)
     }
 
     /// Drops `src`'s messages up to its recovery notice and returns the sequence number it carries;
@@ -477,7 +461,6 @@ impl Call<'_> {
     /// The error of a call ended by [`interrupt_waits`]; the group stays failed until recovered.
     fn interrupted(&self) -> Error {
         let group = self.group;
-        group.interrupted.store(true, Ordering::Release);
         self.aborted(group.record_failure(group.rank, "the step was abandoned on this rank".to_string()))
     }
 

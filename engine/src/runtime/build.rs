@@ -10,7 +10,7 @@ use super::super::core_slots::CoreSlots;
 use super::super::stage::{NodeExec, Route, Stage, ZeroShards};
 use super::super::worker::{self, ReplicaComm};
 use super::{REPORT_TIMEOUT, StageInfo, Trainer, TrainerBuilder, WorkerHandle};
-use crate::collective::{ProcessGroup, TransportGroup};
+use crate::collective::TransportGroup;
 use crate::graph::NodeId;
 use crate::optim::Optimizer;
 use crate::transport::Transport;
@@ -333,12 +333,9 @@ impl TrainerBuilder {
         let mut replica_comms: Vec<Option<ReplicaComm>> = (0..n_workers).map(|_| None).collect();
         let mut replica_abort = Vec::new();
         if replicas > 1 && world == 1 {
-            for d in 0..n_devices {
-                let devices: Vec<Device> = (0..replicas).map(|r| groups[r * n_devices + d][0].clone()).collect();
-                for (r, handle) in ProcessGroup::new(&devices)?.into_iter().enumerate() {
-                    replica_abort.push(handle.abort_handle());
-                    replica_comms[r * n_devices + d] = Some(ReplicaComm::InProcess(handle));
-                }
+            for (w, handle) in worker::in_process_replica_groups(n_devices, replicas, |w| groups[w][0].clone())? {
+                replica_abort.push(handle.abort_handle());
+                replica_comms[w] = Some(ReplicaComm::InProcess(handle));
             }
         } else if replicas > 1 {
             let rank_of = |w: usize, s: usize| w * ranks_per_worker + s;

@@ -236,7 +236,7 @@ impl Trainer {
         let mut finish = std::mem::take(&mut local.finish);
         if self.shard != 0 {
             // Shard 0's rank reports the stage's outputs, CPU times and activation peaks; this
-            // rank's ops go to `StepReport::shard_events`.
+            // rank's ops go to `StepReport::other_events`.
             finish.cpu_times.clear();
             finish.outputs.clear();
             finish.peak_activation_bytes.clear();
@@ -428,17 +428,13 @@ impl Trainer {
     fn renew_replica_groups(&mut self) -> Result<()> {
         let n_devices = self.schedule().n_devices();
         if self.transport.world_size() == 1 {
+            let device_of = |w: usize| self.devices[w * self.tensor_parallel].clone();
             let mut aborts = Vec::new();
-            for d in 0..n_devices {
-                let workers: Vec<usize> = (0..self.replicas).map(|r| self.worker_index(r, d)).collect();
-                let devices: Vec<crate::Device> =
-                    workers.iter().map(|&w| self.devices[w * self.tensor_parallel].clone()).collect();
-                for (handle, &w) in crate::collective::ProcessGroup::new(&devices)?.into_iter().zip(&workers) {
-                    aborts.push(handle.abort_handle());
-                    if let Some(worker) = &self.workers[w] {
-                        let comm = super::worker::ReplicaComm::InProcess(handle);
-                        let _ = worker.commands.send(Command::SetReplicaComm(Some(Box::new(comm))));
-                    }
+            for (w, handle) in super::worker::in_process_replica_groups(n_devices, self.replicas, device_of)? {
+                aborts.push(handle.abort_handle());
+                if let Some(worker) = &self.workers[w] {
+                    let comm = super::worker::ReplicaComm::InProcess(handle);
+                    let _ = worker.commands.send(Command::SetReplicaComm(Some(Box::new(comm))));
                 }
             }
             self.replica_abort = aborts;

@@ -243,8 +243,8 @@ pub struct Trainer {
     pub(super) replicas: usize,
     /// Whether the replicas shard the optimizer state ([`TrainerBuilder::zero`]).
     pub(super) zero: bool,
-    /// Per local worker, in order, its replica group's handle when the in-process replicas' groups
-    /// must be rebuilt after an abandoned step (see `coordinator.rs`).
+    /// With replicas in one process: what aborts each worker's replica group when a step is
+    /// abandoned (the groups are then rebuilt, see `coordinator.rs`); empty otherwise.
     pub(super) replica_abort: Vec<crate::collective::GroupAbort>,
     /// How this process reaches the other ranks of the job ([`crate::transport`]).
     pub(super) transport: Arc<dyn Transport>,

@@ -96,6 +96,24 @@ pub(crate) enum ReplicaComm {
     Ranks(crate::collective::TransportGroup),
 }
 
+/// In-process replica groups for `n_devices` pipeline devices of `replicas` replicas: for every
+/// worker `r * n_devices + d`, its handle in the group of device `d`, on the worker's first device
+/// (`device_of(worker)`), in worker order.
+pub(crate) fn in_process_replica_groups(
+    n_devices: usize,
+    replicas: usize,
+    device_of: impl Fn(usize) -> crate::Device,
+) -> Result<Vec<(usize, crate::collective::RankHandle)>> {
+    let mut handles = Vec::with_capacity(n_devices * replicas);
+    for d in 0..n_devices {
+        let workers: Vec<usize> = (0..replicas).map(|r| r * n_devices + d).collect();
+        let devices: Vec<crate::Device> = workers.iter().map(|&w| device_of(w)).collect();
+        handles.extend(workers.into_iter().zip(crate::collective::ProcessGroup::new(&devices)?));
+    }
+    handles.sort_by_key(|(w, _)| *w);
+    Ok(handles)
+}
+
 impl ReplicaComm {
     fn comm(&self) -> &dyn crate::collective::Communicator {
         match self {
