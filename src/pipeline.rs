@@ -20,7 +20,7 @@ use conveyor_engine::placement::{
     DeviceSpec, NodeCosts, OptimizerMemory, Placement, Plan, PlanConfig, measure_node_memory_on,
     place_manually_with_costs, place_with_costs,
 };
-use conveyor_engine::runtime::{Trainer, TrainerBuilder};
+use conveyor_engine::runtime::{ReplicaShares, Trainer, TrainerBuilder};
 use conveyor_engine::{Device, Error, Result};
 use conveyor_layers::{CrossEntropyLoss, RankShard};
 use conveyor_schedules::ScheduleKind;
@@ -218,7 +218,32 @@ pub fn build_trainer_tensor_parallel(
     tensor_parallel: usize,
     config: &PipelineConfig,
 ) -> Result<(Plan, Trainer)> {
-    build_trainer_replicated(spec, seed, devices, tensor_parallel, 1, 0, config)
+    build_trainer_replicated(spec, seed, devices, tensor_parallel, &DataParallel::none(), config)
+}
+
+/// Data parallelism for the builders of this module: `replicas` copies of the pipeline
+/// (`TrainerBuilder::data_parallel`), ZeRO stage `zero` (`TrainerBuilder::zero`) and how each
+/// batch is shared among them (`TrainerBuilder::replica_shares`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DataParallel {
+    /// Replicas of the pipeline (1: none).
+    pub replicas: usize,
+    /// 1 shards the optimizer state across the replicas; 0 does not.
+    pub zero: u8,
+    /// How each batch is shared among the replicas.
+    pub shares: ReplicaShares,
+}
+
+impl DataParallel {
+    /// One replica: no data parallelism.
+    pub fn none() -> DataParallel {
+        DataParallel { replicas: 1, zero: 0, shares: ReplicaShares::Even }
+    }
+
+    /// `replicas` replicas sharing every batch evenly, optimizer state not sharded.
+    pub fn replicas(replicas: usize) -> DataParallel {
+        DataParallel { replicas, ..DataParallel::none() }
+    }
 }
 
 /// [`build_trainer_tensor_parallel`] with `replicas` data-parallel replicas of the pipeline
@@ -232,11 +257,10 @@ pub fn build_trainer_replicated(
     seed: u64,
     devices: Vec<Device>,
     tensor_parallel: usize,
-    replicas: usize,
-    zero: u8,
+    data_parallel: &DataParallel,
     config: &PipelineConfig,
 ) -> Result<(Plan, Trainer)> {
-    let k = tensor_parallel;
+    let (k, replicas) = (tensor_parallel, data_parallel.replicas);
     if replicas == 0 || !devices.len().is_multiple_of(replicas * k) {
         return Err(Error::invalid(
             "data parallelism",
@@ -250,7 +274,7 @@ pub fn build_trainer_replicated(
     if k == 1 {
         let graph = spec.build(seed)?;
         let owned = spec.clone();
-        let trainer = with_replicas(builder(graph, devices, config), replicas, zero, move |_, _| owned.build(seed))
+        let trainer = with_replicas(builder(graph, devices, config), data_parallel, move |_, _| owned.build(seed))
             .placement(Placement::auto())
             .build()?;
         let plan = trainer.plan().cloned().ok_or_else(|| Error::invalid("placement", "the trainer kept no plan"))?;
@@ -280,7 +304,7 @@ pub fn build_trainer_replicated(
     let build_replica = move |_: usize, replica_devices: &[Device]| {
         owned.build_split_on(seed, &splits_on(replica_devices)?, here.as_ref())
     };
-    let trainer = with_replicas(builder(graph, devices, config), replicas, zero, build_replica)
+    let trainer = with_replicas(builder(graph, devices, config), data_parallel, build_replica)
         .tensor_parallel(k)
         .stages(stages)
         .derived_caches(plan.derived_caches())
@@ -289,16 +313,18 @@ pub fn build_trainer_replicated(
     Ok((plan, trainer))
 }
 
-/// `builder` with `replicas` data-parallel replicas built by `build_replica`, sharding the
-/// optimizer state across them with `zero` 1 (`TrainerBuilder::zero`); unchanged for one replica.
+/// `builder` with the replicas of `data_parallel` built by `build_replica` (unchanged for one
+/// replica).
 pub fn with_replicas(
     builder: TrainerBuilder,
-    replicas: usize,
-    zero: u8,
+    data_parallel: &DataParallel,
     build_replica: impl Fn(usize, &[Device]) -> Result<Graph> + 'static,
 ) -> TrainerBuilder {
-    match replicas {
+    match data_parallel.replicas {
         1 => builder,
-        _ => builder.data_parallel(replicas, build_replica).zero(zero),
+        replicas => builder
+            .data_parallel(replicas, build_replica)
+            .zero(data_parallel.zero)
+            .replica_shares(data_parallel.shares.clone()),
     }
 }

@@ -5,7 +5,8 @@
 //! in every replica with no parameter changed, and the next step trains; parameters, checkpoints
 //! and resumes go through replica 0 and reach every replica. With ZeRO-1 (optimizer state sharded
 //! across the replicas) the weights and the optimizer state are bit for bit the unsharded ones,
-//! with each replica holding part of the state.
+//! with each replica holding part of the state. Unequal shares of the batch (fixed weights, or
+//! measured throughput) train what one device trains on the whole batch.
 mod common;
 
 use std::sync::Arc;
@@ -14,7 +15,7 @@ use common::{data, even_stages, max_rel_diff, weights};
 use conveyor::Sequential;
 use conveyor::engine::graph::Graph;
 use conveyor::engine::optim::{OptimizerConfig, SgdConfig};
-use conveyor::engine::runtime::{FaultInjection, FaultPoint, Trainer};
+use conveyor::engine::runtime::{AUTO_SHARE_STEPS, FaultInjection, FaultPoint, ReplicaShares, Trainer};
 use conveyor::engine::{Device, Error};
 use conveyor::layers::CrossEntropyLoss;
 use conveyor::schedules::{OpKind, ScheduleKind};
@@ -282,4 +283,85 @@ fn zero_one_rolls_back_a_failed_apply_and_resumes_from_a_checkpoint() {
     let diff = max_rel_diff(&weights(&one), &weights(&trainer));
     assert!(diff < 1e-5, "one device resumed from the sharded checkpoint: {diff}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Two one-device replicas sharing each batch by `shares`, `micro_batches` each.
+fn shared(shares: ReplicaShares, micro_batches: usize, optimizer: OptimizerConfig) -> Trainer {
+    let graph = mlp();
+    let stage_nodes = even_stages(&graph, 1);
+    Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
+        .devices(vec![Device::cpu(0), Device::cpu(1)])
+        .stages(stage_nodes)
+        .micro_batches(micro_batches)
+        .optimizer(optimizer)
+        .seed(11)
+        .data_parallel(2, |_, _| Ok(mlp()))
+        .replica_shares(shares)
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn unequal_replica_shares_train_what_one_device_trains_on_the_whole_batch() {
+    // 3:1 gives 18 and 6 of 24 rows: each replica's losses are still divided by all 24 rows, so
+    // the summed gradient is the whole batch's.
+    for optimizer in optimizers() {
+        let mut one = replicated(1, 1, 1, ScheduleKind::OneFOneB, optimizer);
+        let mut uneven = shared(ReplicaShares::Weights(vec![3.0, 1.0]), 2, optimizer);
+        assert_eq!(uneven.replica_fractions(), vec![0.75, 0.25]);
+        let (a, b) = (train(&mut one, 4), train(&mut uneven, 4));
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-6 * x.abs().max(1.0), "{optimizer:?}: losses {a:?} against {b:?}");
+        }
+        let diff = max_rel_diff(&weights(&uneven), &weights(&one));
+        assert!(diff < 1e-5, "{optimizer:?}: weights differ by {diff} (relative)");
+    }
+    // A share smaller than the micro-batch count is refused at the step, naming the replica.
+    let mut short = shared(ReplicaShares::Weights(vec![20.0, 1.0]), 2, OptimizerConfig::adam(0.01));
+    let (x, y) = data(ROWS, &[10], 4, 0);
+    let error = short.train_step(&x, &y).unwrap_err().to_string();
+    assert!(error.contains("replica 1's share of 24 rows is 1 rows, fewer than its 2 micro-batches"), "{error}");
+    // One weight per replica.
+    let graph = mlp();
+    let refused = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
+        .devices(vec![Device::cpu(0), Device::cpu(1)])
+        .data_parallel(2, |_, _| Ok(mlp()))
+        .replica_shares(ReplicaShares::Weights(vec![1.0, 2.0, 3.0]))
+        .build()
+        .err()
+        .expect("three weights for two replicas")
+        .to_string();
+    assert!(refused.contains("3 weights for 2 replicas"), "{refused}");
+}
+
+#[test]
+fn auto_shares_are_measured_over_the_first_steps_then_fixed() {
+    let optimizer = OptimizerConfig::adam(0.01);
+    let mut one = replicated(1, 1, 1, ScheduleKind::OneFOneB, optimizer);
+    let mut auto = shared(ReplicaShares::Auto, 2, optimizer);
+    assert_eq!(auto.replica_fractions(), vec![0.5, 0.5], "even until something is measured");
+    let steps = AUTO_SHARE_STEPS + 2;
+    let mut fractions = Vec::new();
+    let (a, b) = (train(&mut one, steps), {
+        (0..steps)
+            .map(|step| {
+                let (x, y) = data(ROWS, &[10], 4, step as u64);
+                let loss = auto.train_step(&x, &y).unwrap().loss;
+                fractions.push(auto.replica_fractions());
+                loss
+            })
+            .collect::<Vec<f64>>()
+    });
+    assert!(!auto.replica_shares_measuring());
+    // Whatever was measured: fractions of the batch, and fixed after the measured steps.
+    for f in &fractions {
+        assert!((f.iter().sum::<f64>() - 1.0).abs() < 1e-12 && f.iter().all(|&x| x > 0.0), "{f:?}");
+    }
+    assert_eq!(fractions[AUTO_SHARE_STEPS - 1], fractions[steps - 1], "{fractions:?}");
+    // And any shares train the whole batch's gradient.
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-6 * x.abs().max(1.0), "losses {a:?} against {b:?}");
+    }
+    let diff = max_rel_diff(&weights(&auto), &weights(&one));
+    assert!(diff < 1e-5, "weights differ by {diff} (relative)");
 }

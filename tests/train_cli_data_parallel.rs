@@ -116,3 +116,33 @@ fn zero_one_saves_what_unsharded_replicas_save() {
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--zero 2"));
 }
+
+#[test]
+fn replica_shares_split_the_batch_and_train_the_whole_batch() {
+    let dir = train_cli_support::temp_dir("dp-cli-shares");
+    let (one, fixed, auto) = (dir.join("one.safetensors"), dir.join("fixed.safetensors"), dir.join("auto.safetensors"));
+    train(&["--devices", "cpu:1", "--microbatches", "1"], &one);
+    let common = ["--devices", "cpu:2", "--data-parallel", "2", "--microbatches", "1"];
+    let mut args = common.to_vec();
+    args.extend(["--replica-shares", "3,1"]);
+    let stdout = train(&args, &fixed);
+    assert!(stdout.contains("replica shares of each batch: 75.0%, 25.0% (fixed weights)"), "{stdout}");
+    let mut args = common.to_vec();
+    args.extend(["--replica-shares", "auto"]);
+    let stdout = train(&args, &auto);
+    assert!(stdout.contains("(auto: measured throughput over the first steps, then fixed)"), "{stdout}");
+    let (a, b) = (worst(&one, &fixed), worst(&one, &auto));
+    assert!(a < 1e-5 && b < 1e-5, "3,1 shares {a}, auto shares {b} (relative)");
+    for (shares, expected) in [
+        ("3", "1 weights for 2 replicas"),
+        ("3,x", "one positive weight per replica"),
+        ("15,1", "replica 1's share of 16 rows is 1 rows, fewer than its 2 micro-batches"),
+    ] {
+        let mut bad = RUN.to_vec();
+        bad.extend(["--devices", "cpu:2", "--data-parallel", "2", "--microbatches", "2", "--replica-shares", shares]);
+        let out = conveyor(&bad);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{shares}: {stderr}");
+        assert!(stderr.contains(expected), "{shares}: {stderr}");
+    }
+}

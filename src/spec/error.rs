@@ -179,6 +179,24 @@ pub enum SpecError {
         /// [`crate::limits::MAX_DEVICES`].
         limit: usize,
     },
+    /// Replica weights whose count is not the number of replicas.
+    #[error(
+        "--replica-shares {shares}: {given} weights for {replicas} replicas; give one weight per replica (--data-parallel), or auto (pipeline.replica_shares)"
+    )]
+    ReplicaShareCount {
+        /// The shares as given.
+        shares: String,
+        /// Weights given.
+        given: usize,
+        /// Replicas (`data_parallel`).
+        replicas: usize,
+    },
+    /// A batch whose share for some replica is smaller than its micro-batch count.
+    #[error("--replica-shares with --batch: {reason} (pipeline.replica_shares)")]
+    ReplicaShareRows {
+        /// Which replica falls short, and by how much.
+        reason: String,
+    },
     /// A ZeRO stage other than 0 or 1.
     #[error("--zero {zero}: give 0 (no sharding) or 1 (optimizer state sharded across replicas) (pipeline.zero)")]
     ZeroStage {

@@ -62,7 +62,7 @@ mod validate;
 
 use std::path::PathBuf;
 
-use conveyor_engine::runtime::{CoreSlotPolicy, Recompute};
+use conveyor_engine::runtime::{CoreSlotPolicy, Recompute, ReplicaShares};
 use conveyor_schedules::ScheduleKind;
 use serde::{Deserialize, Serialize};
 
@@ -172,6 +172,11 @@ pub struct PipelineSection {
     /// (ZeRO-1: each keeps and updates its share of the layers, then broadcasts them), 0 does
     /// not. Default 0.
     pub zero: u8,
+    /// `replica_shares` (`--replica-shares`): how each batch is shared among the data-parallel
+    /// replicas: `even`, weights such as `"3,1"`, or `auto` (by throughput measured over the first
+    /// steps). Default even.
+    #[serde(with = "toml::text")]
+    pub replica_shares: ReplicaShares,
     /// `placement` (`--placement`). Default auto.
     #[serde(with = "toml::placement")]
     pub placement: PlacementSpec,
@@ -201,6 +206,7 @@ impl Default for PipelineSection {
             tensor_parallel: 1,
             data_parallel: 1,
             zero: 0,
+            replica_shares: ReplicaShares::Even,
             placement: PlacementSpec::Auto,
             schedule: ScheduleKind::OneFOneB,
             chunks: 1,

@@ -10,7 +10,9 @@ use super::validate::{model_spec, reason};
 use super::{PlacementSpec, RunSpec, SpecError, data, devices_used, total_steps};
 use crate::cli_input::{parse_devices, read_placement_file};
 use crate::data::Dataset;
-use crate::pipeline::{PipelineConfig, build_trainer_replicated, builder, plan_by_time, plan_manually, with_replicas};
+use crate::pipeline::{
+    DataParallel, PipelineConfig, build_trainer_replicated, builder, plan_by_time, plan_manually, with_replicas,
+};
 use crate::zoo::ModelSpec;
 use conveyor_engine::placement::Placement;
 
@@ -102,12 +104,13 @@ impl RunSpec {
             core_slots: pipeline.core_slots,
         };
         let replicas = pipeline.data_parallel;
+        let data_parallel = DataParallel { replicas, zero: pipeline.zero, shares: pipeline.replica_shares.clone() };
         let pipeline_devices = devices.len() / k / replicas;
         let (plan, trainer) = if k > 1 {
             drop(graph);
-            build_trainer_replicated(&model, training.seed, devices, k, replicas, pipeline.zero, &config)?
+            build_trainer_replicated(&model, training.seed, devices, k, &data_parallel, &config)?
         } else {
-            let replicated = Replicated { replicas, zero: pipeline.zero, model: model.clone(), seed: training.seed };
+            let replicated = Replicated { data_parallel, model: model.clone(), seed: training.seed };
             place_and_build(graph, devices, &config, &pipeline.placement, replicated)?
         };
         let mut spec = self.clone();
@@ -134,8 +137,7 @@ impl RunSpec {
 
 /// Data-parallel replicas of an unsplit model: how many, and what every replica's graph is built from.
 struct Replicated {
-    replicas: usize,
-    zero: u8,
+    data_parallel: DataParallel,
     model: ModelSpec,
     seed: u64,
 }
@@ -149,10 +151,10 @@ fn place_and_build(
     placement: &PlacementSpec,
     replicated: Replicated,
 ) -> Result<(Plan, Trainer), SpecError> {
-    let Replicated { replicas, zero, model, seed } = replicated;
-    let first = devices[..devices.len() / replicas.max(1)].to_vec();
+    let Replicated { data_parallel, model, seed } = replicated;
+    let first = devices[..devices.len() / data_parallel.replicas.max(1)].to_vec();
     let start = |graph, placement: Placement| -> Result<Trainer, SpecError> {
-        let builder = with_replicas(builder(graph, devices, config), replicas, zero, move |_, _| model.build(seed));
+        let builder = with_replicas(builder(graph, devices, config), &data_parallel, move |_, _| model.build(seed));
         Ok(builder.placement(placement).build()?)
     };
     let (stages, name) = match placement {

@@ -5,7 +5,7 @@
 use std::io::Read;
 use std::path::Path;
 
-use conveyor_engine::runtime::{CoreSlotPolicy, Recompute};
+use conveyor_engine::runtime::{CoreSlotPolicy, Recompute, ReplicaShares};
 use conveyor_schedules::ScheduleKind;
 use serde::{Deserialize, Deserializer, Serializer};
 
@@ -26,6 +26,7 @@ const FLAGS: &[(&str, &str)] = &[
     ("pipeline.tensor_parallel", "--tensor-parallel"),
     ("pipeline.data_parallel", "--data-parallel"),
     ("pipeline.zero", "--zero"),
+    ("pipeline.replica_shares", "--replica-shares"),
     ("pipeline.placement", "--placement"),
     ("pipeline.schedule", "--schedule"),
     ("pipeline.chunks", "--chunks"),
@@ -191,7 +192,7 @@ impl SpecText for ScheduleKind {
 }
 
 /// An engine error's reason (its argument name dropped).
-fn reason(error: conveyor_engine::Error) -> String {
+pub(super) fn reason(error: conveyor_engine::Error) -> String {
     match error {
         conveyor_engine::Error::InvalidArgument { reason, .. } => reason,
         other => other.to_string(),
@@ -219,6 +220,15 @@ impl SpecText for CoreSlotPolicy {
             CoreSlotPolicy::Off => "off".to_string(),
             CoreSlotPolicy::Slots(n) => n.to_string(),
         }
+    }
+    fn from_text(text: &str) -> Result<Self, String> {
+        text.parse().map_err(reason)
+    }
+}
+
+impl SpecText for ReplicaShares {
+    fn to_text(&self) -> String {
+        self.to_string()
     }
     fn from_text(text: &str) -> Result<Self, String> {
         text.parse().map_err(reason)

@@ -58,6 +58,15 @@ impl RunSpec {
         if !(1..=MAX_DEVICES).contains(&pipeline.data_parallel) {
             return Err(SpecError::DataParallelReplicas { replicas: pipeline.data_parallel, limit: MAX_DEVICES });
         }
+        if let conveyor_engine::runtime::ReplicaShares::Weights(weights) = &pipeline.replica_shares
+            && weights.len() != pipeline.data_parallel
+        {
+            return Err(SpecError::ReplicaShareCount {
+                shares: pipeline.replica_shares.to_string(),
+                given: weights.len(),
+                replicas: pipeline.data_parallel,
+            });
+        }
         if pipeline.tensor_parallel > 1 && pipeline.placement != PlacementSpec::Auto {
             return Err(SpecError::TensorParallelPlacement);
         }
@@ -69,6 +78,12 @@ impl RunSpec {
                 microbatches: pipeline.microbatches,
                 batch: training.batch,
             });
+        }
+        if pipeline.data_parallel > 1
+            && let Err(error) =
+                pipeline.replica_shares.rows_per_replica(training.batch, pipeline.data_parallel, pipeline.microbatches)
+        {
+            return Err(SpecError::ReplicaShareRows { reason: super::toml::reason(error) });
         }
         for (key, flag, value) in [
             ("training.eval_every", "--eval-every", training.eval_every),

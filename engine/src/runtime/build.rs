@@ -48,6 +48,7 @@ impl TrainerBuilder {
             ));
         }
         let zero = self.zero == 1 && replicas > 1;
+        self.replica_shares.check(replicas)?;
         let groups: Vec<Vec<Device>> = self.devices.chunks(k).map(<[Device]>::to_vec).collect();
         if replicas == 0 || !groups.len().is_multiple_of(replicas) {
             return Err(Error::invalid(
@@ -396,6 +397,7 @@ impl TrainerBuilder {
             workers,
             replicas,
             zero,
+            shares: crate::runtime::replica_shares::ShareState::new(self.replica_shares, replicas),
             replica_abort,
             transport: self.transport,
             round: 0,

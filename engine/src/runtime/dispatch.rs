@@ -17,9 +17,9 @@ use crate::transport::Tag;
 use crate::{Error, Result, Targets, Tensor};
 
 impl Trainer {
-    /// Cuts `rows` into the replicas' shares and each share into micro-batches: per replica, its
-    /// micro-batches as `(start row, rows)`. Sizes differ by at most one, the first ones get the
-    /// extra rows.
+    /// Cuts `rows` into the replicas' shares ([`super::ReplicaShares`]) and each share into
+    /// micro-batches: per replica, its micro-batches as `(start row, rows)`. Micro-batch sizes
+    /// differ by at most one, the first ones get the extra rows.
     fn split(&self, rows: usize) -> Result<Vec<Vec<(usize, usize)>>> {
         let (replicas, n) = (self.replicas, self.schedule.n_micro_batches());
         if rows < replicas * n {
@@ -38,7 +38,17 @@ impl Trainer {
                 },
             ));
         }
-        Ok(even_parts(0, rows, replicas).into_iter().map(|(start, len)| even_parts(start, len, n)).collect())
+        let mut start = 0;
+        Ok(self
+            .shares
+            .rows(rows, n)?
+            .into_iter()
+            .map(|len| {
+                let parts = even_parts(start, len, n);
+                start += len;
+                parts
+            })
+            .collect())
     }
 
     pub(in crate::runtime) fn dispatch(
@@ -208,7 +218,7 @@ impl Trainer {
         }
         // Only workers hold report senders now: a worker that vanishes closes its end.
         drop((senders, receivers, report_tx));
-        self.collect(Dispatched {
+        let outcome = self.collect(Dispatched {
             reports: report_rx,
             abort: abort_tx,
             commits: commit_txs,
@@ -217,7 +227,12 @@ impl Trainer {
             training,
             slots_this_step,
             round,
-        })
+        })?;
+        if training && self.replicas > 1 {
+            let rows_per_replica: Vec<usize> = splits.iter().map(|mbs| mbs.iter().map(|(_, len)| len).sum()).collect();
+            self.shares.observe(&outcome.report, &rows_per_replica, n_devices);
+        }
+        Ok(outcome)
     }
 }
 

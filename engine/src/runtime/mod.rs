@@ -25,6 +25,7 @@ mod core_seat;
 mod core_slots;
 mod measured_costs;
 mod ranks;
+mod replica_shares;
 mod stage;
 mod stepping;
 mod trainer;
@@ -32,6 +33,7 @@ mod transfer;
 mod worker;
 
 pub use bubbles::{BubbleGap, BubbleReport, CoresIdle, CostBasis, DevicePeak, DeviceTime, bubbles_over};
+pub use replica_shares::{AUTO_SHARE_STEPS, ReplicaShares};
 pub use stepping::{Batch, Evaluation, FitSummary, IntoBatch, StepControl};
 pub use trainer::{AUTO_SLOTS_MIN_OP_FLOPS, Trainer, TrainerBuilder};
 

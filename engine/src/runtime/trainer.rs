@@ -58,6 +58,7 @@ pub struct TrainerBuilder {
     replicas: usize,
     replica_graphs: Option<ReplicaGraphs>,
     zero: u8,
+    replica_shares: super::ReplicaShares,
 }
 
 /// Builds replica `r`'s graph on its devices ([`TrainerBuilder::data_parallel`]).
@@ -130,6 +131,17 @@ impl TrainerBuilder {
     /// `1 / replicas` of the optimizer state per device.
     pub fn zero(mut self, stage: u8) -> Self {
         self.zero = stage;
+        self
+    }
+
+    /// How every batch is shared among data-parallel replicas (default [`super::ReplicaShares::Even`]):
+    /// for replicas on unequal devices, fixed weights or [`super::ReplicaShares::Auto`] (by each
+    /// replica's throughput measured over the first [`super::AUTO_SHARE_STEPS`] training steps).
+    /// Every micro-batch's loss is divided by the whole batch's rows, so the summed gradients are
+    /// one device's on the whole batch whatever the shares (to rounding: the sums group
+    /// differently). Each replica must get at least one row per micro-batch.
+    pub fn replica_shares(mut self, shares: super::ReplicaShares) -> Self {
+        self.replica_shares = shares;
         self
     }
 
@@ -243,6 +255,8 @@ pub struct Trainer {
     pub(super) replicas: usize,
     /// Whether the replicas shard the optimizer state ([`TrainerBuilder::zero`]).
     pub(super) zero: bool,
+    /// How batches are shared among the replicas ([`TrainerBuilder::replica_shares`]).
+    pub(super) shares: crate::runtime::replica_shares::ShareState,
     /// With replicas in one process: what aborts each worker's replica group when a step is
     /// abandoned (the groups are then rebuilt, see `coordinator.rs`); empty otherwise.
     pub(super) replica_abort: Vec<crate::collective::GroupAbort>,
@@ -352,6 +366,7 @@ impl Trainer {
             replicas: 1,
             replica_graphs: None,
             zero: 0,
+            replica_shares: Default::default(),
         }
     }
 
@@ -404,6 +419,23 @@ impl Trainer {
     /// The ZeRO stage in use: 1 when the replicas shard the optimizer state, else 0.
     pub fn zero(&self) -> u8 {
         u8::from(self.zero)
+    }
+
+    /// How batches are shared among the replicas ([`TrainerBuilder::replica_shares`]).
+    pub fn replica_shares_policy(&self) -> &super::ReplicaShares {
+        self.shares.policy()
+    }
+
+    /// Each replica's fraction of the next batch (summing to 1; rows are rounded to whole rows):
+    /// under [`super::ReplicaShares::Auto`], as measured so far.
+    pub fn replica_fractions(&self) -> Vec<f64> {
+        self.shares.fractions()
+    }
+
+    /// Whether [`super::ReplicaShares::Auto`] is still measuring (its first
+    /// [`super::AUTO_SHARE_STEPS`] training steps).
+    pub fn replica_shares_measuring(&self) -> bool {
+        self.shares.measuring()
     }
 
     /// The worker of pipeline device `device_idx` in replica `replica`.

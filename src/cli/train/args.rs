@@ -74,6 +74,12 @@ pub struct TrainArgs {
     /// [default: 0]
     #[arg(long, value_name = "STAGE")]
     pub zero: Option<u8>,
+    /// With --data-parallel: how each batch is shared among the replicas: `even`, one weight per
+    /// replica (`3,1`: three quarters to the first), or `auto` (by each replica's throughput
+    /// measured over the first 3 steps, then fixed), for replicas on unequal devices. Every
+    /// share gives one device's gradient on the whole batch. [default: even]
+    #[arg(long, value_name = "auto|even|A,B,...")]
+    pub replica_shares: Option<String>,
     /// Placement of layers on stages: `auto` (minimise the slowest stage under the budgets, from
     /// FLOP estimates), `time` (the same from layer times measured on this machine first:
     /// balance by time), or a file as `conveyor plan --placement` reads: one line per stage
@@ -250,6 +256,10 @@ impl TrainArgs {
         set(&mut pipeline.tensor_parallel, &self.tensor_parallel);
         set(&mut pipeline.data_parallel, &self.data_parallel);
         set(&mut pipeline.zero, &self.zero);
+        if let Some(text) = &self.replica_shares {
+            pipeline.replica_shares =
+                text.parse().map_err(|e: conveyor_engine::Error| usage(format!("--replica-shares: {e}")))?;
+        }
         if let Some(text) = &self.placement {
             pipeline.placement = PlacementSpec::from_text(text);
         }

@@ -38,6 +38,7 @@ pub use args::{LrSchedule, OnNonFinite, TrainArgs, parse_devices, parse_optimize
 use checkpointing::RunState;
 use conveyor::data;
 use conveyor::engine::Device;
+use conveyor::engine::runtime::ReplicaShares;
 use conveyor::engine::trace::{MemoryPoint, TimelineRecorder, timeline_filter};
 use conveyor::engine::transport::Transport;
 use conveyor::schedules::export::{MemorySample, SvgOptions, svg_gantt};
@@ -445,6 +446,16 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         if recent_reports.is_empty() { None } else { Some(trainer.bubbles(recent_reports.make_contiguous())?) };
     if let Some(bubble) = &bubble {
         outln!("{bubble}");
+    }
+    if replicas > 1 {
+        let percent: Vec<String> = trainer.replica_fractions().iter().map(|f| format!("{:.1}%", f * 100.0)).collect();
+        let how = match trainer.replica_shares_policy() {
+            ReplicaShares::Auto if trainer.replica_shares_measuring() => "auto, still measuring",
+            ReplicaShares::Auto => "auto: measured throughput over the first steps, then fixed",
+            ReplicaShares::Even => "even",
+            ReplicaShares::Weights(_) => "fixed weights",
+        };
+        outln!("replica shares of each batch: {} ({how})", percent.join(", "));
     }
     if replicas > 1 && ranks.is_none() {
         // What each replica's devices hold of the optimizer state (ZeRO-1 shards it).
