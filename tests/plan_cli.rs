@@ -293,3 +293,56 @@ fn plan_config_plans_the_run_a_spec_describes_and_flags_override_it() -> Result<
     assert_usage_error(&["plan", "--config", "/no/such/run.toml"], &["--config", "/no/such/run.toml"])?;
     Ok(())
 }
+
+#[test]
+fn data_parallel_plans_show_each_replicas_memory_and_the_all_reduce_on_the_step() -> Result<()> {
+    let common = ["--model", "mlp:64,1024,1024,1024,10", "--batch", "256", "--microbatches", "4"];
+    let with = |extra: &[&str]| -> Result<Value> {
+        let mut args = common.to_vec();
+        args.extend_from_slice(extra);
+        plan_json(&args)
+    };
+    let one = with(&["--devices", "cpu:2"])?;
+    let replicated = with(&["--devices", "cpu:4", "--data-parallel", "2"])?;
+    let sharded = with(&["--devices", "cpu:4", "--data-parallel", "2", "--zero", "1"])?;
+    // Each replica plans the first two devices on half the batch.
+    ensure!(u64_of(&one, "micro_batch_rows")? == 64 && u64_of(&replicated, "micro_batch_rows")? == 32);
+    let dp = &replicated["data_parallel"];
+    ensure!(u64_of(dp, "replicas")? == 2 && u64_of(dp, "zero")? == 0, "{dp}");
+    let stages = dp["stages"].as_array().context("stages")?;
+    ensure!(stages.len() == 2);
+    for (stage, planned) in stages.iter().zip(replicated["stages"].as_array().context("plan stages")?) {
+        // Every gradient all-reduced, costed on the link: a ring moves 2 (R - 1) / R of it.
+        let bytes = u64_of(stage, "gradient_bytes")?;
+        ensure!(bytes == u64_of(&planned["memory"], "grads")?, "{stage}");
+        ensure!((f64_of(stage, "all_reduce_link_bytes")? - bytes as f64).abs() < 1.0, "{stage}");
+        ensure!(f64_of(stage, "all_reduce_s")? > 0.0);
+        ensure!(u64_of(stage, "optimizer_state")? == u64_of(&planned["memory"], "optimizer_state")?);
+        ensure!(u64_of(stage, "memory_bytes")? >= u64_of(planned, "memory_bytes")? - 1, "{stage}");
+    }
+    // The all-reduce lies on the simulated step: each device's, before its optimizer step.
+    let events = dp["all_reduce_events"].as_array().context("events")?;
+    ensure!(events.len() == 2, "{dp}");
+    let latest_end =
+        events.iter().map(|e| f64_of(e, "end_s")).collect::<Result<Vec<_>>>()?.into_iter().fold(0.0, f64::max);
+    ensure!((f64_of(&replicated, "predicted_step_s")? - latest_end).abs() < 1e-9, "the step ends with the all-reduce");
+    // ZeRO-1 halves the state over all replicas and never raises a device's.
+    let all = |v: &Value| u64_of(&v["data_parallel"], "optimizer_state_all_replicas");
+    ensure!(all(&sharded)? * 2 == all(&replicated)?, "{} against {}", all(&sharded)?, all(&replicated)?);
+    for (z, r) in sharded["data_parallel"]["stages"].as_array().context("z")?.iter().zip(stages) {
+        ensure!(u64_of(z, "optimizer_state")? <= u64_of(r, "optimizer_state")?, "{z} against {r}");
+    }
+    // The table says the same in words.
+    let mut args = vec!["plan"];
+    args.extend_from_slice(&common);
+    args.extend(["--devices", "cpu:4", "--data-parallel", "2", "--zero", "1"]);
+    let table = String::from_utf8(conveyor(&args)?.stdout)?;
+    for needle in ["data parallel: 2 replicas", "ZeRO-1: optimizer state sharded", "(replicated: ", "all-reduce"] {
+        ensure!(table.contains(needle), "{needle:?} missing from {table}");
+    }
+    let mut bad = vec!["plan"];
+    bad.extend_from_slice(&common);
+    bad.extend(["--devices", "cpu:3", "--data-parallel", "2"]);
+    assert_usage_error(&bad, &["--data-parallel 2", "do not split into 2 replicas"])?;
+    Ok(())
+}

@@ -174,3 +174,30 @@ fn unwritable_export_paths_exit_2() -> Result<()> {
     ensure!(std::fs::read_dir(&dir)?.next().is_none(), "nothing was left behind in {}", dir.display());
     Ok(())
 }
+
+#[test]
+fn data_parallel_all_reduces_end_the_step_and_cost_by_the_link() -> Result<()> {
+    let common = ["--schedule", "1f1b", "--stages", "2", "--microbatches", "4", "--latency", "0.001"];
+    let mut args = common.to_vec();
+    args.extend(["--bandwidth", "4000000", "--data-parallel", "2", "--gradient-bytes", "4000000"]);
+    let json = simulate_json(&args)?;
+    let plain = simulate_json(&common)?;
+    // Ring over 2 ranks: 2 messages and 2 (R - 1) / R = 1 times the bytes.
+    let per_stage = json["all_reduce_s_per_stage"].as_f64().context("all_reduce_s_per_stage")?;
+    ensure!((per_stage - (2.0 * 0.001 + 1.0)).abs() < 1e-12, "{per_stage}");
+    let makespan = |v: &Value| v["makespan"].as_f64().context("makespan");
+    // Stage 0 finishes last; its all-reduce ends the step.
+    ensure!(
+        (makespan(&json)? - makespan(&plain)? - per_stage).abs() < 1e-9,
+        "{} {}",
+        makespan(&json)?,
+        makespan(&plain)?
+    );
+    let reduces = json["events"].as_array().context("events")?.iter().filter(|e| e["op"] == "all_reduce").count();
+    ensure!(reduces == 2);
+    assert_usage_error(
+        &["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4", "--data-parallel", "0"],
+        "--data-parallel 0",
+    )?;
+    Ok(())
+}

@@ -46,6 +46,7 @@ pub fn op_name(op: OpKind) -> &'static str {
         OpKind::Recv => "recv",
         OpKind::Wait => "wait",
         OpKind::CoreWait => "core_wait",
+        OpKind::AllReduce => "all_reduce",
     }
 }
 
@@ -61,6 +62,7 @@ fn op_from_name(name: &str) -> Option<OpKind> {
         "recv" => OpKind::Recv,
         "wait" => OpKind::Wait,
         "core_wait" => OpKind::CoreWait,
+        "all_reduce" => OpKind::AllReduce,
         _ => return None,
     })
 }

@@ -92,6 +92,10 @@ pub struct CostModel {
     /// Each device's own optimizer step, overriding `optimizer_step_s` (empty: none).
     #[serde(skip)]
     device_optimizer_step_s: Vec<f64>,
+    /// Each device's gradient all-reduce across data-parallel replicas, run when the device
+    /// reaches its optimizer step and before the commit (empty: none).
+    #[serde(skip)]
+    device_all_reduce_s: Vec<f64>,
 }
 
 impl Default for CostModel {
@@ -119,6 +123,7 @@ impl CostModel {
             op_overheads: HashMap::new(),
             device_start_s: Vec::new(),
             device_optimizer_step_s: Vec::new(),
+            device_all_reduce_s: Vec::new(),
         }
     }
 
@@ -209,6 +214,22 @@ impl CostModel {
         self
     }
 
+    /// Gives each device a gradient all-reduce across data-parallel replicas: the simulator runs
+    /// it (as an [`crate::OpKind::AllReduce`] event) as soon as the device reaches its optimizer
+    /// step, and the commit waits for every device's, as the runtime sums each stage's gradients
+    /// with the other replicas' copies of that stage before it votes. The replicas run the same
+    /// program on equal devices, so one replica's timeline stands for all. Devices past the list
+    /// have none.
+    pub fn with_device_all_reduce_s(mut self, device_all_reduce_s: Vec<f64>) -> CostModel {
+        self.device_all_reduce_s = device_all_reduce_s;
+        self
+    }
+
+    /// The gradient all-reduce's cost on `device_idx` (0 without data parallelism).
+    pub fn device_all_reduce_s(&self, device_idx: usize) -> f64 {
+        self.device_all_reduce_s.get(device_idx).copied().unwrap_or(0.0)
+    }
+
     /// The optimizer step's cost on `device_idx`.
     pub fn device_optimizer_step_s(&self, device_idx: usize) -> f64 {
         self.device_optimizer_step_s.get(device_idx).copied().unwrap_or(self.optimizer_step_s)
@@ -270,6 +291,9 @@ impl CostModel {
         }
         for (device_idx, &seconds) in self.device_optimizer_step_s.iter().enumerate() {
             non_negative(format!("optimizer step of device {device_idx}"), seconds)?;
+        }
+        for (device_idx, &seconds) in self.device_all_reduce_s.iter().enumerate() {
+            non_negative(format!("gradient all-reduce of device {device_idx}"), seconds)?;
         }
         non_negative("latency_s".into(), self.link.latency_s)?;
         non_negative("optimizer_step_s".into(), self.optimizer_step_s)?;

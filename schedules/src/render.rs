@@ -16,7 +16,7 @@ pub fn render_timeline(timeline: &Timeline) -> String {
     let shortest = timeline
         .events
         .iter()
-        .filter(|event| event.op.is_compute() && event.duration_s() > 0.0)
+        .filter(|event| (event.op.is_compute() || event.op == OpKind::AllReduce) && event.duration_s() > 0.0)
         .map(|event| event.duration_s())
         .fold(f64::INFINITY, f64::min);
     let cell_s = if shortest.is_finite() { shortest } else { 1.0 };
@@ -46,7 +46,11 @@ pub fn render_timeline_with_cell(timeline: &Timeline, cell_s: f64) -> String {
     }
     device_stages.iter_mut().for_each(|stages| stages.sort_unstable());
     let mut rows = vec![vec![String::new(); n_cells]; timeline.n_devices];
-    for event in timeline.events.iter().filter(|event| event.op.is_compute() && event.duration_s() > 0.0) {
+    for event in timeline
+        .events
+        .iter()
+        .filter(|event| (event.op.is_compute() || event.op == OpKind::AllReduce) && event.duration_s() > 0.0)
+    {
         let letter = match event.op {
             OpKind::Forward => "F",
             OpKind::Backward => "B",
@@ -54,6 +58,7 @@ pub fn render_timeline_with_cell(timeline: &Timeline, cell_s: f64) -> String {
             OpKind::BackwardWeight => "W",
             OpKind::OptimizerStep => "O",
             OpKind::Recompute => "R",
+            OpKind::AllReduce => "A",
             OpKind::Send | OpKind::Recv | OpKind::Wait | OpKind::CoreWait => continue,
         };
         let mut label = letter.to_owned();

@@ -70,17 +70,36 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationRepo
     let mut free_at: Vec<f64> = (0..programs.len()).map(|d| costs.device_start_s(d)).collect();
     // The optimizer steps wait for the commit: every device done with its other ops.
     let mut commit_at: Option<f64> = None;
+    // Whether each device has run its gradient all-reduce (data parallelism), which it does on
+    // reaching its optimizer step, before the commit.
+    let mut all_reduced = vec![false; programs.len()];
     loop {
         let mut progressed = false;
         if commit_at.is_none()
-            && programs.iter().zip(&positions).all(|(program, &position)| {
-                program.get(position).is_none_or(|instruction| *instruction == Instruction::OptimizerStep)
+            && programs.iter().zip(&positions).zip(&all_reduced).all(|((program, &position), &reduced)| {
+                program.get(position).is_none_or(|instruction| *instruction == Instruction::OptimizerStep && reduced)
             })
         {
             commit_at = Some(free_at.iter().copied().fold(0.0, f64::max));
         }
         for (device_idx, program) in programs.iter().enumerate() {
             while let Some(&instruction) = program.get(positions[device_idx]) {
+                if instruction == Instruction::OptimizerStep && !all_reduced[device_idx] {
+                    all_reduced[device_idx] = true;
+                    progressed = true;
+                    let seconds = costs.device_all_reduce_s(device_idx);
+                    if seconds > 0.0 {
+                        let start_s = free_at[device_idx];
+                        timeline.events.push(instruction_event(
+                            device_idx,
+                            instruction,
+                            OpKind::AllReduce,
+                            start_s,
+                            start_s + seconds,
+                        ));
+                        free_at[device_idx] = start_s + seconds;
+                    }
+                }
                 let ready_at = match instruction.recv_from(n_stages) {
                     None if instruction == Instruction::OptimizerStep => match commit_at {
                         Some(commit_s) => commit_s + costs.device_commit_latency_s(device_idx),
@@ -239,6 +258,39 @@ mod tests {
         // F0 on stage 0 [0,1], F0 on stage 1 [1,4], B on stage 1 [4,5], B on stage 0 [5,6].
         assert_eq!(simulate(&schedule, &costs).unwrap().makespan_s, 6.0);
         let negative = CostModel::default().with_op_costs([((0, OpKind::Forward, 0), -1.0)]);
+        assert!(matches!(simulate(&schedule, &negative), Err(ScheduleError::InvalidCost { .. })));
+    }
+
+    #[test]
+    fn gradient_all_reduces_run_before_the_commit() {
+        // GPipe, 2 stages, 1 micro-batch, F = B = 1: device 1 is done at 3, device 0 at 4. Each
+        // all-reduces its gradients on reaching the optimizer step (device 1: [3, 5]; device 0:
+        // [4, 4.5]); the commit waits for both, at 5; the steps take 1.
+        let schedule = Schedule::new(ScheduleKind::GPipe, 2, 1, 1).unwrap();
+        let costs = CostModel::uniform(StageCosts::new(1.0, 0.5, 0.5))
+            .with_optimizer_step_s(1.0)
+            .with_device_all_reduce_s(vec![0.5, 2.0]);
+        assert_eq!(costs.device_all_reduce_s(5), 0.0, "devices past the list have none");
+        let report = simulate(&schedule, &costs).unwrap();
+        let of = |op: OpKind| -> Vec<(usize, f64, f64)> {
+            let mut events: Vec<_> = report
+                .timeline
+                .events
+                .iter()
+                .filter(|e| e.op == op)
+                .map(|e| (e.device_idx, e.start_s, e.end_s))
+                .collect();
+            events.sort_by_key(|e| e.0);
+            events
+        };
+        assert_eq!(of(OpKind::AllReduce), vec![(0, 4.0, 4.5), (1, 3.0, 5.0)]);
+        assert_eq!(of(OpKind::OptimizerStep), vec![(0, 5.0, 6.0), (1, 5.0, 6.0)]);
+        assert_eq!(report.makespan_s, 6.0);
+        // Communication is not busy time: the all-reduce adds to the bubble.
+        let without = simulate(&schedule, &costs.clone().with_device_all_reduce_s(vec![])).unwrap();
+        assert_eq!(without.makespan_s, 5.0);
+        assert!(report.bubble_fraction > without.bubble_fraction);
+        let negative = CostModel::default().with_device_all_reduce_s(vec![-1.0]);
         assert!(matches!(simulate(&schedule, &negative), Err(ScheduleError::InvalidCost { .. })));
     }
 

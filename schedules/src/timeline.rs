@@ -30,6 +30,9 @@ pub enum OpKind {
     CoreWait,
     /// Recomputing a forward for activation checkpointing (compute).
     Recompute,
+    /// The stage's gradients summed across data-parallel replicas before the optimizer step
+    /// (communication, not compute).
+    AllReduce,
 }
 
 impl OpKind {
@@ -101,10 +104,16 @@ impl Timeline {
         })
     }
 
-    /// Time from the first compute start to the last compute end, seconds.
+    /// Compute events and gradient all-reduces: what a step's span runs from and to.
+    fn span_events(&self) -> impl Iterator<Item = &TimelineEvent> {
+        self.compute_events().chain(self.events.iter().filter(|event| event.op == OpKind::AllReduce))
+    }
+
+    /// Time from the first compute start to the last compute end, seconds. A gradient all-reduce
+    /// (data parallelism) ends a step as an op would: the span includes it.
     pub fn makespan_s(&self) -> f64 {
         let start = self.compute_events().map(|event| event.start_s).fold(f64::INFINITY, f64::min);
-        let end = self.compute_events().map(|event| event.end_s).fold(f64::NEG_INFINITY, f64::max);
+        let end = self.span_events().map(|event| event.end_s).fold(f64::NEG_INFINITY, f64::max);
         if end > start { end - start } else { 0.0 }
     }
 
@@ -129,7 +138,7 @@ impl Timeline {
     /// (Zero Bubble's "zero bubble" is zero in this sense).
     pub fn interior_bubble_fraction(&self) -> f64 {
         let mut spans = vec![(f64::INFINITY, f64::NEG_INFINITY); self.n_devices];
-        for event in self.compute_events() {
+        for event in self.span_events() {
             let span = &mut spans[event.device_idx];
             span.0 = span.0.min(event.start_s);
             span.1 = span.1.max(event.end_s);

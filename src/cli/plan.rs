@@ -6,11 +6,11 @@ use std::path::Path;
 
 use anyhow::Context;
 use conveyor::engine::graph::Graph;
-use conveyor::engine::placement::{Plan, format_bytes};
+use conveyor::engine::placement::{Plan, ReplicaPlan, format_bytes, replica_plan};
 use conveyor::engine::runtime::Recompute;
 use conveyor::limits::{MAX_BATCH_ROWS, MAX_STAGES};
 use conveyor::pipeline::{PipelineConfig, memory_notes, plan, plan_manually};
-use conveyor::schedules::{CostModel, Schedule, ScheduleKind, SimulationReport, StageCosts, simulate};
+use conveyor::schedules::{CostModel, OpKind, Schedule, ScheduleKind, SimulationReport, StageCosts, simulate};
 use conveyor::zoo::ModelSpec;
 
 use super::messages::{engine_input_error, schedule_message};
@@ -35,6 +35,8 @@ pub struct PlanArgs {
     pub chunks: usize,
     pub recompute: Recompute,
     pub placement: String,
+    pub data_parallel: usize,
+    pub zero: u8,
     pub json: bool,
 }
 
@@ -68,7 +70,32 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     }
     let optimizer = parse_optimizer(&args.optimizer, None, None, None)?;
     let budget = args.device_memory.as_deref().map(parse_size).transpose()?;
-    let devices = parse_devices(&args.devices, budget)?;
+    let all_devices = parse_devices(&args.devices, budget)?;
+    let replicas = args.data_parallel;
+    if args.zero > 1 {
+        return Err(usage(format!(
+            "--zero {}: give 0 (no sharding) or 1 (optimizer state sharded across replicas)",
+            args.zero
+        )));
+    }
+    if replicas == 0 || !all_devices.len().is_multiple_of(replicas) {
+        return Err(usage(format!(
+            "--data-parallel {replicas}: the {} devices of --devices {} do not split into {replicas} replicas; give \
+             replicas x stages devices",
+            all_devices.len(),
+            args.devices
+        )));
+    }
+    if args.batch < replicas * args.microbatches {
+        return Err(usage(format!(
+            "--batch {} cannot give each of {replicas} replicas {} micro-batches; give a batch of at least {}",
+            args.batch,
+            args.microbatches,
+            replicas * args.microbatches
+        )));
+    }
+    // Every replica runs the plan of the first replica's devices on its share of the batch.
+    let devices = all_devices[..all_devices.len() / replicas].to_vec();
     if devices.len().checked_mul(args.chunks).is_none_or(|n| n > MAX_STAGES) {
         return Err(usage(format!(
             "--chunks {} on {} devices makes more than {MAX_STAGES} stages, the limit (MAX_STAGES); give fewer chunks",
@@ -86,7 +113,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         schedule: args.schedule,
         n_chunks: args.chunks,
         n_micro_batches: args.microbatches,
-        batch_rows: args.batch,
+        batch_rows: args.batch.div_ceil(replicas),
         optimizer,
         recompute: args.recompute,
         seed: 0,
@@ -101,11 +128,22 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             .map_err(|e| explain_memory(e, &args, budget))
             .with_context(|| format!("--placement {}", path.display()))?
     };
-    let report = simulate_plan(&plan, &args, devices.len())?;
+    let replica_plan = (replicas > 1)
+        .then(|| replica_plan(&plan, &graph, replicas, args.zero == 1, &plan.config.link))
+        .transpose()
+        .map_err(engine_input_error)?;
+    let report = simulate_plan(&plan, &args, devices.len(), replica_plan.as_ref())?;
     if args.json {
-        outln!("{}", serde_json::to_string(&plan_json(&plan, &report, &args, &graph, devices.len()))?);
+        let mut json = plan_json(&plan, &report, &args, &graph, devices.len());
+        if let Some(replica_plan) = &replica_plan {
+            json["data_parallel"] = replica_json(&plan, replica_plan, &report);
+        }
+        outln!("{}", serde_json::to_string(&json)?);
     } else {
         print_table(&plan, &report, &args, plan.config.micro_batch_rows, devices.len());
+        if let Some(replica_plan) = &replica_plan {
+            print_replicas(&plan, replica_plan, &report);
+        }
     }
     Ok(())
 }
@@ -136,12 +174,22 @@ fn explain_memory(err: conveyor::engine::Error, args: &PlanArgs, budget: Option<
 /// Runs the schedule simulator with each stage's predicted F, B and W. The planner already folds
 /// each stage's incoming transfers into its F and B, so the simulator's link stays free: adding
 /// the link model again would count every transfer twice.
-fn simulate_plan(plan: &Plan, args: &PlanArgs, n_devices: usize) -> anyhow::Result<SimulationReport> {
+/// With replicas, each device all-reduces its stages' gradients before the commit.
+fn simulate_plan(
+    plan: &Plan,
+    args: &PlanArgs,
+    n_devices: usize,
+    replicas: Option<&ReplicaPlan>,
+) -> anyhow::Result<SimulationReport> {
     let schedule = Schedule::new(args.schedule, n_devices, args.microbatches, args.chunks)
         .map_err(|e| usage(schedule_message(&e)))?;
-    let costs = CostModel::per_stage(
+    let mut costs = CostModel::per_stage(
         plan.stages.iter().map(|s| StageCosts::new(s.forward_s, s.backward_input_s, s.backward_weight_s)).collect(),
     );
+    if let Some(replicas) = replicas {
+        costs =
+            costs.with_device_all_reduce_s(replicas.device_all_reduce_s(n_devices, |s| schedule.device_of_stage(s)));
+    }
     simulate(&schedule, &costs).context("simulating the schedule with the plan's predicted stage costs")
 }
 
@@ -303,6 +351,101 @@ fn print_table(plan: &Plan, report: &SimulationReport, args: &PlanArgs, micro_ba
         args.schedule
     );
     outln!("predicted bubble fraction: {:.4}", report.bubble_fraction);
+}
+
+/// The data-parallel view of the plan: each replica's memory per stage (with ZeRO-1, its share of
+/// the optimizer state), the gradients each stage all-reduces and the predicted cost.
+fn print_replicas(plan: &Plan, replicas: &ReplicaPlan, report: &SimulationReport) {
+    outln!(
+        "data parallel: {} replicas of this pipeline, each on its own devices{}; each stage's gradients are \
+         all-reduced (ring, {} per message, {}/s) when its device reaches the optimizer step",
+        replicas.replicas,
+        if replicas.zero { ", ZeRO-1: optimizer state sharded" } else { ", optimizer state replicated" },
+        format_seconds(replicas.link.latency_s),
+        format_bytes(replicas.link.bandwidth_bytes_per_s as u64),
+    );
+    let header = ["stage", "device", "optimizer", "snapshot", "total", "budget", "all-reduce (gradients: time)"];
+    let rows: Vec<Vec<String>> = replicas
+        .stages
+        .iter()
+        .zip(&plan.stages)
+        .map(|(r, s)| {
+            let device = &plan.devices[s.device_idx];
+            vec![
+                r.stage_idx.to_string(),
+                format!("{} (each replica's)", device.name),
+                format_bytes(r.optimizer_state),
+                format_bytes(r.commit_snapshot),
+                format_bytes(r.total),
+                device.budget_bytes.map_or("unlimited".to_string(), format_bytes),
+                format!(
+                    "{} in {} tensors: {}",
+                    format_bytes(r.gradient_bytes),
+                    r.gradient_tensors,
+                    format_seconds(r.all_reduce_s)
+                ),
+            ]
+        })
+        .collect();
+    crate::cli::console::out(&render_table(&header, &rows));
+    for (r, s) in replicas.stages.iter().zip(&plan.stages) {
+        if let Some(budget) = plan.devices[s.device_idx].budget_bytes.filter(|&b| r.total > b) {
+            outln!(
+                "warning: stage {} needs {} with the all-reduce's buffers, over its budget of {}",
+                r.stage_idx,
+                format_bytes(r.total),
+                format_bytes(budget)
+            );
+        }
+    }
+    let unsharded = replicas.replicas as u64 * plan.stages.iter().map(|s| s.memory.optimizer_state).sum::<u64>();
+    outln!(
+        "optimizer state in all replicas: {}{}",
+        format_bytes(replicas.optimizer_state_in_all(plan)),
+        if replicas.zero { format!(" (replicated: {})", format_bytes(unsharded)) } else { String::new() }
+    );
+    let all_reduce_s: f64 =
+        report.timeline.events.iter().filter(|e| e.op == OpKind::AllReduce).map(|e| e.duration_s()).fold(0.0, f64::max);
+    outln!(
+        "the predicted step above includes the gradient all-reduce before the commit (the longest device's: {}); \
+         each replica takes 1/{} of every batch",
+        format_seconds(all_reduce_s),
+        replicas.replicas
+    );
+}
+
+fn replica_json(plan: &Plan, replicas: &ReplicaPlan, report: &SimulationReport) -> serde_json::Value {
+    let stages: Vec<serde_json::Value> = replicas
+        .stages
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "stage": r.stage_idx,
+                "optimizer_state": r.optimizer_state,
+                "commit_snapshot": r.commit_snapshot,
+                "memory_bytes": r.total,
+                "gradient_bytes": r.gradient_bytes,
+                "gradient_tensors": r.gradient_tensors,
+                "all_reduce_link_bytes": r.all_reduce_link_bytes,
+                "all_reduce_s": r.all_reduce_s,
+            })
+        })
+        .collect();
+    let events: Vec<serde_json::Value> = report
+        .timeline
+        .events
+        .iter()
+        .filter(|e| e.op == OpKind::AllReduce)
+        .map(|e| serde_json::json!({"device": e.device_idx, "start_s": e.start_s, "end_s": e.end_s}))
+        .collect();
+    serde_json::json!({
+        "replicas": replicas.replicas,
+        "zero": u8::from(replicas.zero),
+        "link": {"latency_s": replicas.link.latency_s, "bandwidth_bytes_per_s": replicas.link.bandwidth_bytes_per_s},
+        "stages": stages,
+        "optimizer_state_all_replicas": replicas.optimizer_state_in_all(plan),
+        "all_reduce_events": events,
+    })
 }
 
 /// Left-aligns text columns (stage, device, layers) and right-aligns the figures.

@@ -55,6 +55,15 @@ pub struct PlanFlags {
     /// [default: auto].
     #[arg(long, value_name = "auto|FILE")]
     pub placement: Option<String>,
+    /// Data parallelism: R replicas of the pipeline, each on its own devices (--devices lists all
+    /// R x stages of them, replica-major); the plan is each replica's, with the gradient
+    /// all-reduce on the predicted step and each replica's optimizer state [default: 1].
+    #[arg(long, value_name = "R")]
+    pub data_parallel: Option<usize>,
+    /// ZeRO stage with --data-parallel: 1 shards the optimizer state across the replicas; the
+    /// plan shows each device's share [default: 0].
+    #[arg(long, value_name = "STAGE")]
+    pub zero: Option<u8>,
     /// Print one JSON object (stages, predicted_step_s, predicted_bubble_fraction, ...) instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -113,6 +122,8 @@ impl PlanFlags {
             chunks: self.chunks.or(pipeline.map(|p| p.chunks)).unwrap_or(1),
             recompute: self.recompute.or(pipeline.map(|p| p.recompute)).unwrap_or(Recompute::Never),
             placement,
+            data_parallel: self.data_parallel.or(pipeline.map(|p| p.data_parallel)).unwrap_or(1),
+            zero: self.zero.or(pipeline.map(|p| p.zero)).unwrap_or(0),
             json: self.json,
         })
     }

@@ -46,6 +46,15 @@ pub struct SimulateArgs {
     /// Bytes of every activation and gradient message between stages.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub message_bytes: u64,
+    /// Data-parallel replicas R of the pipeline: each device all-reduces its stages' gradients
+    /// (--gradient-bytes each, a ring over R ranks on the --latency/--bandwidth link:
+    /// 2(R-1) messages and 2(R-1)/R of the bytes) when it reaches the optimizer step, before the
+    /// commit [default: 1].
+    #[arg(long, value_name = "R", default_value_t = 1)]
+    pub data_parallel: usize,
+    /// Gradient bytes of each stage, all-reduced across --data-parallel replicas.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub gradient_bytes: u64,
     /// Print one JSON object (makespan, bubble_fraction, peak_inflight, events, ...) instead of text.
     #[arg(long)]
     pub json: bool,
@@ -90,9 +99,23 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         .map_err(|err| super::usage(super::messages::schedule_message(&err)))?;
     validate(&schedule, VALIDATION_CHANNEL_CAPACITY)
         .with_context(|| format!("generated {} schedule failed validation", schedule.kind()))?;
+    if args.data_parallel == 0 {
+        return Err(super::usage("--data-parallel 0: give at least 1 replica"));
+    }
+    // Each stage's gradients in one all-reduce over the replicas, on the same link model.
+    let link = conveyor::engine::placement::Link { latency_s: args.latency, bandwidth_bytes_per_s: bandwidth };
+    let stage_all_reduce_s = conveyor::engine::collective::cost_s(
+        conveyor::engine::collective::CollectiveOp::AllReduce,
+        args.gradient_bytes,
+        args.data_parallel,
+        &link,
+    );
+    let device_all_reduce_s: Vec<f64> =
+        (0..schedule.n_devices()).map(|d| schedule.stages_of_device(d).count() as f64 * stage_all_reduce_s).collect();
     let costs = CostModel::uniform(stage_costs)
         .with_link(Link { latency_s: args.latency, bandwidth_bytes_per_s: bandwidth })
-        .with_message_bytes(MessageBytes { activation_bytes: args.message_bytes, gradient_bytes: args.message_bytes });
+        .with_message_bytes(MessageBytes { activation_bytes: args.message_bytes, gradient_bytes: args.message_bytes })
+        .with_device_all_reduce_s(device_all_reduce_s);
     let report = simulate(&schedule, &costs).context("simulating the schedule")?;
     if !report.makespan_s.is_finite() {
         return Err(super::usage(format!(
@@ -123,6 +146,8 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             "stages": schedule.n_devices(),
             "microbatches": schedule.n_micro_batches(),
             "chunks": schedule.n_chunks(),
+            "data_parallel": args.data_parallel,
+            "all_reduce_s_per_stage": stage_all_reduce_s,
             "makespan": report.makespan_s,
             "bubble_fraction": report.bubble_fraction,
             "interior_bubble_fraction": report.interior_bubble_fraction,
@@ -149,6 +174,15 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         stage_costs.backward_input_s,
         stage_costs.backward_weight_s
     );
+    if args.data_parallel > 1 {
+        outln!(
+            "data parallel: {} replicas; each stage all-reduces {} bytes of gradients in {} s (ring on the link), \
+             A on the chart, before the commit",
+            args.data_parallel,
+            args.gradient_bytes,
+            stage_all_reduce_s
+        );
+    }
     crate::cli::console::out(&render_timeline(&report.timeline));
     outln!("makespan: {} s", report.makespan_s);
     outln!(

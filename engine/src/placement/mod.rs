@@ -19,6 +19,7 @@
 //! the run's settings ([`PipelineConfig`]) into a [`Plan`], and `file.rs` reads placement files.
 mod auto;
 mod cost;
+mod data_parallel;
 mod file;
 mod fit;
 mod manual;
@@ -28,6 +29,7 @@ mod profile;
 
 pub use auto::{place_automatically, place_with_costs};
 pub use cost::{DeviceSpec, Link, NodeCosts, OptimizerMemory, PlanConfig, StageMemory, format_bytes};
+pub use data_parallel::{ReplicaPlan, ReplicaStage, replica_plan, zero_owners};
 pub use file::{MAX_PLACEMENT_FILE_BYTES, MAX_STAGES, PlacementFileProblem, parse_placement, read_placement_file};
 pub(crate) use fit::DoesNotFitMessage;
 pub use fit::{FitHint, MemoryBreakdown, PlacedBy, StageFit};

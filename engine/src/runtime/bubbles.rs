@@ -80,6 +80,8 @@ pub struct DeviceTime {
     pub waiting_s: f64,
     /// Of the idle time, seconds a ready op waited for a core slot (within the makespan).
     pub core_wait_s: f64,
+    /// Of the idle time, seconds in the gradient all-reduce across data-parallel replicas.
+    pub all_reduce_s: f64,
     /// The highest peak memory among the worker's devices, bytes.
     pub peak_memory_bytes: u64,
     /// Micro-batches in flight at most on the worker's first stage (schedule theory).
@@ -190,11 +192,14 @@ impl fmt::Display for BubbleReport {
             self.theory_fraction * 100.0
         )?;
         for device in &self.devices {
-            let core_part = if device.core_wait_s > 0.0 {
+            let mut core_part = if device.core_wait_s > 0.0 {
                 format!(", for a core {:.1} ms", device.core_wait_s * 1e3)
             } else {
                 String::new()
             };
+            if device.all_reduce_s > 0.0 {
+                core_part.push_str(&format!(", gradient all-reduce {:.1} ms", device.all_reduce_s * 1e3));
+            }
             write!(
                 f,
                 "\n  {}: busy {:.1} ms, idle {:.1} ms (waiting for messages {:.1} ms{core_part}) of a {:.1} ms step, peak memory {} (micro-batches in flight on its first stage: {})",
@@ -419,6 +424,7 @@ pub fn bubbles_over(
                 idle_s: makespan_s - busy[worker],
                 waiting_s: time_in(timeline, worker, OpKind::Wait),
                 core_wait_s: time_in(timeline, worker, OpKind::CoreWait),
+                all_reduce_s: time_in(timeline, worker, OpKind::AllReduce),
                 peak_memory_bytes: peak_memory
                     .get(members)
                     .into_iter()

@@ -47,11 +47,12 @@ pub(crate) fn measured_costs(timeline: &Timeline, n_stages: usize) -> CostModel 
             if first.is_finite() && origin.is_finite() { (first - origin).max(0.0) } else { 0.0 }
         })
         .collect();
-    // The commit round trip: from the last op of the step to the commit reaching a device.
+    // The commit round trip: from the last op of the step (or gradient all-reduce) to the commit
+    // reaching a device.
     let last_op_end_s = timeline
         .events
         .iter()
-        .filter(|e| e.op.is_compute() && e.op != OpKind::OptimizerStep)
+        .filter(|e| (e.op.is_compute() && e.op != OpKind::OptimizerStep) || e.op == OpKind::AllReduce)
         .map(|e| e.end_s)
         .fold(f64::NEG_INFINITY, f64::max);
     // Each worker's own: the commit reaches each when the operating system wakes it.
@@ -68,6 +69,7 @@ pub(crate) fn measured_costs(timeline: &Timeline, n_stages: usize) -> CostModel 
         .with_op_overheads(op_overheads)
         .with_device_start_s(device_start_s)
         .with_device_optimizer_step_s(device_optimizer_step_s(timeline))
+        .with_device_all_reduce_s(device_time_in(timeline, OpKind::AllReduce))
 }
 
 /// An op on one device: (device, stage, op, micro-batch), as a timeline event has them.
@@ -81,6 +83,7 @@ pub(crate) fn span_costs(timeline: &Timeline, n_stages: usize) -> CostModel {
     mean_costs(timeline.events.iter().map(|e| (e.stage_idx, e.op, e.duration_s())), n_stages)
         .with_op_costs(op_costs)
         .with_device_optimizer_step_s(device_optimizer_step_s(timeline))
+        .with_device_all_reduce_s(device_time_in(timeline, OpKind::AllReduce))
 }
 
 /// Each measured op's cost and the part of it that is not its own span, keyed by (stage, op,
@@ -120,14 +123,14 @@ fn per_op_costs(
 /// Each device's optimizer step, device 0 first: stages of different sizes update different
 /// numbers of parameters.
 fn device_optimizer_step_s(timeline: &Timeline) -> Vec<f64> {
+    device_time_in(timeline, OpKind::OptimizerStep)
+}
+
+/// Each device's time in events of kind `op`, device 0 first.
+fn device_time_in(timeline: &Timeline, op: OpKind) -> Vec<f64> {
     (0..timeline.n_devices)
         .map(|d| {
-            timeline
-                .events
-                .iter()
-                .filter(|e| e.device_idx == d && e.op == OpKind::OptimizerStep)
-                .map(|e| e.duration_s())
-                .sum::<f64>()
+            timeline.events.iter().filter(|e| e.device_idx == d && e.op == op).map(|e| e.duration_s()).sum::<f64>()
                 + 0.0 // an empty f64 sum is -0.0
         })
         .collect()

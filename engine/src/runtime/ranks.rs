@@ -118,7 +118,7 @@ pub(super) struct Finish {
 }
 
 /// Every op kind, in the order of its wire code.
-const OPS: [OpKind; 10] = [
+const OPS: [OpKind; 11] = [
     OpKind::Forward,
     OpKind::BackwardInput,
     OpKind::BackwardWeight,
@@ -129,6 +129,7 @@ const OPS: [OpKind; 10] = [
     OpKind::Wait,
     OpKind::CoreWait,
     OpKind::Recompute,
+    OpKind::AllReduce,
 ];
 
 fn op_code(op: OpKind) -> u8 {

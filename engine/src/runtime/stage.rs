@@ -600,16 +600,7 @@ impl ZeroShards {
     /// to the replica with the fewest bytes so far (the lowest index on a tie), the same on every
     /// replica.
     pub fn balanced(replica: usize, replicas: usize, node_bytes: &[u64]) -> ZeroShards {
-        let mut load = vec![0u64; replicas.max(1)];
-        let owners = node_bytes
-            .iter()
-            .map(|&bytes| {
-                let owner = (0..load.len()).min_by_key(|&r| (load[r], r)).expect("at least one replica");
-                load[owner] += bytes;
-                owner
-            })
-            .collect();
-        ZeroShards { replica, owners }
+        ZeroShards { replica, owners: crate::placement::zero_owners(replicas, node_bytes) }
     }
 
     /// Whether this replica updates node `node_idx`.

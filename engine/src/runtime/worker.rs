@@ -425,8 +425,10 @@ fn execute(
             if let Some(replica) = run.replica {
                 for stage in stages.iter_mut() {
                     let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
-                    guarded(stage_idx, &device, FaultPoint::Prepare, None, job.fault, || {
-                        Ok(stage.all_reduce_gradients(replica)?)
+                    rec.record(Some(stage_idx), OpKind::AllReduce, None, || {
+                        guarded(stage_idx, &device, FaultPoint::Prepare, None, job.fault, || {
+                            Ok(stage.all_reduce_gradients(replica)?)
+                        })
                     })?;
                 }
             }

@@ -46,12 +46,13 @@ pub use terminal::terminal_chart;
 use crate::timeline::{OpKind, TimelineEvent};
 
 /// Every op kind, in the order legends list them.
-const ALL_KINDS: [OpKind; 10] = [
+const ALL_KINDS: [OpKind; 11] = [
     OpKind::Forward,
     OpKind::Backward,
     OpKind::BackwardInput,
     OpKind::BackwardWeight,
     OpKind::OptimizerStep,
+    OpKind::AllReduce,
     OpKind::Recompute,
     OpKind::Wait,
     OpKind::CoreWait,
@@ -72,6 +73,7 @@ fn kind_name(kind: OpKind) -> &'static str {
         OpKind::Wait => "wait",
         OpKind::CoreWait => "core_wait",
         OpKind::Recompute => "recompute",
+        OpKind::AllReduce => "all_reduce",
     }
 }
 
@@ -85,6 +87,7 @@ fn event_name(event: &TimelineEvent) -> String {
         OpKind::BackwardWeight => "W",
         OpKind::Recompute => "R",
         OpKind::OptimizerStep => return "optimizer".to_owned(),
+        OpKind::AllReduce => return "all-reduce".to_owned(),
         OpKind::Send => "send ",
         OpKind::Recv => "recv ",
         OpKind::Wait => "wait ",

@@ -57,6 +57,7 @@ fn colours(kind: OpKind) -> (&'static str, &'static str) {
         OpKind::CoreWait => ("#ff9da7", "#000000"),
         OpKind::Send => ("#9c755f", "#ffffff"),
         OpKind::Recv => ("#b07aa1", "#ffffff"),
+        OpKind::AllReduce => ("#e15759", "#ffffff"),
     }
 }
 
@@ -72,6 +73,7 @@ fn legend_text(kind: OpKind) -> &'static str {
         OpKind::CoreWait => "wait for a core",
         OpKind::Send => "send",
         OpKind::Recv => "receive",
+        OpKind::AllReduce => "gradient all-reduce",
     }
 }
 
