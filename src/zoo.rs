@@ -46,7 +46,8 @@ pub enum ModelSpec {
     Transformer(TransformerConfig),
 }
 
-/// Sizes of the [`transformer`] model: `transformer:VOCAB,T,D,H,L,C` in a spec.
+/// Sizes of the [`transformer`] model: `transformer:VOCAB,T,D,H,L,C` in a spec, with `,tied` for
+/// an output projection tied to the token embedding (`C` = `VOCAB`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TransformerConfig {
     /// Token ids are in `0..vocab`.
@@ -61,12 +62,15 @@ pub struct TransformerConfig {
     pub n_layers: usize,
     /// Output classes.
     pub classes: usize,
+    /// The output projection's weight is the token embedding's (`head.weight = embed.weight`, as
+    /// language models tie them); needs `classes == vocab`.
+    pub tied: bool,
 }
 
 impl Default for TransformerConfig {
     /// `transformer:32,16,32,4,2,10`: 32 token ids, 16 tokens, width 32, 4 heads, 2 blocks, 10 classes.
     fn default() -> Self {
-        TransformerConfig { vocab: 32, tokens: 16, dim: 32, n_heads: 4, n_layers: 2, classes: 10 }
+        TransformerConfig { vocab: 32, tokens: 16, dim: 32, n_heads: 4, n_layers: 2, classes: 10, tied: false }
     }
 }
 
@@ -103,8 +107,14 @@ impl std::str::FromStr for ModelSpec {
                 Ok(ModelSpec::Mlp(dims))
             }
             Some(("transformer", sizes)) => {
-                let usage = "sizes must be six positive integers VOCAB,T,D,H,L,C with H dividing D, e.g. transformer:32,16,32,4,2,10";
-                let parts: Vec<&str> = sizes.split(',').collect();
+                let usage = "sizes must be six positive integers VOCAB,T,D,H,L,C with H dividing D, e.g. \
+                             transformer:32,16,32,4,2,10, then `,tied` to tie the output projection to the embedding \
+                             (C = VOCAB)";
+                let mut parts: Vec<&str> = sizes.split(',').collect();
+                let tied = parts.last() == Some(&"tied");
+                if tied {
+                    parts.pop();
+                }
                 let &[vocab, tokens, dim, n_heads, n_layers, classes] = parts.as_slice() else {
                     return Err(bad(format!("got {} sizes; {usage}", parts.len())));
                 };
@@ -120,6 +130,12 @@ impl std::str::FromStr for ModelSpec {
                 if !dim.is_multiple_of(n_heads) {
                     return Err(bad(format!("H={n_heads} does not divide D={dim}; {usage}")));
                 }
+                if tied && classes != vocab {
+                    return Err(bad(format!(
+                        "tied needs C = VOCAB (the output projection [C, D] is the embedding [VOCAB, D]); got C={classes}, \
+                         VOCAB={vocab}"
+                    )));
+                }
                 let layers: [(&str, &[usize]); 5] = [
                     ("embed", &[vocab, dim]),
                     ("pos", &[tokens, dim]),
@@ -131,7 +147,7 @@ impl std::str::FromStr for ModelSpec {
                     let n = checked_product(factors.iter().copied()).unwrap_or(usize::MAX);
                     check_layer(name, &[n]).map_err(bad)?;
                 }
-                Ok(ModelSpec::Transformer(TransformerConfig { vocab, tokens, dim, n_heads, n_layers, classes }))
+                Ok(ModelSpec::Transformer(TransformerConfig { vocab, tokens, dim, n_heads, n_layers, classes, tied }))
             }
             None if spec == "cnn" => Ok(ModelSpec::Cnn),
             None if spec == "resnet" => Ok(ModelSpec::Resnet),
@@ -375,7 +391,13 @@ fn resnet_with(seed: u64, split: &mut Splitter<'_>) -> Result<Graph> {
 /// `head.bias`. The positional table is there because attention and mean pooling are otherwise
 /// blind to token order. Parameters are drawn from `seed` in node order with PyTorch's defaults.
 pub fn transformer(config: &TransformerConfig, seed: u64) -> Result<Graph> {
-    let &TransformerConfig { vocab, tokens, dim, n_heads, n_layers, classes } = config;
+    let &TransformerConfig { vocab, tokens, dim, n_heads, n_layers, classes, tied } = config;
+    if tied && classes != vocab {
+        return Err(Error::invalid(
+            "transformer",
+            format!("tied embeddings need classes = vocab; got {classes} classes, vocab {vocab}"),
+        ));
+    }
     let mut rng = init::rng(seed);
     let mut g = Graph::new();
     let ids = g.input("input", [tokens])?;
@@ -396,5 +418,8 @@ pub fn transformer(config: &TransformerConfig, seed: u64) -> Result<Graph> {
     let x = g.add("pool", MeanOverTokens::new(), &[x])?;
     let x = g.add("head", Linear::new(dim, classes, true, &mut rng)?, &[x])?;
     g.set_output(x)?;
+    if tied {
+        g.tie(&["embed.weight", "head.weight"]);
+    }
     Ok(g)
 }

@@ -149,6 +149,13 @@ fn drive() -> Result<()> {
         h.record(&format!("equivalence --data-parallel 2 {} on {devices}: -n {ranks}", extra.join(" ")), result);
     }
 
+    // Tied parameters across ranks: the transformer's embedding (stage 0) and output projection
+    // (the last stage) summed over the ranks holding them, alone and in 2 replicas.
+    for (ranks, extra) in [(2, vec!["--devices", "cpu:2"]), (4, vec!["--devices", "cpu:4", "--data-parallel", "2"])] {
+        let result = h.equivalence_tied(ranks, &extra);
+        h.record(&format!("equivalence tied transformer {}: -n {ranks}", extra.join(" ")), result);
+    }
+
     println!("== world size");
     let result = h.world_size();
     h.record("world size 3 for 2 devices", result);
@@ -375,6 +382,35 @@ impl Harness {
         let same = same_tensors(&mpi, &local)?;
         let rows = trace_rows(&trace, ranks)?;
         Ok(format!("{same}; a trace row for each of the {rows} ranks (mpirun {mpi_s:.2} s)"))
+    }
+
+    /// A transformer with its output projection tied to its embedding: `mpirun -n ranks` against
+    /// the same layout in one process, every tensor (parameters and Adam's state) bit for bit.
+    fn equivalence_tied(&self, ranks: usize, extra: &[&str]) -> Result<String> {
+        let mut args = strings(&[
+            "--model",
+            "transformer:16,8,16,2,2,16,tied",
+            "--data",
+            "tokens:256,8,16,16",
+            "--steps",
+            "4",
+            "--batch",
+            "32",
+            "--microbatches",
+            "2",
+            "--optimizer",
+            "adam",
+        ]);
+        args.extend(strings(extra));
+        let name = format!("tied-{ranks}");
+        let (mpi, local) =
+            (self.path(&format!("{name}-mpi.safetensors")), self.path(&format!("{name}-local.safetensors")));
+        let t0 = Instant::now();
+        self.train_ok(Some(ranks), &with_path(&args, "--checkpoint", &mpi))?;
+        let mpi_s = t0.elapsed().as_secs_f64();
+        self.train_ok(None, &with_path(&args, "--checkpoint", &local))?;
+        let same = same_tensors(&mpi, &local)?;
+        Ok(format!("{same} (mpirun {mpi_s:.2} s)"))
     }
 
     /// `mpirun -n devices` with a rank per tensor-parallel shard against the same layout in one

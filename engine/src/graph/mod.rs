@@ -49,6 +49,8 @@ pub struct Graph {
     graph: DiGraph<Node, usize>,
     by_name: HashMap<String, NodeId>,
     output: Option<NodeId>,
+    /// Tied parameters: groups of `node.parameter` names that are one parameter ([`Graph::tie`]).
+    ties: Vec<Vec<String>>,
 }
 
 impl Graph {
@@ -148,6 +150,20 @@ impl Graph {
         self.node(node)?;
         self.output = Some(node);
         Ok(())
+    }
+
+    /// Declares parameters of several layers one parameter (`node.parameter` names, e.g.
+    /// `["embed.weight", "head.weight"]`: a language model's token embedding and output projection,
+    /// PyTorch's `head.weight = embed.weight`). A trainer keeps the copies equal
+    /// ([`crate::runtime::TrainerBuilder::tie_parameters`], which adds to these); checked when the
+    /// trainer is built.
+    pub fn tie(&mut self, names: &[&str]) {
+        self.ties.push(names.iter().map(|n| n.to_string()).collect());
+    }
+
+    /// The ties declared with [`Graph::tie`].
+    pub fn ties(&self) -> &[Vec<String>] {
+        &self.ties
     }
 
     /// The output node.

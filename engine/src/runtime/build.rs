@@ -7,10 +7,10 @@ use crossbeam::channel;
 
 use super::super::CoreSlotPolicy;
 use super::super::core_slots::CoreSlots;
+use super::super::gradient_groups::{self, GradientGroups, WorkerLayout};
 use super::super::stage::{NodeExec, Route, Stage, ZeroShards};
-use super::super::worker::{self, ReplicaComm};
+use super::super::worker;
 use super::{REPORT_TIMEOUT, StageInfo, Trainer, TrainerBuilder, WorkerHandle};
-use crate::collective::TransportGroup;
 use crate::graph::NodeId;
 use crate::optim::Optimizer;
 use crate::transport::Transport;
@@ -134,6 +134,8 @@ impl TrainerBuilder {
         if world > 1 {
             agree_on_stages(self.transport.as_ref(), &stage_nodes)?;
         }
+        let tied: Vec<Vec<String>> = self.graph.ties().iter().chain(&self.tied).cloned().collect();
+        let ties = gradient_groups::resolve_ties(&tied, &self.graph, &stage_nodes)?;
         let output = self.graph.output()?;
         // Checkpoint names: the unsplit tensors' names, in node order.
         let param_order: Vec<String> = self
@@ -236,6 +238,7 @@ impl TrainerBuilder {
                 }
             };
             let graph = replica_graph.as_mut().unwrap_or(&mut self.graph);
+            gradient_groups::tie_initial_values(graph, &stage_nodes, &ties)?;
             for (stage_idx, nodes) in stage_nodes.iter().enumerate() {
                 let worker = worker_of(replica, stage_idx);
                 if !worker_here(worker) {
@@ -316,6 +319,13 @@ impl TrainerBuilder {
                 // shard 0; the other replicas hold copies of every gradient (after the all-reduce).
                 stage.counts_unsplit = shard == 0;
                 stage.counts_in_norm = replica == 0;
+                // A tied parameter counts once in the norm: its first copy.
+                stage.norm_skips = ties
+                    .iter()
+                    .flat_map(|t| &t.copies[1..])
+                    .filter(|c| c.stage_idx == stage_idx)
+                    .map(|c| (c.node_pos, c.param_idx))
+                    .collect();
                 if zero {
                     let node_bytes: Vec<u64> = nodes
                         .iter()
@@ -329,33 +339,28 @@ impl TrainerBuilder {
                 per_worker[worker].push(stage);
             }
         }
-        // The replicas' gradient groups: worker `r * n + d` with the same `d` (and shard) in every
-        // replica. Every rank creates the same groups (the transport's subgroups are agreed).
-        let mut replica_comms: Vec<Option<ReplicaComm>> = (0..n_workers).map(|_| None).collect();
-        let mut replica_abort = Vec::new();
-        if replicas > 1 && world == 1 {
-            for (w, handle) in worker::in_process_replica_groups(n_devices, replicas, |w| groups[w][0].clone())? {
-                replica_abort.push(handle.abort_handle());
-                replica_comms[w] = Some(ReplicaComm::InProcess(handle));
-            }
-        } else if replicas > 1 {
-            let rank_of = |w: usize, s: usize| w * ranks_per_worker + s;
-            let partition: Vec<Vec<usize>> = (0..n_devices)
-                .flat_map(|d| (0..ranks_per_worker).map(move |s| (d, s)))
-                .map(|(d, s)| (0..replicas).map(|r| rank_of(r * n_devices + d, s)).collect())
-                .collect();
+        // The gradient groups: worker `r * n + d` with the same `d` (and shard) in every replica,
+        // and the workers holding each tied parameter's copies. Every rank creates the same groups
+        // (the transport's subgroups are agreed).
+        let layout = WorkerLayout {
+            n_devices,
+            replicas,
+            device_of_stage: (0..n_stages).map(|s| schedule.device_of_stage(s)).collect(),
+        };
+        let mut gradient_groups: Vec<GradientGroups> = if world == 1 {
+            gradient_groups::in_process_groups(&layout, &ties, |w| groups[w][0].clone())?
+        } else {
             let buffers = match &groups[worker_rank][shard] {
                 Device::Cpu(_) => groups[worker_rank][shard].clone(),
                 _ => Device::host(),
             };
-            let group = TransportGroup::split(
-                Arc::clone(&self.transport),
-                buffers,
-                crate::collective::DEFAULT_TIMEOUT,
-                &partition,
-            )?;
-            replica_comms[worker_rank] = Some(ReplicaComm::Ranks(group));
-        }
+            let mine = gradient_groups::rank_groups(&layout, &ties, &self.transport, buffers, ranks_per_worker)?;
+            let mut all: Vec<GradientGroups> = (0..n_workers).map(|_| GradientGroups::default()).collect();
+            all[worker_rank] = mine;
+            all
+        };
+        let group_aborts: Vec<crate::collective::GroupAbort> =
+            gradient_groups.iter().flat_map(|g| g.aborts()).collect();
         let n_slots = match self.core_slots {
             CoreSlotPolicy::Slots(n) => Some(n.max(1)),
             CoreSlotPolicy::Off => None,
@@ -373,7 +378,7 @@ impl TrainerBuilder {
         let mut workers = Vec::with_capacity(n_workers);
         // Workers report op spans to the subscriber of the thread that built the trainer.
         let dispatch = tracing::dispatcher::get_default(|d| d.clone());
-        for (worker_idx, (stages, replica_comm)) in per_worker.into_iter().zip(replica_comms).enumerate() {
+        for (worker_idx, (stages, worker_groups)) in per_worker.into_iter().zip(gradient_groups.drain(..)).enumerate() {
             if !worker_here(worker_idx) {
                 // Another rank's worker: that rank holds its stages.
                 workers.push(None);
@@ -387,7 +392,7 @@ impl TrainerBuilder {
                 .name(format!("conveyor-{}", groups[worker_idx][0]))
                 .spawn(move || {
                     tracing::dispatcher::with_default(&dispatch, || {
-                        worker::run(worker_idx, stages, loss, rx, slots, replica_comm)
+                        worker::run(worker_idx, stages, loss, rx, slots, worker_groups)
                     })
                 })
                 .map_err(|e| Error::invalid("worker thread", format!("could not start: {e}")))?;
@@ -398,7 +403,9 @@ impl TrainerBuilder {
             replicas,
             zero,
             shares: crate::runtime::replica_shares::ShareState::new(self.replica_shares, replicas),
-            replica_abort,
+            group_aborts,
+            group_layout: layout,
+            ties: Arc::new(ties),
             transport: self.transport,
             round: 0,
             devices: self.devices,

@@ -151,7 +151,7 @@ impl Trainer {
             if local.failure.is_some() {
                 abort.take();
                 // Free the workers of other replicas waiting in the gradient all-reduce.
-                self.replica_abort.iter().for_each(|group| group.abort(0, "the step was abandoned"));
+                self.group_aborts.iter().for_each(|group| group.abort(0, "the step was abandoned"));
                 if world > 1 && !notified {
                     crate::collective::interrupt_waits();
                     // Wake every rank's workers that wait for a message from here.
@@ -217,7 +217,7 @@ impl Trainer {
                     local.absorb(report, true);
                     if local.failure.is_some() && !late_notified {
                         late_notified = true;
-                        self.replica_abort.iter().for_each(|group| group.abort(0, "the step was abandoned"));
+                        self.group_aborts.iter().for_each(|group| group.abort(0, "the step was abandoned"));
                         if world > 1 {
                             crate::collective::interrupt_waits();
                             for peer in (0..world).filter(|&p| p != self.transport.rank()) {
@@ -275,8 +275,8 @@ impl Trainer {
                 crate::collective::resume_waits();
                 recovered?;
             }
-            if self.replicas > 1 {
-                self.renew_replica_groups()?;
+            if self.replicas > 1 || !self.ties.is_empty() {
+                self.renew_gradient_groups()?;
             }
             return Err(error);
         }
@@ -422,27 +422,25 @@ impl Trainer {
         outcomes.into_iter().collect::<Result<()>>()
     }
 
-    /// Makes the replicas' gradient groups usable after an abandoned step: in one process, new
-    /// groups for every worker (the old ones may hold the aborted all-reduce's messages); across
-    /// ranks, every rank's group recovers (every rank does this after the same step).
-    fn renew_replica_groups(&mut self) -> Result<()> {
-        let n_devices = self.schedule().n_devices();
+    /// Makes the gradient groups (replicas, tied parameters) usable after an abandoned step: in
+    /// one process, new groups for every worker (the old ones may hold the aborted all-reduce's
+    /// messages); across ranks, every rank's groups recover (every rank does this after the same
+    /// step).
+    fn renew_gradient_groups(&mut self) -> Result<()> {
         if self.transport.world_size() == 1 {
             let device_of = |w: usize| self.devices[w * self.tensor_parallel].clone();
-            let mut aborts = Vec::new();
-            for (w, handle) in super::worker::in_process_replica_groups(n_devices, self.replicas, device_of)? {
-                aborts.push(handle.abort_handle());
-                if let Some(worker) = &self.workers[w] {
-                    let comm = super::worker::ReplicaComm::InProcess(handle);
-                    let _ = worker.commands.send(Command::SetReplicaComm(Some(Box::new(comm))));
+            let groups = super::gradient_groups::in_process_groups(&self.group_layout, &self.ties, device_of)?;
+            self.group_aborts = groups.iter().flat_map(|g| g.aborts()).collect();
+            for (worker, groups) in self.workers.iter().zip(groups) {
+                if let Some(worker) = worker {
+                    let _ = worker.commands.send(Command::SetGradientGroups(Box::new(groups)));
                 }
             }
-            self.replica_abort = aborts;
             return Ok(());
         }
         for worker in self.workers.iter().flatten() {
             let (tx, rx) = channel::bounded(1);
-            if worker.commands.send(Command::RecoverReplicaComm(tx)).is_ok() {
+            if worker.commands.send(Command::RecoverGradientGroups(tx)).is_ok() {
                 rx.recv().unwrap_or(Ok(()))?;
             }
         }

@@ -23,6 +23,7 @@ mod bubbles;
 mod coordinator;
 mod core_seat;
 mod core_slots;
+mod gradient_groups;
 mod measured_costs;
 mod ranks;
 mod replica_shares;

@@ -75,6 +75,9 @@ pub(crate) struct Stage {
     /// alone keeps their optimizer state), and this stage's replica. `None`: every replica
     /// updates every parameter.
     pub zero: Option<ZeroShards>,
+    /// Tied copies the gradient norm leaves out, as (node position, parameter index): every
+    /// tied parameter's copies but its first (`gradient_groups.rs`).
+    pub norm_skips: Vec<(usize, usize)>,
     /// Per node, per input: whether the input takes a gradient. An input neither on this stage
     /// nor received from another (a graph input, such as the data) takes none.
     input_needs_grad: Vec<Vec<bool>>,
@@ -150,6 +153,7 @@ impl Stage {
             counts_unsplit: true,
             counts_in_norm: true,
             zero: None,
+            norm_skips: Vec::new(),
         }
     }
 
@@ -425,8 +429,16 @@ impl Stage {
         if !self.counts_in_norm {
             return Ok(0.0);
         }
-        let counted = |n: &&NodeExec| self.counts_unsplit || n.layer.is_split();
-        let grads: Vec<&Tensor> = self.nodes.iter().filter(counted).flat_map(|n| n.grads.iter()).collect();
+        let counted = |(_, n): &(usize, &NodeExec)| self.counts_unsplit || n.layer.is_split();
+        let grads: Vec<&Tensor> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(counted)
+            .flat_map(|(pos, n)| {
+                n.grads.iter().enumerate().filter(move |(i, _)| !self.norm_skips.contains(&(pos, *i))).map(|(_, g)| g)
+            })
+            .collect();
         crate::optim::grad_sum_of_squares(&grads)
     }
 

@@ -59,6 +59,7 @@ pub struct TrainerBuilder {
     replica_graphs: Option<ReplicaGraphs>,
     zero: u8,
     replica_shares: super::ReplicaShares,
+    tied: Vec<Vec<String>>,
 }
 
 /// Builds replica `r`'s graph on its devices ([`TrainerBuilder::data_parallel`]).
@@ -142,6 +143,18 @@ impl TrainerBuilder {
     /// differently). Each replica must get at least one row per micro-batch.
     pub fn replica_shares(mut self, shares: super::ReplicaShares) -> Self {
         self.replica_shares = shares;
+        self
+    }
+
+    /// Tied parameters: each group names parameters (`node.parameter`, e.g. `embed.weight` and
+    /// `head.weight`) that are one logical parameter held by several layers, as a language model
+    /// ties its token embedding to its output projection (PyTorch: `head.weight = embed.weight`).
+    /// Every copy starts with the first one's values; before each optimizer step the copies'
+    /// gradients are summed into each (across stages and devices: Megatron's embedding group),
+    /// so the copies take the same update and stay equal; the gradient norm counts the parameter
+    /// once. Copies must share one shape and not be split over a tensor-parallel group.
+    pub fn tie_parameters(mut self, groups: Vec<Vec<String>>) -> Self {
+        self.tied = groups;
         self
     }
 
@@ -257,9 +270,14 @@ pub struct Trainer {
     pub(super) zero: bool,
     /// How batches are shared among the replicas ([`TrainerBuilder::replica_shares`]).
     pub(super) shares: crate::runtime::replica_shares::ShareState,
-    /// With replicas in one process: what aborts each worker's replica group when a step is
-    /// abandoned (the groups are then rebuilt, see `coordinator.rs`); empty otherwise.
-    pub(super) replica_abort: Vec<crate::collective::GroupAbort>,
+    /// With workers in one process: what aborts each worker's gradient groups (replicas, tied
+    /// parameters) when a step is abandoned (the groups are then rebuilt, see `coordinator.rs`);
+    /// empty otherwise.
+    pub(super) group_aborts: Vec<crate::collective::GroupAbort>,
+    /// Where the workers are, to rebuild the gradient groups.
+    pub(super) group_layout: super::gradient_groups::WorkerLayout,
+    /// Tied parameters ([`TrainerBuilder::tie_parameters`]).
+    pub(super) ties: Arc<Vec<super::gradient_groups::TiedParameter>>,
     /// How this process reaches the other ranks of the job ([`crate::transport`]).
     pub(super) transport: Arc<dyn Transport>,
     /// Steps and evaluations dispatched so far: the round of the next one's messages.
@@ -367,6 +385,7 @@ impl Trainer {
             replica_graphs: None,
             zero: 0,
             replica_shares: Default::default(),
+            tied: Vec::new(),
         }
     }
 

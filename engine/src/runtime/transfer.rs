@@ -144,7 +144,37 @@ impl Trainer {
     }
 
     /// Sets parameters by name (shapes and dtypes must match; names not given stay as they are).
-    pub fn load_parameters(&mut self, tensors: Vec<(String, Tensor)>) -> Result<()> {
+    ///
+    /// Tied parameters ([`crate::runtime::TrainerBuilder::tie_parameters`]) stay one parameter: a
+    /// tie named by one of its copies alone (as `safetensors` files of tied models keep one name)
+    /// sets every copy, and copies given different values are refused.
+    pub fn load_parameters(&mut self, mut tensors: Vec<(String, Tensor)>) -> Result<()> {
+        for tie in self.ties.iter() {
+            let given: Vec<usize> =
+                tie.names.iter().filter_map(|name| tensors.iter().position(|(n, _)| n == name)).collect();
+            let Some(&first) = given.first() else { continue };
+            let values = tensors[first].1.to_vec_f32();
+            for &other in &given[1..] {
+                if tensors[other].1.to_vec_f32().iter().zip(&values).any(|(a, b)| a.to_bits() != b.to_bits())
+                    || tensors[other].1.shape() != tensors[first].1.shape()
+                {
+                    return Err(Error::invalid(
+                        "parameters",
+                        format!(
+                            "`{}` and `{}` are tied (one parameter) but given different values; give one of them, \
+                             or equal values",
+                            tensors[first].0, tensors[other].0
+                        ),
+                    ));
+                }
+            }
+            for name in &tie.names {
+                if !tensors.iter().any(|(n, _)| n == name) {
+                    let value = tensors[first].1.share();
+                    tensors.push((name.clone(), value));
+                }
+            }
+        }
         let tensors = Arc::new(tensors);
         for (name, _) in tensors.iter() {
             if !self.param_order.contains(name) {

@@ -11,6 +11,7 @@ use crossbeam::channel::{Receiver, Sender};
 
 use super::core_seat::{Aborted, CoreSeat};
 use super::core_slots::CoreSlots;
+use super::gradient_groups::{GradientGroups, GroupComm};
 use super::stage::{Payload, Stage, StepCtx};
 use super::{FaultInjection, FaultPoint};
 use crate::transport::{Tag, Transport};
@@ -87,42 +88,6 @@ pub(crate) struct StepJob {
     pub micro_batch_offset: usize,
 }
 
-/// A worker's group of the same pipeline device (and shard) in every data-parallel replica: the
-/// gradients of its stages are all-reduced over it before the optimizer step.
-pub(crate) enum ReplicaComm {
-    /// Replicas on threads of this process.
-    InProcess(crate::collective::RankHandle),
-    /// Replicas on other ranks.
-    Ranks(crate::collective::TransportGroup),
-}
-
-/// In-process replica groups for `n_devices` pipeline devices of `replicas` replicas: for every
-/// worker `r * n_devices + d`, its handle in the group of device `d`, on the worker's first device
-/// (`device_of(worker)`), in worker order.
-pub(crate) fn in_process_replica_groups(
-    n_devices: usize,
-    replicas: usize,
-    device_of: impl Fn(usize) -> crate::Device,
-) -> Result<Vec<(usize, crate::collective::RankHandle)>> {
-    let mut handles = Vec::with_capacity(n_devices * replicas);
-    for d in 0..n_devices {
-        let workers: Vec<usize> = (0..replicas).map(|r| r * n_devices + d).collect();
-        let devices: Vec<crate::Device> = workers.iter().map(|&w| device_of(w)).collect();
-        handles.extend(workers.into_iter().zip(crate::collective::ProcessGroup::new(&devices)?));
-    }
-    handles.sort_by_key(|(w, _)| *w);
-    Ok(handles)
-}
-
-impl ReplicaComm {
-    fn comm(&self) -> &dyn crate::collective::Communicator {
-        match self {
-            ReplicaComm::InProcess(handle) => handle,
-            ReplicaComm::Ranks(group) => group,
-        }
-    }
-}
-
 /// The coordinator's decision after every worker is ready.
 pub(crate) struct Commit {
     pub global_norm: f64,
@@ -161,10 +126,10 @@ pub(crate) enum Command {
     /// step (another worker's update failed after this one applied); answers whether every stage
     /// could be restored.
     RollBack(Sender<bool>),
-    /// Replaces the worker's replica group (after an abandoned step, for in-process replicas).
-    SetReplicaComm(Option<Box<ReplicaComm>>),
-    /// Recovers the worker's replica group over ranks after an abandoned step (every rank does).
-    RecoverReplicaComm(Sender<Result<()>>),
+    /// Replaces the worker's gradient groups (after an abandoned step, for in-process groups).
+    SetGradientGroups(Box<GradientGroups>),
+    /// Recovers the worker's gradient groups over ranks after an abandoned step (every rank does).
+    RecoverGradientGroups(Sender<Result<()>>),
     Shutdown,
 }
 
@@ -224,7 +189,7 @@ pub(crate) fn run(
     loss: Arc<dyn Loss>,
     commands: Receiver<Command>,
     core_slots: Option<Arc<CoreSlots>>,
-    mut replica: Option<ReplicaComm>,
+    mut groups: GradientGroups,
 ) {
     let device = stages.first().map(|s| s.device.to_string()).unwrap_or_default();
     while let Ok(command) = commands.recv() {
@@ -233,9 +198,14 @@ pub(crate) fn run(
                 let mut guard = ReportGuard { device_idx, device: device.clone(), reports: &reports, sent: false };
                 let slots = core_slots.as_deref().filter(|_| job.use_core_slots);
                 let mut applied = false;
-                let replica = replica.as_ref().map(ReplicaComm::comm);
                 let report = catch_unwind(AssertUnwindSafe(|| {
-                    let ctx = RunCtx { device_idx, loss: loss.as_ref(), reports: &reports, core_slots: slots, replica };
+                    let ctx = RunCtx {
+                        device_idx,
+                        loss: loss.as_ref(),
+                        reports: &reports,
+                        core_slots: slots,
+                        groups: &groups,
+                    };
                     run_step(&ctx, &mut stages, &mut job, &mut applied)
                 }))
                 .unwrap_or_else(|payload| {
@@ -261,13 +231,9 @@ pub(crate) fn run(
                 }));
                 let _ = answer.send(restored.unwrap_or(false));
             }
-            Command::SetReplicaComm(comm) => replica = comm.map(|comm| *comm),
-            Command::RecoverReplicaComm(answer) => {
-                let outcome = match replica.as_mut() {
-                    Some(ReplicaComm::Ranks(group)) => group.recover(),
-                    _ => Ok(()),
-                };
-                let _ = answer.send(outcome);
+            Command::SetGradientGroups(new) => groups = *new,
+            Command::RecoverGradientGroups(answer) => {
+                let _ = answer.send(groups.recover());
             }
             Command::Shutdown => break,
         }
@@ -353,7 +319,7 @@ struct RunCtx<'a> {
     loss: &'a dyn Loss,
     reports: &'a Sender<Report>,
     core_slots: Option<&'a CoreSlots>,
-    replica: Option<&'a dyn crate::collective::Communicator>,
+    groups: &'a GradientGroups,
 }
 
 fn run_step(ctx: &RunCtx<'_>, stages: &mut [Stage], job: &mut StepJob, applied: &mut bool) -> Report {
@@ -422,7 +388,8 @@ fn execute(
             }
             // Data parallelism: every replica's gradients summed into each (a fixed order, the same
             // sum in every replica) before anything reads them.
-            if let Some(replica) = run.replica {
+            let replica = run.groups.replica.as_ref().map(GroupComm::comm);
+            if let Some(replica) = replica {
                 for stage in stages.iter_mut() {
                     let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
                     rec.record(Some(stage_idx), OpKind::AllReduce, None, || {
@@ -431,6 +398,15 @@ fn execute(
                         })
                     })?;
                 }
+            }
+            // Tied parameters: every copy's gradient summed into each (after the replicas' sums).
+            if !run.groups.ties.is_empty() {
+                let first = run.groups.ties[0].copies[0].stage_idx;
+                let device = stages.iter().find(|s| s.stage_idx == first).map(|s| s.device.clone());
+                let device = device.unwrap_or_else(Device::host);
+                rec.record(None, OpKind::AllReduce, None, || {
+                    guarded(first, &device, FaultPoint::Prepare, None, job.fault, || Ok(run.groups.sum_tied(stages)?))
+                })?;
             }
             // The commit (see runtime/README.md). Prepare: everything that can fail, then vote.
             let mut sum_of_squares = 0.0;
@@ -456,7 +432,7 @@ fn execute(
                 for stage in stages.iter_mut() {
                     let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
                     guarded(stage_idx, &device, FaultPoint::Apply, None, job.fault, || {
-                        Ok(stage.apply_commit(job.max_grad_norm, commit.global_norm, run.replica)?)
+                        Ok(stage.apply_commit(job.max_grad_norm, commit.global_norm, replica)?)
                     })?;
                 }
                 Ok(())
