@@ -365,3 +365,67 @@ fn auto_shares_are_measured_over_the_first_steps_then_fixed() {
     let diff = max_rel_diff(&weights(&auto), &weights(&one));
     assert!(diff < 1e-5, "weights differ by {diff} (relative)");
 }
+
+#[test]
+fn two_replicas_equal_one_device_bit_for_bit_for_every_zoo_model() {
+    // Every layer sums a micro-batch's gradient on its own before adding it to the accumulated
+    // one, so a replica's micro-batch meets the other's only in the all-reduce, as on one device.
+    use conveyor::zoo::ModelSpec;
+    for (spec, rows, features, classes) in [
+        ("cnn", 16, vec![1, 8, 8], 10),
+        ("resnet", 16, vec![1, 8, 8], 10),
+        ("transformer:8,4,16,2,2,8", 16, vec![4], 8),
+        ("transformer:8,4,16,2,2,8,tied", 16, vec![4], 8),
+    ] {
+        let model: ModelSpec = spec.parse().unwrap();
+        let build = |replicas: usize, micro_batches: usize| {
+            let graph = model.build(3).unwrap();
+            let stages = even_stages(&graph, 1);
+            let builder = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
+                .devices((0..replicas).map(Device::cpu).collect())
+                .stages(stages)
+                .micro_batches(micro_batches)
+                .optimizer(OptimizerConfig::adam(0.01))
+                .seed(11);
+            let model = model.clone();
+            match replicas {
+                1 => builder,
+                r => builder.data_parallel(r, move |_, _| model.build(3)),
+            }
+            .build()
+            .unwrap()
+        };
+        let (mut one, mut two) = (build(1, 2), build(2, 1));
+        for step in 0..3 {
+            let (x, y) = data(rows, &features, classes, step);
+            // Token ids for the transformer: integers in 0..8.
+            let x = if spec.starts_with("transformer") {
+                let ids: Vec<f32> = x.to_vec_f32().iter().map(|v| ((v + 1.0) * 3.99).floor()).collect();
+                conveyor::engine::Tensor::from_vec(ids, x.dims().to_vec(), &Device::host()).unwrap()
+            } else {
+                x
+            };
+            let (a, b) = (one.train_step(&x, &y).unwrap().loss, two.train_step(&x, &y).unwrap().loss);
+            assert_eq!(a.to_bits(), b.to_bits(), "{spec}, step {step}: losses {a} against {b}");
+        }
+        assert!(weights(&one) == weights(&two), "{spec}: weights differ");
+    }
+}
+
+#[test]
+fn two_replicas_equal_one_device_bit_for_bit_past_the_gemm_depth_block() {
+    // 600 rows per micro-batch: a weight gradient deeper than the GEMM's depth block, which the
+    // kernel adds to the accumulated gradient whole (`cpu::gemm::GEMM_DEPTH_BLOCK`).
+    let rows = 2 * (conveyor::engine::cpu::gemm::GEMM_DEPTH_BLOCK + 88);
+    let optimizer = OptimizerConfig::Sgd(SgdConfig::new(0.05).with_momentum(0.9));
+    let (mut one, mut two) = (
+        replicated(1, 1, 2, ScheduleKind::OneFOneB, optimizer),
+        replicated(2, 1, 1, ScheduleKind::OneFOneB, optimizer),
+    );
+    for step in 0..3 {
+        let (x, y) = data(rows, &[10], 4, step);
+        let (a, b) = (one.train_step(&x, &y).unwrap().loss, two.train_step(&x, &y).unwrap().loss);
+        assert_eq!(a.to_bits(), b.to_bits(), "step {step}");
+    }
+    assert!(weights(&one) == weights(&two), "weights differ");
+}

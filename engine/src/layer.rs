@@ -305,6 +305,15 @@ pub trait Layer: Send + std::fmt::Debug {
         param.value.copy_from(&converted)
     }
 
+    /// The most bytes a [`Layer::backward_weight`] call reserves and frees again before it returns
+    /// (beyond the gradients it adds into), for the memory plan: a layer that sums a micro-batch's
+    /// gradient in a buffer of its own before adding it (so that the batch's gradient does not
+    /// depend on how it is cut into micro-batches and replicas) reports that buffer, at most its
+    /// largest parameter's bytes. Default: 0.
+    fn weight_pass_scratch_bytes(&self) -> u64 {
+        0
+    }
+
     /// What each device of a split layer has sent in its collectives since the layer was built
     /// (rank order); empty for a layer on one device (the default).
     fn collective_traffic(&self) -> Vec<crate::collective::Traffic> {

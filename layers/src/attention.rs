@@ -26,7 +26,7 @@ use rand::rngs::StdRng;
 
 use crate::tensor_io::{
     accumulate_into, check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes,
-    into_dtype, saved_tensor, values, zeros_f32,
+    into_dtype, largest_parameter_bytes, saved_tensor, values, zeros_f32,
 };
 
 const KIND: &str = "MultiheadSelfAttention";
@@ -433,6 +433,11 @@ impl Layer for MultiheadSelfAttention {
         let grad_t = MatRef::row_major(&grad, rows, d)?.t();
         accumulate_into(out_weight_grad, |dst| matmul(dst, grad_t, MatRef::row_major(ctx, rows, d)?, true))?;
         accumulate_into(out_bias_grad, |dst| accumulate_column_sums(&grad, dst))
+    }
+
+    fn weight_pass_scratch_bytes(&self) -> u64 {
+        // `accumulate_into` sums each parameter's part apart, one parameter at a time.
+        largest_parameter_bytes(&self.params)
     }
 
     fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {

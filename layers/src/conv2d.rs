@@ -10,7 +10,7 @@ use rand::rngs::StdRng;
 
 use crate::tensor_io::{
     accumulate_into, check_grad_shape, check_param_grads, check_same_device, chw, expect_inputs, expect_shapes,
-    f32_bytes, into_dtype, nchw, saved_tensor, values, zeros_f32,
+    f32_bytes, into_dtype, largest_parameter_bytes, nchw, saved_tensor, values, zeros_f32,
 };
 
 /// Stride, zero padding and bias of a [`Conv2d`]; the default is PyTorch's (stride 1, no padding, bias).
@@ -317,6 +317,11 @@ impl Layer for Conv2d {
             })?;
         }
         Ok(())
+    }
+
+    fn weight_pass_scratch_bytes(&self) -> u64 {
+        // `accumulate_into` sums each parameter's part apart, one parameter at a time.
+        largest_parameter_bytes(&self.params)
     }
 
     fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {

@@ -4,8 +4,8 @@ use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Re
 use rand::rngs::StdRng;
 
 use crate::tensor_io::{
-    accumulate_into, check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes,
-    saved_tensor, tensor_from_f32, values,
+    add_rows_into, check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes,
+    largest_parameter_bytes, saved_tensor, tensor_from_f32, values,
 };
 
 /// Lookup of rows of `weight` `[num_embeddings, dim]`: input ids `[B, T]` (f32 holding integers in
@@ -134,12 +134,41 @@ impl Layer for Embedding {
         check_grad_shape("Embedding", grad_output, &Shape::new(self.output_dims(ids.shape())))?;
         let indices = self.indices(ids)?;
         let grad = values(grad_output);
-        accumulate_into(&mut param_grads[0], |dst| {
-            for (&index, row) in indices.iter().zip(grad.chunks_exact(self.dim)) {
-                dst[index * self.dim..(index + 1) * self.dim].iter_mut().zip(row).for_each(|(d, &g)| *d += g);
+        // This micro-batch's rows summed per id on their own (ids in order of first appearance),
+        // then added: the same bits however the batch is cut into micro-batches and replicas (see
+        // `accumulate_into`), with a buffer for the ids present rather than the whole table.
+        let mut slot_of: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
+        let mut ids = Vec::new();
+        let slots: Vec<usize> = indices
+            .iter()
+            .map(|&index| {
+                *slot_of.entry(index).or_insert_with(|| {
+                    ids.push(index);
+                    ids.len() - 1
+                })
+            })
+            .collect();
+        let mut part = Tensor::zeros([ids.len(), self.dim], conveyor_engine::DType::F32, grad_output.device())?;
+        let sums = part.as_f32_mut()?;
+        for (&slot, row) in slots.iter().zip(grad.chunks_exact(self.dim)) {
+            sums[slot * self.dim..(slot + 1) * self.dim].iter_mut().zip(row).for_each(|(d, &g)| *d += g);
+        }
+        let sums = part.as_f32()?;
+        let dim = self.dim;
+        add_rows_into(&mut param_grads[0], |dst| {
+            for (slot, &index) in ids.iter().enumerate() {
+                dst[index * dim..(index + 1) * dim]
+                    .iter_mut()
+                    .zip(&sums[slot * dim..(slot + 1) * dim])
+                    .for_each(|(d, &s)| *d += s);
             }
             Ok(())
         })
+    }
+
+    fn weight_pass_scratch_bytes(&self) -> u64 {
+        // `accumulate_into` sums each parameter's part apart, one parameter at a time.
+        largest_parameter_bytes(&self.params)
     }
 
     fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {

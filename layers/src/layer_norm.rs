@@ -5,7 +5,7 @@ use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Re
 
 use crate::tensor_io::{
     accumulate_into, check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes,
-    into_dtype, saved_tensor, values, zeros_f32,
+    into_dtype, largest_parameter_bytes, saved_tensor, values, zeros_f32,
 };
 
 /// PyTorch's default epsilon.
@@ -143,6 +143,11 @@ impl Layer for LayerNorm {
         accumulate_into(&mut weight_grad[0], |dw| layer_norm_backward_weight(&x, &dy, mean, rstd, Some(dw), None))?;
         accumulate_into(&mut bias_grad[0], |db| layer_norm_backward_weight(&x, &dy, mean, rstd, None, Some(db)))?;
         Ok(())
+    }
+
+    fn weight_pass_scratch_bytes(&self) -> u64 {
+        // `accumulate_into` sums each parameter's part apart, one parameter at a time.
+        largest_parameter_bytes(&self.params)
     }
 
     fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {

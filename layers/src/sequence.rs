@@ -8,7 +8,7 @@ use rand::rngs::StdRng;
 
 use crate::tensor_io::{
     accumulate_into, check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes,
-    into_dtype, read_shape_marker, saved_tensor, shape_marker, values, zeros_f32,
+    into_dtype, largest_parameter_bytes, read_shape_marker, saved_tensor, shape_marker, values, zeros_f32,
 };
 
 /// A learned position table added to a sequence: `y[b, t, :] = x[b, t, :] + weight[t, :]` for `x`
@@ -128,6 +128,11 @@ impl Layer for PositionalEmbedding {
             }
             Ok(())
         })
+    }
+
+    fn weight_pass_scratch_bytes(&self) -> u64 {
+        // `accumulate_into` sums each parameter's part apart, one parameter at a time.
+        largest_parameter_bytes(&self.params)
     }
 
     fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {

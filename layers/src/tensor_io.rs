@@ -136,15 +136,43 @@ pub(crate) fn check_param_grads(kind: &str, params: &[Parameter], param_grads: &
     Ok(())
 }
 
-/// Runs `add` on the gradient's elements as f32 in host memory: in place for f32 gradients,
-/// through an f32 copy (converted back afterwards) for f16/bf16 ones; `Error::NotOnHost` for a
-/// gradient on a GPU (from `as_f32_mut`, before any download).
-pub(crate) fn accumulate_into(grad: &mut Tensor, add: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
+/// The f32 bytes of the largest of `params`: the buffer [`accumulate_into`] holds at most while it
+/// sums one parameter's part (for [`conveyor_engine::Layer::weight_pass_scratch_bytes`]).
+pub(crate) fn largest_parameter_bytes(params: &[Parameter]) -> u64 {
+    params.iter().map(|p| 4 * p.value.numel() as u64).max().unwrap_or(0)
+}
+
+/// Runs `add` on the gradient's elements as f32 in host memory, in place (through an f32 copy for
+/// f16/bf16): for a caller that adds sums it made on their own (as [`accumulate_into`] does).
+pub(crate) fn add_rows_into(grad: &mut Tensor, add: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
     if grad.dtype() == DType::F32 || matches!(grad.device(), Device::Cuda(_)) {
         return add(grad.as_f32_mut()?);
     }
     let mut acc = grad.to_vec_f32();
     add(&mut acc)?;
+    *grad = tensor_from_f32(acc, grad.shape().clone(), grad.dtype(), grad.device())?;
+    Ok(())
+}
+
+/// Adds one call's contribution to a gradient that may hold other micro-batches' already: `add`
+/// accumulates into a zeroed f32 buffer of the gradient's shape (counted on the gradient's
+/// device), which is then added to the gradient. A micro-batch's rows are so summed on their own
+/// before they meet the others', whatever order `add` takes them in, and a batch's gradient is
+/// the same bits whether its micro-batches run on one device one after another or on two
+/// data-parallel replicas whose sums the all-reduce adds (`a + b` either way). f16/bf16 gradients
+/// are added through an f32 copy; a gradient on a GPU is `Error::NotOnHost` (from `as_f32_mut`,
+/// before any download).
+pub(crate) fn accumulate_into(grad: &mut Tensor, add: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
+    if matches!(grad.device(), Device::Cuda(_)) {
+        return add(grad.as_f32_mut()?);
+    }
+    let mut part = Tensor::zeros(grad.shape().clone(), DType::F32, grad.device())?;
+    add(part.as_f32_mut()?)?;
+    if grad.dtype() == DType::F32 {
+        return grad.add_assign(&part);
+    }
+    let mut acc = grad.to_vec_f32();
+    acc.iter_mut().zip(part.as_f32()?).for_each(|(a, &p)| *a += p);
     *grad = tensor_from_f32(acc, grad.shape().clone(), grad.dtype(), grad.device())?;
     Ok(())
 }

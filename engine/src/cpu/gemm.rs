@@ -62,13 +62,30 @@ impl<'a> MatRef<'a> {
 }
 
 /// `dst = lhs · rhs` (or `dst += lhs · rhs` when `accumulate`), `dst` row-major `lhs.rows x rhs.cols`.
+///
+/// Accumulating, the product is added to `dst` whole: the `gemm` crate adds a product of depth
+/// past [`GEMM_DEPTH_BLOCK`] to its destination block by block, so for such depths the product is
+/// made apart (a buffer inside the kernel, like the crate's packing buffers) and then added. A
+/// weight gradient summed over micro-batches is so the same bits however its rows are cut into
+/// micro-batches and data-parallel replicas (`a + b` for two parts either way).
 pub fn matmul(dst: &mut [f32], lhs: MatRef<'_>, rhs: MatRef<'_>, accumulate: bool) -> Result<()> {
     check_dims(dst.len(), lhs, rhs)?;
+    if accumulate && lhs.cols > GEMM_DEPTH_BLOCK {
+        let mut part = vec![MaybeUninit::<f32>::uninit(); dst.len()];
+        let part = matmul_uninit(&mut part, lhs, rhs)?;
+        dst.iter_mut().zip(part.iter()).for_each(|(d, &p)| *d += p);
+        return Ok(());
+    }
     // SAFETY: `dst` holds `lhs.rows x rhs.cols` initialised elements (checked above), so reading
     // them to accumulate is sound.
     unsafe { product(dst.as_mut_ptr(), lhs, rhs, accumulate) };
     Ok(())
 }
+
+/// The depth (inner dimension) the `gemm` crate multiplies in one block at least: it cuts a
+/// product's depth into blocks of `max(512, cache-derived)` (`gemm-common`'s `kernel_params`),
+/// so up to this depth a product is added to its destination once, whole.
+pub const GEMM_DEPTH_BLOCK: usize = 512;
 
 /// `dst = lhs · rhs` into an uninitialised `dst` (row-major `lhs.rows x rhs.cols`), which it
 /// writes in full (the GEMM does not read its output when not accumulating) and returns as

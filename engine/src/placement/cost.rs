@@ -316,7 +316,8 @@ impl NodeCosts {
                 input_bytes.push(bytes);
                 takes_grad.push(!graph_inputs.contains(&pred));
             }
-            costs.memory.push(NodeMemory::from_cost(&c, &input_bytes, &takes_grad, 1));
+            let scratch = graph.layer(id).map_or(0, |l| l.weight_pass_scratch_bytes());
+            costs.memory.push(NodeMemory::from_cost(&c, &input_bytes, &takes_grad, 1, scratch));
             costs.inputs.push(inputs);
         }
         Ok(costs)

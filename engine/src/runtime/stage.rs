@@ -97,6 +97,9 @@ pub(crate) struct StepCtx<'a> {
     pub normalizer: f32,
     pub loss: &'a dyn Loss,
     pub training: bool,
+    /// This replica's first micro-batch in the whole batch (data parallelism): dropout draws by
+    /// the batch-wide index, so replicas draw what one device draws for the same rows.
+    pub micro_batch_offset: usize,
 }
 
 impl StepCtx<'_> {
@@ -104,6 +107,7 @@ impl StepCtx<'_> {
     /// runs and whether or not it is recomputed.
     fn node_seed(&self, micro_batch_idx: usize, node: NodeId) -> u64 {
         let mut h = self.seed ^ 0x9E37_79B9_7F4A_7C15;
+        let micro_batch_idx = self.micro_batch_offset + micro_batch_idx;
         for v in [self.step_idx, micro_batch_idx as u64, node.index() as u64] {
             h = (h ^ v).wrapping_mul(0x0100_0000_01B3).rotate_left(17) ^ (h >> 29);
         }

@@ -359,6 +359,7 @@ fn execute(
         normalizer: job.normalizer,
         loss,
         training: job.training,
+        micro_batch_offset: job.micro_batch_offset,
     };
     for stage in stages.iter_mut() {
         if job.fault.is_some_and(|f| f.panic && f.strikes(stage.stage_idx, FaultPoint::WorkerLoop, None)) {

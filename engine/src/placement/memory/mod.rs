@@ -88,7 +88,8 @@ pub struct NodeMemory {
     /// before it (at least the new input gradients).
     pub backward_input_peak: Vec<u64>,
     /// Per rank: the most bytes reserved during the weight-gradient call beyond what was reserved
-    /// before it (the gradients are accumulated in place, so usually nothing).
+    /// before it (the gradients are added in place; a layer may sum the micro-batch's part in a
+    /// buffer first, [`crate::Layer::weight_pass_scratch_bytes`]).
     pub backward_weight_peak: Vec<u64>,
     /// Per rank: parameter bytes (gradients take as many; optimizer state is counted as f32).
     pub params: Vec<u64>,
@@ -99,7 +100,14 @@ impl NodeMemory {
     /// saved tensors of their own (no shares), new input gradients the size of the inputs, all
     /// on the stage's device. Sharing only ever makes a layer hold less, so this bounds what a
     /// layer whose cost figures are right holds.
-    pub fn from_cost(cost: &LayerCost, input_bytes_per_sample: &[u64], input_takes_grad: &[bool], rows: usize) -> Self {
+    /// `weight_pass_scratch` is [`crate::Layer::weight_pass_scratch_bytes`].
+    pub fn from_cost(
+        cost: &LayerCost,
+        input_bytes_per_sample: &[u64],
+        input_takes_grad: &[bool],
+        rows: usize,
+        weight_pass_scratch: u64,
+    ) -> Self {
         let rows_u = rows as u64;
         let output = cost.output_bytes_per_sample * rows_u;
         let saved = cost.activation_bytes_per_sample * rows_u;
@@ -117,7 +125,7 @@ impl NodeMemory {
             forward_peak: vec![output + saved],
             input_grads,
             backward_input_peak: vec![grads_bytes],
-            backward_weight_peak: vec![0],
+            backward_weight_peak: vec![weight_pass_scratch],
             params: vec![cost.param_bytes],
         }
     }
@@ -172,7 +180,8 @@ impl NodeMemory {
                 })
                 .collect(),
             backward_input_peak: scale_all(&self.backward_input_peak),
-            backward_weight_peak: scale_all(&self.backward_weight_peak),
+            // A parameter-sized buffer does not shrink with the rows: never below the measured.
+            backward_weight_peak: self.backward_weight_peak.iter().map(|&b| scale(b).max(b)).collect(),
             params: self.params.clone(),
         }
     }

@@ -182,7 +182,10 @@ fn probe(
         .collect::<Result<Vec<_>>>()?;
     let tallies = start(group, ledger)?;
     layer.backward_weight(&saved, &grad_output, &mut grads)?;
-    let backward_weight_peak = peaks_or(tallies, &vec![0; k]);
+    // Without ledgers (the host), what the layer says its weight pass holds apart.
+    let mut floor = vec![0; k];
+    floor[0] = layer.weight_pass_scratch_bytes();
+    let backward_weight_peak = peaks_or(tallies, &floor);
     Ok(NodeMemory {
         rows,
         output: output_memory,
