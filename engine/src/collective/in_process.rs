@@ -1,7 +1,8 @@
 //! The in-process group for CPU devices: one unbounded crossbeam channel per ordered pair of
 //! ranks, messages tagged with the collective and its sequence number, and a shared abort flag
 //! that ends every rank's wait when one rank fails. The collectives themselves are
-//! `algorithms.rs`, shared with the transport group.
+//! `algorithms.rs`, shared with the transport group, except the all-reduce, which reads the other
+//! ranks' buffers in place (`direct.rs`) and adds in the ring's order.
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -17,7 +18,7 @@ use crate::{Device, Error, Result};
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How often a waiting rank looks at the abort flag.
-const ABORT_POLL: Duration = Duration::from_millis(5);
+pub(super) const ABORT_POLL: Duration = Duration::from_millis(5);
 
 /// A message between two ranks. Data holds a reservation on the receiver's ledger from send to drop.
 #[derive(Debug)]
@@ -34,6 +35,8 @@ struct Shared {
     aborted: AtomicBool,
     /// The first failure: (rank, message).
     failure: Mutex<Option<(usize, String)>>,
+    /// Where the ranks meet for the direct all-reduce.
+    board: super::direct::Board,
 }
 
 impl Shared {
@@ -83,7 +86,13 @@ impl ProcessGroup {
             ));
         }
         let n_ranks = devices.len();
-        let shared = Arc::new(Shared { n_ranks, timeout, aborted: AtomicBool::new(false), failure: Mutex::new(None) });
+        let shared = Arc::new(Shared {
+            n_ranks,
+            timeout,
+            aborted: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            board: super::direct::Board::new(n_ranks),
+        });
         // channels[src][dst]
         let mut senders: Vec<Vec<Sender<Message>>> = (0..n_ranks).map(|_| Vec::with_capacity(n_ranks)).collect();
         let mut receivers: Vec<Vec<Option<Receiver<Message>>>> =
@@ -137,6 +146,7 @@ impl ProcessGroup {
             handle.seq.store(seq, Ordering::Release);
         }
         *shared.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+        shared.board.reset();
         shared.aborted.store(false, Ordering::Release);
         Ok(())
     }
@@ -270,6 +280,7 @@ impl GroupAbort {
             }
         }
         self.shared.aborted.store(true, Ordering::Release);
+        self.shared.board.wake();
     }
 }
 
@@ -305,6 +316,7 @@ impl RankHandle {
             }
         }
         self.shared.aborted.store(true, Ordering::Release);
+        self.shared.board.wake();
         for (dst, sender) in self.senders.iter().enumerate() {
             if dst != self.rank {
                 let _ = sender.send(Message::Abort);
@@ -346,8 +358,28 @@ impl Communicator for RankHandle {
         self.run(CollectiveOp::Reduce, |call| algorithms::reduce(call, buf, root))
     }
 
+    /// In place across the threads (`direct.rs`): the ring all-reduce's sums bit for bit, counted
+    /// as the ring's traffic.
     fn all_reduce(&self, buf: &mut [f32]) -> Result<()> {
-        self.run(CollectiveOp::AllReduce, |call| algorithms::all_reduce(call, buf))
+        self.run(CollectiveOp::AllReduce, |call| {
+            let failure = || self.shared.failure();
+            let aborted = |failure| call.aborted(failure);
+            let failed = |reason| call.failed(reason);
+            let ctx = super::direct::Ctx {
+                board: &self.shared.board,
+                rank: self.rank,
+                seq: call.seq,
+                timeout: self.shared.timeout,
+                failure: &failure,
+                aborted: &aborted,
+                failed: &failed,
+            };
+            let sent = super::direct::all_reduce(&ctx, buf)?;
+            let n = self.shared.n_ranks as u64;
+            self.bytes_sent.fetch_add((sent * std::mem::size_of::<f32>()) as u64, Ordering::Relaxed);
+            self.messages_sent.fetch_add(2 * n.saturating_sub(1), Ordering::Relaxed);
+            Ok(())
+        })
     }
 
     fn scatter(&self, send: &[f32], recv: &mut [f32], root: usize, parts: &Partition) -> Result<()> {

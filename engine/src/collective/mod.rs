@@ -48,6 +48,7 @@
 //! ```
 mod algorithms;
 mod cost;
+mod direct;
 mod in_process;
 mod over_transport;
 mod partition;

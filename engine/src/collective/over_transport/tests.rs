@@ -219,7 +219,7 @@ fn bits(results: &[Vec<f32>]) -> Vec<Vec<u32>> {
 #[test]
 fn every_collective_matches_the_in_process_group_bit_for_bit() {
     for n in 1..=4 {
-        for (case, len) in [0, 1, n + 1, 7 * n - 1, 257].into_iter().enumerate() {
+        for (case, len) in [0, 1, n + 1, 7 * n - 1, 257, 5003].into_iter().enumerate() {
             let seed = 0x5eed_0000 + 100 * n as u64 + case as u64;
             let over_transport = on_transport_ranks(n, |group| every_collective(&group, seed, len));
             let in_process = on_process_ranks(n, |handle| every_collective(handle, seed, len));

@@ -1,0 +1,202 @@
+//! The in-process all-reduce without messages: the ranks are threads of one process, so each
+//! reads the others' buffers in place ([`all_reduce`]). It adds every element in the ring's
+//! order, so its results are the ring all-reduce's bit for bit (the transport group, across
+//! ranks, runs the ring), with no copies, no allocations and no bytes on any ledger.
+//!
+//! The protocol, for `n` ranks on one call (phases numbered from the call's sequence number):
+//! 1. each rank publishes its buffer's address and length and waits for every rank's;
+//! 2. rank `c` reduces chunk `c` into its own buffer, reading chunk `c` of every other buffer:
+//!    `v_c + (v_{c-1} + (... + (v_{c+2} + v_{c+1})))`, the nesting the ring's reduce-scatter
+//!    produces; then waits for every rank;
+//! 3. rank `c` copies every other chunk `c'` from rank `c'`'s buffer, then waits for every rank
+//!    before it returns (no rank's buffer is read after its owner returned).
+//!
+//! Why it is sound: in phase 2 rank `c` writes only chunk `c` of its own buffer and every other
+//! rank reads only other chunks of it; in phase 3 rank `c` writes only chunks other than `c` of its
+//! own buffer while the others read only chunk `c` of it. Within a phase no location is written by
+//! one thread and touched by another; the barriers order the phases. Every access to a published
+//! buffer (its owner's too) goes through the published pointer. A rank that leaves early (the
+//! group aborted) first waits until no rank is inside a read phase, which never blocks, so no
+//! buffer is read after its owner let go of it.
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::Partition;
+use crate::{Error, Result};
+
+/// One rank's entry on the board: its buffer and how far it got.
+#[derive(Clone, Copy, Debug, Default)]
+struct Slot {
+    ptr: usize,
+    len: usize,
+    phase: u64,
+}
+
+/// Where the ranks of one in-process group meet for a direct all-reduce.
+#[derive(Debug)]
+pub(super) struct Board {
+    slots: Mutex<Vec<Slot>>,
+    changed: Condvar,
+    /// Ranks inside a phase that reads other ranks' buffers.
+    readers: AtomicUsize,
+}
+
+impl Board {
+    pub(super) fn new(n_ranks: usize) -> Board {
+        Board {
+            slots: Mutex::new(vec![Slot::default(); n_ranks]),
+            changed: Condvar::new(),
+            readers: AtomicUsize::new(0),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vec<Slot>> {
+        self.slots.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Wakes every waiting rank (to see an abort).
+    pub(super) fn wake(&self) {
+        let _guard = self.lock();
+        self.changed.notify_all();
+    }
+
+    /// After a recovery: every rank's phase back to 0 (the ranks' sequence numbers were realigned).
+    pub(super) fn reset(&self) {
+        self.lock().iter_mut().for_each(|slot| *slot = Slot::default());
+    }
+}
+
+/// What a call needs from its rank's handle.
+pub(super) struct Ctx<'a> {
+    pub board: &'a Board,
+    pub rank: usize,
+    pub seq: u64,
+    pub timeout: Duration,
+    /// The group's failure, once it aborted: (failed rank, reason).
+    pub failure: &'a dyn Fn() -> Option<(usize, String)>,
+    pub aborted: &'a dyn Fn((usize, String)) -> Error,
+    pub failed: &'a dyn Fn(String) -> Error,
+}
+
+impl Ctx<'_> {
+    fn phase(&self, step: u64) -> u64 {
+        self.seq * 4 + step
+    }
+
+    /// Records this rank at `step` (and its buffer, at step 1), then waits until every rank got
+    /// there, the group aborts, or the timeout passes. With `then_read`, counts this rank as a
+    /// reader in the same critical section that sees the barrier met (so a rank leaving on an
+    /// abort, which checks the readers after it saw the abort, cannot miss it).
+    fn arrive_and_wait(&self, step: u64, buffer: Option<(usize, usize)>, then_read: bool) -> Result<Vec<Slot>> {
+        let target = self.phase(step);
+        let deadline = Instant::now() + self.timeout;
+        let mut slots = self.board.lock();
+        if let Some((ptr, len)) = buffer {
+            slots[self.rank].ptr = ptr;
+            slots[self.rank].len = len;
+        }
+        slots[self.rank].phase = target;
+        self.board.changed.notify_all();
+        loop {
+            if let Some(failure) = (self.failure)() {
+                return Err((self.aborted)(failure));
+            }
+            if slots.iter().all(|s| s.phase >= target) {
+                if then_read {
+                    self.board.readers.fetch_add(1, Ordering::AcqRel);
+                }
+                return Ok(slots.clone());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let missing: Vec<usize> = (0..slots.len()).filter(|&r| slots[r].phase < target).collect();
+                return Err((self.failed)(format!(
+                    "ranks {missing:?} did not reach all_reduce within {:?}; did every rank call it?",
+                    self.timeout
+                )));
+            }
+            let wait = super::in_process::ABORT_POLL.min(deadline - now);
+            slots = self.board.changed.wait_timeout(slots, wait).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    /// Leaves the call after an error: first waits until no rank reads a buffer (reads never block).
+    fn leave(&self, error: Error) -> Error {
+        while self.board.readers.load(Ordering::Acquire) > 0 {
+            std::thread::yield_now();
+        }
+        error
+    }
+}
+
+/// Ends this rank's read phase (counted by [`Ctx::arrive_and_wait`]) when dropped.
+struct Reading<'a>(&'a Board);
+
+impl Drop for Reading<'_> {
+    fn drop(&mut self) {
+        self.0.readers.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The all-reduce of the module comment. Returns the elements this rank would have sent in the
+/// ring (for the traffic counters).
+pub(super) fn all_reduce(ctx: &Ctx<'_>, buf: &mut [f32]) -> Result<usize> {
+    let n = ctx.board.lock().len();
+    let ptr = buf.as_mut_ptr();
+    let len = buf.len();
+    let slots = ctx.arrive_and_wait(1, Some((ptr as usize, len)), true).map_err(|e| ctx.leave(e))?;
+    let reading = Reading(ctx.board);
+    if let Some(other) = slots.iter().position(|s| s.len != len) {
+        drop(reading);
+        let error = (ctx.failed)(format!("rank {other} gave {} elements where this rank gave {len}", slots[other].len));
+        // Every rank sees the same lengths, so every rank fails here, before any read.
+        return Err(ctx.leave(error));
+    }
+    let parts = Partition::even(len, n)?;
+    let rank = ctx.rank;
+    {
+        let _reading = reading;
+        let mine = parts.range(rank);
+        // SAFETY: see the module comment: chunk `rank` of every published buffer is read by this
+        // rank alone in this phase, and written (its own) by this rank alone.
+        unsafe {
+            let at = |r: usize| (slots[r].ptr as *mut f32).add(mine.start) as *const f32;
+            let own = slots[rank].ptr as *mut f32;
+            // Blocks on the stack: v_{c+1}, then v_{c+2} + acc, ..., then v_c + acc into own.
+            const BLOCK: usize = 1024;
+            let mut acc = [0.0f32; BLOCK];
+            let mut start = 0;
+            while start < mine.len() && n > 1 {
+                let count = BLOCK.min(mine.len() - start);
+                let acc = &mut acc[..count];
+                acc.copy_from_slice(std::slice::from_raw_parts(at((rank + 1) % n).add(start), count));
+                for k in 2..n {
+                    let v = std::slice::from_raw_parts(at((rank + k) % n).add(start), count);
+                    acc.iter_mut().zip(v).for_each(|(a, &x)| *a = x + *a);
+                }
+                let dst = std::slice::from_raw_parts_mut(own.add(mine.start + start), count);
+                dst.iter_mut().zip(acc.iter()).for_each(|(d, &a)| *d += a);
+                start += count;
+            }
+        }
+    }
+    ctx.arrive_and_wait(2, None, true).map_err(|e| ctx.leave(e))?;
+    {
+        let _reading = Reading(ctx.board);
+        for owner in (0..n).filter(|&c| c != rank) {
+            let range = parts.range(owner);
+            // SAFETY: chunk `owner` of `owner`'s buffer is final and nobody writes it in this
+            // phase; this rank alone writes its own chunks other than `rank`.
+            unsafe {
+                let src = std::slice::from_raw_parts((slots[owner].ptr as *const f32).add(range.start), range.len());
+                let dst = std::slice::from_raw_parts_mut((slots[rank].ptr as *mut f32).add(range.start), range.len());
+                dst.copy_from_slice(src);
+            }
+        }
+    }
+    ctx.arrive_and_wait(3, None, false).map_err(|e| ctx.leave(e))?;
+    // What the ring would have sent: chunks r-1-s (reduce-scatter) and r-s (all-gather).
+    let sent = (0..n.saturating_sub(1)).map(|s| parts.len((rank + 2 * n - 1 - s) % n) + parts.len((rank + n - s) % n));
+    Ok(sent.sum())
+}
