@@ -173,7 +173,7 @@ pub(super) fn all_reduce(ctx: &Ctx<'_>, buf: &mut [f32]) -> Result<usize> {
                 acc.copy_from_slice(std::slice::from_raw_parts(at((rank + 1) % n).add(start), count));
                 for k in 2..n {
                     let v = std::slice::from_raw_parts(at((rank + k) % n).add(start), count);
-                    acc.iter_mut().zip(v).for_each(|(a, &x)| *a = x + *a);
+                    acc.iter_mut().zip(v).for_each(|(a, &x)| *a += x);
                 }
                 let dst = std::slice::from_raw_parts_mut(own.add(mine.start + start), count);
                 dst.iter_mut().zip(acc.iter()).for_each(|(d, &a)| *d += a);
