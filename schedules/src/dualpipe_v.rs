@@ -30,11 +30,11 @@ use crate::layout::StageLayout;
 
 /// Per-device programs; needs `n_micro_batches >= 2 n_devices` (checked by `Schedule::new`).
 pub(crate) fn programs(n_devices: usize, n_micro_batches: usize) -> Vec<Vec<Instruction>> {
-    (0..n_devices).map(|device_idx| Device::new(device_idx, n_devices).program(n_micro_batches)).collect()
+    (0..n_devices).map(|device_idx| RankProgram::new(device_idx, n_devices).program(n_micro_batches)).collect()
 }
 
-/// One device's program under construction.
-struct Device {
+/// One device's (rank's, in DualPipe's words) program under construction.
+struct RankProgram {
     stages: [usize; 2],
     next_forward: [usize; 2],
     next_backward: [usize; 2],
@@ -44,10 +44,10 @@ struct Device {
     rank: usize,
 }
 
-impl Device {
-    fn new(rank: usize, n_devices: usize) -> Device {
+impl RankProgram {
+    fn new(rank: usize, n_devices: usize) -> RankProgram {
         let stage = |chunk_idx| StageLayout::V.stage_of(rank, chunk_idx, n_devices);
-        Device {
+        RankProgram {
             stages: [stage(0), stage(1)],
             next_forward: [0; 2],
             next_backward: [0; 2],

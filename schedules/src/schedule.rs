@@ -142,6 +142,18 @@ impl Schedule {
         (0..self.n_chunks).map(move |chunk_idx| layout.stage_of(device_idx, chunk_idx, n_devices))
     }
 
+    /// A label per device naming the stages it holds, chunk 0 first: `stages 0, 7` (device 0 of
+    /// four in a V), `stage 2` with one chunk. The SVG and trace rows show it.
+    pub fn device_stage_labels(&self) -> Vec<String> {
+        (0..self.n_devices)
+            .map(|device_idx| {
+                let stages: Vec<String> = self.stages_of_device(device_idx).map(|s| s.to_string()).collect();
+                let noun = if stages.len() == 1 { "stage" } else { "stages" };
+                format!("{noun} {}", stages.join(", "))
+            })
+            .collect()
+    }
+
     /// Every device's program, device 0 first.
     pub fn programs(&self) -> &[Vec<Instruction>] {
         &self.programs
@@ -195,6 +207,7 @@ mod tests {
         assert_eq!((v.device_of_stage(5), v.chunk_of_stage(5)), (2, 1));
         assert_eq!(v.stages_of_device(0).collect::<Vec<_>>(), vec![0, 7]);
         assert_eq!(v.stages_of_device(3).collect::<Vec<_>>(), vec![3, 4]);
+        assert_eq!(v.device_stage_labels(), ["stages 0, 7", "stages 1, 6", "stages 2, 5", "stages 3, 4"]);
     }
 
     #[test]

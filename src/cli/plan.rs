@@ -45,8 +45,17 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     if args.chunks == 0 {
         return Err(usage("--chunks 0: each device needs at least 1 chunk; give --chunks 1 or more"));
     }
+    if let Some(required) = args.schedule.required_chunks()
+        && args.chunks != required
+    {
+        return Err(usage(format!(
+            "--chunks {} with --schedule {}: it places exactly {required} chunks per device in a V; give --chunks \
+             {required} or leave it out",
+            args.chunks, args.schedule
+        )));
+    }
     if args.chunks > 1 && !args.schedule.supports_chunks() {
-        return Err(usage(format!("--chunks {} needs --schedule interleaved", args.chunks)));
+        return Err(usage(format!("--chunks {} needs --schedule interleaved or interleaved-zb", args.chunks)));
     }
     if args.microbatches == 0 || args.batch == 0 {
         return Err(usage(format!(

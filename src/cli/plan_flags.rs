@@ -33,8 +33,8 @@ pub struct PlanFlags {
     /// [default: adam].
     #[arg(long)]
     pub optimizer: Option<String>,
-    /// Schedule: gpipe, 1f1b, interleaved, zb-h1 or zb-h2 (sets the activations held per stage)
-    /// [default: 1f1b].
+    /// Schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, dualpipe-v or interleaved-zb (sets
+    /// the activations held per stage) [default: 1f1b].
     #[arg(long, value_name = "NAME")]
     pub schedule: Option<ScheduleKind>,
     /// Micro-batches per batch [default: 8].
@@ -43,7 +43,8 @@ pub struct PlanFlags {
     /// Rows per batch; a micro-batch has ceil(B / M) rows [default: 64, or the spec's batch].
     #[arg(long, value_name = "B")]
     pub batch: Option<usize>,
-    /// Model chunks per device (interleaved schedule only): devices x chunks stages [default: 1].
+    /// Model chunks per device (interleaved and interleaved-zb; zb-v and dualpipe-v need 2): devices
+    /// x chunks stages [default: 1, 2 for zb-v and dualpipe-v].
     #[arg(long, value_name = "V")]
     pub chunks: Option<usize>,
     /// Activation recomputation: never, except-last or always (sets what a stage keeps between
@@ -97,6 +98,13 @@ impl PlanFlags {
             (None, None) => "auto".to_string(),
         };
         let pipeline = spec.as_ref().map(|spec| &spec.pipeline);
+        let schedule = self.schedule.or(pipeline.map(|p| p.schedule)).unwrap_or(ScheduleKind::OneFOneB);
+        // The V schedules run exactly two chunks: the default when --chunks is not given.
+        let chunks = match (self.chunks, schedule.required_chunks()) {
+            (Some(chunks), _) => chunks,
+            (None, Some(required)) => required,
+            (None, None) => pipeline.map(|p| p.chunks).unwrap_or(1),
+        };
         Ok(PlanArgs {
             model,
             devices,
@@ -107,10 +115,10 @@ impl PlanFlags {
                 .optimizer
                 .or_else(|| spec.as_ref().map(|s| s.optimizer.name.to_string()))
                 .unwrap_or_else(|| "adam".to_string()),
-            schedule: self.schedule.or(pipeline.map(|p| p.schedule)).unwrap_or(ScheduleKind::OneFOneB),
+            schedule,
             microbatches: self.microbatches.or(pipeline.map(|p| p.microbatches)).unwrap_or(8),
             batch: self.batch.or(spec.as_ref().map(|s| s.training.batch)).unwrap_or(64),
-            chunks: self.chunks.or(pipeline.map(|p| p.chunks)).unwrap_or(1),
+            chunks,
             recompute: self.recompute.or(pipeline.map(|p| p.recompute)).unwrap_or(Recompute::Never),
             placement,
             json: self.json,

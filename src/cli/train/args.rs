@@ -81,12 +81,12 @@ pub struct TrainArgs {
     /// [default: auto]
     #[arg(long, value_name = "auto|time|FILE")]
     pub placement: Option<String>,
-    /// Schedule: gpipe, 1f1b, interleaved, zb-h1 or zb-h2.
+    /// Schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, dualpipe-v or interleaved-zb.
     /// [default: 1f1b]
     #[arg(long)]
     pub schedule: Option<String>,
-    /// Model chunks per device (interleaved schedule only).
-    /// [default: 1]
+    /// Model chunks per device (interleaved and interleaved-zb; zb-v and dualpipe-v need 2).
+    /// [default: 1, 2 for zb-v and dualpipe-v]
     #[arg(long)]
     pub chunks: Option<usize>,
     /// Micro-batches per batch.
@@ -257,6 +257,12 @@ impl TrainArgs {
             pipeline.schedule = text.parse().map_err(|e| usage(format!("--schedule: {e}")))?;
         }
         set(&mut pipeline.chunks, &self.chunks);
+        // The V schedules run exactly two chunks: the default when --chunks is not given.
+        if let (None, Some(required)) = (self.chunks, pipeline.schedule.required_chunks())
+            && pipeline.chunks == 1
+        {
+            pipeline.chunks = required;
+        }
         set(&mut pipeline.microbatches, &self.microbatches);
         if let Some(text) = &self.recompute {
             pipeline.recompute = text.parse().map_err(|e| usage(format!("--recompute {}", reason(e))))?;
