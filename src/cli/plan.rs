@@ -6,11 +6,11 @@ use std::path::Path;
 
 use anyhow::Context;
 use conveyor::engine::graph::Graph;
-use conveyor::engine::placement::{Plan, format_bytes};
+use conveyor::engine::placement::{Plan, format_bytes, predicted_costs};
 use conveyor::engine::runtime::Recompute;
 use conveyor::limits::{MAX_BATCH_ROWS, MAX_STAGES};
 use conveyor::pipeline::{PipelineConfig, memory_notes, plan, plan_manually};
-use conveyor::schedules::{CostModel, Schedule, ScheduleKind, SimulationReport, StageCosts, simulate};
+use conveyor::schedules::{Schedule, ScheduleKind, SimulationReport, simulate};
 use conveyor::zoo::ModelSpec;
 
 use super::messages::{engine_input_error, schedule_message};
@@ -36,6 +36,9 @@ pub struct PlanArgs {
     pub recompute: Recompute,
     pub placement: String,
     pub json: bool,
+    /// `--schedule auto`: `schedule`, `chunks`, `microbatches` and `recompute` are chosen.
+    pub auto_schedule: bool,
+    pub explain: bool,
 }
 
 /// Runs `conveyor plan`.
@@ -101,6 +104,9 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         seed: 0,
         core_slots: Default::default(),
     };
+    if args.auto_schedule {
+        return super::plan_auto::run(args, &graph, &devices, &config, budget);
+    }
     let plan = if args.placement == "auto" {
         plan(&graph, &devices, &config).map_err(|e| explain_memory(e, &args, budget))?
     } else {
@@ -121,7 +127,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
 
 /// An engine error's reason alone when it is an invalid argument (the message names the flag
 /// itself), else the whole message.
-fn engine_reason(e: conveyor::engine::Error) -> String {
+pub(super) fn engine_reason(e: conveyor::engine::Error) -> String {
     match e {
         conveyor::engine::Error::InvalidArgument { reason, .. } => reason,
         other => other.to_string(),
@@ -130,7 +136,7 @@ fn engine_reason(e: conveyor::engine::Error) -> String {
 
 /// Puts the flags that set the budget in front of a [`conveyor::engine::Error::DoesNotFit`], so the
 /// message says it is about memory and which flag to change; other errors pass unchanged.
-fn explain_memory(err: conveyor::engine::Error, args: &PlanArgs, budget: Option<u64>) -> anyhow::Error {
+pub(super) fn explain_memory(err: conveyor::engine::Error, args: &PlanArgs, budget: Option<u64>) -> anyhow::Error {
     let is_memory = matches!(err, conveyor::engine::Error::DoesNotFit { .. });
     if !is_memory {
         return engine_input_error(err);
@@ -142,19 +148,19 @@ fn explain_memory(err: conveyor::engine::Error, args: &PlanArgs, budget: Option<
     ))
 }
 
-/// Runs the schedule simulator with each stage's predicted F, B and W. The planner already folds
+/// Runs the schedule simulator with each stage's predicted F, B and W (and the recomputation's
+/// extra forward on each recomputed micro-batch's input-gradient op). The planner already folds
 /// each stage's incoming transfers into its F and B, so the simulator's link stays free: adding
 /// the link model again would count every transfer twice.
-fn simulate_plan(plan: &Plan, args: &PlanArgs, n_devices: usize) -> anyhow::Result<SimulationReport> {
+pub(super) fn simulate_plan(plan: &Plan, args: &PlanArgs, n_devices: usize) -> anyhow::Result<SimulationReport> {
     let schedule = Schedule::new(args.schedule, n_devices, args.microbatches, args.chunks)
         .map_err(|e| usage(schedule_message(&e)))?;
-    let costs = CostModel::per_stage(
-        plan.stages.iter().map(|s| StageCosts::new(s.forward_s, s.backward_input_s, s.backward_weight_s)).collect(),
-    );
+    // Each recomputed micro-batch's input-gradient op costs one more forward of its stage.
+    let costs = predicted_costs(plan, &schedule, args.recompute);
     simulate(&schedule, &costs).context("simulating the schedule with the plan's predicted stage costs")
 }
 
-fn plan_json(
+pub(super) fn plan_json(
     plan: &Plan,
     report: &SimulationReport,
     args: &PlanArgs,
@@ -216,7 +222,7 @@ fn plan_json(
     })
 }
 
-fn recompute_name(recompute: Recompute) -> &'static str {
+pub(super) fn recompute_name(recompute: Recompute) -> &'static str {
     match recompute {
         Recompute::Never => "never",
         Recompute::ExceptLast => "except-last",
@@ -224,7 +230,13 @@ fn recompute_name(recompute: Recompute) -> &'static str {
     }
 }
 
-fn print_table(plan: &Plan, report: &SimulationReport, args: &PlanArgs, micro_batch_rows: usize, n_devices: usize) {
+pub(super) fn print_table(
+    plan: &Plan,
+    report: &SimulationReport,
+    args: &PlanArgs,
+    micro_batch_rows: usize,
+    n_devices: usize,
+) {
     let placement = if args.placement == "auto" { "automatic placement".to_string() } else { args.placement.clone() };
     outln!(
         "conveyor plan: {} on {} ({} stages), {}{}, {} micro-batches of {micro_batch_rows} rows, {}, recompute {}; {placement}",
@@ -359,7 +371,7 @@ fn format_count(n: u64) -> String {
 }
 
 /// Seconds with a unit that keeps three or four significant digits: `12.3 µs`, `1.234 ms`, `2.50 s`.
-fn format_seconds(s: f64) -> String {
+pub(super) fn format_seconds(s: f64) -> String {
     if s < 1e-3 {
         format!("{:.1} µs", s * 1e6)
     } else if s < 1.0 {

@@ -34,9 +34,11 @@ pub struct PlanFlags {
     #[arg(long)]
     pub optimizer: Option<String>,
     /// Schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, dualpipe-v or interleaved-zb (sets
-    /// the activations held per stage) [default: 1f1b].
-    #[arg(long, value_name = "NAME")]
-    pub schedule: Option<ScheduleKind>,
+    /// the activations held per stage), or `auto`: the schedule, micro-batch count, recompute mode
+    /// and stage split with the shortest predicted step that fits, from measured layer times and
+    /// the simulator [default: 1f1b].
+    #[arg(long, value_name = "NAME|auto")]
+    pub schedule: Option<String>,
     /// Micro-batches per batch [default: 8].
     #[arg(long, value_name = "M")]
     pub microbatches: Option<usize>,
@@ -59,6 +61,10 @@ pub struct PlanFlags {
     /// Print one JSON object (stages, predicted_step_s, predicted_bubble_fraction, ...) instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// With --schedule auto: print every candidate weighed (predicted step time against peak
+    /// memory, the Pareto front marked) and why the chosen one won.
+    #[arg(long)]
+    pub explain: bool,
 }
 
 impl PlanFlags {
@@ -98,7 +104,14 @@ impl PlanFlags {
             (None, None) => "auto".to_string(),
         };
         let pipeline = spec.as_ref().map(|spec| &spec.pipeline);
-        let schedule = self.schedule.or(pipeline.map(|p| p.schedule)).unwrap_or(ScheduleKind::OneFOneB);
+        let auto_schedule = self.schedule.as_deref().is_some_and(|s| s.eq_ignore_ascii_case("auto"));
+        if self.explain && !auto_schedule {
+            return Err(usage("--explain shows the candidates of --schedule auto; give --schedule auto"));
+        }
+        let schedule = match self.schedule.as_deref().filter(|_| !auto_schedule) {
+            Some(text) => text.parse::<ScheduleKind>().map_err(|e| usage(format!("--schedule: {e}, or auto")))?,
+            None => pipeline.map(|p| p.schedule).unwrap_or(ScheduleKind::OneFOneB),
+        };
         // The V schedules run exactly two chunks: the default when --chunks is not given.
         let chunks = match (self.chunks, schedule.required_chunks()) {
             (Some(chunks), _) => chunks,
@@ -122,6 +135,8 @@ impl PlanFlags {
             recompute: self.recompute.or(pipeline.map(|p| p.recompute)).unwrap_or(Recompute::Never),
             placement,
             json: self.json,
+            auto_schedule,
+            explain: self.explain,
         })
     }
 }

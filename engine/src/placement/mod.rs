@@ -18,6 +18,7 @@
 //! predicted memory and FLOPs or by measured times); `pipeline_plan.rs` turns it, the devices and
 //! the run's settings ([`PipelineConfig`]) into a [`Plan`], and `file.rs` reads placement files.
 mod auto;
+mod auto_schedule;
 mod cost;
 mod file;
 mod fit;
@@ -27,6 +28,7 @@ pub mod pipeline_plan;
 mod profile;
 
 pub use auto::{place_automatically, place_with_costs};
+pub use auto_schedule::{PlannedCandidate, ScheduleCandidate, ScheduleChoice, choose_schedule, predicted_costs};
 pub use cost::{DeviceSpec, Link, NodeCosts, OptimizerMemory, PlanConfig, StageMemory, format_bytes};
 pub use file::{MAX_PLACEMENT_FILE_BYTES, MAX_STAGES, PlacementFileProblem, parse_placement, read_placement_file};
 pub(crate) use fit::DoesNotFitMessage;
