@@ -97,3 +97,22 @@ fn plan_explains_the_choice_as_a_pareto_table_and_in_json() -> Result<()> {
     ensure!(String::from_utf8_lossy(&output.stderr).contains("give --schedule auto"));
     Ok(())
 }
+
+#[test]
+fn train_with_the_automatic_choice() -> Result<()> {
+    let common = ["train", "--model", MODEL, "--data", "synthetic:64,8,4", "--devices", "cpu:4", "--batch", "16"];
+    let output = conveyor(&[&common[..], &["--schedule", "auto", "--steps", "2", "--log-every", "0"]].concat())?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    ensure!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    ensure!(stdout.starts_with("--schedule auto chose "), "{stdout}");
+    ensure!(stdout.contains("trained 2 steps"), "{stdout}");
+    // The spec it runs names the choice.
+    let output = conveyor(&[&common[..], &["--schedule", "auto", "--print-config"]].concat())?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    ensure!(output.status.success() && stdout.contains("placement = \"time\""), "{stdout}");
+    ensure!(!stdout.contains("schedule = \"auto\""), "{stdout}");
+    let output = conveyor(&[&common[..], &["--schedule", "auto", "--data-parallel", "2"]].concat())?;
+    ensure!(output.status.code() == Some(2), "auto with replicas is refused");
+    ensure!(String::from_utf8_lossy(&output.stderr).contains("--schedule auto plans one pipeline"));
+    Ok(())
+}

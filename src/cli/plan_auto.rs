@@ -115,3 +115,51 @@ fn auto_json(choice: &ScheduleChoice) -> serde_json::Value {
         "why": choice.why(),
     })
 }
+
+/// `conveyor train --schedule auto`: chooses as `plan --schedule auto` does for the spec's model,
+/// devices, batch and optimizer, writes the chosen schedule, chunks, micro-batch count and
+/// recompute mode into the spec, and places by measured times (`placement = "time"`), the times
+/// the choice was made from. One pipeline only: not with tensor or data parallelism yet.
+pub fn resolve_for_train(mut spec: conveyor::RunSpec) -> anyhow::Result<conveyor::RunSpec> {
+    use conveyor::spec::PlacementSpec;
+    let pipeline = &spec.pipeline;
+    if pipeline.tensor_parallel > 1 || pipeline.data_parallel > 1 {
+        return Err(usage(
+            "--schedule auto plans one pipeline; it does not yet weigh --tensor-parallel or --data-parallel: name a schedule",
+        ));
+    }
+    if !matches!(pipeline.placement, PlacementSpec::Auto | PlacementSpec::Time) {
+        return Err(usage("--schedule auto chooses the stage split itself; drop --placement or name a schedule"));
+    }
+    let model_text =
+        spec.model.spec.clone().ok_or_else(|| usage("--schedule auto needs --model (the model to plan)"))?;
+    let model: conveyor::zoo::ModelSpec = model_text
+        .parse()
+        .map_err(|e| usage(format!("--model: invalid model spec {}", super::plan::engine_reason(e))))?;
+    let mut devices = super::train::parse_devices(&pipeline.devices, pipeline.device_memory)?;
+    devices.truncate(conveyor::spec::devices_used(&spec, devices.len()).map_err(|e| usage(e.to_string()))?);
+    let optimizer = spec.optimizer.config().map_err(|e| usage(e.to_string()))?;
+    let graph = conveyor::engine::init::with_unwritten_parameters(|| model.build(spec.training.seed))
+        .map_err(|e| usage(format!("--model {model_text}: {}", super::plan::engine_reason(e))))?;
+    let base = PipelineConfig {
+        schedule: pipeline.schedule,
+        n_chunks: pipeline.chunks,
+        n_micro_batches: pipeline.microbatches,
+        batch_rows: spec.training.batch,
+        optimizer,
+        recompute: pipeline.recompute,
+        seed: spec.training.seed,
+        core_slots: pipeline.core_slots,
+    };
+    let choice =
+        choose_schedule(&graph, &devices, &base, PlaceBy::Time).map_err(super::messages::engine_input_error)?;
+    let chosen = choice.chosen();
+    outln!("--schedule auto chose {}: {}", chosen.label(), choice.why());
+    let pipeline = &mut spec.pipeline;
+    pipeline.schedule = chosen.schedule;
+    pipeline.chunks = chosen.n_chunks;
+    pipeline.microbatches = chosen.n_micro_batches;
+    pipeline.recompute = chosen.recompute;
+    pipeline.placement = PlacementSpec::Time;
+    Ok(spec)
+}

@@ -137,29 +137,37 @@ impl ScheduleChoice {
 
     /// Why the chosen candidate won, in one sentence.
     pub fn why(&self) -> String {
-        let chosen = self.chosen();
-        let planned = chosen.planned().expect("the chosen candidate fits");
+        let planned = self.chosen().planned().expect("the chosen candidate fits");
         let n_fit = self.candidates.iter().filter(|c| c.planned().is_some()).count();
+        let mut why = format!(
+            "the shortest predicted step ({:.1} µs) of the {n_fit} candidates that fit the budgets ({} weighed)",
+            planned.step_s * 1e6,
+            self.candidates.len()
+        );
         let runner_up = self
             .candidates
             .iter()
-            .enumerate()
-            .filter(|&(i, c)| i != self.chosen && c.schedule != chosen.schedule)
-            .filter_map(|(_, c)| Some((c, c.planned()?)))
+            .filter(|c| c.schedule != self.chosen().schedule)
+            .filter_map(|c| Some((c, c.planned()?)))
             .min_by(|a, b| a.1.step_s.total_cmp(&b.1.step_s));
-        let mut why = format!(
-            "{} has the shortest predicted step of the {n_fit} candidates that fit ({} of {} weighed)",
-            chosen.label(),
-            n_fit,
-            self.candidates.len()
-        );
         if let Some((other, figures)) = runner_up {
-            let gain = 1.0 - planned.step_s / figures.step_s;
-            why.push_str(&format!(
-                "; the best other schedule, {}, is predicted {:.1}% slower",
-                other.label(),
-                100.0 * gain / (1.0 - gain).max(f64::MIN_POSITIVE)
-            ));
+            if figures.step_s > planned.step_s {
+                why.push_str(&format!(
+                    "; the best other schedule, {}, is predicted {:.1}% slower",
+                    other.label(),
+                    100.0 * (figures.step_s / planned.step_s - 1.0)
+                ));
+            } else {
+                why.push_str(&format!(
+                    "; {} ties on step time and {}",
+                    other.label(),
+                    if figures.peak_bytes > planned.peak_bytes {
+                        "holds more memory"
+                    } else {
+                        "comes later in the list (equal memory)"
+                    }
+                ));
+            }
         }
         why
     }
@@ -230,17 +238,19 @@ fn plan_candidate(
 ) -> Result<PlannedCandidate> {
     let (specs, plan_config) = planner_inputs_for(devices, config)?;
     let rows = plan_config.micro_batch_rows;
-    if !costs_by_rows.contains_key(&rows) {
-        let costs = node_costs(graph, rows)?;
-        let costs = match by {
-            PlaceBy::Memory => costs,
-            PlaceBy::Time => {
-                costs.with_measured_times(&profile_graph(graph, rows, PROFILE_REPEATS)?, CPU_FLOPS_PER_S)?
-            }
-        };
-        costs_by_rows.insert(rows, costs);
-    }
-    let plan = place_with_costs(&costs_by_rows[&rows], &specs, &plan_config)?;
+    let costs = match costs_by_rows.entry(rows) {
+        std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
+        std::collections::hash_map::Entry::Vacant(entry) => {
+            let costs = node_costs(graph, rows)?;
+            entry.insert(match by {
+                PlaceBy::Memory => costs,
+                PlaceBy::Time => {
+                    costs.with_measured_times(&profile_graph(graph, rows, PROFILE_REPEATS)?, CPU_FLOPS_PER_S)?
+                }
+            })
+        }
+    };
+    let plan = place_with_costs(costs, &specs, &plan_config)?;
     let schedule = Schedule::new(config.schedule, devices.len(), config.n_micro_batches, config.n_chunks)?;
     let report = simulate(&schedule, &predicted_costs(&plan, &schedule, config.recompute))?;
     let peak_bytes = plan.device_peaks(devices.len()).iter().flatten().copied().max().unwrap_or(0);
