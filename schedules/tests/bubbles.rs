@@ -171,7 +171,8 @@ fn chunked_zero_bubble_interior_bubble_is_below_5_percent() {
 
 /// Memory: ZB-V and interleaved zero bubble hold at most `p v` (micro-batch, stage) activation
 /// sets per device, `p` micro-batches of the whole device's layers: ZB-H1's peak. DualPipe-V holds
-/// at most `2p + 1` (one more than ZB-V: the forward of a pair runs before its backward frees).
+/// exactly `2p + 1` on every device (one more than ZB-V: the forward of a pair runs before its
+/// backward frees).
 /// Every shape validates at channel capacity 1 and completes in the simulator.
 #[test]
 fn chunked_zero_bubble_memory_is_bounded() {
@@ -184,6 +185,10 @@ fn chunked_zero_bubble_memory_is_bounded() {
         .min(m * v);
         let peak = report.peak_inflight_per_device.iter().copied().max().unwrap();
         assert!(peak <= bound, "{kind} p={p} m={m} v={v}: peak {peak} over {bound}");
+        if kind == ScheduleKind::DualPipeV {
+            // Every device runs phase 4, its forward before its paired backward: exactly 2p + 1.
+            assert_eq!(report.peak_inflight_per_device, vec![2 * p + 1; p], "{kind} p={p} m={m}");
+        }
         assert!(report.busy_s.iter().all(|&busy| busy == (3 * m * v) as f64), "{kind} p={p} m={m} v={v}");
     }
 }
