@@ -119,7 +119,9 @@ fn auto_json(choice: &ScheduleChoice) -> serde_json::Value {
 /// `conveyor train --schedule auto`: chooses as `plan --schedule auto` does for the spec's model,
 /// devices, batch and optimizer, writes the chosen schedule, chunks, micro-batch count and
 /// recompute mode into the spec, and places by measured times (`placement = "time"`), the times
-/// the choice was made from. One pipeline only: not with tensor or data parallelism yet.
+/// the choice was made from. Under an MPI launcher with several ranks it chooses and places from
+/// FLOP estimates instead, which every rank computes alike. One pipeline only: not with tensor or
+/// data parallelism yet.
 pub fn resolve_for_train(mut spec: conveyor::RunSpec) -> anyhow::Result<conveyor::RunSpec> {
     use conveyor::spec::PlacementSpec;
     let pipeline = &spec.pipeline;
@@ -151,8 +153,11 @@ pub fn resolve_for_train(mut spec: conveyor::RunSpec) -> anyhow::Result<conveyor
         seed: spec.training.seed,
         core_slots: pipeline.core_slots,
     };
-    let choice =
-        choose_schedule(&graph, &devices, &base, PlaceBy::Time).map_err(super::messages::engine_input_error)?;
+    // Under an MPI launcher every rank chooses for itself: FLOP estimates, not this rank's
+    // timings, so that every rank makes the same choice.
+    let several_ranks = conveyor::engine::transport::launcher_world_size().is_some_and(|n| n > 1);
+    let by = if several_ranks { PlaceBy::Memory } else { PlaceBy::Time };
+    let choice = choose_schedule(&graph, &devices, &base, by).map_err(super::messages::engine_input_error)?;
     let chosen = choice.chosen();
     outln!("--schedule auto chose {}: {}", chosen.label(), choice.why());
     let pipeline = &mut spec.pipeline;
@@ -160,6 +165,6 @@ pub fn resolve_for_train(mut spec: conveyor::RunSpec) -> anyhow::Result<conveyor
     pipeline.chunks = chosen.n_chunks;
     pipeline.microbatches = chosen.n_micro_batches;
     pipeline.recompute = chosen.recompute;
-    pipeline.placement = PlacementSpec::Time;
+    pipeline.placement = if several_ranks { PlacementSpec::Auto } else { PlacementSpec::Time };
     Ok(spec)
 }
