@@ -80,7 +80,7 @@ pub fn planner_inputs_tensor_parallel(
     plan_config.count_workspace = tensor_parallel <= 1;
     let specs = (0..groups.len() * n_chunks)
         .map(|s| {
-            let members: Vec<DeviceSpec> = groups[s % groups.len()]
+            let members: Vec<DeviceSpec> = groups[schedule.layout().device_of_stage(s, groups.len())]
                 .iter()
                 .map(|device| DeviceSpec {
                     name: device.to_string(),
@@ -160,7 +160,7 @@ pub fn plan_tensor_parallel(
     let rows = plan_config.micro_batch_rows;
     let placement = place_with_costs(&node_costs(&whole, rows)?, &specs, &plan_config)?;
     drop(whole);
-    let group_of_stage = |stage_idx: usize| &groups[stage_idx % groups.len()];
+    let group_of_stage = |stage_idx: usize| &groups[config.schedule.layout().device_of_stage(stage_idx, groups.len())];
     let mut splits = TensorParallelSplits::new();
     for stage in &placement.stages {
         for name in &stage.node_names {
@@ -210,7 +210,8 @@ pub fn plan_tensor_parallel(
 /// this is [`build_trainer`] on `spec.build(seed)`. See [`plan_tensor_parallel`] for the plan.
 ///
 /// Stages: `devices.len() / tensor_parallel` groups times `config.n_chunks`. Stage `s` runs on
-/// group `s % n_groups`, whose first device is its worker's device.
+/// the schedule's group of it (`s % n_groups` looped, or in a V), whose first device is its
+/// worker's device.
 pub fn build_trainer_tensor_parallel(
     spec: &ModelSpec,
     seed: u64,
@@ -283,12 +284,13 @@ pub fn build_trainer_replicated(
     let (plan, mut graph) = plan_tensor_parallel(spec, seed, &devices[..per_replica], k, config)?;
     // Every replica's splits: the plan's nodes on the groups of that replica's devices.
     let names: Vec<(usize, Vec<String>)> = plan.stages.iter().map(|s| (s.stage_idx, s.node_names.clone())).collect();
+    let layout = config.schedule.layout();
     let splits_on = move |replica_devices: &[Device]| -> Result<TensorParallelSplits> {
         let groups = device_groups(replica_devices, k)?;
         let mut splits = TensorParallelSplits::new();
         for (stage_idx, nodes) in &names {
             for name in nodes {
-                splits.insert(name.clone(), groups[stage_idx % groups.len()].clone());
+                splits.insert(name.clone(), groups[layout.device_of_stage(*stage_idx, groups.len())].clone());
             }
         }
         Ok(splits)

@@ -189,7 +189,15 @@ fn validator_simulator_and_runtime_agree_on_every_message_of_a_chain() {
         let received = by_the_rule(&schedule, true);
         let sent = by_the_rule(&schedule, false);
         assert_eq!(received, sent, "{name}: by the rule every channel is FIFO (what the validator checks)");
-        assert_eq!(simulated_sends(&schedule), sent, "{name}: the simulator sends what the rule sends");
+        // A message a device sends itself (the turn of a V) costs nothing and records no `Send`.
+        let between_devices: BTreeMap<ChannelId, Vec<usize>> = sent
+            .iter()
+            .filter(|(channel, _)| {
+                schedule.device_of_stage(channel.from_stage_idx) != schedule.device_of_stage(channel.to_stage_idx)
+            })
+            .map(|(channel, micro_batches)| (*channel, micro_batches.clone()))
+            .collect();
+        assert_eq!(simulated_sends(&schedule), between_devices, "{name}: the simulator sends what the rule sends");
 
         let (seen, edges) = run_probes(&schedule, &[]);
         let chain: Vec<(usize, usize)> = (1..n_stages).map(|s| (s - 1, s)).collect();

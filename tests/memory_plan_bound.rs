@@ -46,12 +46,15 @@ const PIPELINE_DEVICES: usize = 2;
 const MICRO_BATCHES: usize = 4;
 const BATCH: usize = 16;
 
-const SCHEDULES: [(ScheduleKind, usize); 5] = [
+const SCHEDULES: [(ScheduleKind, usize); 8] = [
     (ScheduleKind::GPipe, 1),
     (ScheduleKind::OneFOneB, 1),
     (ScheduleKind::Interleaved, 2),
     (ScheduleKind::ZbH1, 1),
     (ScheduleKind::ZbH2, 1),
+    (ScheduleKind::ZbV, 2),
+    (ScheduleKind::DualPipeV, 2),
+    (ScheduleKind::InterleavedZb, 2),
 ];
 const RECOMPUTE: [Recompute; 3] = [Recompute::Never, Recompute::ExceptLast, Recompute::Always];
 

@@ -62,6 +62,31 @@ fn residual_cnn_is_bit_exact_for_every_schedule_stage_and_micro_batch_count() {
     check_model(&ModelSpec::Resnet);
 }
 
+/// The schedules with chunks and split backward (ZB-V and DualPipe-V on the V placement, device 0
+/// holding the first and the last stage; interleaved zero bubble looped) on 2 and 4 devices, 2
+/// chunks each: bit for bit one device's weights, with and without recomputation.
+#[test]
+fn v_and_interleaved_zero_bubble_schedules_are_bit_exact() {
+    let spec = ModelSpec::Mlp(vec![12, 24, 24, 24, 24, 10]);
+    for n_micro_batches in [4, 8] {
+        let single = train(&spec, 1, ScheduleKind::GPipe, 1, n_micro_batches, Recompute::Never);
+        for n_devices in [2, 4] {
+            for kind in [ScheduleKind::ZbV, ScheduleKind::DualPipeV, ScheduleKind::InterleavedZb] {
+                if kind == ScheduleKind::DualPipeV && n_micro_batches < 2 * n_devices {
+                    continue;
+                }
+                let recompute = if n_micro_batches == 8 { Recompute::ExceptLast } else { Recompute::Never };
+                let piped = train(&spec, n_devices, kind, 2, n_micro_batches, recompute);
+                assert!(
+                    piped == single,
+                    "{kind} on {n_devices} devices, M={n_micro_batches}: weights differ from one device by up to {}",
+                    max_rel_diff(&piped, &single)
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn recomputation_changes_memory_not_results() {
     let spec = ModelSpec::Mlp(vec![12, 64, 64, 64, 10]);

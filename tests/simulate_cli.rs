@@ -47,7 +47,17 @@ fn one_f_one_b_json_has_makespan_bubble_peaks_and_events() -> Result<()> {
 
 #[test]
 fn every_schedule_simulates() -> Result<()> {
-    for (schedule, stages) in [("gpipe", 4), ("1f1b", 4), ("interleaved", 8), ("zb-h1", 4), ("zb-h2", 4)] {
+    let every = [
+        ("gpipe", 4),
+        ("1f1b", 4),
+        ("interleaved", 8),
+        ("zb-h1", 4),
+        ("zb-h2", 4),
+        ("zb-v", 8),
+        ("dualpipe-v", 8),
+        ("interleaved-zb", 8),
+    ];
+    for (schedule, stages) in every {
         let json = simulate_json(&["--schedule", schedule, "--stages", "4", "--microbatches", "8"])?;
         assert_eq!(json["peak_inflight"].as_array().map(Vec::len), Some(stages), "{schedule}");
         assert!(json["bubble_fraction"].as_f64().is_some_and(|b| (0.0..1.0).contains(&b)), "{schedule}");
@@ -158,6 +168,40 @@ fn svg_and_trace_are_written_and_show_draws_the_chart() -> Result<()> {
     assert_eq!(json["makespan"].as_f64(), Some(27.0));
     ensure!(std::fs::read_to_string(&svg)?.contains("ZB-H1, p=4, m=8 — bubble 11.1%"));
     Ok(())
+}
+
+/// The V placement shows in every output: the text's placement line, the JSON's stages per
+/// device, and the SVG's and the trace's row labels (device 0 holds the first and last stage).
+#[test]
+fn v_placement_is_visible_in_text_json_svg_and_trace() -> Result<()> {
+    let dir = scratch_dir("simulate_cli_v")?;
+    let (svg, trace) = (dir.join("zb-v.svg"), dir.join("zb-v.json"));
+    let (svg_arg, trace_arg) = (svg.to_str().context("utf-8 path")?, trace.to_str().context("utf-8 path")?);
+    let args = ["simulate", "--schedule", "zb-v", "--stages", "4", "--microbatches", "8", "--show"];
+    let output = conveyor(&[&args[..], &["--svg", svg_arg, "--trace", trace_arg]].concat())?;
+    ensure!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8(output.stdout)?;
+    ensure!(
+        stdout.contains("placement (V): dev0 stages 0, 7; dev1 stages 1, 6; dev2 stages 2, 5; dev3 stages 3, 4"),
+        "{stdout}"
+    );
+    ensure!(stdout.contains("bubble fraction: 0.0588 (inside each device's busy span: 0.0204)"), "{stdout}");
+    let svg_text = std::fs::read_to_string(&svg)?;
+    ensure!(svg_text.contains("ZB-V, p=4, m=8, v=2"), "{svg_text:.200}");
+    for label in ["device 0 (stages 0, 7)", "device 3 (stages 3, 4)"] {
+        ensure!(svg_text.contains(label), "SVG row {label}");
+        ensure!(std::fs::read_to_string(&trace)?.contains(label), "trace row {label}");
+    }
+    let json = simulate_json(&["--schedule", "dualpipe-v", "--stages", "4", "--microbatches", "8"])?;
+    assert_eq!(json["layout"], "v");
+    assert_eq!(json["stages_of_device"][0], serde_json::json!([0, 7]));
+    let looped = simulate_json(&["--schedule", "interleaved-zb", "--stages", "4", "--microbatches", "8"])?;
+    assert_eq!(looped["stages_of_device"][0], serde_json::json!([0, 4]));
+    assert_usage_error(
+        &["simulate", "--schedule", "zb-v", "--stages", "4", "--microbatches", "8", "--chunks", "3"],
+        "give --chunks 2",
+    )?;
+    assert_usage_error(&["simulate", "--schedule", "dualpipe-v", "--stages", "4", "--microbatches", "6"], "at least 8")
 }
 
 #[test]

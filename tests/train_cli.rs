@@ -89,6 +89,51 @@ fn every_schedule_saves_the_same_weights_from_the_command_line() {
     assert!(saved.windows(2).all(|w| w[0] == w[1]));
 }
 
+/// The V schedules (two chunks by default, device 0 holding the first and the last stage) and
+/// interleaved zero bubble train on 2 and 4 devices bit for bit what one device trains.
+#[test]
+fn v_and_interleaved_zero_bubble_schedules_match_one_device_from_the_command_line() {
+    let dir = temp_dir("v-schedules");
+    let run = |devices: &str, schedule: &str, extra: &[&str]| {
+        let path = dir.join(format!("{schedule}-{devices}.safetensors"));
+        // SMALL without the flags set here.
+        let mut args: Vec<&str> = vec!["train"];
+        for pair in SMALL[1..].chunks(2) {
+            if !["--model", "--microbatches", "--steps", "--devices"].contains(&pair[0]) {
+                args.extend(pair);
+            }
+        }
+        args.extend(["--model", "mlp:8,16,16,16,16,4", "--microbatches", "8", "--steps", "3"]);
+        args.extend(["--devices", devices, "--schedule", schedule, "--save", arg(&path), "--no-shuffle"]);
+        args.extend(extra);
+        let out = conveyor(&args);
+        assert!(out.status.success(), "{schedule} on {devices}: {}", String::from_utf8_lossy(&out.stderr));
+        (read_checkpoint(&path).0, String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let (one, _) = run("cpu:1", "gpipe", &[]);
+    for devices in ["cpu:2", "cpu:4"] {
+        for (schedule, extra) in
+            [("zb-v", &[][..]), ("dualpipe-v", &[][..]), ("interleaved-zb", &["--chunks", "2"][..])]
+        {
+            let (piped, stdout) = run(devices, schedule, extra);
+            assert!(piped == one, "{schedule} on {devices}: weights differ from one device");
+            if schedule != "interleaved-zb" {
+                // The V: the last stage on device 0, beside the first.
+                let last = if devices == "cpu:2" { 3 } else { 7 };
+                assert!(stdout.contains(&format!("stage {last} on cpu:0")), "{schedule} on {devices}: {stdout}");
+            }
+        }
+    }
+    let stderr =
+        assert_usage_error(&["train", "--schedule", "zb-v", "--chunks", "3"], "--chunks 3 with --schedule zb-v");
+    assert!(stderr.contains("give --chunks 2"), "{stderr}");
+    let stderr = assert_usage_error(
+        &["train", "--schedule", "dualpipe-v", "--devices", "cpu:4", "--microbatches", "4"],
+        "--microbatches 4 with --schedule dualpipe-v",
+    );
+    assert!(stderr.contains("at least 8"), "{stderr}");
+}
+
 #[test]
 fn bad_input_exits_2_with_a_clear_message() {
     let dir = temp_dir("bad-input");

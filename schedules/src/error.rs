@@ -44,8 +44,37 @@ pub enum ScheduleError {
         /// The nearest valid micro-batch count at or above the one given.
         suggested: usize,
     },
+    /// A V-shaped schedule was asked for a chunk count other than the two chunks of its V.
+    #[error(
+        "{kind} places exactly {required} chunks per device (in a V: device 0 holds the first and the last \
+         stage), but n_chunks = {n_chunks} was given; give n_chunks = {required}"
+    )]
+    ChunksRequired {
+        /// The schedule asked for.
+        kind: ScheduleKind,
+        /// The chunks it needs.
+        required: usize,
+        /// The number of chunks given.
+        n_chunks: usize,
+    },
+    /// DualPipe-V runs its steady step only with at least two micro-batches per device.
+    #[error(
+        "{kind} needs at least {minimum} micro-batches on {n_devices} devices (2 per device, DualPipe's rule: \
+         the V fills with 2p forwards before the first backward returns), got {n_micro_batches}; use {minimum} \
+         or more micro-batches, or zb-v"
+    )]
+    TooFewMicroBatches {
+        /// The schedule asked for.
+        kind: ScheduleKind,
+        /// Micro-batches given.
+        n_micro_batches: usize,
+        /// Devices given.
+        n_devices: usize,
+        /// The fewest micro-batches the schedule runs with.
+        minimum: usize,
+    },
     /// A schedule name that is not one of the known ones.
-    #[error("unknown schedule {name:?}; expected one of gpipe, 1f1b, interleaved, zb-h1, zb-h2")]
+    #[error("unknown schedule {name:?}; expected one of {}", ScheduleKind::names())]
     UnknownScheduleKind {
         /// The name given.
         name: String,

@@ -30,14 +30,17 @@
 //! ```
 #![deny(missing_docs)]
 
+mod chunked_zero_bubble;
 mod cores;
 mod cost;
+mod dualpipe_v;
 mod error;
 pub mod export;
 mod gpipe;
 pub mod instruction;
 mod interleaved;
 mod kind;
+mod layout;
 mod one_f_one_b;
 mod render;
 mod schedule;
@@ -52,6 +55,7 @@ pub use cost::{CostModel, Link, MessageBytes, OpKey, StageCosts};
 pub use error::{BlockedDevice, ScheduleError, Wait};
 pub use instruction::{ChannelId, Direction, Instruction, Message};
 pub use kind::ScheduleKind;
+pub use layout::StageLayout;
 pub use render::{render_timeline, render_timeline_with_cell};
 pub use schedule::Schedule;
 pub use shared_cores::{simulate_on_cores, simulate_with_core_slots};

@@ -36,10 +36,14 @@ proptest! {
         forward_s in 0.5f64..2.0,
         backward_s in 0.5f64..2.0,
     ) {
-        // Make the shape defined: one chunk unless interleaved, whole groups of micro-batches.
-        let n_chunks = if kind.supports_chunks() { n_chunks } else { 1 };
-        let n_micro_batches =
-            if n_chunks > 1 { n_micro_batches.next_multiple_of(n_devices) } else { n_micro_batches };
+        // Make the shape defined: one chunk unless the kind takes several, two for the V kinds,
+        // whole groups of micro-batches for interleaved, two per device for DualPipe-V.
+        let n_chunks = kind.required_chunks().unwrap_or(if kind.supports_chunks() { n_chunks } else { 1 });
+        let n_micro_batches = match kind {
+            ScheduleKind::Interleaved if n_chunks > 1 => n_micro_batches.next_multiple_of(n_devices),
+            ScheduleKind::DualPipeV => n_micro_batches.max(2 * n_devices),
+            _ => n_micro_batches,
+        };
         let schedule = Schedule::new(kind, n_devices, n_micro_batches, n_chunks).unwrap();
         validate(&schedule, 1).map_err(|err| TestCaseError::fail(format!("capacity 1: {err}")))?;
         validate(&schedule, capacity).map_err(|err| TestCaseError::fail(format!("capacity {capacity}: {err}")))?;
@@ -69,16 +73,23 @@ proptest! {
         let result = Schedule::new(kind, n_devices, n_micro_batches, n_chunks);
         let zero = n_devices == 0 || n_micro_batches == 0 || n_chunks == 0;
         let chunks_unsupported = n_chunks > 1 && !kind.supports_chunks();
-        let ragged = n_chunks > 1 && n_devices > 0 && n_micro_batches % n_devices != 0;
+        let chunks_wrong = kind.required_chunks().is_some_and(|required| n_chunks != required);
+        let too_few = kind == ScheduleKind::DualPipeV && n_micro_batches < 2 * n_devices;
+        let ragged = kind == ScheduleKind::Interleaved
+            && n_chunks > 1
+            && n_devices > 0
+            && n_micro_batches % n_devices != 0;
         match result {
             Err(ScheduleError::ZeroParameter { .. }) => prop_assert!(zero),
             Err(ScheduleError::ChunksUnsupported { .. }) => prop_assert!(!zero && chunks_unsupported),
+            Err(ScheduleError::ChunksRequired { .. }) => prop_assert!(!zero && chunks_wrong),
+            Err(ScheduleError::TooFewMicroBatches { .. }) => prop_assert!(!zero && !chunks_wrong && too_few),
             Err(ScheduleError::MicroBatchesNotMultipleOfDevices { .. }) => {
                 prop_assert!(!zero && !chunks_unsupported && ragged)
             }
             Err(err) => prop_assert!(false, "unexpected error {err}"),
             Ok(schedule) => {
-                prop_assert!(!zero && !chunks_unsupported && !ragged);
+                prop_assert!(!zero && !chunks_unsupported && !chunks_wrong && !too_few && !ragged);
                 prop_assert!(validate(&schedule, 1).is_ok());
             }
         }

@@ -94,3 +94,48 @@ fn zb_h2_p3_m6() {
     "#]],
     );
 }
+
+#[test]
+fn zb_v_p2_m4() {
+    check(
+        ScheduleKind::ZbV,
+        2,
+        4,
+        2,
+        expect![[r#"
+        dev0 |F0:0 F1:0 F2:0 F0:1 I0:1 W0:1 F1:1 I1:1 I0:0 W1:1 F3:0 I1:0 W0:0 F2:1 I2:1 W1:0 W2:1 I2:0 W2:0 F3:1 I3:1 W3:1 .    I3:0 W3:0 |
+        dev1 |.    F0:0 F0:1 F1:0 F1:1 I0:1 I0:0 W0:1 F2:0 I1:1 I1:0 W0:0 F2:1 W1:1 F3:0 I2:1 I2:0 W1:0 F3:1 W2:1 W2:0 I3:1 I3:0 W3:1 W3:0 |
+        makespan 25 bubble 0.0400 peak in-flight [4, 3, 2, 1]
+    "#]],
+    );
+}
+
+#[test]
+fn dualpipe_v_p2_m4() {
+    check(
+        ScheduleKind::DualPipeV,
+        2,
+        4,
+        2,
+        expect![[r#"
+        dev0 |F0:0 F1:0 F2:0 F0:1 I0:1 W0:1 F1:1 F3:0 B1:1 -    F2:1 B0:0 -    B2:1 -    F3:1 .    B1:0 -    B3:1 -    I2:0 W2:0 I3:0 W3:0 |
+        dev1 |.    F0:0 F0:1 F1:0 F1:1 F2:0 B0:1 -    F2:1 B0:0 -    F3:0 B1:1 -    F3:1 B1:0 -    B2:1 -    B2:0 -    I3:1 I3:0 W3:1 W3:0 |
+        makespan 25 bubble 0.0400 peak in-flight [4, 3, 2, 1]
+    "#]],
+    );
+}
+
+#[test]
+fn interleaved_zb_p2_v2_m4() {
+    check(
+        ScheduleKind::InterleavedZb,
+        2,
+        4,
+        2,
+        expect![[r#"
+        dev0 |F0:0 F1:0 F0:1 F1:1 .    I0:1 W0:1 F2:0 I1:1 I0:0 W1:1 F2:1 I1:0 W0:0 F3:0 I2:1 W1:0 F3:1 I2:0 W2:1 I3:1 W2:0 I3:0 W3:1 W3:0 |
+        dev1 |.    F0:0 F1:0 F0:1 I0:1 F1:1 I1:1 I0:0 W0:1 F2:0 I1:0 W1:1 F2:1 I2:1 W0:0 F3:0 I2:0 W1:0 F3:1 I3:1 W2:1 I3:0 W2:0 W3:1 W3:0 |
+        makespan 25 bubble 0.0400 peak in-flight [3, 3, 2, 2]
+    "#]],
+    );
+}

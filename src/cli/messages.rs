@@ -20,9 +20,18 @@ pub fn schedule_message(error: &ScheduleError) -> String {
         }
         ScheduleError::ChunksUnsupported { kind, n_chunks } => {
             format!(
-                "--chunks {n_chunks} needs --schedule interleaved; {kind} places one stage per device, give --chunks 1"
+                "--chunks {n_chunks} needs --schedule interleaved or interleaved-zb; {kind} places one stage per device, \
+                 give --chunks 1"
             )
         }
+        ScheduleError::ChunksRequired { kind, required, n_chunks } => format!(
+            "--chunks {n_chunks} with --schedule {kind}: {kind} places exactly {required} chunks per device in a V \
+             (device 0 holds the first and the last stage); give --chunks {required} or leave it out"
+        ),
+        ScheduleError::TooFewMicroBatches { kind, n_micro_batches, n_devices, minimum } => format!(
+            "--microbatches {n_micro_batches} with --schedule {kind} on {n_devices} pipeline devices: it needs at least \
+             {minimum} (2 per device, DualPipe's rule); give --microbatches {minimum} or more, or --schedule zb-v"
+        ),
         ScheduleError::MicroBatchesNotMultipleOfDevices { n_micro_batches, n_devices, n_chunks, suggested } => format!(
             "--microbatches {n_micro_batches} with --schedule interleaved --chunks {n_chunks} on {n_devices} pipeline devices: \
              micro-batches enter in groups of {n_devices} (Megatron's rule), so they must be a multiple of {n_devices}; \

@@ -10,6 +10,7 @@ pub mod interrupt;
 pub mod messages;
 pub mod placement_file;
 pub mod plan;
+pub mod plan_auto;
 pub mod plan_flags;
 pub mod ranks;
 pub mod simulate;

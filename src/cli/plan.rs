@@ -6,11 +6,11 @@ use std::path::Path;
 
 use anyhow::Context;
 use conveyor::engine::graph::Graph;
-use conveyor::engine::placement::{Plan, ReplicaPlan, format_bytes, replica_plan};
+use conveyor::engine::placement::{Plan, ReplicaPlan, format_bytes, predicted_costs, replica_plan};
 use conveyor::engine::runtime::Recompute;
 use conveyor::limits::{MAX_BATCH_ROWS, MAX_STAGES};
 use conveyor::pipeline::{PipelineConfig, memory_notes, plan, plan_manually};
-use conveyor::schedules::{CostModel, OpKind, Schedule, ScheduleKind, SimulationReport, StageCosts, simulate};
+use conveyor::schedules::{OpKind, Schedule, ScheduleKind, SimulationReport, simulate};
 use conveyor::zoo::ModelSpec;
 
 use super::messages::{engine_input_error, schedule_message};
@@ -38,6 +38,9 @@ pub struct PlanArgs {
     pub data_parallel: usize,
     pub zero: u8,
     pub json: bool,
+    /// `--schedule auto`: `schedule`, `chunks`, `microbatches` and `recompute` are chosen.
+    pub auto_schedule: bool,
+    pub explain: bool,
 }
 
 /// Runs `conveyor plan`.
@@ -47,8 +50,17 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     if args.chunks == 0 {
         return Err(usage("--chunks 0: each device needs at least 1 chunk; give --chunks 1 or more"));
     }
+    if let Some(required) = args.schedule.required_chunks()
+        && args.chunks != required
+    {
+        return Err(usage(format!(
+            "--chunks {} with --schedule {}: it places exactly {required} chunks per device in a V; give --chunks \
+             {required} or leave it out",
+            args.chunks, args.schedule
+        )));
+    }
     if args.chunks > 1 && !args.schedule.supports_chunks() {
-        return Err(usage(format!("--chunks {} needs --schedule interleaved", args.chunks)));
+        return Err(usage(format!("--chunks {} needs --schedule interleaved or interleaved-zb", args.chunks)));
     }
     if args.microbatches == 0 || args.batch == 0 {
         return Err(usage(format!(
@@ -119,6 +131,9 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         seed: 0,
         core_slots: Default::default(),
     };
+    if args.auto_schedule {
+        return super::plan_auto::run(args, &graph, &devices, &config, budget);
+    }
     let plan = if args.placement == "auto" {
         plan(&graph, &devices, &config).map_err(|e| explain_memory(e, &args, budget))?
     } else {
@@ -150,7 +165,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
 
 /// An engine error's reason alone when it is an invalid argument (the message names the flag
 /// itself), else the whole message.
-fn engine_reason(e: conveyor::engine::Error) -> String {
+pub(super) fn engine_reason(e: conveyor::engine::Error) -> String {
     match e {
         conveyor::engine::Error::InvalidArgument { reason, .. } => reason,
         other => other.to_string(),
@@ -159,7 +174,7 @@ fn engine_reason(e: conveyor::engine::Error) -> String {
 
 /// Puts the flags that set the budget in front of a [`conveyor::engine::Error::DoesNotFit`], so the
 /// message says it is about memory and which flag to change; other errors pass unchanged.
-fn explain_memory(err: conveyor::engine::Error, args: &PlanArgs, budget: Option<u64>) -> anyhow::Error {
+pub(super) fn explain_memory(err: conveyor::engine::Error, args: &PlanArgs, budget: Option<u64>) -> anyhow::Error {
     let is_memory = matches!(err, conveyor::engine::Error::DoesNotFit { .. });
     if !is_memory {
         return engine_input_error(err);
@@ -171,11 +186,12 @@ fn explain_memory(err: conveyor::engine::Error, args: &PlanArgs, budget: Option<
     ))
 }
 
-/// Runs the schedule simulator with each stage's predicted F, B and W. The planner already folds
+/// Runs the schedule simulator with each stage's predicted F, B and W (and the recomputation's
+/// extra forward on each recomputed micro-batch's input-gradient op). The planner already folds
 /// each stage's incoming transfers into its F and B, so the simulator's link stays free: adding
 /// the link model again would count every transfer twice.
 /// With replicas, each device all-reduces its stages' gradients before the commit.
-fn simulate_plan(
+pub(super) fn simulate_plan(
     plan: &Plan,
     args: &PlanArgs,
     n_devices: usize,
@@ -183,9 +199,8 @@ fn simulate_plan(
 ) -> anyhow::Result<SimulationReport> {
     let schedule = Schedule::new(args.schedule, n_devices, args.microbatches, args.chunks)
         .map_err(|e| usage(schedule_message(&e)))?;
-    let mut costs = CostModel::per_stage(
-        plan.stages.iter().map(|s| StageCosts::new(s.forward_s, s.backward_input_s, s.backward_weight_s)).collect(),
-    );
+    // Each recomputed micro-batch's input-gradient op costs one more forward of its stage.
+    let mut costs = predicted_costs(plan, &schedule, args.recompute);
     if let Some(replicas) = replicas {
         costs =
             costs.with_device_all_reduce_s(replicas.device_all_reduce_s(n_devices, |s| schedule.device_of_stage(s)));
@@ -193,7 +208,7 @@ fn simulate_plan(
     simulate(&schedule, &costs).context("simulating the schedule with the plan's predicted stage costs")
 }
 
-fn plan_json(
+pub(super) fn plan_json(
     plan: &Plan,
     report: &SimulationReport,
     args: &PlanArgs,
@@ -255,7 +270,7 @@ fn plan_json(
     })
 }
 
-fn recompute_name(recompute: Recompute) -> &'static str {
+pub(super) fn recompute_name(recompute: Recompute) -> &'static str {
     match recompute {
         Recompute::Never => "never",
         Recompute::ExceptLast => "except-last",
@@ -263,7 +278,13 @@ fn recompute_name(recompute: Recompute) -> &'static str {
     }
 }
 
-fn print_table(plan: &Plan, report: &SimulationReport, args: &PlanArgs, micro_batch_rows: usize, n_devices: usize) {
+pub(super) fn print_table(
+    plan: &Plan,
+    report: &SimulationReport,
+    args: &PlanArgs,
+    micro_batch_rows: usize,
+    n_devices: usize,
+) {
     let placement = if args.placement == "auto" { "automatic placement".to_string() } else { args.placement.clone() };
     outln!(
         "conveyor plan: {} on {} ({} stages), {}{}, {} micro-batches of {micro_batch_rows} rows, {}, recompute {}; {placement}",
@@ -493,7 +514,7 @@ fn format_count(n: u64) -> String {
 }
 
 /// Seconds with a unit that keeps three or four significant digits: `12.3 µs`, `1.234 ms`, `2.50 s`.
-fn format_seconds(s: f64) -> String {
+pub(super) fn format_seconds(s: f64) -> String {
     if s < 1e-3 {
         format!("{:.1} µs", s * 1e6)
     } else if s < 1.0 {

@@ -33,17 +33,20 @@ pub struct PlanFlags {
     /// [default: adam].
     #[arg(long)]
     pub optimizer: Option<String>,
-    /// Schedule: gpipe, 1f1b, interleaved, zb-h1 or zb-h2 (sets the activations held per stage)
-    /// [default: 1f1b].
-    #[arg(long, value_name = "NAME")]
-    pub schedule: Option<ScheduleKind>,
+    /// Schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, dualpipe-v or interleaved-zb (sets
+    /// the activations held per stage), or `auto`: the schedule, micro-batch count, recompute mode
+    /// and stage split with the shortest predicted step that fits, from measured layer times and
+    /// the simulator [default: 1f1b].
+    #[arg(long, value_name = "NAME|auto")]
+    pub schedule: Option<String>,
     /// Micro-batches per batch [default: 8].
     #[arg(long, value_name = "M")]
     pub microbatches: Option<usize>,
     /// Rows per batch; a micro-batch has ceil(B / M) rows [default: 64, or the spec's batch].
     #[arg(long, value_name = "B")]
     pub batch: Option<usize>,
-    /// Model chunks per device (interleaved schedule only): devices x chunks stages [default: 1].
+    /// Model chunks per device (interleaved and interleaved-zb; zb-v and dualpipe-v need 2): devices
+    /// x chunks stages [default: 1, 2 for zb-v and dualpipe-v].
     #[arg(long, value_name = "V")]
     pub chunks: Option<usize>,
     /// Activation recomputation: never, except-last or always (sets what a stage keeps between
@@ -67,6 +70,10 @@ pub struct PlanFlags {
     /// Print one JSON object (stages, predicted_step_s, predicted_bubble_fraction, ...) instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// With --schedule auto: print every candidate weighed (predicted step time against peak
+    /// memory, the Pareto front marked) and why the chosen one won.
+    #[arg(long)]
+    pub explain: bool,
 }
 
 impl PlanFlags {
@@ -106,6 +113,20 @@ impl PlanFlags {
             (None, None) => "auto".to_string(),
         };
         let pipeline = spec.as_ref().map(|spec| &spec.pipeline);
+        let auto_schedule = self.schedule.as_deref().is_some_and(|s| s.eq_ignore_ascii_case("auto"));
+        if self.explain && !auto_schedule {
+            return Err(usage("--explain shows the candidates of --schedule auto; give --schedule auto"));
+        }
+        let schedule = match self.schedule.as_deref().filter(|_| !auto_schedule) {
+            Some(text) => text.parse::<ScheduleKind>().map_err(|e| usage(format!("--schedule: {e}, or auto")))?,
+            None => pipeline.map(|p| p.schedule).unwrap_or(ScheduleKind::OneFOneB),
+        };
+        // The V schedules run exactly two chunks: the default when --chunks is not given.
+        let chunks = match (self.chunks, schedule.required_chunks()) {
+            (Some(chunks), _) => chunks,
+            (None, Some(required)) => required,
+            (None, None) => pipeline.map(|p| p.chunks).unwrap_or(1),
+        };
         Ok(PlanArgs {
             model,
             devices,
@@ -116,15 +137,17 @@ impl PlanFlags {
                 .optimizer
                 .or_else(|| spec.as_ref().map(|s| s.optimizer.name.to_string()))
                 .unwrap_or_else(|| "adam".to_string()),
-            schedule: self.schedule.or(pipeline.map(|p| p.schedule)).unwrap_or(ScheduleKind::OneFOneB),
+            schedule,
             microbatches: self.microbatches.or(pipeline.map(|p| p.microbatches)).unwrap_or(8),
             batch: self.batch.or(spec.as_ref().map(|s| s.training.batch)).unwrap_or(64),
-            chunks: self.chunks.or(pipeline.map(|p| p.chunks)).unwrap_or(1),
+            chunks,
             recompute: self.recompute.or(pipeline.map(|p| p.recompute)).unwrap_or(Recompute::Never),
             placement,
             data_parallel: self.data_parallel.or(pipeline.map(|p| p.data_parallel)).unwrap_or(1),
             zero: self.zero.or(pipeline.map(|p| p.zero)).unwrap_or(0),
             json: self.json,
+            auto_schedule,
+            explain: self.explain,
         })
     }
 }

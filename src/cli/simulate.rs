@@ -9,7 +9,7 @@ use clap::Args;
 use conveyor::limits::{MAX_SIMULATED_MICRO_BATCHES, MAX_SIMULATED_PAIRS, MAX_STAGES, MAX_TERMINAL_COLUMNS};
 use conveyor_schedules::export::{SvgOptions, TraceOptions, chrome_trace, svg_gantt, terminal_chart};
 use conveyor_schedules::{
-    CostModel, Link, MessageBytes, Schedule, ScheduleKind, StageCosts, render_timeline, simulate, validate,
+    CostModel, Link, MessageBytes, Schedule, ScheduleKind, StageCosts, StageLayout, render_timeline, simulate, validate,
 };
 
 /// Channel capacity the schedule is validated with before it is simulated: the tightest
@@ -19,7 +19,7 @@ const VALIDATION_CHANNEL_CAPACITY: usize = 1;
 /// Arguments of `conveyor simulate`.
 #[derive(Args, Debug)]
 pub struct SimulateArgs {
-    /// Schedule to simulate: gpipe, 1f1b, interleaved, zb-h1 or zb-h2.
+    /// Schedule to simulate: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, dualpipe-v or interleaved-zb.
     #[arg(long, value_name = "NAME")]
     pub schedule: ScheduleKind,
     /// Pipeline depth P: the number of devices (with interleaved, each device holds V chunks). At
@@ -77,12 +77,13 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     let n_chunks = match (args.chunks, args.schedule.supports_chunks()) {
         (Some(_), false) => {
             return Err(super::usage(format!(
-                "--chunks applies only to --schedule interleaved; {} places one stage per device, drop --chunks",
+                "--chunks applies only to --schedule interleaved, interleaved-zb, zb-v or dualpipe-v; {} places one \
+                 stage per device, drop --chunks",
                 args.schedule
             )));
         }
         (Some(n_chunks), true) => n_chunks,
-        (None, true) => 2,
+        (None, true) => args.schedule.default_chunks(),
         (None, false) => 1,
     };
     let stage_costs = parse_costs(&args.costs)?;
@@ -134,11 +135,16 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         )));
     }
     if let Some(path) = &args.svg {
-        let options = SvgOptions { title: chart_title(&schedule), ..SvgOptions::default() };
+        let options = SvgOptions {
+            title: chart_title(&schedule),
+            device_labels: schedule.device_stage_labels(),
+            ..SvgOptions::default()
+        };
         super::write_atomically(path, "--svg", &svg_gantt(&report.timeline, &options))?;
     }
     if let Some(path) = &args.trace {
-        super::write_atomically(path, "--trace", &chrome_trace(&report.timeline, &TraceOptions::default()))?;
+        let options = TraceOptions { device_labels: schedule.device_stage_labels(), ..TraceOptions::default() };
+        super::write_atomically(path, "--trace", &chrome_trace(&report.timeline, &options))?;
     }
     if args.json {
         let output = serde_json::json!({
@@ -148,6 +154,10 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             "chunks": schedule.n_chunks(),
             "data_parallel": args.data_parallel,
             "all_reduce_s_per_stage": stage_all_reduce_s,
+            "layout": schedule.layout(),
+            "stages_of_device": (0..schedule.n_devices())
+                .map(|d| schedule.stages_of_device(d).collect::<Vec<_>>())
+                .collect::<Vec<_>>(),
             "makespan": report.makespan_s,
             "bubble_fraction": report.bubble_fraction,
             "interior_bubble_fraction": report.interior_bubble_fraction,
@@ -182,6 +192,19 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             args.gradient_bytes,
             stage_all_reduce_s
         );
+    }
+    if schedule.n_chunks() > 1 {
+        let rows: Vec<String> = schedule
+            .device_stage_labels()
+            .iter()
+            .enumerate()
+            .map(|(device_idx, label)| format!("dev{device_idx} {label}"))
+            .collect();
+        let layout = match schedule.layout() {
+            StageLayout::Loop => "looped",
+            StageLayout::V => "V",
+        };
+        outln!("placement ({layout}): {}", rows.join("; "));
     }
     crate::cli::console::out(&render_timeline(&report.timeline));
     outln!("makespan: {} s", report.makespan_s);
@@ -240,6 +263,9 @@ fn chart_title(schedule: &Schedule) -> String {
         ScheduleKind::Interleaved => "Interleaved 1F1B",
         ScheduleKind::ZbH1 => "ZB-H1",
         ScheduleKind::ZbH2 => "ZB-H2",
+        ScheduleKind::ZbV => "ZB-V",
+        ScheduleKind::DualPipeV => "DualPipe-V",
+        ScheduleKind::InterleavedZb => "Interleaved zero bubble",
     };
     let mut title = format!("{name}, p={}, m={}", schedule.n_devices(), schedule.n_micro_batches());
     if schedule.n_chunks() > 1 {

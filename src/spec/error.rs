@@ -86,12 +86,27 @@ pub enum SpecError {
     #[error("--chunks 0: each device needs at least 1 chunk; give --chunks 1 or more (pipeline.chunks)")]
     ZeroChunks,
     /// More than one chunk with a schedule of one stage per device.
-    #[error("--chunks {chunks} needs --schedule interleaved, not {schedule} (pipeline.chunks, pipeline.schedule)")]
+    #[error(
+        "--chunks {chunks} needs --schedule interleaved or interleaved-zb, not {schedule} (pipeline.chunks, pipeline.schedule)"
+    )]
     ChunksNeedInterleaved {
         /// The chunks given.
         chunks: usize,
         /// The schedule given.
         schedule: ScheduleKind,
+    },
+    /// A V-shaped schedule with a chunk count other than its two.
+    #[error(
+        "--chunks {chunks} with --schedule {schedule}: {schedule} places exactly {required} chunks per device in a V \
+         (device 0 holds the first and the last stage); give --chunks {required} or leave it out (pipeline.chunks)"
+    )]
+    ChunksForV {
+        /// The chunks given.
+        chunks: usize,
+        /// The schedule given.
+        schedule: ScheduleKind,
+        /// The chunks it needs.
+        required: usize,
     },
     /// A checkpoint without a run spec (written by a library user who set none, or before
     /// checkpoints carried one).

@@ -180,10 +180,13 @@ pub struct PipelineSection {
     /// `placement` (`--placement`). Default auto.
     #[serde(with = "toml::placement")]
     pub placement: PlacementSpec,
-    /// `schedule` (`--schedule`): gpipe, 1f1b, interleaved, zb-h1 or zb-h2. Default 1f1b.
+    /// `schedule` (`--schedule`): gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, dualpipe-v or
+    /// interleaved-zb. Default 1f1b.
     #[serde(with = "toml::text")]
     pub schedule: ScheduleKind,
-    /// `chunks` (`--chunks`): model chunks per device (interleaved only). Default 1.
+    /// `chunks` (`--chunks`): model chunks per device (interleaved and interleaved-zb; zb-v and
+    /// dualpipe-v need 2, which `conveyor train` and `plan` set when `--chunks` is not given).
+    /// Default 1.
     #[serde(with = "toml::wide")]
     pub chunks: usize,
     /// `microbatches` (`--microbatches`): micro-batches per batch. Default 8.

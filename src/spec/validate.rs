@@ -48,6 +48,11 @@ impl RunSpec {
         if pipeline.chunks == 0 {
             return Err(SpecError::ZeroChunks);
         }
+        if let Some(required) = pipeline.schedule.required_chunks()
+            && pipeline.chunks != required
+        {
+            return Err(SpecError::ChunksForV { chunks: pipeline.chunks, schedule: pipeline.schedule, required });
+        }
         if pipeline.chunks > 1 && !pipeline.schedule.supports_chunks() {
             return Err(SpecError::ChunksNeedInterleaved { chunks: pipeline.chunks, schedule: pipeline.schedule });
         }

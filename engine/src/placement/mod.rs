@@ -18,6 +18,7 @@
 //! predicted memory and FLOPs or by measured times); `pipeline_plan.rs` turns it, the devices and
 //! the run's settings ([`PipelineConfig`]) into a [`Plan`], and `file.rs` reads placement files.
 mod auto;
+mod auto_schedule;
 mod cost;
 mod data_parallel;
 mod file;
@@ -28,6 +29,7 @@ pub mod pipeline_plan;
 mod profile;
 
 pub use auto::{place_automatically, place_with_costs};
+pub use auto_schedule::{PlannedCandidate, ScheduleCandidate, ScheduleChoice, choose_schedule, predicted_costs};
 pub use cost::{DeviceSpec, Link, NodeCosts, OptimizerMemory, PlanConfig, StageMemory, format_bytes};
 pub use data_parallel::{ReplicaPlan, ReplicaStage, replica_plan, zero_owners};
 pub use file::{MAX_PLACEMENT_FILE_BYTES, MAX_STAGES, PlacementFileProblem, parse_placement, read_placement_file};
@@ -139,15 +141,19 @@ impl Plan {
 
     /// The planned peak of each pipeline device (a device group with tensor parallelism), per
     /// device of the group: the persistent bytes of its stages plus the busiest moment of their
-    /// timelines added moment by moment (stage `s` runs on device `s % n_devices`). This is what
-    /// the runtime's `StepReport::peak_memory` is bounded by.
+    /// timelines added moment by moment (stage `s` on the schedule's device of it, from the plan's
+    /// schedule, else `s % n_devices`). This is what the runtime's `StepReport::peak_memory` is
+    /// bounded by.
     pub fn device_peaks(&self, n_devices: usize) -> Vec<Vec<u64>> {
         let n_devices = n_devices.max(1);
+        let schedule = self.config.schedule.as_ref().filter(|s| {
+            s.n_stages() == self.stages.len() && (0..s.n_stages()).all(|t| s.device_of_stage(t) < n_devices)
+        });
+        let device_of = |stage_idx: usize| schedule.map_or(stage_idx % n_devices, |s| s.device_of_stage(stage_idx));
         let n_ranks = self.stages.iter().map(|s| 1 + s.member_memory.len()).max().unwrap_or(1);
         (0..n_devices)
             .map(|device| {
-                let stages: Vec<&StagePlan> =
-                    self.stages.iter().filter(|s| s.stage_idx % n_devices == device).collect();
+                let stages: Vec<&StagePlan> = self.stages.iter().filter(|s| device_of(s.stage_idx) == device).collect();
                 (0..n_ranks)
                     .map(|rank| {
                         let persistent: u64 = stages

@@ -118,7 +118,7 @@ pub fn optimizer_memory(optimizer: &OptimizerConfig) -> OptimizerMemory {
 }
 
 /// The planner's devices and settings for `devices` under a schedule: one spec per stage
-/// (stage `s` on device `s % n_devices`, a device's budget shared by its chunks), where every
+/// (stage `s` on the schedule's device of it, a device's budget shared by its chunks), where every
 /// micro-batch is at each instruction of the schedule (for the memory plan), in-flight counts
 /// from the schedule simulator, the default in-process link, no recomputation (set
 /// `PlanConfig::recompute` for another mode).
@@ -134,6 +134,7 @@ pub fn planner_inputs(
     let n_stages = n_devices * n_chunks;
     let inflight = simulated_inflight(schedule, n_devices, n_micro_batches, n_chunks)?;
     let micro_batch_rows = batch_rows.div_ceil(n_micro_batches.max(1)).max(1);
+    let built = Schedule::new(schedule, n_devices, n_micro_batches, n_chunks)?;
     let plan_config = PlanConfig::new(
         micro_batch_rows,
         n_stages,
@@ -141,10 +142,10 @@ pub fn planner_inputs(
         optimizer,
         Link::default(),
     )
-    .with_schedule(&Schedule::new(schedule, n_devices, n_micro_batches, n_chunks)?);
+    .with_schedule(&built);
     let specs = (0..n_stages)
         .map(|s| {
-            let device = &devices[s % n_devices];
+            let device = &devices[built.device_of_stage(s)];
             let budget = device.memory_budget().map(|b| b / n_chunks as u64);
             DeviceSpec { name: device.to_string(), flops_per_s: CPU_FLOPS_PER_S, budget_bytes: budget }
         })

@@ -80,12 +80,13 @@ impl TrainerBuilder {
         self
     }
 
-    /// Devices, device 0 first. Stage `s` runs on device `s % n_devices` (with chunks, Megatron's
-    /// virtual-pipeline mapping; without, stage s on device s).
+    /// Devices, device 0 first. Stage `s` runs on the schedule's device of it
+    /// (`Schedule::device_of_stage`): `s % n_devices` for the looped kinds (with chunks, Megatron's
+    /// virtual-pipeline mapping; without, stage s on device s), in a V for ZB-V and DualPipe-V.
     ///
     /// With a tensor-parallel degree `k` ([`TrainerBuilder::tensor_parallel`]) the pipeline's
     /// devices are groups of `k` consecutive devices: group `g` is `devices[g*k..(g+1)*k]`, stage
-    /// `s` runs on group `s % n_groups`, and the group's first device is the stage's device (its
+    /// `s` runs on the schedule's group of it, and the group's first device is the stage's device (its
     /// worker thread, its inputs and outputs, its unsplit layers).
     pub fn devices(mut self, devices: Vec<Device>) -> Self {
         self.devices = devices;

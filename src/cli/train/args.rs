@@ -87,12 +87,14 @@ pub struct TrainArgs {
     /// [default: auto]
     #[arg(long, value_name = "auto|time|FILE")]
     pub placement: Option<String>,
-    /// Schedule: gpipe, 1f1b, interleaved, zb-h1 or zb-h2.
+    /// Schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, dualpipe-v or interleaved-zb, or
+    /// `auto` (schedule, chunks, micro-batches and recompute mode chosen as `plan --schedule auto`
+    /// chooses them).
     /// [default: 1f1b]
     #[arg(long)]
     pub schedule: Option<String>,
-    /// Model chunks per device (interleaved schedule only).
-    /// [default: 1]
+    /// Model chunks per device (interleaved and interleaved-zb; zb-v and dualpipe-v need 2).
+    /// [default: 1, 2 for zb-v and dualpipe-v]
     #[arg(long)]
     pub chunks: Option<usize>,
     /// Micro-batches per batch.
@@ -217,6 +219,12 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// `--schedule auto`: the schedule, chunks, micro-batches and recompute mode are chosen
+    /// (`plan_auto::resolve_for_train`) once the spec is assembled.
+    pub fn auto_schedule(&self) -> bool {
+        self.schedule.as_deref().is_some_and(|s| s.eq_ignore_ascii_case("auto"))
+    }
+
     /// The run spec this command line means: the base spec (`--config`, else the spec a
     /// `--resume` checkpoint stores when no --model is given, else the default) with every flag
     /// given written over its field. Not yet validated.
@@ -263,10 +271,16 @@ impl TrainArgs {
         if let Some(text) = &self.placement {
             pipeline.placement = PlacementSpec::from_text(text);
         }
-        if let Some(text) = &self.schedule {
-            pipeline.schedule = text.parse().map_err(|e| usage(format!("--schedule: {e}")))?;
+        if let Some(text) = self.schedule.as_ref().filter(|_| !self.auto_schedule()) {
+            pipeline.schedule = text.parse().map_err(|e| usage(format!("--schedule: {e}, or auto")))?;
         }
         set(&mut pipeline.chunks, &self.chunks);
+        // The V schedules run exactly two chunks: the default when --chunks is not given.
+        if let (None, Some(required)) = (self.chunks, pipeline.schedule.required_chunks())
+            && pipeline.chunks == 1
+        {
+            pipeline.chunks = required;
+        }
         set(&mut pipeline.microbatches, &self.microbatches);
         if let Some(text) = &self.recompute {
             pipeline.recompute = text.parse().map_err(|e| usage(format!("--recompute {}", reason(e))))?;

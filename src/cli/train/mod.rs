@@ -120,8 +120,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         list_devices();
         return Ok(());
     }
-    let spec = args.to_spec()?;
+    let mut spec = args.to_spec()?;
     spec.validate().map_err(spec_error)?;
+    if args.auto_schedule() {
+        spec = super::plan_auto::resolve_for_train(spec)?;
+    }
     if args.print_config {
         console::out(&spec.to_toml_string().map_err(spec_error)?);
         return Ok(());

@@ -134,6 +134,11 @@ impl ScheduleMemory {
         ScheduleMemory { n_micro_batches, device_of_stage: (0..n_stages).collect(), moments }
     }
 
+    /// The device of `stage_idx` under the schedule these moments come from.
+    pub fn device_of_stage(&self, stage_idx: usize) -> usize {
+        self.device_of_stage[stage_idx]
+    }
+
     /// Stages.
     pub fn n_stages(&self) -> usize {
         self.moments.len()
