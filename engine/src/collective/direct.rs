@@ -1,5 +1,6 @@
-//! The in-process all-reduce without messages: the ranks are threads of one process, so each
-//! reads the others' buffers in place ([`all_reduce`]). It adds every element in the ring's
+//! The in-process all-reduce and broadcast without messages: the ranks are threads of one
+//! process, so each reads the others' buffers in place ([`all_reduce`], [`broadcast`]; a
+//! broadcast is phase 1, every rank but the root copying the root's buffer, and phase 3). It adds every element in the ring's
 //! order, so its results are the ring all-reduce's bit for bit (the transport group, across
 //! ranks, runs the ring), with no copies, no allocations and no bytes on any ledger.
 //!
@@ -139,9 +140,36 @@ impl Drop for Reading<'_> {
     }
 }
 
+/// The broadcast of the module comment: every rank's buffer becomes the root's. Returns the
+/// elements this rank would have sent by messages (the root: its buffer to each other rank), or
+/// `None` for a rank that sends nothing.
+pub(super) fn broadcast(ctx: &Ctx<'_>, buf: &mut [f32], root: usize) -> Result<Option<usize>> {
+    let n = ctx.board.lock().len();
+    let (ptr, len) = (buf.as_mut_ptr(), buf.len());
+    let reads = ctx.rank != root;
+    let slots = ctx.arrive_and_wait(1, Some((ptr as usize, len)), reads).map_err(|e| ctx.leave(e))?;
+    if reads {
+        let _reading = Reading(ctx.board);
+        if slots[root].len != len {
+            let error = (ctx.failed)(format!("the root gave {} elements where this rank gave {len}", slots[root].len));
+            drop(_reading);
+            return Err(ctx.leave(error));
+        }
+        // SAFETY: the root writes nothing during the call; this rank alone writes its own buffer,
+        // through the pointer it published.
+        unsafe {
+            let src = std::slice::from_raw_parts(slots[root].ptr as *const f32, len);
+            std::slice::from_raw_parts_mut(ptr, len).copy_from_slice(src);
+        }
+    }
+    // Phase 3 (the root waits until every rank copied; a length mismatch fails every reader).
+    ctx.arrive_and_wait(3, None, false).map_err(|e| ctx.leave(e))?;
+    Ok((!reads).then_some((n - 1) * len))
+}
+
 /// The all-reduce of the module comment. Returns the elements this rank would have sent in the
 /// ring (for the traffic counters).
-pub(super) fn all_reduce(ctx: &Ctx<'_>, buf: &mut [f32]) -> Result<usize> {
+pub(super) fn all_reduce(ctx: &Ctx<'_>, buf: &mut [f32]) -> Result<Option<usize>> {
     let n = ctx.board.lock().len();
     let ptr = buf.as_mut_ptr();
     let len = buf.len();
@@ -198,5 +226,5 @@ pub(super) fn all_reduce(ctx: &Ctx<'_>, buf: &mut [f32]) -> Result<usize> {
     ctx.arrive_and_wait(3, None, false).map_err(|e| ctx.leave(e))?;
     // What the ring would have sent: chunks r-1-s (reduce-scatter) and r-s (all-gather).
     let sent = (0..n.saturating_sub(1)).map(|s| parts.len((rank + 2 * n - 1 - s) % n) + parts.len((rank + n - s) % n));
-    Ok(sent.sum())
+    Ok(Some(sent.sum()))
 }

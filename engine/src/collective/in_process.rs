@@ -307,6 +307,34 @@ impl RankHandle {
         result
     }
 
+    /// Runs a collective of `direct.rs` and counts the traffic its message form would have had:
+    /// the elements `body` reports and `messages(n_ranks)` messages (none when it reports `None`:
+    /// a rank that sends nothing).
+    fn direct(
+        &self,
+        call: &Call<'_>,
+        body: impl FnOnce(&super::direct::Ctx<'_>) -> Result<Option<usize>>,
+        messages: impl Fn(u64) -> u64,
+    ) -> Result<()> {
+        let failure = || self.shared.failure();
+        let aborted = |failure| call.aborted(failure);
+        let failed = |reason| call.failed(reason);
+        let ctx = super::direct::Ctx {
+            board: &self.shared.board,
+            rank: self.rank,
+            seq: call.seq,
+            timeout: self.shared.timeout,
+            failure: &failure,
+            aborted: &aborted,
+            failed: &failed,
+        };
+        if let Some(sent) = body(&ctx)? {
+            self.bytes_sent.fetch_add((sent * std::mem::size_of::<f32>()) as u64, Ordering::Relaxed);
+            self.messages_sent.fetch_add(messages(self.shared.n_ranks as u64), Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     /// Marks the group failed (the first failure wins) and wakes every peer.
     fn abort(&self, reason: String) {
         {
@@ -350,8 +378,14 @@ impl Communicator for RankHandle {
         self.bytes_sent.store(0, Ordering::Relaxed);
     }
 
+    /// In place across the threads (`direct.rs`), counted as the root's sends.
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
-        self.run(CollectiveOp::Broadcast, |call| algorithms::broadcast(call, buf, root))
+        self.run(CollectiveOp::Broadcast, |call| {
+            if root >= self.shared.n_ranks {
+                return Err(call.failed(format!("root {root} is not a rank of a group of {}", self.shared.n_ranks)));
+            }
+            self.direct(call, |ctx| super::direct::broadcast(ctx, buf, root), |n| n.saturating_sub(1))
+        })
     }
 
     fn reduce(&self, buf: &mut [f32], root: usize) -> Result<()> {
@@ -362,23 +396,7 @@ impl Communicator for RankHandle {
     /// as the ring's traffic.
     fn all_reduce(&self, buf: &mut [f32]) -> Result<()> {
         self.run(CollectiveOp::AllReduce, |call| {
-            let failure = || self.shared.failure();
-            let aborted = |failure| call.aborted(failure);
-            let failed = |reason| call.failed(reason);
-            let ctx = super::direct::Ctx {
-                board: &self.shared.board,
-                rank: self.rank,
-                seq: call.seq,
-                timeout: self.shared.timeout,
-                failure: &failure,
-                aborted: &aborted,
-                failed: &failed,
-            };
-            let sent = super::direct::all_reduce(&ctx, buf)?;
-            let n = self.shared.n_ranks as u64;
-            self.bytes_sent.fetch_add((sent * std::mem::size_of::<f32>()) as u64, Ordering::Relaxed);
-            self.messages_sent.fetch_add(2 * n.saturating_sub(1), Ordering::Relaxed);
-            Ok(())
+            self.direct(call, |ctx| super::direct::all_reduce(ctx, buf), |n| 2 * n.saturating_sub(1))
         })
     }
 
