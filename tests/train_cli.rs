@@ -124,6 +124,15 @@ fn v_and_interleaved_zero_bubble_schedules_match_one_device_from_the_command_lin
             }
         }
     }
+    // The V on the chart and the trace: each row names its stages.
+    let (svg, trace) = (dir.join("v.svg"), dir.join("v.trace.json"));
+    run("cpu:2", "zb-v", &["--svg", arg(&svg), "--trace", arg(&trace)]);
+    for path in [&svg, &trace] {
+        let text = std::fs::read_to_string(path).unwrap();
+        for row in ["cpu:0: stages 0, 3", "cpu:1: stages 1, 2"] {
+            assert!(text.contains(row), "{} lacks the row {row:?}", path.display());
+        }
+    }
     let stderr =
         assert_usage_error(&["train", "--schedule", "zb-v", "--chunks", "3"], "--chunks 3 with --schedule zb-v");
     assert!(stderr.contains("give --chunks 2"), "{stderr}");

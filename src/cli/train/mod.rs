@@ -154,6 +154,17 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         .iter()
         .map(|group| group.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("+"))
         .collect();
+    // Rows of the trace and the chart: with several stages per device (interleaved, or the V of
+    // zb-v and dualpipe-v) each names its stages, `cpu:0: stages 0, 7`.
+    let stage_labels = run.trainer.schedule().device_stage_labels();
+    let row_labels: Vec<String> = worker_labels
+        .iter()
+        .enumerate()
+        .map(|(w, label)| match run.trainer.schedule().n_chunks() {
+            1 => label.clone(),
+            _ => format!("{label}: {}", stage_labels[w % n_devices]),
+        })
+        .collect();
     let (steps_per_epoch, total_steps) = (run.steps_per_epoch, run.total_steps);
     let (momentum, weight_decay) = conveyor::spec::hyperparameters(&optimizer);
     let mut state = RunState {
@@ -245,7 +256,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     // A row per worker (every replica's pipeline devices), or per device with a rank per shard.
     let ranks_per_worker = run.trainer.ranks_per_worker();
     let trace_labels: Vec<String> = match ranks_per_worker {
-        1 => worker_labels.clone(),
+        1 => row_labels.clone(),
         _ => run.trainer.devices().iter().map(Device::to_string).collect(),
     };
     let mut trace = match &spec.outputs.trace {
@@ -518,7 +529,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         // In one process every worker's ops (every replica's); across ranks replica 0's pipeline.
         let rows = if ranks.is_some() { n_devices } else { worker_labels.len() };
         let mut last_step = Timeline::new(rows, sched.n_stages());
-        let mut device_labels: Vec<String> = worker_labels
+        let mut device_labels: Vec<String> = row_labels
             .iter()
             .enumerate()
             .map(|(w, label)| match replicas {
@@ -530,7 +541,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             // The last step's gathered timeline, already from the step's start; rank d runs device d
             // (rows `device 1 (cpu:1, rank 1)`).
             last_step.events = last_report.as_ref().map(|r| r.timeline.events.clone()).unwrap_or_default();
-            device_labels = worker_labels[..n_devices]
+            device_labels = row_labels[..n_devices]
                 .iter()
                 .enumerate()
                 .map(|(d, label)| format!("{label}, rank {}", d * ranks_per_worker))
