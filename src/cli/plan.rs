@@ -6,7 +6,7 @@ use std::path::Path;
 
 use anyhow::Context;
 use conveyor::engine::graph::Graph;
-use conveyor::engine::placement::{Plan, ReplicaPlan, format_bytes, predicted_costs, replica_plan};
+use conveyor::engine::placement::{Plan, ReplicaPlan, format_bytes, format_seconds, predicted_costs, replica_plan};
 use conveyor::engine::runtime::Recompute;
 use conveyor::limits::{MAX_BATCH_ROWS, MAX_STAGES};
 use conveyor::pipeline::{PipelineConfig, memory_notes, plan, plan_manually};
@@ -510,17 +510,6 @@ fn format_count(n: u64) -> String {
         0..1_000 => n.to_string(),
         1_000..1_000_000 => format!("{:.1} k", n as f64 / 1e3),
         _ => format!("{:.2} M", n as f64 / 1e6),
-    }
-}
-
-/// Seconds with a unit that keeps three or four significant digits: `12.3 µs`, `1.234 ms`, `2.50 s`.
-pub(super) fn format_seconds(s: f64) -> String {
-    if s < 1e-3 {
-        format!("{:.1} µs", s * 1e6)
-    } else if s < 1.0 {
-        format!("{:.3} ms", s * 1e3)
-    } else {
-        format!("{s:.2} s")
     }
 }
 

@@ -10,8 +10,9 @@ use conveyor::engine::graph::Graph;
 use conveyor::engine::placement::{PlaceBy, ScheduleChoice, choose_schedule, format_bytes};
 use conveyor::pipeline::PipelineConfig;
 
-use super::plan::{PlanArgs, explain_memory, format_seconds, plan_json, print_table, simulate_plan};
+use super::plan::{PlanArgs, explain_memory, plan_json, print_table, simulate_plan};
 use super::usage;
+use conveyor::engine::placement::format_seconds;
 
 /// Chooses, then prints the chosen plan as `conveyor plan` prints a fixed one.
 pub fn run(

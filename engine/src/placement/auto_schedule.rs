@@ -141,7 +141,7 @@ impl ScheduleChoice {
         let n_fit = self.candidates.iter().filter(|c| c.planned().is_some()).count();
         let mut why = format!(
             "the shortest predicted step ({}) of the {n_fit} candidates that fit the budgets ({} weighed)",
-            seconds(planned.step_s),
+            super::format_seconds(planned.step_s),
             self.candidates.len()
         );
         let runner_up = self
@@ -170,17 +170,6 @@ impl ScheduleChoice {
             }
         }
         why
-    }
-}
-
-/// `12.3 µs`, `4.567 ms`, `1.23 s`.
-fn seconds(s: f64) -> String {
-    if s < 1e-3 {
-        format!("{:.1} µs", s * 1e6)
-    } else if s < 1.0 {
-        format!("{:.3} ms", s * 1e3)
-    } else {
-        format!("{s:.2} s")
     }
 }
 

@@ -753,6 +753,17 @@ pub(crate) fn plan_from_cuts(
     Ok(super::Plan { stages, devices: devices[..n_stages].to_vec(), config: config.clone() })
 }
 
+/// Seconds with a unit that keeps three or four significant digits: `12.3 µs`, `1.234 ms`, `2.50 s`.
+pub fn format_seconds(s: f64) -> String {
+    if s < 1e-3 {
+        format!("{:.1} µs", s * 1e6)
+    } else if s < 1.0 {
+        format!("{:.3} ms", s * 1e3)
+    } else {
+        format!("{s:.2} s")
+    }
+}
+
 /// Formats a byte count with binary units.
 pub fn format_bytes(bytes: u64) -> String {
     const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
