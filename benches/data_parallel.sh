@@ -3,8 +3,11 @@
 # Linear(1024, 10)), batch 256, SGD, trained by `conveyor train` on one device and as 2 replicas on
 # cpu:2 (one micro-batch each), and by PyTorch DistributedDataParallel with 2 processes (gloo, one
 # thread each; benches/ddp_torch.py) when torch is installed. Rounds rotate which runs first; the
-# figures are the medians of the per-round ratios of the samples/s each run reports. Run on a
-# quiet machine:
+# figures are the medians of the per-round ratios of the samples/s each run reports. The column
+# "ceiling" is twice one device's rate on half the batch over its rate on the whole batch: what 2
+# replicas would reach if each had a core to itself and the all-reduce were free (a replica's
+# GEMMs have half the rows, which run fewer GFLOP/s, and each replica still takes the whole
+# optimizer step). Run on a quiet machine:
 #   cargo build --release && bash benches/data_parallel.sh [ROUNDS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,29 +18,35 @@ ARGS=(--model "$MODEL" --data synthetic:4096,1024,10 --batch 256 --optimizer sgd
 rate() { grep -o '[0-9.]* samples/s' | tail -1 | cut -d' ' -f1; }
 one() { "$BIN" train "${ARGS[@]}" --devices cpu:1 --microbatches 1 2>/dev/null | rate; }
 two() { "$BIN" train "${ARGS[@]}" --devices cpu:2 --data-parallel 2 --microbatches 1 2>/dev/null | rate; }
+half() { "$BIN" train "${ARGS[@]/256/128}" --devices cpu:1 --microbatches 1 2>/dev/null | rate; }
 torch_ddp() {
     if python3 -c 'import torch' 2>/dev/null; then python3 benches/ddp_torch.py 20 2>/dev/null | rate; else echo 0; fi
 }
-speedups=(); versus=()
-printf '%-6s %14s %14s %14s %10s %12s\n' round "1 device" "2 replicas" "torch DDP" "speedup" "vs DDP"
+speedups=(); versus=(); ceilings=()
+printf '%-6s %12s %12s %12s %12s %9s %9s %9s\n' round "1 device" "half batch" "2 replicas" "torch DDP" speedup ceiling "vs DDP"
 for round in $(seq 1 "$ROUNDS"); do
     case $((round % 3)) in
-        1) a=$(one); b=$(two); c=$(torch_ddp) ;;
-        2) b=$(two); c=$(torch_ddp); a=$(one) ;;
-        0) c=$(torch_ddp); a=$(one); b=$(two) ;;
+        1) a=$(one); h=$(half); b=$(two); c=$(torch_ddp) ;;
+        2) b=$(two); c=$(torch_ddp); a=$(one); h=$(half) ;;
+        0) c=$(torch_ddp); h=$(half); a=$(one); b=$(two) ;;
     esac
     s=$(python3 -c "print(f'{$b / $a:.3f}')")
+    e=$(python3 -c "print(f'{2 * $h / $a:.3f}')")
     v=$(python3 -c "print(f'{$b / $c:.3f}' if $c > 0 else 'n/a')")
-    speedups+=("$s"); versus+=("$v")
-    printf '%-6s %14s %14s %14s %10s %12s\n' "$round" "$a" "$b" "$c" "$s" "$v"
+    speedups+=("$s"); versus+=("$v"); ceilings+=("$e")
+    printf '%-6s %12s %12s %12s %12s %9s %9s %9s\n' "$round" "$a" "$h" "$b" "$c" "$s" "$e" "$v"
 done
-python3 - "${speedups[@]}" -- "${versus[@]}" <<'PY'
+python3 - "${speedups[@]}" -- "${versus[@]}" -- "${ceilings[@]}" <<'PY'
 import statistics, sys
 args = sys.argv[1:]
 cut = args.index("--")
 speedups = [float(a) for a in args[:cut]]
-versus = [float(a) for a in args[cut + 1:] if a != "n/a"]
+rest = args[cut + 1:]
+cut = rest.index("--")
+versus = [float(a) for a in rest[:cut] if a != "n/a"]
+ceilings = [float(a) for a in rest[cut + 1:]]
 print("median speedup of 2 replicas over 1 device:", statistics.median(speedups))
+print("median ceiling (2 x one device on half the batch):", statistics.median(ceilings))
 if versus:
     print("median ratio of 2 replicas to torch DDP (2 processes, gloo):", statistics.median(versus))
 PY
