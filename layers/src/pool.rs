@@ -157,6 +157,7 @@ impl Layer for MaxPool2d {
             param_bytes: 0,
             activation_bytes_per_sample: f32_bytes(output.numel()),
             output_bytes_per_sample: f32_bytes(output.numel()),
+            backward_held_bytes_per_sample: 0,
         })
     }
 }
@@ -231,6 +232,7 @@ impl Layer for AvgPool2d {
             param_bytes: 0,
             activation_bytes_per_sample: 0,
             output_bytes_per_sample: f32_bytes(output.numel()),
+            backward_held_bytes_per_sample: 0,
         })
     }
 }
@@ -305,6 +307,7 @@ impl Layer for GlobalAvgPool2d {
             param_bytes: 0,
             activation_bytes_per_sample: 0,
             output_bytes_per_sample: f32_bytes(output.numel()),
+            backward_held_bytes_per_sample: 0,
         })
     }
 }
