@@ -7,6 +7,9 @@
 //! selects, no `Option`s), with the common 2×2 and 3×3 kernels unrolled. It visits the window
 //! in the same order and applies the same rule as the general path, so the results are the
 //! same bit for bit; padded windows take the general path.
+use std::mem::MaybeUninit;
+
+use super::uninit;
 use super::window::{Window2d, check_len};
 use crate::{Error, Result};
 
@@ -144,6 +147,83 @@ pub fn max_pool2d_backward(
         }
     }
     Ok(())
+}
+
+/// Max pooling's input gradient into an uninitialised `input_grad`, every element written: the
+/// same bits as zeros followed by [`max_pool2d_backward`]. Where windows cannot overlap (no
+/// padding, strides at least the kernel: the usual 2×2 stride-2 pool) each input position lies in
+/// at most one window, so it is gathered in one pass in memory order: `0 + g` at the window's
+/// argmax (the scatter's sum onto zero, which turns -0 into +0), 0 elsewhere. No zero-fill, no
+/// scatter. Other windows take the zero-fill and the scatter.
+pub fn max_pool2d_input_grad<'a>(
+    grad_output: &[f32],
+    argmax: &[f32],
+    n_planes: usize,
+    window: &Window2d,
+    input_grad: &'a mut [MaybeUninit<f32>],
+) -> Result<&'a mut [f32]> {
+    let (in_plane, out_plane) = (window.in_plane_len(), window.out_plane_len());
+    check_len("max_pool2d_input_grad", "grad_output", n_planes * out_plane, grad_output.len())?;
+    check_len("max_pool2d_input_grad", "argmax", n_planes * out_plane, argmax.len())?;
+    check_len("max_pool2d_input_grad", "input_grad", n_planes * in_plane, input_grad.len())?;
+    let disjoint = is_unpadded(window)
+        && window.stride_height >= window.kernel_height
+        && window.stride_width >= window.kernel_width;
+    if !disjoint || in_plane == 0 || out_plane == 0 {
+        let dst = uninit::fill(input_grad, 0.0);
+        max_pool2d_backward(grad_output, argmax, n_planes, window, dst)?;
+        return Ok(dst);
+    }
+    let planes = grad_output.chunks_exact(out_plane).zip(argmax.chunks_exact(out_plane));
+    for ((g, arg), dst) in planes.zip(input_grad.chunks_exact_mut(in_plane)) {
+        match (window.kernel_height, window.kernel_width, window.stride_height, window.stride_width) {
+            (2, 2, 2, 2) => gather_plane(g, arg, window, (2, 2, 2, 2), dst),
+            (3, 3, 3, 3) => gather_plane(g, arg, window, (3, 3, 3, 3), dst),
+            (kh, kw, sh, sw) => gather_plane(g, arg, window, (kh, kw, sh, sw), dst),
+        }
+    }
+    // SAFETY: `gather_plane` writes every element of every plane.
+    Ok(unsafe { uninit::assume_init(input_grad) })
+}
+
+/// One plane of [`max_pool2d_input_grad`] for disjoint windows (kernel `kh x kw`, strides
+/// `sh >= kh`, `sw >= kw`): every element of `dst` written, row by row. Inlined with literal
+/// sizes, so the common windows unroll.
+#[inline(always)]
+fn gather_plane(
+    g: &[f32],
+    arg: &[f32],
+    window: &Window2d,
+    (kh, kw, sh, sw): (usize, usize, usize, usize),
+    dst: &mut [MaybeUninit<f32>],
+) {
+    let (in_w, out_w) = (window.in_width, window.out_width());
+    let covered_cols = out_w * sw;
+    for (r, row) in dst.chunks_exact_mut(in_w).enumerate() {
+        let (out_row, kernel_row) = (r / sh, r % sh);
+        if out_row >= window.out_height() || kernel_row >= kh {
+            row.iter_mut().for_each(|x| {
+                x.write(0.0);
+            });
+            continue;
+        }
+        let (g, arg) = (&g[out_row * out_w..][..out_w], &arg[out_row * out_w..][..out_w]);
+        let row_start = (r * in_w) as u32;
+        // Windows side by side: `sw` columns each (the last one's gap may pass the row's end).
+        for (j, (cells, (&gv, &a))) in row.chunks_mut(sw).zip(g.iter().zip(arg)).enumerate() {
+            // `a` is an exact position below 2^24 (max_pool2d_forward's limit).
+            let (a, share) = (a as u32, 0.0 + gv);
+            let col0 = row_start + (j * sw) as u32;
+            for (c, x) in cells.iter_mut().enumerate() {
+                x.write(if c < kw && a == col0 + c as u32 { share } else { 0.0 });
+            }
+        }
+        if covered_cols < in_w {
+            row[covered_cols..].iter_mut().for_each(|x| {
+                x.write(0.0);
+            });
+        }
+    }
 }
 
 /// Average pooling: `output[p, i, j]` is the window's sum divided by `kernel_height * kernel_width`
@@ -365,6 +445,13 @@ mod tests {
                 avg_pool2d_forward(&input, planes, &w, &mut got_avg).unwrap();
                 let mut got_max_grad = vec![0.0; input.len()];
                 max_pool2d_backward(&grad, &got_arg, planes, &w, &mut got_max_grad).unwrap();
+                let mut gathered = vec![MaybeUninit::uninit(); input.len()];
+                let gathered = max_pool2d_input_grad(&grad, &got_arg, planes, &w, &mut gathered).unwrap();
+                assert_eq!(
+                    bits(gathered),
+                    bits(&max_grad),
+                    "kernel {kh}x{kw} stride {sh}x{sw}: max grad written in full"
+                );
                 let mut got_avg_grad = vec![0.0; input.len()];
                 avg_pool2d_backward(&grad, planes, &w, &mut got_avg_grad).unwrap();
                 let what = format!("kernel {kh}x{kw} stride {sh}x{sw}");
@@ -375,6 +462,43 @@ mod tests {
                 assert_eq!(bits(&got_avg_grad), bits(&avg_grad), "{what} avg grad");
             }
         }
+    }
+
+    /// The one-pass input gradient of disjoint windows (gaps between windows, rows and columns
+    /// past the last window, odd sizes) equals zeros plus the scatter bit for bit, -0 and NaN
+    /// gradients included; padded windows take the scatter.
+    #[test]
+    fn max_pool_input_grad_written_in_full_equals_zeros_plus_the_scatter() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let cases =
+            [((2, 2), (2, 2), (0, 0)), ((3, 3), (3, 3), (0, 0)), ((2, 3), (3, 4), (0, 0)), ((2, 2), (2, 2), (1, 1))];
+        for (seed, (kernel, stride, pad)) in cases.into_iter().enumerate() {
+            for (height, width) in [(8, 8), (7, 9), (5, 11)] {
+                let planes = 3;
+                let w = Window2d::new(1, (height, width), kernel, stride, pad).unwrap();
+                let input = tied_values(planes * height * width, seed as u64 + 40);
+                let n_out = planes * w.out_plane_len();
+                let grad: Vec<f32> = tied_values(n_out, seed as u64 + 70)
+                    .iter()
+                    .enumerate()
+                    .map(|(i, g)| if i % 7 == 3 { -0.0 } else { *g })
+                    .collect();
+                let (mut out, mut arg) = (vec![0.0; n_out], vec![0.0; n_out]);
+                max_pool2d_forward(&input, planes, &w, &mut out, &mut arg).unwrap();
+                let mut expected = vec![0.0; input.len()];
+                max_pool2d_backward(&grad, &arg, planes, &w, &mut expected).unwrap();
+                let mut got = vec![MaybeUninit::uninit(); input.len()];
+                let got = max_pool2d_input_grad(&grad, &arg, planes, &w, &mut got).unwrap();
+                assert_eq!(
+                    bits(got),
+                    bits(&expected),
+                    "kernel {kernel:?} stride {stride:?} pad {pad:?} {height}x{width}"
+                );
+            }
+        }
+        let w = Window2d::new(1, (4, 4), (2, 2), (2, 2), (0, 0)).unwrap();
+        let mut short = vec![MaybeUninit::uninit(); 15];
+        assert!(max_pool2d_input_grad(&[0.0; 4], &[0.0; 4], 1, &w, &mut short).is_err());
     }
 
     #[test]
