@@ -138,11 +138,13 @@ pub fn max_pool2d_backward(
         .zip(argmax.chunks_exact(out_plane))
         .zip(input_grad.chunks_exact_mut(in_plane.max(1)))
     {
+        let limit = in_plane as f32;
         for (&gv, &a) in g.iter().zip(arg) {
-            // `a` is -1 for a window entirely in padding (no gradient); `as usize` saturates.
-            let idx = a as usize;
-            if a >= 0.0 && idx < in_plane {
-                dst[idx] += gv;
+            // `a` is -1 for a window entirely in padding (no gradient); NaN fails both tests.
+            // Positions are exact below 2^24, so the f32 comparison decides the range.
+            if a >= 0.0 && a < limit {
+                // SAFETY: `a` is finite, in [0, in_plane), so it fits a u32.
+                dst[unsafe { a.to_int_unchecked::<u32>() } as usize] += gv;
             }
         }
     }
@@ -150,11 +152,12 @@ pub fn max_pool2d_backward(
 }
 
 /// Max pooling's input gradient into an uninitialised `input_grad`, every element written: the
-/// same bits as zeros followed by [`max_pool2d_backward`]. Where windows cannot overlap (no
-/// padding, strides at least the kernel: the usual 2×2 stride-2 pool) each input position lies in
-/// at most one window, so it is gathered in one pass in memory order: `0 + g` at the window's
-/// argmax (the scatter's sum onto zero, which turns -0 into +0), 0 elsewhere. No zero-fill, no
-/// scatter. Other windows take the zero-fill and the scatter.
+/// same bits as zeros followed by [`max_pool2d_backward`], plane by plane, so each plane is zeroed
+/// and receives its gradients while it is in L1 (one pass over the output instead of a zero-fill
+/// of the whole tensor and then a scatter over it). Where windows cannot overlap (no padding,
+/// strides at least the kernel: the usual 2×2 stride-2 pool) each position receives at most one
+/// gradient, so it is stored (`0 + g`, the scatter's sum onto zero, -0 becoming +0) rather than
+/// added.
 pub fn max_pool2d_input_grad<'a>(
     grad_output: &[f32],
     argmax: &[f32],
@@ -166,64 +169,33 @@ pub fn max_pool2d_input_grad<'a>(
     check_len("max_pool2d_input_grad", "grad_output", n_planes * out_plane, grad_output.len())?;
     check_len("max_pool2d_input_grad", "argmax", n_planes * out_plane, argmax.len())?;
     check_len("max_pool2d_input_grad", "input_grad", n_planes * in_plane, input_grad.len())?;
+    if in_plane == 0 || out_plane == 0 {
+        return Ok(uninit::fill(input_grad, 0.0));
+    }
     let disjoint = is_unpadded(window)
         && window.stride_height >= window.kernel_height
         && window.stride_width >= window.kernel_width;
-    if !disjoint || in_plane == 0 || out_plane == 0 {
-        let dst = uninit::fill(input_grad, 0.0);
-        max_pool2d_backward(grad_output, argmax, n_planes, window, dst)?;
-        return Ok(dst);
-    }
     let planes = grad_output.chunks_exact(out_plane).zip(argmax.chunks_exact(out_plane));
     for ((g, arg), dst) in planes.zip(input_grad.chunks_exact_mut(in_plane)) {
-        match (window.kernel_height, window.kernel_width, window.stride_height, window.stride_width) {
-            (2, 2, 2, 2) => gather_plane(g, arg, window, (2, 2, 2, 2), dst),
-            (3, 3, 3, 3) => gather_plane(g, arg, window, (3, 3, 3, 3), dst),
-            (kh, kw, sh, sw) => gather_plane(g, arg, window, (kh, kw, sh, sw), dst),
-        }
-    }
-    // SAFETY: `gather_plane` writes every element of every plane.
-    Ok(unsafe { uninit::assume_init(input_grad) })
-}
-
-/// One plane of [`max_pool2d_input_grad`] for disjoint windows (kernel `kh x kw`, strides
-/// `sh >= kh`, `sw >= kw`): every element of `dst` written, row by row. Inlined with literal
-/// sizes, so the common windows unroll.
-#[inline(always)]
-fn gather_plane(
-    g: &[f32],
-    arg: &[f32],
-    window: &Window2d,
-    (kh, kw, sh, sw): (usize, usize, usize, usize),
-    dst: &mut [MaybeUninit<f32>],
-) {
-    let (in_w, out_w) = (window.in_width, window.out_width());
-    let covered_cols = out_w * sw;
-    for (r, row) in dst.chunks_exact_mut(in_w).enumerate() {
-        let (out_row, kernel_row) = (r / sh, r % sh);
-        if out_row >= window.out_height() || kernel_row >= kh {
-            row.iter_mut().for_each(|x| {
-                x.write(0.0);
-            });
-            continue;
-        }
-        let (g, arg) = (&g[out_row * out_w..][..out_w], &arg[out_row * out_w..][..out_w]);
-        let row_start = (r * in_w) as u32;
-        // Windows side by side: `sw` columns each (the last one's gap may pass the row's end).
-        for (j, (cells, (&gv, &a))) in row.chunks_mut(sw).zip(g.iter().zip(arg)).enumerate() {
-            // `a` is an exact position below 2^24 (max_pool2d_forward's limit).
-            let (a, share) = (a as u32, 0.0 + gv);
-            let col0 = row_start + (j * sw) as u32;
-            for (c, x) in cells.iter_mut().enumerate() {
-                x.write(if c < kw && a == col0 + c as u32 { share } else { 0.0 });
+        let dst = uninit::fill(dst, 0.0);
+        // Positions are exact below 2^24 (max_pool2d_forward's limit), so an f32 comparison
+        // with the plane's length decides the range.
+        let limit = in_plane as f32;
+        for (&gv, &a) in g.iter().zip(arg) {
+            // `a` is -1 for a window entirely in padding (no gradient); NaN fails both tests.
+            if a >= 0.0 && a < limit {
+                // SAFETY: `a` is finite, in [0, in_plane), so it fits a u32.
+                let idx = unsafe { a.to_int_unchecked::<u32>() } as usize;
+                if disjoint {
+                    dst[idx] = 0.0 + gv;
+                } else {
+                    dst[idx] += gv;
+                }
             }
         }
-        if covered_cols < in_w {
-            row[covered_cols..].iter_mut().for_each(|x| {
-                x.write(0.0);
-            });
-        }
     }
+    // SAFETY: every plane was filled above.
+    Ok(unsafe { uninit::assume_init(input_grad) })
 }
 
 /// Average pooling: `output[p, i, j]` is the window's sum divided by `kernel_height * kernel_width`
@@ -464,9 +436,9 @@ mod tests {
         }
     }
 
-    /// The one-pass input gradient of disjoint windows (gaps between windows, rows and columns
-    /// past the last window, odd sizes) equals zeros plus the scatter bit for bit, -0 and NaN
-    /// gradients included; padded windows take the scatter.
+    /// The plane-by-plane input gradient (disjoint windows stored: gaps between windows, rows
+    /// and columns past the last window, odd sizes; overlapping and padded ones added) equals
+    /// zeros plus the scatter bit for bit, -0 and NaN gradients included.
     #[test]
     fn max_pool_input_grad_written_in_full_equals_zeros_plus_the_scatter() {
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
