@@ -108,7 +108,7 @@ impl<'o> Job for ConvJob<'_, 'o> {
     fn run<V: Lanes>(self) -> Result<Self> {
         let w = self.window;
         let (col_rows, plane) = (w.col_rows(), w.out_plane_len());
-        let shifted = !w.is_pointwise() && w.stride_height == 1 && w.stride_width == 1;
+        let shifted = ShiftedViews::fits(&w);
         let mut scratch = Im2col::new(&w);
         let mut col = if w.is_pointwise() || shifted { Vec::new() } else { vec![0.0; col_rows * plane] };
         let mut views = if shifted { ShiftedViews::new(&w) } else { ShiftedViews::default() };
@@ -168,16 +168,23 @@ impl<'o> Job for ConvJob<'_, 'o> {
 /// `view[c, kc]`: the product reads them through a table of row offsets (in im2col's row order, so
 /// the sums are the same as over im2col), from about `kw` copies of the input instead of `kh·kw`.
 #[derive(Debug, Default)]
-struct ShiftedViews {
+pub(crate) struct ShiftedViews {
     /// `channels x kw x (out_h + kh - 1) x out_w`; only the interior is ever written, so the
     /// padding stays zero.
-    data: Vec<f32>,
+    pub(crate) data: Vec<f32>,
     /// Start of im2col row `(c, kr, kc)` in `data`.
-    offsets: Vec<usize>,
+    pub(crate) offsets: Vec<usize>,
 }
 
 impl ShiftedViews {
-    fn new(w: &Window2d) -> ShiftedViews {
+    /// Whether `w` can be read through shifted views: stride 1 and not pointwise (which reads
+    /// its input directly).
+    pub(crate) fn fits(w: &Window2d) -> bool {
+        !w.is_pointwise() && w.stride_height == 1 && w.stride_width == 1
+    }
+
+    /// Views for samples of `w` (all zero until [`ShiftedViews::fill`]).
+    pub(crate) fn new(w: &Window2d) -> ShiftedViews {
         let (out_w, view_h) = (w.out_width(), w.out_height() + w.kernel_height - 1);
         let mut offsets = Vec::with_capacity(w.col_rows());
         for c in 0..w.channels {
@@ -191,7 +198,7 @@ impl ShiftedViews {
     }
 
     /// Writes the interior of every view from one sample.
-    fn fill(&mut self, x: &[f32], w: &Window2d) {
+    pub(crate) fn fill(&mut self, x: &[f32], w: &Window2d) {
         let (out_w, view_h) = (w.out_width(), w.out_height() + w.kernel_height - 1);
         let view_len = view_h * out_w;
         for (c, plane) in x.chunks_exact(w.in_plane_len()).enumerate() {
