@@ -7,7 +7,9 @@
 //! (head, sample) is what is compared). `attn_*` is `cpu::attention`'s fused kernel (forward, then
 //! backward from the logsumexp); `attn_old_*` is the per-(head, sample) loop the layer ran before
 //! it (two GEMMs forward, five backward, probabilities `[H, B, T, T]` kept), copied here as the
-//! "before" figure.
+//! "before" figure. `maxpool_*_bwd` is the layer's input gradient (`max_pool2d_input_grad`, plane
+//! by plane into an uninitialised buffer); `maxpool_*_bwd_scatter` is a zero-fill of the whole
+//! buffer followed by `max_pool2d_backward` (no PyTorch peer).
 //!
 //! Run alone: `cargo bench -p conveyor-engine --bench attention` (prints `op ns_per_call` lines;
 //! `BENCH_ONLY=attn` or `BENCH_ONLY=maxpool` runs one half).

@@ -31,7 +31,7 @@
 //! layer's input-gradient call to the end of the micro-batch's weight pass. The kernel's other
 //! scratch (`∂L/∂ctx`, the per-block tiles) is plain host memory, off the ledger, like a
 //! convolution's im2col columns.
-use std::sync::{Mutex, MutexGuard};
+use std::cell::{RefCell, RefMut};
 
 use conveyor_engine::cpu::attention::{AttentionDims, attention_backward, attention_forward};
 use conveyor_engine::cpu::elementwise::accumulate_column_sums;
@@ -78,7 +78,7 @@ pub struct MultiheadSelfAttention {
     causal: bool,
     params: Vec<Parameter>,
     /// `∂L/∂qkv` computed by one backward call and waiting for the other (module docs).
-    pending: Mutex<Vec<PendingGrad>>,
+    pending: RefCell<Vec<PendingGrad>>,
 }
 
 /// Which backward call filled a [`PendingGrad`].
@@ -193,7 +193,7 @@ impl MultiheadSelfAttention {
             Parameter { name: "out_proj.weight".into(), value: out_weight },
             Parameter { name: "out_proj.bias".into(), value: out_bias },
         ];
-        Ok(MultiheadSelfAttention { embed_dim, n_heads, causal, params, pending: Mutex::new(Vec::new()) })
+        Ok(MultiheadSelfAttention { embed_dim, n_heads, causal, params, pending: RefCell::new(Vec::new()) })
     }
 
     /// The embedding width `D` (last input dimension).
@@ -248,9 +248,10 @@ impl MultiheadSelfAttention {
         Ok(grad_qkv)
     }
 
-    fn lock_pending(&self) -> MutexGuard<'_, Vec<PendingGrad>> {
-        // The slots hold no invariant a panicking holder could break half-way.
-        self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn pending_slots(&self) -> RefMut<'_, Vec<PendingGrad>> {
+        // A layer belongs to one worker (`Layer` is `Send`, not `Sync`), and no borrow is held
+        // across a call that could come back here.
+        self.pending.borrow_mut()
     }
 
     /// [`Self::grad_qkv`] shared between the two backward calls (module docs): taken from the slot
@@ -258,7 +259,7 @@ impl MultiheadSelfAttention {
     fn shared_grad_qkv(&self, dims: Dims, saved: &Saved, grad_output: &Tensor, half: Half) -> Result<Tensor> {
         let logsumexp = saved_tensor(KIND, saved, 2)?;
         {
-            let mut pending = self.lock_pending();
+            let mut pending = self.pending_slots();
             // A slot whose `Saved` is gone (only the slot still holds its logsumexp) is stale.
             pending.retain(|slot| slot.logsumexp.is_shared());
             if let Some(i) = pending.iter().position(|p| p.is_for(logsumexp, grad_output) && p.filled_by != half) {
@@ -266,7 +267,7 @@ impl MultiheadSelfAttention {
             }
         }
         let grad_qkv = self.grad_qkv(dims, saved, grad_output)?;
-        let mut pending = self.lock_pending();
+        let mut pending = self.pending_slots();
         if !pending.iter().any(|p| p.is_for(logsumexp, grad_output)) {
             pending.push(PendingGrad {
                 logsumexp: logsumexp.share(),
@@ -280,7 +281,7 @@ impl MultiheadSelfAttention {
 
     /// Bytes of `∂L/∂qkv` waiting in slots for their second backward call.
     pub fn pending_gradient_bytes(&self) -> usize {
-        self.lock_pending().iter().map(|p| p.grad_qkv.size_in_bytes()).sum()
+        self.pending_slots().iter().map(|p| p.grad_qkv.size_in_bytes()).sum()
     }
 
     /// `∂L/∂x` from `∂L/∂qkv`.
