@@ -7,15 +7,18 @@
 //! (head, sample) is what is compared). `attn_*` is `cpu::attention`'s fused kernel (forward, then
 //! backward from the logsumexp); `attn_old_*` is the per-(head, sample) loop the layer ran before
 //! it (two GEMMs forward, five backward, probabilities `[H, B, T, T]` kept), copied here as the
-//! "before" figure.
+//! "before" figure. `maxpool_*_bwd` is the layer's input gradient (`max_pool2d_input_grad`, plane
+//! by plane into an uninitialised buffer); `maxpool_*_bwd_scatter` is a zero-fill of the whole
+//! buffer followed by `max_pool2d_backward` (no PyTorch peer).
 //!
 //! Run alone: `cargo bench -p conveyor-engine --bench attention` (prints `op ns_per_call` lines;
 //! `BENCH_ONLY=attn` or `BENCH_ONLY=maxpool` runs one half).
 use std::hint::black_box;
+use std::mem::MaybeUninit;
 use std::time::Instant;
 
 use conveyor_engine::cpu::attention::{AttentionDims, attention_backward, attention_forward};
-use conveyor_engine::cpu::pool::{max_pool2d_backward, max_pool2d_forward};
+use conveyor_engine::cpu::pool::{max_pool2d_backward, max_pool2d_forward, max_pool2d_input_grad};
 use conveyor_engine::cpu::softmax::softmax_rows;
 use conveyor_engine::cpu::{MatRef, Window2d, matmul};
 
@@ -134,13 +137,21 @@ fn main() {
         let x = values(planes * 64, 1.0);
         let dy = values(planes * 16, 1.0);
         let (mut y, mut arg, mut dx) =
-            (vec![0.0f32; planes * 16], vec![0.0f32; planes * 16], vec![0.0f32; planes * 64]);
+            (vec![0.0f32; planes * 16], vec![0.0f32; planes * 16], vec![MaybeUninit::<f32>::uninit(); planes * 64]);
         let fwd = time(|| max_pool2d_forward(black_box(&x), planes, &window, &mut y, &mut arg).unwrap());
+        // The layer's input gradient: written in full into a fresh (uninitialised) buffer, as
+        // torch's backward fills a new tensor.
         let bwd = time(|| {
-            dx.fill(0.0);
-            max_pool2d_backward(black_box(&dy), &arg, planes, &window, &mut dx).unwrap()
+            black_box(max_pool2d_input_grad(black_box(&dy), &arg, planes, &window, &mut dx).unwrap());
+        });
+        // The path before it: zero-fill, then the scatter (no PyTorch peer line).
+        let mut dx_zeroed = vec![0.0f32; planes * 64];
+        let scatter = time(|| {
+            dx_zeroed.fill(0.0);
+            max_pool2d_backward(black_box(&dy), &arg, planes, &window, &mut dx_zeroed).unwrap()
         });
         println!("maxpool_{name}_fwd {fwd:.0}");
+        println!("maxpool_{name}_bwd_scatter {scatter:.0}");
         println!("maxpool_{name}_bwd {bwd:.0}");
         println!("maxpool_{name}_fwd_bwd {:.0}", fwd + bwd);
     }

@@ -101,6 +101,11 @@ pub struct LayerCost {
     /// Bytes the layer keeps beside its parameters, derived from them (e.g. Linear's transposed
     /// weight for the fast GEMM layout), independent of the batch.
     pub workspace_bytes: u64,
+    /// Bytes, per sample, that the input-gradient call leaves on the device for the weight
+    /// call of the same micro-batch, beyond the saved tensors and the output gradient (e.g. a
+    /// gradient both calls need, computed once). The memory plan holds them from the
+    /// input-gradient call to the end of the micro-batch's weight pass. Usually 0.
+    pub backward_held_bytes_per_sample: u64,
 }
 
 /// A differentiable layer. Shapes passed to [`Layer::output_shape`] and [`Layer::cost`] are per
@@ -232,6 +237,7 @@ pub trait Layer: Send + std::fmt::Debug {
             activation_bytes_per_sample: input_shapes.iter().map(|s| s.numel() as u64 * f32_bytes).sum(),
             output_bytes_per_sample: output * f32_bytes,
             workspace_bytes: 0,
+            backward_held_bytes_per_sample: 0,
         })
     }
 

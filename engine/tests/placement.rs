@@ -56,6 +56,7 @@ impl Layer for CostLayer {
             param_bytes: self.params * 4,
             activation_bytes_per_sample: self.width as u64 * 4,
             output_bytes_per_sample: self.width as u64 * 4,
+            backward_held_bytes_per_sample: 0,
         })
     }
 }

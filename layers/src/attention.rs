@@ -5,21 +5,36 @@
 //!
 //! The forward pass keeps q, k and v *head-major*, `[3, n_heads, batch · tokens, head_dim]`:
 //! block `(w, h)` (w = 0 for q, 1 for k, 2 for v) is the product of the input with rows
-//! `w·D + h·head_dim ..` of `in_proj_weight`, which are contiguous, so every projection, every
-//! per-(head, sample) attention product and every `in_proj_weight` gradient block is a GEMM on
-//! contiguous row-major views (transposes are views, never copies). The one layout change is the
-//! head concatenation before `out_proj` (and its inverse in backward): a copy of `tokens ·
-//! head_dim` elements per (head, sample), linear in the activations, where a strided view would
-//! need column blocks of `out_proj.weight` that `MatRef` cannot express.
+//! `w·D + h·head_dim ..` of `in_proj_weight`, which are contiguous, so every projection and every
+//! `in_proj_weight` gradient block is a GEMM on contiguous row-major views (transposes are
+//! views, never copies). The attention itself is one fused kernel over every (head, sample)
+//! block ([`conveyor_engine::cpu::attention`]): it writes the heads' outputs straight into the
+//! concatenated context `[batch, tokens, D]` and keeps the f32 logsumexp of each score row
+//! `[n_heads, batch, tokens]`, never the `[tokens, tokens]` probabilities; the backward pass
+//! recomputes them from it (FlashAttention-2). Saved: the input, q/k/v, the logsumexp and the
+//! context, O(tokens) per row instead of O(tokens²).
 //!
-//! # Why `backward_weight` repeats work
+//! # One `∂L/∂qkv` for both backward calls
 //!
-//! `in_proj_weight`'s gradient needs ∂L/∂q, ∂L/∂k and ∂L/∂v, which sit behind the softmax: the
-//! chain `dctx → dP, dV → dS → dQ, dK` is the bulk of `backward_input`. `Saved` is immutable and
-//! the two calls may run in either order, so `backward_weight` recomputes that chain rather than
-//! caching it; [`LayerCost`] counts it in both.
+//! `in_proj_weight`'s gradient and the input gradient both need ∂L/∂q, ∂L/∂k and ∂L/∂v, which sit
+//! behind the softmax: the chain `dctx → dP, dV → dS → dQ, dK` is most of the backward. Whichever
+//! of `backward_input` and `backward_weight` runs first computes it and leaves it in a pending
+//! slot (a tensor on the device, so on its memory ledger); the second call for the same `Saved`
+//! and gradient takes it out, so it is dropped when that call returns. `Saved` is immutable, so
+//! the slot lives in the layer, keyed by the storage of the saved logsumexp and of the output
+//! gradient (the slot holds shares of both, so neither storage can be reused by another call
+//! while the slot exists). A slot whose `Saved` has been dropped without the second call is
+//! freed on the layer's next call. [`Layer::backward`] computes the chain once and keeps nothing.
+//!
+//! The memory plan counts the slot: [`LayerCost::backward_held_bytes_per_sample`] declares it
+//! (`3 · tokens · D` floats per sample), and the planner's replay of a stage holds it from the
+//! layer's input-gradient call to the end of the micro-batch's weight pass. The kernel's other
+//! scratch (`∂L/∂ctx`, the per-block tiles) is plain host memory, off the ledger, like a
+//! convolution's im2col columns.
+use std::cell::{RefCell, RefMut};
+
+use conveyor_engine::cpu::attention::{AttentionDims, attention_backward, attention_forward};
 use conveyor_engine::cpu::elementwise::accumulate_column_sums;
-use conveyor_engine::cpu::softmax::softmax_rows;
 use conveyor_engine::cpu::{MatRef, matmul, matmul_uninit, uninit};
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
 use rand::rngs::StdRng;
@@ -44,7 +59,8 @@ const KIND: &str = "MultiheadSelfAttention";
 ///
 /// Parameters, in PyTorch's order and layout: `in_proj_weight` `[3D, D]` (q rows, then k, then v),
 /// `in_proj_bias` `[3D]`, `out_proj.weight` `[D, D]`, `out_proj.bias` `[D]`. The forward pass saves
-/// the input, q/k/v, the attention probabilities and the concatenated head outputs.
+/// the input, q/k/v, the logsumexp of every score row `[n_heads, batch, tokens]` and the
+/// concatenated head outputs.
 ///
 /// ```
 /// use conveyor_engine::{Device, ForwardCtx, Layer, Tensor, init};
@@ -61,6 +77,32 @@ pub struct MultiheadSelfAttention {
     n_heads: usize,
     causal: bool,
     params: Vec<Parameter>,
+    /// `∂L/∂qkv` computed by one backward call and waiting for the other (module docs).
+    pending: RefCell<Vec<PendingGrad>>,
+}
+
+/// Which backward call filled a [`PendingGrad`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Half {
+    Input,
+    Weight,
+}
+
+/// `∂L/∂qkv` for one (`Saved`, output gradient) pair, held between the two backward calls.
+#[derive(Debug)]
+struct PendingGrad {
+    /// A share of the saved logsumexp: identifies the `Saved`.
+    logsumexp: Tensor,
+    /// A share of the output gradient the slot was computed from.
+    grad_output: Tensor,
+    grad_qkv: Tensor,
+    filled_by: Half,
+}
+
+impl PendingGrad {
+    fn is_for(&self, logsumexp: &Tensor, grad_output: &Tensor) -> bool {
+        self.logsumexp.shares_storage_with(logsumexp) && self.grad_output.shares_storage_with(grad_output)
+    }
 }
 
 /// Per-call sizes: batch, tokens, embed dim, heads, head dim.
@@ -90,22 +132,9 @@ impl Dims {
         start..start + self.block_len()
     }
 
-    /// Range of sample `b`'s `[tokens, head_dim]` rows of block `(w, h)`.
-    fn sample(&self, which: usize, head: usize, b: usize) -> std::ops::Range<usize> {
-        let start = self.block(which, head).start + b * self.tokens * self.head_dim;
-        start..start + self.tokens * self.head_dim
-    }
-
-    /// Range of the `[tokens, tokens]` probabilities of (head, sample) in `[n_heads, batch, T, T]`.
-    fn probs(&self, head: usize, b: usize) -> std::ops::Range<usize> {
-        let square = self.tokens * self.tokens;
-        let start = (head * self.batch + b) * square;
-        start..start + square
-    }
-
-    /// `1 / sqrt(head_dim)`.
-    fn scale(&self) -> f32 {
-        1.0 / (self.head_dim as f32).sqrt()
+    /// The attention kernel's sizes.
+    fn kernel(&self, causal: bool) -> AttentionDims {
+        AttentionDims { batch: self.batch, tokens: self.tokens, n_heads: self.n_heads, head_dim: self.head_dim, causal }
     }
 }
 
@@ -164,7 +193,7 @@ impl MultiheadSelfAttention {
             Parameter { name: "out_proj.weight".into(), value: out_weight },
             Parameter { name: "out_proj.bias".into(), value: out_bias },
         ];
-        Ok(MultiheadSelfAttention { embed_dim, n_heads, causal, params })
+        Ok(MultiheadSelfAttention { embed_dim, n_heads, causal, params, pending: RefCell::new(Vec::new()) })
     }
 
     /// The embedding width `D` (last input dimension).
@@ -202,43 +231,127 @@ impl MultiheadSelfAttention {
     }
 
     /// `∂L/∂[q, k, v]` in the head-major layout, from the saved state and `∂L/∂y`: the chain
-    /// both backward calls need (see the module docs).
-    fn grad_qkv(&self, dims: Dims, saved: &Saved, grad_output: &[f32]) -> Result<Vec<f32>> {
-        let qkv = saved_tensor(KIND, saved, 1)?.as_f32()?;
-        let probs = saved_tensor(KIND, saved, 2)?.as_f32()?;
+    /// both backward calls need, as a tensor on the input's device.
+    fn grad_qkv(&self, dims: Dims, saved: &Saved, grad_output: &Tensor) -> Result<Tensor> {
+        let qkv = saved_tensor(KIND, saved, 1)?;
+        let logsumexp = saved_tensor(KIND, saved, 2)?.as_f32()?;
+        let ctx = saved_tensor(KIND, saved, 3)?.as_f32()?;
         let out_weight = values(&self.params[2].value);
-        let (rows, d, t, dh) = (dims.rows(), dims.embed_dim, dims.tokens, dims.head_dim);
+        let (rows, d) = (dims.rows(), dims.embed_dim);
         // dctx [rows, D] = dy [rows, D] · out_proj.weight [D, D]
         let mut grad_ctx = vec![0.0f32; rows * d];
-        matmul(&mut grad_ctx, MatRef::row_major(grad_output, rows, d)?, MatRef::row_major(&out_weight, d, d)?, false)?;
-        let mut grad_qkv = vec![0.0f32; 3 * dims.n_heads * dims.block_len()];
-        let mut grad_ctx_head = vec![0.0f32; t * dh];
-        let mut grad_scores = vec![0.0f32; t * t];
-        let scale = dims.scale();
-        for h in 0..dims.n_heads {
-            for b in 0..dims.batch {
-                gather_head(&grad_ctx, dims, h, b, &mut grad_ctx_head);
-                let p = &probs[dims.probs(h, b)];
-                let q = MatRef::row_major(&qkv[dims.sample(0, h, b)], t, dh)?;
-                let k = MatRef::row_major(&qkv[dims.sample(1, h, b)], t, dh)?;
-                let v = MatRef::row_major(&qkv[dims.sample(2, h, b)], t, dh)?;
-                let grad_ctx_view = MatRef::row_major(&grad_ctx_head, t, dh)?;
-                // dV [T, dh] = Pᵀ · dctx_h
-                matmul(&mut grad_qkv[dims.sample(2, h, b)], MatRef::row_major(p, t, t)?.t(), grad_ctx_view, false)?;
-                // dP [T, T] = dctx_h · Vᵀ
-                matmul(&mut grad_scores, grad_ctx_view, v.t(), false)?;
-                // dS = P ⊙ (dP - Σ_j P ⊙ dP) · scale   (masked entries have P = 0, so dS = 0)
-                for (grad_row, p_row) in grad_scores.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
-                    let dot: f32 = grad_row.iter().zip(p_row).map(|(g, p)| g * p).sum();
-                    grad_row.iter_mut().zip(p_row).for_each(|(g, &p)| *g = p * (*g - dot) * scale);
-                }
-                let grad_scores_view = MatRef::row_major(&grad_scores, t, t)?;
-                // dQ = dS · K;  dK = dSᵀ · Q
-                matmul(&mut grad_qkv[dims.sample(0, h, b)], grad_scores_view, k, false)?;
-                matmul(&mut grad_qkv[dims.sample(1, h, b)], grad_scores_view.t(), q, false)?;
+        let grad = values(grad_output);
+        matmul(&mut grad_ctx, MatRef::row_major(&grad, rows, d)?, MatRef::row_major(&out_weight, d, d)?, false)?;
+        let mut grad_qkv = zeros_f32(qkv.shape().clone(), qkv.device())?;
+        let kernel = dims.kernel(self.causal);
+        attention_backward(kernel, qkv.as_f32()?, ctx, logsumexp, &grad_ctx, grad_qkv.as_f32_mut()?)?;
+        Ok(grad_qkv)
+    }
+
+    fn pending_slots(&self) -> RefMut<'_, Vec<PendingGrad>> {
+        // A layer belongs to one worker (`Layer` is `Send`, not `Sync`), and no borrow is held
+        // across a call that could come back here.
+        self.pending.borrow_mut()
+    }
+
+    /// [`Self::grad_qkv`] shared between the two backward calls (module docs): taken from the slot
+    /// the other call filled, or computed and left in a slot for it.
+    fn shared_grad_qkv(&self, dims: Dims, saved: &Saved, grad_output: &Tensor, half: Half) -> Result<Tensor> {
+        let logsumexp = saved_tensor(KIND, saved, 2)?;
+        {
+            let mut pending = self.pending_slots();
+            // A slot whose `Saved` is gone (only the slot still holds its logsumexp) is stale.
+            pending.retain(|slot| slot.logsumexp.is_shared());
+            if let Some(i) = pending.iter().position(|p| p.is_for(logsumexp, grad_output) && p.filled_by != half) {
+                return Ok(pending.swap_remove(i).grad_qkv);
             }
         }
+        let grad_qkv = self.grad_qkv(dims, saved, grad_output)?;
+        let mut pending = self.pending_slots();
+        if !pending.iter().any(|p| p.is_for(logsumexp, grad_output)) {
+            pending.push(PendingGrad {
+                logsumexp: logsumexp.share(),
+                grad_output: grad_output.share(),
+                grad_qkv: grad_qkv.share(),
+                filled_by: half,
+            });
+        }
         Ok(grad_qkv)
+    }
+
+    /// Bytes of `∂L/∂qkv` waiting in slots for their second backward call.
+    pub fn pending_gradient_bytes(&self) -> usize {
+        self.pending_slots().iter().map(|p| p.grad_qkv.size_in_bytes()).sum()
+    }
+
+    /// `∂L/∂x` from `∂L/∂qkv`.
+    fn input_grad(&self, dims: Dims, input: &Tensor, grad_qkv: &[f32]) -> Result<Tensor> {
+        let (rows, d, dh) = (dims.rows(), dims.embed_dim, dims.head_dim);
+        let in_weight = values(&self.params[0].value);
+        // dx [rows, D] = Σ_(w, h) dqkv_(w, h) [rows, dh] · W[w·D + h·dh ..] [dh, D]
+        // The first product writes every element (no zero-fill); the others accumulate onto it.
+        let term = |which: usize, h: usize| -> Result<(MatRef<'_>, MatRef<'_>)> {
+            let first = which * d + h * dh;
+            let grad_block = MatRef::row_major(&grad_qkv[dims.block(which, h)], rows, dh)?;
+            Ok((grad_block, MatRef::row_major(&in_weight[first * d..(first + dh) * d], dh, d)?))
+        };
+        let grad_input = Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
+            let (grad_block, weight) = term(0, 0)?;
+            let dst = matmul_uninit(dst, grad_block, weight)?;
+            for which in 0..3 {
+                for h in 0..dims.n_heads {
+                    if which + h > 0 {
+                        let (grad_block, weight) = term(which, h)?;
+                        matmul(dst, grad_block, weight, true)?;
+                    }
+                }
+            }
+            Ok(dst)
+        })?;
+        into_dtype(grad_input, input.dtype())
+    }
+
+    /// Adds the parameter gradients, given `∂L/∂qkv`.
+    fn add_weight_grads(
+        &self,
+        dims: Dims,
+        saved: &Saved,
+        grad_output: &Tensor,
+        grad_qkv: &[f32],
+        param_grads: &mut [Tensor],
+    ) -> Result<()> {
+        let (rows, d, dh) = (dims.rows(), dims.embed_dim, dims.head_dim);
+        let x = values(saved_tensor(KIND, saved, 0)?);
+        let ctx = saved_tensor(KIND, saved, 3)?.as_f32()?;
+        let grad = values(grad_output);
+        let x_view = MatRef::row_major(&x, rows, d)?;
+        let [in_weight_grad, in_bias_grad, out_weight_grad, out_bias_grad] = param_grads else {
+            unreachable!("check_param_grads checked four gradients");
+        };
+        // d in_proj_weight[w·D + h·dh ..] [dh, D] += dqkv_(w, h)ᵀ [dh, rows] · x [rows, D]
+        accumulate_into(in_weight_grad, |dst| {
+            for which in 0..3 {
+                for h in 0..dims.n_heads {
+                    let first = which * d + h * dh;
+                    let grad_block = MatRef::row_major(&grad_qkv[dims.block(which, h)], rows, dh)?;
+                    matmul(&mut dst[first * d..(first + dh) * d], grad_block.t(), x_view, true)?;
+                }
+            }
+            Ok(())
+        })?;
+        accumulate_into(in_bias_grad, |dst| {
+            for which in 0..3 {
+                for h in 0..dims.n_heads {
+                    let first = which * d + h * dh;
+                    accumulate_column_sums(&grad_qkv[dims.block(which, h)], &mut dst[first..first + dh])?;
+                }
+            }
+            Ok(())
+        })?;
+        // d out_proj.weight [D, D] += dyᵀ [D, rows] · ctx [rows, D]
+        let grad_t = MatRef::row_major(&grad, rows, d)?.t();
+        accumulate_into(out_weight_grad, |dst| matmul(dst, grad_t, MatRef::row_major(ctx, rows, d)?, true))?;
+        accumulate_into(out_bias_grad, |dst| accumulate_column_sums(&grad, dst))
     }
 
     fn saved_dims(&self, saved: &Saved, grad_output: &Tensor) -> Result<Dims> {
@@ -259,24 +372,6 @@ fn check_heads(embed_dim: usize, n_heads: usize) -> Result<()> {
         ));
     }
     Ok(())
-}
-
-/// Copies columns `h·head_dim ..` of sample `b`'s rows of `concat` `[rows, D]` into `head` `[T, head_dim]`.
-fn gather_head(concat: &[f32], dims: Dims, h: usize, b: usize, head: &mut [f32]) {
-    let (d, dh) = (dims.embed_dim, dims.head_dim);
-    for (t, dst) in head.chunks_exact_mut(dh).enumerate() {
-        let row = (b * dims.tokens + t) * d + h * dh;
-        dst.copy_from_slice(&concat[row..row + dh]);
-    }
-}
-
-/// Copies `head` `[T, head_dim]` into columns `h·head_dim ..` of sample `b`'s rows of `concat`.
-fn scatter_head(head: &[f32], dims: Dims, h: usize, b: usize, concat: &mut [f32]) {
-    let (d, dh) = (dims.embed_dim, dims.head_dim);
-    for (t, src) in head.chunks_exact(dh).enumerate() {
-        let row = (b * dims.tokens + t) * d + h * dh;
-        concat[row..row + dh].copy_from_slice(src);
-    }
 }
 
 impl Layer for MultiheadSelfAttention {
@@ -328,33 +423,10 @@ impl Layer for MultiheadSelfAttention {
             })
         })?;
 
-        // P = softmax(q kᵀ · scale + mask) and ctx = concat_h(P v) per (head, sample).
-        let mut probs = zeros_f32([dims.n_heads, dims.batch, t, t], device)?;
+        // ctx = concat_h(softmax(q_h k_hᵀ · scale + mask) v_h) and the rows' logsumexp, fused.
+        let mut logsumexp = zeros_f32([dims.n_heads, dims.batch, t], device)?;
         let mut ctx = zeros_f32([dims.batch, t, d], device)?;
-        {
-            let qkv = qkv.as_f32()?;
-            let (probs, ctx) = (probs.as_f32_mut()?, ctx.as_f32_mut()?);
-            let mut scores = vec![0.0f32; t * t];
-            let mut head_out = vec![0.0f32; t * dh];
-            let scale = dims.scale();
-            for h in 0..dims.n_heads {
-                for b in 0..dims.batch {
-                    let q = MatRef::row_major(&qkv[dims.sample(0, h, b)], t, dh)?;
-                    let k = MatRef::row_major(&qkv[dims.sample(1, h, b)], t, dh)?;
-                    let v = MatRef::row_major(&qkv[dims.sample(2, h, b)], t, dh)?;
-                    matmul(&mut scores, q, k.t(), false)?;
-                    for (i, row) in scores.chunks_exact_mut(t).enumerate() {
-                        for (j, s) in row.iter_mut().enumerate() {
-                            *s = if self.causal && j > i { f32::NEG_INFINITY } else { *s * scale };
-                        }
-                    }
-                    let p = &mut probs[dims.probs(h, b)];
-                    softmax_rows(&scores, t, p)?;
-                    matmul(&mut head_out, MatRef::row_major(p, t, t)?, v, false)?;
-                    scatter_head(&head_out, dims, h, b, ctx);
-                }
-            }
-        }
+        attention_forward(dims.kernel(self.causal), qkv.as_f32()?, ctx.as_f32_mut()?, logsumexp.as_f32_mut()?)?;
 
         // y = ctx · out_proj.weightᵀ + out_proj.bias
         let (out_weight, out_bias) = (values(&self.params[2].value), values(&self.params[3].value));
@@ -364,75 +436,31 @@ impl Layer for MultiheadSelfAttention {
             matmul(dst, ctx_view, MatRef::row_major(&out_weight, d, d)?.t(), true)?;
             Ok(dst)
         })?;
-        let saved = Saved { tensors: vec![input.share(), qkv, probs, ctx] };
+        let saved = Saved { tensors: vec![input.share(), qkv, logsumexp, ctx] };
         Ok((into_dtype(output, input.dtype())?, saved))
+    }
+
+    fn backward(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<Vec<Option<Tensor>>> {
+        check_param_grads(KIND, &self.params, param_grads)?;
+        let dims = self.saved_dims(saved, grad_output)?;
+        let grad_qkv = self.grad_qkv(dims, saved, grad_output)?;
+        let grad_qkv = grad_qkv.as_f32()?;
+        let grad_input = self.input_grad(dims, saved_tensor(KIND, saved, 0)?, grad_qkv)?;
+        self.add_weight_grads(dims, saved, grad_output, grad_qkv, param_grads)?;
+        Ok(vec![Some(grad_input)])
     }
 
     fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let dims = self.saved_dims(saved, grad_output)?;
-        let input = saved_tensor(KIND, saved, 0)?;
-        let grad_qkv = self.grad_qkv(dims, saved, &values(grad_output))?;
-        let (rows, d, dh) = (dims.rows(), dims.embed_dim, dims.head_dim);
-        let in_weight = values(&self.params[0].value);
-        // dx [rows, D] = Σ_(w, h) dqkv_(w, h) [rows, dh] · W[w·D + h·dh ..] [dh, D]
-        // The first product writes every element (no zero-fill); the others accumulate onto it.
-        let term = |which: usize, h: usize| -> Result<(MatRef<'_>, MatRef<'_>)> {
-            let first = which * d + h * dh;
-            let grad_block = MatRef::row_major(&grad_qkv[dims.block(which, h)], rows, dh)?;
-            Ok((grad_block, MatRef::row_major(&in_weight[first * d..(first + dh) * d], dh, d)?))
-        };
-        let grad_input = Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
-            let (grad_block, weight) = term(0, 0)?;
-            let dst = matmul_uninit(dst, grad_block, weight)?;
-            for which in 0..3 {
-                for h in 0..dims.n_heads {
-                    if which + h > 0 {
-                        let (grad_block, weight) = term(which, h)?;
-                        matmul(dst, grad_block, weight, true)?;
-                    }
-                }
-            }
-            Ok(dst)
-        })?;
-        Ok(vec![Some(into_dtype(grad_input, input.dtype())?)])
+        let grad_qkv = self.shared_grad_qkv(dims, saved, grad_output, Half::Input)?;
+        Ok(vec![Some(self.input_grad(dims, saved_tensor(KIND, saved, 0)?, grad_qkv.as_f32()?)?)])
     }
 
     fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()> {
         check_param_grads(KIND, &self.params, param_grads)?;
         let dims = self.saved_dims(saved, grad_output)?;
-        let (rows, d, dh) = (dims.rows(), dims.embed_dim, dims.head_dim);
-        let x = values(saved_tensor(KIND, saved, 0)?);
-        let ctx = saved_tensor(KIND, saved, 3)?.as_f32()?;
-        let grad = values(grad_output);
-        let grad_qkv = self.grad_qkv(dims, saved, &grad)?;
-        let x_view = MatRef::row_major(&x, rows, d)?;
-        let [in_weight_grad, in_bias_grad, out_weight_grad, out_bias_grad] = param_grads else {
-            unreachable!("check_param_grads checked four gradients");
-        };
-        // d in_proj_weight[w·D + h·dh ..] [dh, D] += dqkv_(w, h)ᵀ [dh, rows] · x [rows, D]
-        accumulate_into(in_weight_grad, |dst| {
-            for which in 0..3 {
-                for h in 0..dims.n_heads {
-                    let first = which * d + h * dh;
-                    let grad_block = MatRef::row_major(&grad_qkv[dims.block(which, h)], rows, dh)?;
-                    matmul(&mut dst[first * d..(first + dh) * d], grad_block.t(), x_view, true)?;
-                }
-            }
-            Ok(())
-        })?;
-        accumulate_into(in_bias_grad, |dst| {
-            for which in 0..3 {
-                for h in 0..dims.n_heads {
-                    let first = which * d + h * dh;
-                    accumulate_column_sums(&grad_qkv[dims.block(which, h)], &mut dst[first..first + dh])?;
-                }
-            }
-            Ok(())
-        })?;
-        // d out_proj.weight [D, D] += dyᵀ [D, rows] · ctx [rows, D]
-        let grad_t = MatRef::row_major(&grad, rows, d)?.t();
-        accumulate_into(out_weight_grad, |dst| matmul(dst, grad_t, MatRef::row_major(ctx, rows, d)?, true))?;
-        accumulate_into(out_bias_grad, |dst| accumulate_column_sums(&grad, dst))
+        let grad_qkv = self.shared_grad_qkv(dims, saved, grad_output, Half::Weight)?;
+        self.add_weight_grads(dims, saved, grad_output, grad_qkv.as_f32()?, param_grads)
     }
 
     fn weight_pass_scratch_bytes(&self) -> u64 {
@@ -447,19 +475,23 @@ impl Layer for MultiheadSelfAttention {
         // Attention: q kᵀ and P v are 2·T²·D each over all heads; scale, mask and softmax ≈ 5 per score.
         let projections = 8 * t * d * d + 4 * t * d;
         let attention = 4 * t * t * d + 5 * h * t * t;
-        // Shared backward chain: dctx (2TD²), dP, dV, dQ, dK (2T²D each), softmax backward ≈ 4 per score.
-        let chain = 2 * t * d * d + 8 * t * t * d + 4 * h * t * t;
+        // The backward chain, run once by whichever backward call comes first (the runtime's
+        // order puts it in backward_input): dctx (2TD²); S recomputed, dP, dV, dQ, dK (2T²D
+        // each); exp and dS ≈ 8 per score.
+        let chain = 2 * t * d * d + 10 * t * t * d + 8 * h * t * t;
         let param_count: usize = self.params.iter().map(|p| p.value.numel()).sum();
         let numel = output.numel();
         Ok(LayerCost {
             workspace_bytes: 0,
             forward_flops_per_sample: projections + attention,
             backward_input_flops_per_sample: chain + 6 * t * d * d,
-            backward_weight_flops_per_sample: chain + 8 * t * d * d + 4 * t * d,
+            backward_weight_flops_per_sample: 8 * t * d * d + 4 * t * d,
             param_bytes: f32_bytes(param_count),
-            // input, q/k/v, probabilities [H, T, T] and the concatenated heads.
-            activation_bytes_per_sample: f32_bytes(5 * numel + (h * t * t) as usize),
+            // input, q/k/v, the logsumexp [H, T] and the concatenated heads.
+            activation_bytes_per_sample: f32_bytes(5 * numel + (h * t) as usize),
             output_bytes_per_sample: f32_bytes(numel),
+            // ∂L/∂qkv [3, T, D], left in the pending slot by backward_input for backward_weight.
+            backward_held_bytes_per_sample: f32_bytes(3 * numel),
         })
     }
 }

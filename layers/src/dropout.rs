@@ -110,6 +110,7 @@ impl Layer for Dropout {
             param_bytes: 0,
             activation_bytes_per_sample: 2 * numel,
             output_bytes_per_sample: 4 * numel,
+            backward_held_bytes_per_sample: 0,
         })
     }
 }

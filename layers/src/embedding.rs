@@ -181,6 +181,7 @@ impl Layer for Embedding {
             param_bytes: f32_bytes(self.num_embeddings * self.dim),
             activation_bytes_per_sample: f32_bytes(input_shapes[0].numel()),
             output_bytes_per_sample: f32_bytes(output.numel()),
+            backward_held_bytes_per_sample: 0,
         })
     }
 }

@@ -162,6 +162,7 @@ impl Layer for LayerNorm {
             param_bytes: f32_bytes(2 * self.normalized_len),
             activation_bytes_per_sample: f32_bytes(output.numel() + 2 * rows),
             output_bytes_per_sample: f32_bytes(output.numel()),
+            backward_held_bytes_per_sample: 0,
         })
     }
 }

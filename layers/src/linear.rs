@@ -323,6 +323,7 @@ impl Layer for Linear {
             param_bytes: f32_bytes(param_count),
             activation_bytes_per_sample: f32_bytes(input_shapes[0].numel()),
             output_bytes_per_sample: f32_bytes(output.numel()),
+            backward_held_bytes_per_sample: 0,
         })
     }
 }

@@ -3,8 +3,8 @@
 //! (`[B, C, H, W] -> [B, C]`).
 use conveyor_engine::cpu::Window2d;
 use conveyor_engine::cpu::pool::{
-    avg_pool2d_backward, avg_pool2d_forward, global_avg_pool_backward, global_avg_pool_forward, max_pool2d_backward,
-    max_pool2d_forward,
+    avg_pool2d_backward, avg_pool2d_forward, global_avg_pool_backward, global_avg_pool_forward, max_pool2d_forward,
+    max_pool2d_input_grad,
 };
 use conveyor_engine::{Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 
@@ -131,14 +131,11 @@ impl Layer for MaxPool2d {
         let input_shape = read_shape_marker("MaxPool2d", saved_tensor("MaxPool2d", saved, 1)?)?;
         let (batch, window, out_dims) = self.geometry.batch_window("MaxPool2d", &input_shape)?;
         check_grad_shape("MaxPool2d", grad_output, &Shape::new(out_dims))?;
-        let mut grad_input = zeros_f32(input_shape, grad_output.device())?;
-        max_pool2d_backward(
-            &values(grad_output),
-            argmax.as_f32()?,
-            batch * window.channels,
-            &window,
-            grad_input.as_f32_mut()?,
-        )?;
+        // Written in full (disjoint windows gathered in one pass, others zeroed and scattered).
+        let (grad, argmax) = (values(grad_output), argmax.as_f32()?);
+        let grad_input = Tensor::from_f32_init(input_shape, grad_output.device(), |dst| {
+            max_pool2d_input_grad(&grad, argmax, batch * window.channels, &window, dst)
+        })?;
         Ok(vec![Some(into_dtype(grad_input, grad_output.dtype())?)])
     }
 
@@ -157,6 +154,7 @@ impl Layer for MaxPool2d {
             param_bytes: 0,
             activation_bytes_per_sample: f32_bytes(output.numel()),
             output_bytes_per_sample: f32_bytes(output.numel()),
+            backward_held_bytes_per_sample: 0,
         })
     }
 }
@@ -231,6 +229,7 @@ impl Layer for AvgPool2d {
             param_bytes: 0,
             activation_bytes_per_sample: 0,
             output_bytes_per_sample: f32_bytes(output.numel()),
+            backward_held_bytes_per_sample: 0,
         })
     }
 }
@@ -305,6 +304,7 @@ impl Layer for GlobalAvgPool2d {
             param_bytes: 0,
             activation_bytes_per_sample: 0,
             output_bytes_per_sample: f32_bytes(output.numel()),
+            backward_held_bytes_per_sample: 0,
         })
     }
 }

@@ -145,6 +145,7 @@ impl Layer for PositionalEmbedding {
             param_bytes: f32_bytes(self.max_tokens * self.dim),
             activation_bytes_per_sample: 0,
             output_bytes_per_sample: f32_bytes(numel),
+            backward_held_bytes_per_sample: 0,
         })
     }
 }
@@ -247,6 +248,7 @@ impl Layer for MeanOverTokens {
             param_bytes: 0,
             activation_bytes_per_sample: 0,
             output_bytes_per_sample: f32_bytes(output.numel()),
+            backward_held_bytes_per_sample: 0,
         })
     }
 }

@@ -174,14 +174,96 @@ fn cost_counts_projections_attention_and_saved_tensors() {
     let cost = layer.cost(&[Shape::new(vec![t as usize, d as usize])]).unwrap();
     assert_eq!(cost.forward_flops_per_sample, 8 * t * d * d + 4 * t * d + 4 * t * t * d + 5 * h * t * t);
     assert_eq!(cost.param_bytes, 4 * (4 * d * d + 4 * d));
-    // Input, q/k/v, context (5 · T · D) and probabilities (H · T²), f32.
-    assert_eq!(cost.activation_bytes_per_sample, 4 * (5 * t * d + h * t * t));
+    // Input, q/k/v, context (5 · T · D) and the rows' logsumexp (H · T), f32.
+    assert_eq!(cost.activation_bytes_per_sample, 4 * (5 * t * d + h * t));
     assert_eq!(cost.output_bytes_per_sample, 4 * t * d);
-    assert!(cost.backward_weight_flops_per_sample > cost.backward_input_flops_per_sample);
+    // dq/dk/dv (3 · T · D floats) waits in the pending slot between the two backward calls.
+    assert_eq!(cost.backward_held_bytes_per_sample, 4 * 3 * t * d);
+    // The shared dq/dk/dv chain is counted once, in the input half (the runtime runs it first).
+    assert!(cost.backward_input_flops_per_sample > cost.backward_weight_flops_per_sample);
     // The forward pass saves exactly what the estimate counts (batch 3).
     let x = tensor(&vec![0.1; 3 * (t * d) as usize], &[3, t as usize, d as usize]);
     let (_, saved) = layer.forward(&[&x], &ForwardCtx::eval()).unwrap();
     assert_eq!(saved.size_in_bytes() as u64, 3 * cost.activation_bytes_per_sample);
+}
+
+fn f32_tensor(values: Vec<f64>, dims: impl Into<Shape>, device: &Device) -> Tensor {
+    Tensor::from_vec(values.into_iter().map(|v| v as f32).collect(), dims, device).unwrap()
+}
+
+/// What one layer's `Saved` holds on the ledger at 16 and 512 tokens (D = 32, 4 heads, batch 2):
+/// the input, q/k/v and context (5 · T · D floats per sample) and a logsumexp per head and token
+/// (H · T), where the layer used to keep the probabilities (H · T²): at T = 16, 10,496 bytes per
+/// sample instead of 14,336; at T = 512, 335,872 instead of 4,521,984 (13× less).
+#[test]
+fn saved_memory_is_linear_in_tokens() {
+    let (d, h, batch) = (32usize, 4usize, 2usize);
+    for (t, per_sample) in [(16usize, 10_496u64), (512, 335_872)] {
+        let device = Device::cpu(0);
+        let mut layer = MultiheadSelfAttention::new(d, h, false, &mut init::rng(12)).unwrap();
+        layer.to_device(&device).unwrap();
+        let before = device.memory_in_use();
+        let x = f32_tensor(random_values(batch * t * d, -1.0, 1.0, &mut init::rng(13)), [batch, t, d], &device);
+        let (y, saved) = layer.forward(&[&x], &ForwardCtx::train(0)).unwrap();
+        drop((x, y));
+        let kept = device.memory_in_use() - before;
+        assert_eq!(per_sample, 4 * (5 * t * d + h * t) as u64);
+        assert_eq!(kept, batch as u64 * per_sample, "T = {t}");
+        assert_eq!(saved.size_in_bytes() as u64, kept);
+        let probabilities_were = 4 * (5 * t * d + h * t * t) as u64;
+        assert!(per_sample < probabilities_were, "T = {t}: {per_sample} vs {probabilities_were}");
+    }
+}
+
+/// `backward_input` leaves dq/dk/dv for `backward_weight` (on the device's ledger), which takes
+/// it; either order gives the gradients of the combined `backward`, bit for bit.
+#[test]
+fn backward_halves_share_one_qkv_gradient_in_either_order() {
+    let device = Device::cpu(1);
+    let mut layer = random_layer(8, 2, true, 14);
+    layer.to_device(&device).unwrap();
+    let (batch, t, d) = (3usize, 5usize, 8usize);
+    let x = f32_tensor(random_values(batch * t * d, -1.0, 1.0, &mut init::rng(15)), [batch, t, d], &device);
+    let (y, saved) = layer.forward(&[&x], &ForwardCtx::train(0)).unwrap();
+    let grad = f32_tensor(random_values(y.numel(), -1.0, 1.0, &mut init::rng(16)), y.shape().clone(), &device);
+    let zeros = |layer: &MultiheadSelfAttention| -> Vec<Tensor> {
+        layer
+            .parameters()
+            .iter()
+            .map(|p| Tensor::zeros(p.value.shape().clone(), p.value.dtype(), &device).unwrap())
+            .collect()
+    };
+    let mut combined = zeros(&layer);
+    let combined_input = layer.backward(&saved, &grad, &mut combined).unwrap()[0].take().unwrap();
+    assert_eq!(layer.pending_gradient_bytes(), 0, "backward keeps nothing");
+    let qkv_bytes = 4 * 3 * batch * t * d;
+    let cost = layer.cost(&[Shape::new(vec![t, d])]).unwrap();
+    assert_eq!(qkv_bytes as u64, batch as u64 * cost.backward_held_bytes_per_sample, "the plan counts the slot");
+    for input_first in [true, false] {
+        let mut grads = zeros(&layer);
+        let in_use = device.memory_in_use();
+        let input_grad = if input_first {
+            let g = layer.backward_input(&saved, &grad).unwrap()[0].take().unwrap();
+            assert_eq!(layer.pending_gradient_bytes(), qkv_bytes);
+            assert_eq!(device.memory_in_use() - in_use, (qkv_bytes + g.size_in_bytes()) as u64, "slot on the ledger");
+            layer.backward_weight(&saved, &grad, &mut grads).unwrap();
+            g
+        } else {
+            layer.backward_weight(&saved, &grad, &mut grads).unwrap();
+            assert_eq!(layer.pending_gradient_bytes(), qkv_bytes);
+            layer.backward_input(&saved, &grad).unwrap()[0].take().unwrap()
+        };
+        assert_eq!(layer.pending_gradient_bytes(), 0, "the second call drops the slot");
+        assert!(input_grad.bit_eq(&combined_input));
+        assert!(grads.iter().zip(&combined).all(|(a, b)| a.bit_eq(b)));
+    }
+    // A slot whose `Saved` is dropped before the second call is freed on the next call.
+    layer.backward_input(&saved, &grad).unwrap();
+    assert_eq!(layer.pending_gradient_bytes(), qkv_bytes);
+    drop(saved);
+    let (_, saved) = layer.forward(&[&x], &ForwardCtx::train(0)).unwrap();
+    layer.backward_weight(&saved, &grad, &mut zeros(&layer)).unwrap();
+    assert_eq!(layer.pending_gradient_bytes(), qkv_bytes, "only the new call's slot");
 }
 
 #[test]

@@ -73,6 +73,8 @@ pub(super) struct Ctx<'a> {
     pub board: &'a Board,
     pub rank: usize,
     pub seq: u64,
+    /// The collective's name, for messages.
+    pub op: &'static str,
     pub timeout: Duration,
     /// The group's failure, once it aborted: (failed rank, reason).
     pub failure: &'a dyn Fn() -> Option<(usize, String)>,
@@ -113,8 +115,8 @@ impl Ctx<'_> {
             if now >= deadline {
                 let missing: Vec<usize> = (0..slots.len()).filter(|&r| slots[r].phase < target).collect();
                 return Err((self.failed)(format!(
-                    "ranks {missing:?} did not reach all_reduce within {:?}; did every rank call it?",
-                    self.timeout
+                    "ranks {missing:?} did not reach {} within {:?}; did every rank call it?",
+                    self.op, self.timeout
                 )));
             }
             let wait = super::in_process::ABORT_POLL.min(deadline - now);

@@ -323,6 +323,7 @@ impl RankHandle {
             board: &self.shared.board,
             rank: self.rank,
             seq: call.seq,
+            op: call.op.name(),
             timeout: self.shared.timeout,
             failure: &failure,
             aborted: &aborted,

@@ -31,6 +31,7 @@
 //!
 //! The causal mask hides key `j > i` from query `i` (PyTorch's `is_causal=True`); key blocks
 //! entirely above the diagonal are skipped.
+use super::lanes_gemm::gemm;
 #[cfg(test)]
 use super::vecmath::{Isa, dispatch_on};
 use super::vecmath::{Job, Lanes, dispatch, exp};
@@ -158,118 +159,6 @@ pub fn attention_backward(
     )?;
     dispatch(Backward { dims, qkv, ctx, logsumexp, grad_ctx, grad_qkv });
     Ok(())
-}
-
-/// `c[r·ldc + col] (+)= Σ_p a[r·lda + p] · b[p·ldb + col]` for `r < m`, `col < n`: the sum over
-/// `p < k` in order, one fused multiply-add per term, from `c` (`accumulate`) or from zero.
-/// Columns run in lanes, so every element is its own chain: the bits depend neither on the ISA
-/// nor on the tiling. `n` must be a multiple of `V::N`.
-///
-/// # Safety
-/// `a` must be readable at `r·lda + p`, `b` at `p·ldb + col`, `c` readable and writable at
-/// `r·ldc + col`, for every `r < m`, `p < k`, `col < n`.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm<V: Lanes>(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: *const f32,
-    lda: usize,
-    b: *const f32,
-    ldb: usize,
-    c: *mut f32,
-    ldc: usize,
-    accumulate: bool,
-) {
-    debug_assert!(n.is_multiple_of(V::N));
-    let mut r = 0;
-    // SAFETY (all calls): rows r..r+R < m of a and c, columns < n, as the caller guarantees.
-    unsafe {
-        // 8 rows where the ISA has 32 registers (16 accumulators at most), else 4.
-        if V::N >= 16 {
-            while r + 8 <= m {
-                gemm_rows::<V, 8>(n, k, a.add(r * lda), lda, b, ldb, c.add(r * ldc), ldc, accumulate);
-                r += 8;
-            }
-        }
-        while r + 4 <= m {
-            gemm_rows::<V, 4>(n, k, a.add(r * lda), lda, b, ldb, c.add(r * ldc), ldc, accumulate);
-            r += 4;
-        }
-        while r < m {
-            gemm_rows::<V, 1>(n, k, a.add(r * lda), lda, b, ldb, c.add(r * ldc), ldc, accumulate);
-            r += 1;
-        }
-    }
-}
-
-/// [`gemm`] for `R` rows, columns in tiles of two registers, then one.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_rows<V: Lanes, const R: usize>(
-    n: usize,
-    k: usize,
-    a: *const f32,
-    lda: usize,
-    b: *const f32,
-    ldb: usize,
-    c: *mut f32,
-    ldc: usize,
-    accumulate: bool,
-) {
-    let mut col = 0;
-    // SAFETY: columns col..col + C·V::N ≤ n, as the caller guarantees for [`gemm`].
-    unsafe {
-        while col + 2 * V::N <= n {
-            tile::<V, R, 2>(k, a, lda, b.add(col), ldb, c.add(col), ldc, accumulate);
-            col += 2 * V::N;
-        }
-        while col < n {
-            tile::<V, R, 1>(k, a, lda, b.add(col), ldb, c.add(col), ldc, accumulate);
-            col += V::N;
-        }
-    }
-}
-
-/// One `R × C·V::N` output tile held in registers over the whole `k` loop.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile<V: Lanes, const R: usize, const C: usize>(
-    k: usize,
-    a: *const f32,
-    lda: usize,
-    b: *const f32,
-    ldb: usize,
-    c: *mut f32,
-    ldc: usize,
-    accumulate: bool,
-) {
-    // SAFETY: every address is inside the tile the caller guarantees.
-    unsafe {
-        let mut acc = [[V::splat(0.0); C]; R];
-        if accumulate {
-            for (r, row) in acc.iter_mut().enumerate() {
-                for (v, x) in row.iter_mut().enumerate() {
-                    *x = V::load(c.add(r * ldc + v * V::N));
-                }
-            }
-        }
-        for p in 0..k {
-            let bv: [V; C] = std::array::from_fn(|v| V::load(b.add(p * ldb + v * V::N)));
-            for (r, row) in acc.iter_mut().enumerate() {
-                let av = V::splat(*a.add(r * lda + p));
-                for (x, &bv) in row.iter_mut().zip(&bv) {
-                    *x = av.fma(bv, *x);
-                }
-            }
-        }
-        for (r, row) in acc.iter().enumerate() {
-            for (v, x) in row.iter().enumerate() {
-                x.store(c.add(r * ldc + v * V::N));
-            }
-        }
-    }
 }
 
 /// `dst[d·ld + i] = src[i·cols + d] · factor` for `i < rows`, `d < cols` (a transposed copy).

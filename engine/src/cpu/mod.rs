@@ -2,9 +2,11 @@
 pub mod activation;
 pub mod attention;
 pub mod conv;
+pub mod conv_lanes;
 pub mod conv_weight;
 pub mod elementwise;
 pub mod gemm;
+pub(crate) mod lanes_gemm;
 pub mod layer_norm;
 pub mod packed;
 pub mod pool;

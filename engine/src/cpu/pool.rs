@@ -7,6 +7,9 @@
 //! selects, no `Option`s), with the common 2×2 and 3×3 kernels unrolled. It visits the window
 //! in the same order and applies the same rule as the general path, so the results are the
 //! same bit for bit; padded windows take the general path.
+use std::mem::MaybeUninit;
+
+use super::uninit;
 use super::window::{Window2d, check_len};
 use crate::{Error, Result};
 
@@ -135,15 +138,64 @@ pub fn max_pool2d_backward(
         .zip(argmax.chunks_exact(out_plane))
         .zip(input_grad.chunks_exact_mut(in_plane.max(1)))
     {
+        let limit = in_plane as f32;
         for (&gv, &a) in g.iter().zip(arg) {
-            // `a` is -1 for a window entirely in padding (no gradient); `as usize` saturates.
-            let idx = a as usize;
-            if a >= 0.0 && idx < in_plane {
-                dst[idx] += gv;
+            // `a` is -1 for a window entirely in padding (no gradient); NaN fails both tests.
+            // Positions are exact below 2^24, so the f32 comparison decides the range.
+            if a >= 0.0 && a < limit {
+                // SAFETY: `a` is finite, in [0, in_plane), so it fits a u32.
+                dst[unsafe { a.to_int_unchecked::<u32>() } as usize] += gv;
             }
         }
     }
     Ok(())
+}
+
+/// Max pooling's input gradient into an uninitialised `input_grad`, every element written: the
+/// same bits as zeros followed by [`max_pool2d_backward`], plane by plane, so each plane is zeroed
+/// and receives its gradients while it is in L1 (one pass over the output instead of a zero-fill
+/// of the whole tensor and then a scatter over it). Where windows cannot overlap (no padding,
+/// strides at least the kernel: the usual 2×2 stride-2 pool) each position receives at most one
+/// gradient, so it is stored (`0 + g`, the scatter's sum onto zero, -0 becoming +0) rather than
+/// added.
+pub fn max_pool2d_input_grad<'a>(
+    grad_output: &[f32],
+    argmax: &[f32],
+    n_planes: usize,
+    window: &Window2d,
+    input_grad: &'a mut [MaybeUninit<f32>],
+) -> Result<&'a mut [f32]> {
+    let (in_plane, out_plane) = (window.in_plane_len(), window.out_plane_len());
+    check_len("max_pool2d_input_grad", "grad_output", n_planes * out_plane, grad_output.len())?;
+    check_len("max_pool2d_input_grad", "argmax", n_planes * out_plane, argmax.len())?;
+    check_len("max_pool2d_input_grad", "input_grad", n_planes * in_plane, input_grad.len())?;
+    if in_plane == 0 || out_plane == 0 {
+        return Ok(uninit::fill(input_grad, 0.0));
+    }
+    let disjoint = is_unpadded(window)
+        && window.stride_height >= window.kernel_height
+        && window.stride_width >= window.kernel_width;
+    let planes = grad_output.chunks_exact(out_plane).zip(argmax.chunks_exact(out_plane));
+    for ((g, arg), dst) in planes.zip(input_grad.chunks_exact_mut(in_plane)) {
+        let dst = uninit::fill(dst, 0.0);
+        // Positions are exact below 2^24 (max_pool2d_forward's limit), so an f32 comparison
+        // with the plane's length decides the range.
+        let limit = in_plane as f32;
+        for (&gv, &a) in g.iter().zip(arg) {
+            // `a` is -1 for a window entirely in padding (no gradient); NaN fails both tests.
+            if a >= 0.0 && a < limit {
+                // SAFETY: `a` is finite, in [0, in_plane), so it fits a u32.
+                let idx = unsafe { a.to_int_unchecked::<u32>() } as usize;
+                if disjoint {
+                    dst[idx] = 0.0 + gv;
+                } else {
+                    dst[idx] += gv;
+                }
+            }
+        }
+    }
+    // SAFETY: every plane was filled above.
+    Ok(unsafe { uninit::assume_init(input_grad) })
 }
 
 /// Average pooling: `output[p, i, j]` is the window's sum divided by `kernel_height * kernel_width`
@@ -365,6 +417,13 @@ mod tests {
                 avg_pool2d_forward(&input, planes, &w, &mut got_avg).unwrap();
                 let mut got_max_grad = vec![0.0; input.len()];
                 max_pool2d_backward(&grad, &got_arg, planes, &w, &mut got_max_grad).unwrap();
+                let mut gathered = vec![MaybeUninit::uninit(); input.len()];
+                let gathered = max_pool2d_input_grad(&grad, &got_arg, planes, &w, &mut gathered).unwrap();
+                assert_eq!(
+                    bits(gathered),
+                    bits(&max_grad),
+                    "kernel {kh}x{kw} stride {sh}x{sw}: max grad written in full"
+                );
                 let mut got_avg_grad = vec![0.0; input.len()];
                 avg_pool2d_backward(&grad, planes, &w, &mut got_avg_grad).unwrap();
                 let what = format!("kernel {kh}x{kw} stride {sh}x{sw}");
@@ -375,6 +434,43 @@ mod tests {
                 assert_eq!(bits(&got_avg_grad), bits(&avg_grad), "{what} avg grad");
             }
         }
+    }
+
+    /// The plane-by-plane input gradient (disjoint windows stored: gaps between windows, rows
+    /// and columns past the last window, odd sizes; overlapping and padded ones added) equals
+    /// zeros plus the scatter bit for bit, -0 and NaN gradients included.
+    #[test]
+    fn max_pool_input_grad_written_in_full_equals_zeros_plus_the_scatter() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let cases =
+            [((2, 2), (2, 2), (0, 0)), ((3, 3), (3, 3), (0, 0)), ((2, 3), (3, 4), (0, 0)), ((2, 2), (2, 2), (1, 1))];
+        for (seed, (kernel, stride, pad)) in cases.into_iter().enumerate() {
+            for (height, width) in [(8, 8), (7, 9), (5, 11)] {
+                let planes = 3;
+                let w = Window2d::new(1, (height, width), kernel, stride, pad).unwrap();
+                let input = tied_values(planes * height * width, seed as u64 + 40);
+                let n_out = planes * w.out_plane_len();
+                let grad: Vec<f32> = tied_values(n_out, seed as u64 + 70)
+                    .iter()
+                    .enumerate()
+                    .map(|(i, g)| if i % 7 == 3 { -0.0 } else { *g })
+                    .collect();
+                let (mut out, mut arg) = (vec![0.0; n_out], vec![0.0; n_out]);
+                max_pool2d_forward(&input, planes, &w, &mut out, &mut arg).unwrap();
+                let mut expected = vec![0.0; input.len()];
+                max_pool2d_backward(&grad, &arg, planes, &w, &mut expected).unwrap();
+                let mut got = vec![MaybeUninit::uninit(); input.len()];
+                let got = max_pool2d_input_grad(&grad, &arg, planes, &w, &mut got).unwrap();
+                assert_eq!(
+                    bits(got),
+                    bits(&expected),
+                    "kernel {kernel:?} stride {stride:?} pad {pad:?} {height}x{width}"
+                );
+            }
+        }
+        let w = Window2d::new(1, (4, 4), (2, 2), (2, 2), (0, 0)).unwrap();
+        let mut short = vec![MaybeUninit::uninit(); 15];
+        assert!(max_pool2d_input_grad(&[0.0; 4], &[0.0; 4], 1, &w, &mut short).is_err());
     }
 
     #[test]

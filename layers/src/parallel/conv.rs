@@ -332,6 +332,7 @@ impl Layer for ChannelParallelConv2d {
             activation_bytes_per_sample: f32_bytes(self.group.k() * input_shapes[0].numel()),
             output_bytes_per_sample: f32_bytes(output.numel()),
             workspace_bytes: 0,
+            backward_held_bytes_per_sample: 0,
         })
     }
 

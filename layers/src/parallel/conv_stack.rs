@@ -559,6 +559,7 @@ impl Layer for ChannelParallelConvStack {
             activation_bytes_per_sample: f32_bytes(saved_numel),
             output_bytes_per_sample: f32_bytes(output.numel()),
             workspace_bytes: 0,
+            backward_held_bytes_per_sample: 0,
         })
     }
 

@@ -215,17 +215,28 @@ impl ShardGroup {
         states: Vec<S>,
         f: impl Fn(usize, &dyn Communicator, S) -> Result<T> + Sync,
     ) -> Result<Vec<T>> {
+        // A shard that fails or panics outside a collective (a budget overrun while it allocates)
+        // aborts the group at once, so the shards waiting for it in a collective end too.
+        let guarded = |rank: usize, handle: &RankHandle, state: S| -> Result<T> {
+            let mut guard = AbortUnlessDone { handle, rank, reason: "its thread panicked".into(), done: false };
+            let result = f(rank, handle, state);
+            match &result {
+                Err(error) if !matches!(error, Error::CollectiveAborted { .. }) => guard.reason = error.to_string(),
+                _ => guard.done = true,
+            }
+            result
+        };
         let results: Vec<Result<T>> = std::thread::scope(|scope| {
             let mut states = states.into_iter();
             let first_state = states.next().expect("a group has at least one rank");
-            let f = &f;
+            let guarded = &guarded;
             let threads: Vec<_> = handles[1..]
                 .iter()
                 .zip(states)
                 .enumerate()
-                .map(|(i, (handle, state))| scope.spawn(move || f(i + 1, handle, state)))
+                .map(|(i, (handle, state))| scope.spawn(move || guarded(i + 1, handle, state)))
                 .collect();
-            let mut results = vec![f(0, &handles[0], first_state)];
+            let mut results = vec![guarded(0, &handles[0], first_state)];
             for (i, thread) in threads.into_iter().enumerate() {
                 results.push(thread.join().unwrap_or_else(|payload| {
                     let message = payload
@@ -288,6 +299,23 @@ impl ShardGroup {
                 self.first()
             ),
         ))
+    }
+}
+
+/// Aborts the rank's group when dropped before the shard's call was marked done (an error, or a
+/// panic unwinding through it).
+struct AbortUnlessDone<'a> {
+    handle: &'a RankHandle,
+    rank: usize,
+    reason: String,
+    done: bool,
+}
+
+impl Drop for AbortUnlessDone<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.handle.abort_handle().abort(self.rank, &self.reason);
+        }
     }
 }
 

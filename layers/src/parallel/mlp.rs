@@ -394,6 +394,7 @@ impl Layer for ParallelMlp {
             activation_bytes_per_sample: f32_bytes(k * input_shapes[0].numel() + hidden.numel()),
             output_bytes_per_sample: fc2.output_bytes_per_sample,
             workspace_bytes: 0,
+            backward_held_bytes_per_sample: 0,
         })
     }
 

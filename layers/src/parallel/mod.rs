@@ -228,5 +228,6 @@ fn linear_cost(
         activation_bytes_per_sample: f32_bytes(saved_numel),
         output_bytes_per_sample: f32_bytes(output.numel()),
         workspace_bytes: 0,
+        backward_held_bytes_per_sample: 0,
     }
 }

@@ -6,7 +6,9 @@
 //! **Keep in step with `runtime/stage.rs`**: which outputs a forward keeps (those sent on and the
 //! graph output), the loss gradient kept until the backward, one message per route (copies for
 //! all but the last), inputs kept only for recomputation, every output gradient kept from the
-//! input-gradient pass to the weight pass, gradients accumulated in place unless shared.
+//! input-gradient pass to the weight pass, gradients accumulated in place unless shared, and
+//! what a layer's input-gradient call leaves for its weight call (`NodeMemory::backward_held`,
+//! held until the micro-batch's weight pass ends).
 use super::{InputGradMemory, NodeMemory, OutputMemory, Rank, SavedMemory, at};
 
 /// Where a node's input comes from.
@@ -155,6 +157,8 @@ struct MicroBatch {
     kept_inputs: Vec<Sid>,
     saved: Vec<Vec<Sid>>,
     grad_out: Vec<Option<Sid>>,
+    /// What input-gradient calls left for the weight calls.
+    held: Vec<Sid>,
 }
 
 /// The stage's inputs of one micro-batch, as they arrive: received tensors, then data.
@@ -243,7 +247,7 @@ fn forward(arena: &mut Arena, shape: &StageShape<'_>, recompute: bool) -> MicroB
         messages.push(value);
     }
     arena.note();
-    let mut state = MicroBatch { kept_inputs: Vec::new(), saved, grad_out };
+    let mut state = MicroBatch { kept_inputs: Vec::new(), saved, grad_out, held: Vec::new() };
     if recompute {
         state.kept_inputs = received.into_iter().chain(data).collect();
         for sid in std::mem::take(&mut state.saved).into_iter().flatten() {
@@ -285,6 +289,12 @@ fn backward_input(arena: &mut Arena, shape: &StageShape<'_>, state: &mut MicroBa
         let node = shape.nodes[j];
         let Some(grad) = state.grad_out[j] else { continue };
         arena.note_call(&node.backward_input_peak);
+        for (rank, &bytes) in node.backward_held.iter().enumerate() {
+            if bytes > 0 {
+                let sid = arena.alloc(rank, bytes);
+                state.held.push(sid);
+            }
+        }
         let results: Vec<Option<Sid>> = node
             .input_grads
             .iter()
@@ -315,15 +325,20 @@ fn backward_input(arena: &mut Arena, shape: &StageShape<'_>, state: &mut MicroBa
     outgoing.into_iter().flatten().collect()
 }
 
-/// `Stage::backward_weight`: each node's weight pass, then the micro-batch's state is freed.
+/// `Stage::backward_weight`: each node's weight pass, then the micro-batch's state is freed (a
+/// layer frees what its input-gradient call left when its weight call returns; holding it to the
+/// end of the pass keeps the bound simple and costs nothing at the pass's peak, its start).
 fn backward_weight(arena: &mut Arena, shape: &StageShape<'_>, state: MicroBatch) {
     for node in &shape.nodes {
         arena.note_call(&node.backward_weight_peak);
     }
-    let MicroBatch { kept_inputs, saved, grad_out } = state;
-    kept_inputs.into_iter().chain(saved.into_iter().flatten()).chain(grad_out.into_iter().flatten()).for_each(|sid| {
-        arena.release(sid);
-    });
+    let MicroBatch { kept_inputs, saved, grad_out, held } = state;
+    kept_inputs
+        .into_iter()
+        .chain(saved.into_iter().flatten())
+        .chain(grad_out.into_iter().flatten())
+        .chain(held)
+        .for_each(|sid| arena.release(sid));
 }
 
 /// The footprint of one micro-batch on a stage of this shape.
@@ -377,6 +392,7 @@ mod tests {
             input_grads: vec![InputGradMemory::New(input)],
             backward_input_peak: vec![input],
             backward_weight_peak: vec![0],
+            backward_held: vec![0],
             params: vec![0],
         }
     }
@@ -391,6 +407,7 @@ mod tests {
             input_grads: vec![InputGradMemory::New(bytes)],
             backward_input_peak: vec![bytes],
             backward_weight_peak: vec![0],
+            backward_held: vec![0],
             params: vec![0],
         }
     }
@@ -423,5 +440,31 @@ mod tests {
         // pass) while the weight pass runs.
         assert_eq!(f.sent_backward, vec![100]);
         assert_eq!(f.peak_backward(false), vec![230.max(f.peak_backward_weight[0] + 100)]);
+    }
+
+    /// A layer whose input-gradient call leaves 40 bytes for its weight call (attention's
+    /// dq/dk/dv): they are held from that call, through the stash between the passes, to the
+    /// end of the weight pass, and they are in the input-gradient call's peak.
+    #[test]
+    fn bytes_left_for_the_weight_call_are_held_between_the_passes() {
+        let mut l = linear(100, 10);
+        let plain = linear(100, 10);
+        l.backward_held = vec![40];
+        l.backward_input_peak = vec![100 + 40];
+        let shape_of = |node| StageShape {
+            nodes: vec![node],
+            inputs: vec![vec![StageInput::Received(0)]],
+            routes: vec![1],
+            output_node: None,
+            received: vec![100],
+            data: Vec::new(),
+            n_ranks: 1,
+        };
+        let (with, without) = (footprint(&shape_of(&l)), footprint(&shape_of(&plain)));
+        assert_eq!(with.stash_forward, without.stash_forward);
+        assert_eq!(with.stash_backward[0], without.stash_backward[0] + 40);
+        assert_eq!(with.peak_backward_input[0], without.peak_backward_input[0] + 40);
+        assert_eq!(with.peak_backward_weight[0], without.peak_backward_weight[0] + 40);
+        assert_eq!(with.sent_backward, without.sent_backward);
     }
 }

@@ -91,6 +91,10 @@ pub struct NodeMemory {
     /// before it (the gradients are added in place; a layer may sum the micro-batch's part in a
     /// buffer first, [`crate::Layer::weight_pass_scratch_bytes`]).
     pub backward_weight_peak: Vec<u64>,
+    /// Per rank: bytes the input-gradient call leaves for the weight call of the same
+    /// micro-batch ([`LayerCost::backward_held_bytes_per_sample`]); included in
+    /// `backward_input_peak`.
+    pub backward_held: Vec<u64>,
     /// Per rank: parameter bytes (gradients take as many; optimizer state is counted as f32).
     pub params: Vec<u64>,
 }
@@ -116,7 +120,8 @@ impl NodeMemory {
             .zip(input_takes_grad)
             .map(|(&bytes, &takes)| if takes { InputGradMemory::New(bytes * rows_u) } else { InputGradMemory::None })
             .collect();
-        let grads_bytes = input_grads.iter().map(InputGradMemory::new_bytes).sum();
+        let grads_bytes: u64 = input_grads.iter().map(InputGradMemory::new_bytes).sum();
+        let held = cost.backward_held_bytes_per_sample * rows_u;
         NodeMemory {
             rows,
             output: OutputMemory::New(output),
@@ -124,8 +129,9 @@ impl NodeMemory {
             saved: if saved > 0 { vec![SavedMemory::Own { rank: 0, bytes: saved }] } else { Vec::new() },
             forward_peak: vec![output + saved],
             input_grads,
-            backward_input_peak: vec![grads_bytes],
+            backward_input_peak: vec![grads_bytes + held],
             backward_weight_peak: vec![weight_pass_scratch],
+            backward_held: vec![held],
             params: vec![cost.param_bytes],
         }
     }
@@ -137,6 +143,7 @@ impl NodeMemory {
             .max(self.forward_peak.len())
             .max(self.backward_input_peak.len())
             .max(self.backward_weight_peak.len())
+            .max(self.backward_held.len())
             .max(
                 self.saved
                     .iter()
@@ -182,6 +189,7 @@ impl NodeMemory {
             backward_input_peak: scale_all(&self.backward_input_peak),
             // A parameter-sized buffer does not shrink with the rows: never below the measured.
             backward_weight_peak: self.backward_weight_peak.iter().map(|&b| scale(b).max(b)).collect(),
+            backward_held: scale_all(&self.backward_held),
             params: self.params.clone(),
         }
     }

@@ -6,6 +6,9 @@
 //! the host's ledger is shared by every thread of the process, so its counts cannot be read for
 //! one call. The layers' ops reserve ledger bytes only for the tensors they return (scratch such
 //! as im2col columns is plain host memory, off the ledger), so that is what the ledger sees.
+//! A layer whose input-gradient call leaves a tensor for its weight call (attention's dq/dk/dv)
+//! declares those bytes in [`crate::LayerCost::backward_held_bytes_per_sample`]; the probe adds
+//! them to the input-gradient call's peak and to `NodeMemory::backward_held`.
 //!
 //! Layers whose parameters live on devices (tensor-parallel layers, already built on their group)
 //! are measured on those devices' own ledgers, which nothing else uses before the trainer starts.
@@ -55,7 +58,8 @@ pub fn measure_node_memory_on(
         // to measure it: its memory stays the `LayerCost` bound, which holds without measuring.
         let param_bytes: usize = layer.parameters().iter().map(|p| p.value.size_in_bytes()).sum();
         // Likewise a layer whose inputs and output on one micro-batch are that large.
-        let mut data_bytes = graph.cost(id)?.output_bytes_per_sample.saturating_mul(rows as u64);
+        let cost = graph.cost(id)?;
+        let mut data_bytes = cost.output_bytes_per_sample.saturating_mul(rows as u64);
         for pred in graph.predecessors(id) {
             let per_sample = graph.node(pred)?.output_shape.numel() as u64 * 4;
             data_bytes = data_bytes.saturating_add(per_sample.saturating_mul(rows as u64));
@@ -86,7 +90,11 @@ pub fn measure_node_memory_on(
             });
         }
         let needed: Vec<bool> = predecessors.iter().map(|p| !inputs.contains(p)).collect();
-        let memory = probe(layer, &values, &needed, &group, !on_host, rows)?;
+        // What the input-gradient call leaves for the weight call is declared, not measured: on
+        // the host it is neither returned nor saved, and the host's ledger cannot be read for
+        // one call.
+        let held = cost.backward_held_bytes_per_sample.saturating_mul(rows as u64);
+        let memory = probe(layer, &values, &needed, &group, !on_host, rows, held)?;
         out.push((id, memory));
     }
     Ok(out)
@@ -119,6 +127,7 @@ fn probe(
     group: &[Device],
     ledger: bool,
     rows: usize,
+    held: u64,
 ) -> Result<NodeMemory> {
     let k = group.len();
     let refs: Vec<&Tensor> = inputs.iter().collect();
@@ -172,7 +181,11 @@ fn probe(
             }
         })
         .collect();
-    let backward_input_peak = peaks_or(tallies, &grad_bytes);
+    let mut floor = grad_bytes.clone();
+    floor[0] += held;
+    let backward_input_peak = peaks_or(tallies, &floor);
+    let mut backward_held = vec![0u64; k];
+    backward_held[0] = held;
     drop(input_grads);
     // Weight gradient, into gradients allocated beside the parameters.
     let mut grads = layer
@@ -195,6 +208,7 @@ fn probe(
         input_grads: input_grads_memory,
         backward_input_peak,
         backward_weight_peak,
+        backward_held,
         params,
     })
 }
