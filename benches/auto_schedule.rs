@@ -16,10 +16,11 @@
 //!
 //! Two devices need two idle cores: on a loaded machine the figures measure the scheduler.
 //!
-//! One run (2026-11-25, 2 cores shared with other jobs, load average about 3): the choice,
-//! dualpipe-v x2 with 4 micro-batches, 46.3 ms median against 49.5 ms for the best fixed schedule
-//! (interleaved-zb x2, m = 8) and 56.2 ms for 1f1b; per-round ratio chosen / best fixed 0.953.
-//! Predicted steps (about 30 ms) are below the measured ones on the loaded machine.
+//! One run on a quiet 2-core AMD EPYC (2026-11-25, load average 1.3): the choice, interleaved-zb
+//! x2 with 4 micro-batches, 44.7 ms median against 48.7 ms for the best fixed schedule
+//! (dualpipe-v x2, m = 8) and 53.7 ms for 1f1b; per-round ratio chosen / best fixed 0.912.
+//! Predicted steps (about 31 ms) are below the measured ones: the stage costs leave out the
+//! optimizer step, the commit and the threads' wake-ups.
 #[path = "support/mod.rs"]
 mod support;
 
