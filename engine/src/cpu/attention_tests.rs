@@ -4,15 +4,7 @@ use super::*;
 
 /// Seeded values in [-2, 2).
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-        })
-        .collect()
+    crate::cpu::test_values(n, seed, 2.0)
 }
 
 /// f64 attention of one call: (ctx, logsumexp, grad_qkv).

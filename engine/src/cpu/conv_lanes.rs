@@ -241,15 +241,7 @@ mod tests {
     use super::*;
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
+        crate::cpu::test_values(n, seed, 1.0)
     }
 
     /// The definition, in f64: every output pixel, every tap, zero outside the input.
