@@ -316,10 +316,13 @@ fn a_rank_that_never_calls_times_out_and_a_dropped_rank_disconnects() {
 
 #[test]
 fn messages_count_against_the_receivers_budget() {
-    // Rank 1 may hold 64 bytes; a 32-float broadcast (128 bytes) cannot be delivered to it.
+    // Rank 1 may hold 64 bytes; rank 0's 32-float part of a gather (128 bytes) cannot be
+    // delivered to it. (The in-process all-reduce and broadcast send no messages: they read the
+    // callers' buffers in place, which their callers' ledgers already count.)
     let devices = [Device::cpu(0), Device::cpu_with_budget(1, Some(64))];
     let handles = ProcessGroup::with_timeout(&devices, WATCHDOG).unwrap();
-    let results = on_ranks(&handles, |h| h.broadcast(&mut [1.0; 32], 0));
+    let parts = Partition::even(64, 2).unwrap();
+    let results = on_ranks(&handles, |h| h.gather(&[1.0; 32], &mut [0.0; 64], 1, &parts));
     assert!(matches!(results[0], Err(Error::OutOfDeviceMemory { .. })), "{:?}", results[0]);
     assert!(matches!(results[1], Err(Error::CollectiveAborted { failed_rank: 0, .. })), "{:?}", results[1]);
     assert_eq!(devices[1].memory_in_use(), 0);

@@ -32,6 +32,8 @@ struct Slot {
     ptr: usize,
     len: usize,
     phase: u64,
+    /// The rank's handle was dropped (its thread ended): it will never arrive.
+    dropped: bool,
 }
 
 /// Where the ranks of one in-process group meet for a direct all-reduce.
@@ -64,7 +66,16 @@ impl Board {
 
     /// After a recovery: every rank's phase back to 0 (the ranks' sequence numbers were realigned).
     pub(super) fn reset(&self) {
-        self.lock().iter_mut().for_each(|slot| *slot = Slot::default());
+        self.lock().iter_mut().for_each(|slot| *slot = Slot { dropped: slot.dropped, ..Slot::default() });
+    }
+
+    /// Records that `rank`'s handle was dropped, and wakes every waiting rank.
+    pub(super) fn drop_rank(&self, rank: usize) {
+        let mut slots = self.lock();
+        if let Some(slot) = slots.get_mut(rank) {
+            slot.dropped = true;
+        }
+        self.changed.notify_all();
     }
 }
 
@@ -105,6 +116,12 @@ impl Ctx<'_> {
             if let Some(failure) = (self.failure)() {
                 return Err((self.aborted)(failure));
             }
+            if let Some(gone) = (0..slots.len()).find(|&r| slots[r].dropped && slots[r].phase < target) {
+                return Err((self.failed)(format!(
+                    "rank {gone}'s handle was dropped (its thread ended or panicked) before it reached {}",
+                    self.op
+                )));
+            }
             if slots.iter().all(|s| s.phase >= target) {
                 if then_read {
                     self.board.readers.fetch_add(1, Ordering::AcqRel);
@@ -115,8 +132,8 @@ impl Ctx<'_> {
             if now >= deadline {
                 let missing: Vec<usize> = (0..slots.len()).filter(|&r| slots[r].phase < target).collect();
                 return Err((self.failed)(format!(
-                    "ranks {missing:?} did not reach {} within {:?}; did every rank call it?",
-                    self.op, self.timeout
+                    "no message from ranks {missing:?} within {:?}: they did not reach {}; did every rank call it?",
+                    self.timeout, self.op
                 )));
             }
             let wait = super::in_process::ABORT_POLL.min(deadline - now);

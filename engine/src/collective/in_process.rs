@@ -354,6 +354,14 @@ impl RankHandle {
     }
 }
 
+impl Drop for RankHandle {
+    /// Tells the board this rank will not come, so a rank waiting for it in an in-place collective
+    /// ends at once (as a dropped channel ends a receive).
+    fn drop(&mut self) {
+        self.shared.board.drop_rank(self.rank);
+    }
+}
+
 impl Communicator for RankHandle {
     fn rank(&self) -> usize {
         self.rank
