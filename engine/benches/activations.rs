@@ -6,41 +6,19 @@
 //! Run alone: `cargo bench -p conveyor-engine --bench activations` (prints `op ns_per_call` lines,
 //! the median of 15 timed repetitions per op).
 use std::hint::black_box;
-use std::time::Instant;
 
 use conveyor_engine::cpu::activation::{gelu_backward, gelu_forward, gelu_tanh_backward, gelu_tanh_forward};
 use conveyor_engine::cpu::softmax::softmax_rows;
 
-/// Median nanoseconds per call of `f`, over 15 repetitions of enough calls to fill ~20 ms.
-fn time(mut f: impl FnMut()) -> f64 {
-    let start = Instant::now();
-    f();
-    let once = start.elapsed().as_secs_f64().max(1e-7);
-    let calls = ((0.02 / once) as usize).clamp(1, 10_000);
-    let mut samples: Vec<f64> = (0..15)
-        .map(|_| {
-            let start = Instant::now();
-            for _ in 0..calls {
-                f();
-            }
-            start.elapsed().as_secs_f64() * 1e9 / calls as f64
-        })
-        .collect();
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
+#[path = "support/mod.rs"]
+mod support;
+
+/// See [`support::time`].
+fn time(f: impl FnMut()) -> f64 {
+    support::time(f, false)
 }
 
-fn values(n: usize, scale: f32) -> Vec<f32> {
-    // A fixed pseudo-random sequence (xorshift), roughly normal by summing uniforms.
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let mut uniform = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state >> 40) as f32 / (1u64 << 24) as f32
-    };
-    (0..n).map(|_| ((0..4).map(|_| uniform()).sum::<f32>() - 2.0) * scale * 1.73).collect()
-}
+use support::values;
 
 fn main() {
     let n = 4096 * 128;

@@ -15,45 +15,21 @@
 //! `BENCH_ONLY=attn` or `BENCH_ONLY=maxpool` runs one half).
 use std::hint::black_box;
 use std::mem::MaybeUninit;
-use std::time::Instant;
 
 use conveyor_engine::cpu::attention::{AttentionDims, attention_backward, attention_forward};
 use conveyor_engine::cpu::pool::{max_pool2d_backward, max_pool2d_forward, max_pool2d_input_grad};
 use conveyor_engine::cpu::softmax::softmax_rows;
 use conveyor_engine::cpu::{MatRef, Window2d, matmul};
 
-/// Median nanoseconds per call of `f`, over 15 repetitions (5 for calls over 50 ms) of enough
-/// calls to fill ~20 ms.
-fn time(mut f: impl FnMut()) -> f64 {
-    let start = Instant::now();
-    f();
-    let once = start.elapsed().as_secs_f64().max(1e-7);
-    let calls = ((0.02 / once) as usize).clamp(1, 10_000);
-    let reps = if once > 0.05 { 5 } else { 15 };
-    let mut samples: Vec<f64> = (0..reps)
-        .map(|_| {
-            let start = Instant::now();
-            for _ in 0..calls {
-                f();
-            }
-            start.elapsed().as_secs_f64() * 1e9 / calls as f64
-        })
-        .collect();
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
+#[path = "support/mod.rs"]
+mod support;
+
+/// See [`support::time`].
+fn time(f: impl FnMut()) -> f64 {
+    support::time(f, true)
 }
 
-fn values(n: usize, scale: f32) -> Vec<f32> {
-    // A fixed pseudo-random sequence (xorshift), roughly normal by summing uniforms.
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let mut uniform = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state >> 40) as f32 / (1u64 << 24) as f32
-    };
-    (0..n).map(|_| ((0..4).map(|_| uniform()).sum::<f32>() - 2.0) * scale * 1.73).collect()
-}
+use support::values;
 
 /// The layer's attention before the fused kernel, forward and backward (non-causal).
 fn attention_old(
