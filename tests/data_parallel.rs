@@ -336,7 +336,9 @@ fn unequal_replica_shares_train_what_one_device_trains_on_the_whole_batch() {
 
 #[test]
 fn auto_shares_are_measured_over_the_first_steps_then_fixed() {
-    let optimizer = OptimizerConfig::adam(0.01);
+    // SGD: the measured shares depend on timing, so the sums group differently from run to run,
+    // and Adam's step on a gradient of rounding size is as large as on any other.
+    let optimizer = OptimizerConfig::Sgd(SgdConfig::new(0.05).with_momentum(0.9));
     let mut one = replicated(1, 1, 1, ScheduleKind::OneFOneB, optimizer);
     let mut auto = shared(ReplicaShares::Auto, 2, optimizer);
     assert_eq!(auto.replica_fractions(), vec![0.5, 0.5], "even until something is measured");

@@ -163,15 +163,15 @@ impl Drop for Reading<'_> {
 /// elements this rank would have sent by messages (the root: its buffer to each other rank), or
 /// `None` for a rank that sends nothing.
 pub(super) fn broadcast(ctx: &Ctx<'_>, buf: &mut [f32], root: usize) -> Result<Option<usize>> {
-    let n = ctx.board.lock().len();
     let (ptr, len) = (buf.as_mut_ptr(), buf.len());
     let reads = ctx.rank != root;
     let slots = ctx.arrive_and_wait(1, Some((ptr as usize, len)), reads).map_err(|e| ctx.leave(e))?;
+    let n = slots.len();
     if reads {
-        let _reading = Reading(ctx.board);
+        let reading = Reading(ctx.board);
         if slots[root].len != len {
             let error = (ctx.failed)(format!("the root gave {} elements where this rank gave {len}", slots[root].len));
-            drop(_reading);
+            drop(reading);
             return Err(ctx.leave(error));
         }
         // SAFETY: the root writes nothing during the call; this rank alone writes its own buffer,
@@ -189,10 +189,10 @@ pub(super) fn broadcast(ctx: &Ctx<'_>, buf: &mut [f32], root: usize) -> Result<O
 /// The all-reduce of the module comment. Returns the elements this rank would have sent in the
 /// ring (for the traffic counters).
 pub(super) fn all_reduce(ctx: &Ctx<'_>, buf: &mut [f32]) -> Result<Option<usize>> {
-    let n = ctx.board.lock().len();
     let ptr = buf.as_mut_ptr();
     let len = buf.len();
     let slots = ctx.arrive_and_wait(1, Some((ptr as usize, len)), true).map_err(|e| ctx.leave(e))?;
+    let n = slots.len();
     let reading = Reading(ctx.board);
     if let Some(other) = slots.iter().position(|s| s.len != len) {
         drop(reading);
