@@ -9,8 +9,9 @@
 //! Everything is f32. The CPU device is one core: the engine's single-threaded GEMM
 //! (`cpu::matmul`) and, for the convolution, its im2col plus one GEMM per sample. A GPU runs cuBLAS
 //! (no TF32), and the convolution as one batched im2col and one strided-batched GEMM.
-//! Each measurement runs once untimed (unless one run already fills the time budget), then as
-//! many times as fit in `--min-time-ms`; GPU timings include a synchronisation at the end.
+//! Each measurement runs once untimed (a warm-up: kernel loading and cuBLAS's workspace are no
+//! part of an op's cost), then as many times as fit in `--min-time-ms` (at least once); GPU
+//! timings include a synchronisation at the end.
 #[path = "device_bench/svg.rs"]
 mod svg;
 
@@ -79,16 +80,12 @@ fn values(seed: u64, len: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Milliseconds per run: `run` once untimed (unless that run alone exceeds `budget`, which is
-/// then the measurement), then as many runs as fit in `budget` (at least one), then `finish`.
+/// Milliseconds per run: `run` once untimed (a warm-up: the first launch on a GPU loads its
+/// kernels and creates the cuBLAS workspace, which is no part of the op's cost), then as many
+/// timed runs as fit in `budget` (at least one), then `finish`.
 fn time_ms(budget: Duration, mut run: impl FnMut() -> Result<()>, finish: impl Fn() -> Result<()>) -> Result<f64> {
-    let start = Instant::now();
     run()?;
     finish()?;
-    let first = start.elapsed();
-    if first >= budget {
-        return Ok(first.as_secs_f64() * 1e3);
-    }
     let start = Instant::now();
     let mut runs = 0u32;
     while runs == 0 || (start.elapsed() < budget && runs < 10_000) {

@@ -5,8 +5,9 @@
 //! compared with the same runs on CPU devices. The layers without a GPU path, given GPU tensors,
 //! fail with `Error::NotOnHost` (or another structured error), never a panic.
 //!
-//! Without the `cuda` feature, a driver or a GPU, the binary prints one line saying the CUDA
-//! cases were skipped and why; the CPU reference runs are still checked to be deterministic.
+//! One trial per case and device (`engine/tests/common/device_cases.rs`): without the `cuda`
+//! feature, a driver or a GPU, each `[cuda]` trial is listed as ignored, by name, and the reason
+//! printed once; the CPU trial checks the reference runs are deterministic.
 //!
 //! # Tolerance
 //!
@@ -20,13 +21,18 @@
 //! computes it), `1e-5` relative on the reported losses, and `1e-4` (same formula) on the
 //! predicted logits.
 mod common;
+#[path = "../engine/tests/common/device_cases.rs"]
+mod device_cases;
 
-use std::sync::{Arc, Once};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use device_cases::Case;
 
 use common::{data, even_stages, max_rel_diff, weights};
 use conveyor::engine::optim::{OptimizerConfig, SgdConfig};
 use conveyor::engine::runtime::Trainer;
-use conveyor::engine::{CudaDevice, Device, Error, ForwardCtx, Layer, Tensor, init};
+use conveyor::engine::{Device, Error, ForwardCtx, Layer, Tensor, init};
 use conveyor::layers::{
     Add, AvgPool2d, Conv2d, Conv2dOptions, CrossEntropyLoss, Dropout, Embedding, GlobalAvgPool2d, LayerNorm, MaxPool2d,
     MeanOverTokens, MultiheadSelfAttention, PositionalEmbedding,
@@ -77,18 +83,6 @@ fn train(devices: Vec<Device>) -> anyhow::Result<Run> {
     })
 }
 
-/// How many GPUs there are; `None` (after printing once per test binary why) when there are none.
-fn gpus() -> Option<usize> {
-    static SKIPPED: Once = Once::new();
-    let why = match CudaDevice::count() {
-        Ok(count) if count > 0 => return Some(count),
-        Ok(_) => "the CUDA driver sees no GPU".to_string(),
-        Err(err) => err.to_string(),
-    };
-    SKIPPED.call_once(|| println!("CUDA cases skipped: {why}"));
-    None
-}
-
 fn compare(what: &str, gpu: &Run, cpu: &Run) {
     let rel = max_rel_diff(&gpu.weights, &cpu.weights);
     assert!(rel <= 1e-4, "{what}: weights differ from the CPU run by {rel:e} (relative)");
@@ -100,22 +94,27 @@ fn compare(what: &str, gpu: &Run, cpu: &Run) {
     assert!(gpu.peak_memory.iter().all(|&bytes| bytes > 0), "{what}: every GPU ledger counted the step");
 }
 
-#[test]
-fn an_mlp_trained_on_gpus_matches_the_cpu() {
-    let one_cpu = train(vec![Device::cpu(0)]).unwrap();
-    let two_cpus = train(vec![Device::cpu(0), Device::cpu(1)]).unwrap();
+fn an_mlp_trained_on_every_device_matches_one_cpu(device: &Device) -> anyhow::Result<()> {
+    let one_cpu = train(vec![Device::cpu(0)])?;
+    let two_cpus = train(vec![Device::cpu(0), Device::cpu(1)])?;
     // The pipeline reproduces one device bit for bit on CPUs; the GPU runs are held to that reference.
-    assert!(one_cpu.weights == two_cpus.weights, "the CPU pipeline is not bit-exact");
-    let Some(count) = gpus() else { return };
-    let cuda = |ordinal: usize| Device::cuda(ordinal, None).unwrap();
-    let one_gpu = train(vec![cuda(0)]).unwrap();
-    compare("cuda:0", &one_gpu, &one_cpu);
+    anyhow::ensure!(one_cpu.weights == two_cpus.weights, "the CPU pipeline is not bit-exact");
+    let Device::Cuda(_) = device else {
+        let again = train(vec![device.clone()])?;
+        anyhow::ensure!(again.weights == one_cpu.weights && again.losses == one_cpu.losses, "CPU runs differ");
+        return Ok(());
+    };
+    let one_gpu = train(vec![device.clone()])?;
+    compare(&device.to_string(), &one_gpu, &one_cpu);
     // Two stages: on two GPUs (peer or staged copies between them), or on two handles of one GPU
     // (two worker threads with their own streams, copies between two ledgers).
-    let (what, devices) =
-        if count >= 2 { ("cuda:0,cuda:1", vec![cuda(0), cuda(1)]) } else { ("cuda:0,cuda:0", vec![cuda(0), cuda(0)]) };
-    let two_gpus = train(devices).unwrap();
-    compare(what, &two_gpus, &two_cpus);
+    let ordinals = device_cases::gpu_ordinals().map_err(anyhow::Error::msg)?;
+    let second = ordinals.iter().copied().find(|&o| format!("cuda:{o}") != device.to_string()).unwrap_or(ordinals[0]);
+    let devices = vec![device.clone(), Device::cuda(second, None)?];
+    let what = format!("{},cuda:{second}", device);
+    let two_gpus = train(devices)?;
+    compare(&what, &two_gpus, &two_cpus);
+    Ok(())
 }
 
 /// A layer, moved onto `device`, given `inputs` there: forward must be a structured error, not a
@@ -131,12 +130,7 @@ fn refuses_gpu_tensors(name: &str, mut layer: Box<dyn Layer>, inputs: &[&Tensor]
     }
 }
 
-#[test]
-fn layers_without_a_gpu_path_refuse_gpu_tensors_without_panicking() {
-    if gpus().is_none() {
-        return;
-    }
-    let device = Device::cuda(0, None).unwrap();
+fn layers_without_a_gpu_path_refuse_gpu_tensors_without_panicking(device: &Device) -> anyhow::Result<()> {
     let host = Device::host();
     let mut rng = init::rng(1);
     let image =
@@ -161,6 +155,21 @@ fn layers_without_a_gpu_path_refuse_gpu_tensors_without_panicking() {
         ("MeanOverTokens", Box::new(MeanOverTokens::new()), vec![&tokens]),
     ];
     for (name, layer, inputs) in layers {
-        refuses_gpu_tensors(name, layer, &inputs, &device);
+        refuses_gpu_tensors(name, layer, &inputs, device);
     }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cases: [Case<Device>; 2] = [
+        Case::every_device(
+            "an_mlp_trained_on_every_device_matches_one_cpu",
+            an_mlp_trained_on_every_device_matches_one_cpu,
+        ),
+        Case::gpus(
+            "layers_without_a_gpu_path_refuse_gpu_tensors_without_panicking",
+            layers_without_a_gpu_path_refuse_gpu_tensors_without_panicking,
+        ),
+    ];
+    device_cases::run(&[], &cases, device_cases::devices())
 }

@@ -3,8 +3,9 @@
 //! Each case builds seeded inputs, computes the expected result with the engine's CPU kernels
 //! (`conveyor_engine::cpu`, `optim`), and runs the op on every [`Backend`]: the CPU always (the
 //! CPU kernels themselves, through the same host-slice interface), and each CUDA GPU when built
-//! with `--features cuda` and a GPU is present (upload, launch, download). Otherwise the binary
-//! prints one line saying the CUDA cases were skipped and why.
+//! with `--features cuda` and a GPU is present (upload, launch, download): one trial per case and
+//! device (`case[cpu]`, `case[cuda:0]`; `common::device_cases`). Without a GPU each case's
+//! `[cuda]` trial is listed as ignored, by name, and the reason printed once.
 //!
 //! # Tolerances
 //!
@@ -29,14 +30,16 @@
 //!   log-probabilities and losses (divided by the normalizer), `rtol = 1e-4` on probabilities.
 mod common;
 
+use common::device_cases::{self, Case, Opener, Targets};
 use common::values;
-use std::sync::Once;
+use std::process::ExitCode;
+use std::sync::Arc;
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Result, bail, ensure};
 use conveyor_engine::cpu::{self, MatRef, Window2d};
 use conveyor_engine::device::{CudaBuffer, CudaStream, DeviceMatRef};
 use conveyor_engine::optim::{AdamConfig, Optimizer, OptimizerConfig, SgdConfig};
-use conveyor_engine::{CudaDevice, Device, Error, Tensor};
+use conveyor_engine::{Device, Error, Tensor};
 use half::{bf16, f16};
 
 /// Unit roundoff of f32.
@@ -94,35 +97,30 @@ enum Backend {
     Cuda(CudaStream),
 }
 
-/// The CPU, then every GPU (prints once why there are none).
-fn backends() -> Vec<Backend> {
-    static SKIPPED: Once = Once::new();
-    let mut backends = vec![Backend::Cpu];
-    let skip = |why: String| SKIPPED.call_once(|| println!("CUDA cases skipped: {why}"));
-    match CudaDevice::count() {
-        Err(err) => skip(err.to_string()),
-        Ok(0) => skip("the CUDA driver sees no GPU".to_string()),
-        Ok(count) => {
-            for ordinal in 0..count {
-                match Device::cuda(ordinal, None).and_then(|device| match device {
-                    Device::Cuda(cuda) => cuda.new_stream(),
-                    Device::Cpu(_) => Err(Error::invalid("device", "Device::cuda returned a CPU device")),
-                }) {
-                    Ok(stream) => backends.push(Backend::Cuda(stream)),
-                    Err(err) => skip(format!("cuda:{ordinal} could not be used: {err}")),
-                }
-            }
-        }
+/// A fresh stream on a fresh handle of `cuda:ordinal`.
+fn cuda_stream(ordinal: usize) -> Result<CudaStream> {
+    match Device::cuda(ordinal, None)? {
+        Device::Cuda(cuda) => Ok(cuda.new_stream()?),
+        Device::Cpu(_) => bail!("Device::cuda returned a CPU device"),
     }
-    backends
 }
 
-/// Runs `case` on every backend, naming the backend in any failure.
-fn on_every_device(case: impl Fn(&Backend) -> Result<()>) -> Result<()> {
-    for backend in backends() {
-        case(&backend).with_context(|| format!("on {}", backend.name()))?;
+/// The CPU kernels, and a fresh stream on every usable GPU for each trial.
+fn backends() -> Targets<Backend> {
+    let devices = device_cases::devices();
+    Targets {
+        cpu: Arc::new(|| Ok(Backend::Cpu)),
+        gpus: devices
+            .gpus
+            .into_iter()
+            .map(|(label, _)| {
+                let ordinal: usize = label.trim_start_matches("cuda:").parse().expect("labels are cuda:N");
+                let open: Opener<Backend> = Arc::new(move || Ok(Backend::Cuda(cuda_stream(ordinal)?)));
+                (label, open)
+            })
+            .collect(),
+        missing: devices.missing,
     }
-    Ok(())
 }
 
 /// A host matrix as an operand: `rows x cols`, stored row-major, or (when `transposed`) stored as
@@ -273,255 +271,224 @@ impl Backend {
     }
 }
 
-#[test]
-fn matmul_in_all_four_layouts_with_and_without_accumulate() -> Result<()> {
-    on_every_device(|backend| {
-        for (m, k, n) in [(7, 5, 3), (33, 70, 18), (1, 64, 1), (64, 1, 9)] {
-            for (lhs_t, rhs_t) in [(false, false), (true, false), (false, true), (true, true)] {
-                for precision in [Precision::F32, Precision::F16, Precision::Bf16] {
-                    let (lhs, rhs) = (Operand::new(1 + m as u64, m, k, lhs_t), Operand::new(2 + n as u64, k, n, rhs_t));
-                    let (lhs, rhs, factor) = match precision {
-                        Precision::F32 => (lhs, rhs, 2.0),
-                        Precision::F16 => (
-                            lhs.rounded(|x| f16::from_f32(x).to_f32()),
-                            rhs.rounded(|x| f16::from_f32(x).to_f32()),
-                            8.0,
-                        ),
-                        Precision::Bf16 => (
-                            lhs.rounded(|x| bf16::from_f32(x).to_f32()),
-                            rhs.rounded(|x| bf16::from_f32(x).to_f32()),
-                            8.0,
-                        ),
-                    };
-                    let initial = values(3, m * n);
-                    for accumulate in [false, true] {
-                        let mut expected = initial.clone();
-                        cpu::matmul(&mut expected, lhs.cpu(), rhs.cpu(), accumulate)?;
-                        let mut got = initial.clone();
-                        backend.matmul(&mut got, &lhs, &rhs, accumulate, precision)?;
-                        let zero = vec![0.0; m * n];
-                        let tolerance = gemm_tolerance(&lhs, &rhs, if accumulate { &initial } else { &zero }, factor)?;
-                        let what = format!(
-                            "{m}x{k}·{k}x{n} {precision:?} lhs_t={lhs_t} rhs_t={rhs_t} accumulate={accumulate}"
-                        );
-                        assert_close_each(&what, backend, &got, &expected, |i| Tolerance {
-                            rtol: 0.0,
-                            atol: tolerance[i],
-                        })?;
+fn matmul_in_all_four_layouts_with_and_without_accumulate(backend: &Backend) -> Result<()> {
+    for (m, k, n) in [(7, 5, 3), (33, 70, 18), (1, 64, 1), (64, 1, 9)] {
+        for (lhs_t, rhs_t) in [(false, false), (true, false), (false, true), (true, true)] {
+            for precision in [Precision::F32, Precision::F16, Precision::Bf16] {
+                let (lhs, rhs) = (Operand::new(1 + m as u64, m, k, lhs_t), Operand::new(2 + n as u64, k, n, rhs_t));
+                let (lhs, rhs, factor) = match precision {
+                    Precision::F32 => (lhs, rhs, 2.0),
+                    Precision::F16 => {
+                        (lhs.rounded(|x| f16::from_f32(x).to_f32()), rhs.rounded(|x| f16::from_f32(x).to_f32()), 8.0)
                     }
+                    Precision::Bf16 => {
+                        (lhs.rounded(|x| bf16::from_f32(x).to_f32()), rhs.rounded(|x| bf16::from_f32(x).to_f32()), 8.0)
+                    }
+                };
+                let initial = values(3, m * n);
+                for accumulate in [false, true] {
+                    let mut expected = initial.clone();
+                    cpu::matmul(&mut expected, lhs.cpu(), rhs.cpu(), accumulate)?;
+                    let mut got = initial.clone();
+                    backend.matmul(&mut got, &lhs, &rhs, accumulate, precision)?;
+                    let zero = vec![0.0; m * n];
+                    let tolerance = gemm_tolerance(&lhs, &rhs, if accumulate { &initial } else { &zero }, factor)?;
+                    let what =
+                        format!("{m}x{k}·{k}x{n} {precision:?} lhs_t={lhs_t} rhs_t={rhs_t} accumulate={accumulate}");
+                    assert_close_each(&what, backend, &got, &expected, |i| Tolerance {
+                        rtol: 0.0,
+                        atol: tolerance[i],
+                    })?;
                 }
             }
         }
-        Ok(())
-    })
+    }
+    Ok(())
 }
 
-#[test]
-fn matmul_of_strided_blocks_and_batches() -> Result<()> {
-    on_every_device(|backend| {
-        let Backend::Cuda(stream) = backend else { return Ok(()) };
-        // A 6x4 block of columns 3..7 of a 6x10 matrix, times a 4x5 matrix.
-        let (wide, rhs) = (values(11, 6 * 10), Operand::new(12, 4, 5, false));
-        let block: Vec<f32> = (0..6).flat_map(|r| wide[r * 10 + 3..r * 10 + 7].to_vec()).collect();
-        let lhs = Operand { data: block, rows: 6, cols: 4, transposed: false };
-        let mut expected = vec![0.0; 30];
-        cpu::matmul(&mut expected, lhs.cpu(), rhs.cpu(), false)?;
-        let (a, b) = (stream.upload(&wide)?, stream.upload(&rhs.data)?);
-        let mut out = stream.alloc_zeros::<f32>(30)?;
-        stream.matmul(&mut out, DeviceMatRef::row_major_at(&a, 3, 6, 4, 10)?, rhs.device(&b)?, false)?;
-        let tolerance = gemm_tolerance(&lhs, &rhs, &[0.0; 30], 2.0)?;
-        assert_close_each("strided block", backend, &stream.download(&out)?, &expected, |i| Tolerance {
+fn matmul_of_strided_blocks_and_batches(backend: &Backend) -> Result<()> {
+    let Backend::Cuda(stream) = backend else { return Ok(()) };
+    // A 6x4 block of columns 3..7 of a 6x10 matrix, times a 4x5 matrix.
+    let (wide, rhs) = (values(11, 6 * 10), Operand::new(12, 4, 5, false));
+    let block: Vec<f32> = (0..6).flat_map(|r| wide[r * 10 + 3..r * 10 + 7].to_vec()).collect();
+    let lhs = Operand { data: block, rows: 6, cols: 4, transposed: false };
+    let mut expected = vec![0.0; 30];
+    cpu::matmul(&mut expected, lhs.cpu(), rhs.cpu(), false)?;
+    let (a, b) = (stream.upload(&wide)?, stream.upload(&rhs.data)?);
+    let mut out = stream.alloc_zeros::<f32>(30)?;
+    stream.matmul(&mut out, DeviceMatRef::row_major_at(&a, 3, 6, 4, 10)?, rhs.device(&b)?, false)?;
+    let tolerance = gemm_tolerance(&lhs, &rhs, &[0.0; 30], 2.0)?;
+    assert_close_each("strided block", backend, &stream.download(&out)?, &expected, |i| Tolerance {
+        rtol: 0.0,
+        atol: tolerance[i],
+    })?;
+
+    // 3 products sharing one left matrix (batch stride 0), right matrices 20 elements apart.
+    let (shared, stacked) = (Operand::new(13, 2, 4, false), values(14, 3 * 20));
+    let (a, b) = (stream.upload(&shared.data)?, stream.upload(&stacked)?);
+    let mut out = stream.alloc_zeros::<f32>(3 * 10)?;
+    let rhs_view = DeviceMatRef::row_major(&b, 4, 5)?.with_batch_stride(20);
+    stream.matmul_batched(&mut out, shared.device(&a)?, rhs_view, 3, false)?;
+    let got = stream.download(&out)?;
+    for batch in 0..3 {
+        let rhs = Operand { data: stacked[batch * 20..batch * 20 + 20].to_vec(), rows: 4, cols: 5, transposed: false };
+        let mut expected = vec![0.0; 10];
+        cpu::matmul(&mut expected, shared.cpu(), rhs.cpu(), false)?;
+        let tolerance = gemm_tolerance(&shared, &rhs, &[0.0; 10], 2.0)?;
+        let what = format!("batched product {batch}");
+        assert_close_each(&what, backend, &got[batch * 10..batch * 10 + 10], &expected, |i| Tolerance {
             rtol: 0.0,
             atol: tolerance[i],
         })?;
-
-        // 3 products sharing one left matrix (batch stride 0), right matrices 20 elements apart.
-        let (shared, stacked) = (Operand::new(13, 2, 4, false), values(14, 3 * 20));
-        let (a, b) = (stream.upload(&shared.data)?, stream.upload(&stacked)?);
-        let mut out = stream.alloc_zeros::<f32>(3 * 10)?;
-        let rhs_view = DeviceMatRef::row_major(&b, 4, 5)?.with_batch_stride(20);
-        stream.matmul_batched(&mut out, shared.device(&a)?, rhs_view, 3, false)?;
-        let got = stream.download(&out)?;
-        for batch in 0..3 {
-            let rhs =
-                Operand { data: stacked[batch * 20..batch * 20 + 20].to_vec(), rows: 4, cols: 5, transposed: false };
-            let mut expected = vec![0.0; 10];
-            cpu::matmul(&mut expected, shared.cpu(), rhs.cpu(), false)?;
-            let tolerance = gemm_tolerance(&shared, &rhs, &[0.0; 10], 2.0)?;
-            let what = format!("batched product {batch}");
-            assert_close_each(&what, backend, &got[batch * 10..batch * 10 + 10], &expected, |i| Tolerance {
-                rtol: 0.0,
-                atol: tolerance[i],
-            })?;
-        }
-        // A view past its buffer is refused before cuBLAS sees it.
-        ensure!(matches!(DeviceMatRef::row_major(&b, 61, 1), Err(Error::ShapeMismatch { .. })));
-        Ok(())
-    })
+    }
+    // A view past its buffer is refused before cuBLAS sees it.
+    ensure!(matches!(DeviceMatRef::row_major(&b, 61, 1), Err(Error::ShapeMismatch { .. })));
+    Ok(())
 }
 
-#[test]
-fn elementwise_ops_and_activations() -> Result<()> {
-    on_every_device(|backend| {
-        let n = 1000;
-        let (x, dy) = (values(21, n).iter().map(|v| v * 6.0).collect::<Vec<_>>(), values(22, n));
-        let mut out = vec![0.0; n];
+fn elementwise_ops_and_activations(backend: &Backend) -> Result<()> {
+    let n = 1000;
+    let (x, dy) = (values(21, n).iter().map(|v| v * 6.0).collect::<Vec<_>>(), values(22, n));
+    let mut out = vec![0.0; n];
 
-        let mut expected = vec![0.0; n];
-        cpu::elementwise::add(&x, &dy, &mut expected)?;
-        backend.binary(&x, &dy, &mut out, cpu::elementwise::add, |s, a, b, o| s.add(a, b, o))?;
-        assert_close("add", backend, &out, &expected, EXACT)?;
+    let mut expected = vec![0.0; n];
+    cpu::elementwise::add(&x, &dy, &mut expected)?;
+    backend.binary(&x, &dy, &mut out, cpu::elementwise::add, |s, a, b, o| s.add(a, b, o))?;
+    assert_close("add", backend, &out, &expected, EXACT)?;
 
-        type Forward = fn(&[f32], &mut [f32]) -> conveyor_engine::Result<()>;
-        let unary_cases: [(&str, Forward, Tolerance); 3] = [
-            ("relu_forward", cpu::activation::relu_forward, EXACT),
-            ("gelu_forward", cpu::activation::gelu_forward, TRANSCENDENTAL),
-            ("tanh_forward", cpu::activation::tanh_forward, TRANSCENDENTAL),
-        ];
-        for (name, cpu_op, tolerance) in unary_cases {
-            cpu_op(&x, &mut expected)?;
-            backend.unary(&x, &mut out, cpu_op, |s, a, o| match name {
-                "relu_forward" => s.relu_forward(a, o),
-                "gelu_forward" => s.gelu_forward(a, o),
-                _ => s.tanh_forward(a, o),
-            })?;
-            assert_close(name, backend, &out, &expected, tolerance)?;
-        }
-
-        // Backward ops take the forward output (ReLU, tanh) or input (GELU), as on the CPU.
-        let mut relu_y = vec![0.0; n];
-        cpu::activation::relu_forward(&x, &mut relu_y)?;
-        let mut tanh_y = vec![0.0; n];
-        cpu::activation::tanh_forward(&x, &mut tanh_y)?;
-        type Backward = fn(&[f32], &[f32], &mut [f32]) -> conveyor_engine::Result<()>;
-        let backward_cases: [(&str, &[f32], Backward, Tolerance); 3] = [
-            ("relu_backward", &relu_y, cpu::activation::relu_backward, EXACT),
-            ("gelu_backward", &x, cpu::activation::gelu_backward, TRANSCENDENTAL),
-            ("tanh_backward", &tanh_y, cpu::activation::tanh_backward, EXACT),
-        ];
-        for (name, forward, cpu_op, tolerance) in backward_cases {
-            cpu_op(forward, &dy, &mut expected)?;
-            backend.binary(forward, &dy, &mut out, cpu_op, |s, a, b, o| match name {
-                "relu_backward" => s.relu_backward(a, b, o),
-                "gelu_backward" => s.gelu_backward(a, b, o),
-                _ => s.tanh_backward(a, b, o),
-            })?;
-            assert_close(name, backend, &out, &expected, tolerance)?;
-        }
-
-        // In-place ops and dropout, against their one-line definitions.
-        let mask: Vec<f32> = values(23, n).iter().map(|v| if *v > 0.2 { 1.0 } else { 0.0 }).collect();
-        let scale = 1.0 / (1.0 - 0.4f32);
-        let dropout: Vec<f32> = x.iter().zip(&mask).map(|(a, m)| a * m * scale).collect();
-        let added: Vec<f32> = x.iter().zip(&dy).map(|(a, b)| a + b).collect();
-        let scaled: Vec<f32> = x.iter().map(|a| a * 0.37).collect();
-        match backend {
-            Backend::Cpu => {}
-            Backend::Cuda(stream) => {
-                let (xb, mb, dyb) = (stream.upload(&x)?, stream.upload(&mask)?, stream.upload(&dy)?);
-                let mut y = stream.alloc_zeros::<f32>(n)?;
-                stream.dropout_apply(&xb, &mb, scale, &mut y)?;
-                assert_close("dropout_apply", backend, &stream.download(&y)?, &dropout, EXACT)?;
-                let mut acc = stream.upload(&x)?;
-                stream.add_assign(&mut acc, &dyb)?;
-                assert_close("add_assign", backend, &stream.download(&acc)?, &added, EXACT)?;
-                let mut scaled_buffer = stream.upload(&x)?;
-                stream.scale(&mut scaled_buffer, 0.37)?;
-                assert_close("scale", backend, &stream.download(&scaled_buffer)?, &scaled, EXACT)?;
-                ensure!(matches!(
-                    stream.add(&xb, &mb, &mut stream.alloc_zeros(n - 1)?),
-                    Err(Error::ShapeMismatch { .. })
-                ));
-            }
-        }
-        Ok(())
-    })
-}
-
-#[test]
-fn reductions_broadcast_and_sum_of_squares() -> Result<()> {
-    on_every_device(|backend| {
-        let (rows, cols) = (37, 300);
-        let matrix = values(31, rows * cols);
-        let (initial_cols, initial_rows) = (values(32, cols), values(33, rows));
-        let col_abs_sum = rows as f32 + 1.0;
-        let row_abs_sum = cols as f32 + 1.0;
-
-        let mut expected = initial_cols.clone();
-        cpu::elementwise::accumulate_column_sums(&matrix, &mut expected)?;
-        let mut got = initial_cols.clone();
-        backend.unary(&matrix, &mut got, cpu::elementwise::accumulate_column_sums, |s, m, o| {
-            s.accumulate_column_sums(m, o)
+    type Forward = fn(&[f32], &mut [f32]) -> conveyor_engine::Result<()>;
+    let unary_cases: [(&str, Forward, Tolerance); 3] = [
+        ("relu_forward", cpu::activation::relu_forward, EXACT),
+        ("gelu_forward", cpu::activation::gelu_forward, TRANSCENDENTAL),
+        ("tanh_forward", cpu::activation::tanh_forward, TRANSCENDENTAL),
+    ];
+    for (name, cpu_op, tolerance) in unary_cases {
+        cpu_op(&x, &mut expected)?;
+        backend.unary(&x, &mut out, cpu_op, |s, a, o| match name {
+            "relu_forward" => s.relu_forward(a, o),
+            "gelu_forward" => s.gelu_forward(a, o),
+            _ => s.tanh_forward(a, o),
         })?;
-        assert_close("accumulate_column_sums", backend, &got, &expected, reordered_sum(rows + 1, col_abs_sum))?;
+        assert_close(name, backend, &out, &expected, tolerance)?;
+    }
 
-        let mut expected = initial_rows.clone();
-        cpu::elementwise::accumulate_row_sums(&matrix, &mut expected)?;
-        let mut got = initial_rows.clone();
-        backend
-            .unary(&matrix, &mut got, cpu::elementwise::accumulate_row_sums, |s, m, o| s.accumulate_row_sums(m, o))?;
-        assert_close("accumulate_row_sums", backend, &got, &expected, reordered_sum(cols + 1, row_abs_sum))?;
+    // Backward ops take the forward output (ReLU, tanh) or input (GELU), as on the CPU.
+    let mut relu_y = vec![0.0; n];
+    cpu::activation::relu_forward(&x, &mut relu_y)?;
+    let mut tanh_y = vec![0.0; n];
+    cpu::activation::tanh_forward(&x, &mut tanh_y)?;
+    type Backward = fn(&[f32], &[f32], &mut [f32]) -> conveyor_engine::Result<()>;
+    let backward_cases: [(&str, &[f32], Backward, Tolerance); 3] = [
+        ("relu_backward", &relu_y, cpu::activation::relu_backward, EXACT),
+        ("gelu_backward", &x, cpu::activation::gelu_backward, TRANSCENDENTAL),
+        ("tanh_backward", &tanh_y, cpu::activation::tanh_backward, EXACT),
+    ];
+    for (name, forward, cpu_op, tolerance) in backward_cases {
+        cpu_op(forward, &dy, &mut expected)?;
+        backend.binary(forward, &dy, &mut out, cpu_op, |s, a, b, o| match name {
+            "relu_backward" => s.relu_backward(a, b, o),
+            "gelu_backward" => s.gelu_backward(a, b, o),
+            _ => s.tanh_backward(a, b, o),
+        })?;
+        assert_close(name, backend, &out, &expected, tolerance)?;
+    }
 
-        let mut expected = vec![0.0; rows * cols];
-        cpu::elementwise::broadcast_rows(&initial_cols, &mut expected)?;
-        let mut got = vec![0.0; rows * cols];
-        backend.unary(&initial_cols, &mut got, cpu::elementwise::broadcast_rows, |s, r, o| s.broadcast_rows(r, o))?;
-        assert_close("broadcast_rows", backend, &got, &expected, EXACT)?;
-
-        let tensor = Tensor::from_slice(&matrix, [rows * cols], &Device::cpu(0))?;
-        let expected = conveyor_engine::optim::grad_sum_of_squares(&[&tensor])?;
-        let got = match backend {
-            Backend::Cpu => expected,
-            Backend::Cuda(stream) => stream.sum_of_squares(&stream.upload(&matrix)?)?,
-        };
-        ensure!(
-            (got - expected).abs() <= 1e-12 * expected,
-            "sum_of_squares on {}: {got} vs {expected}",
-            backend.name()
-        );
-        Ok(())
-    })
+    // In-place ops and dropout, against their one-line definitions.
+    let mask: Vec<f32> = values(23, n).iter().map(|v| if *v > 0.2 { 1.0 } else { 0.0 }).collect();
+    let scale = 1.0 / (1.0 - 0.4f32);
+    let dropout: Vec<f32> = x.iter().zip(&mask).map(|(a, m)| a * m * scale).collect();
+    let added: Vec<f32> = x.iter().zip(&dy).map(|(a, b)| a + b).collect();
+    let scaled: Vec<f32> = x.iter().map(|a| a * 0.37).collect();
+    match backend {
+        Backend::Cpu => {}
+        Backend::Cuda(stream) => {
+            let (xb, mb, dyb) = (stream.upload(&x)?, stream.upload(&mask)?, stream.upload(&dy)?);
+            let mut y = stream.alloc_zeros::<f32>(n)?;
+            stream.dropout_apply(&xb, &mb, scale, &mut y)?;
+            assert_close("dropout_apply", backend, &stream.download(&y)?, &dropout, EXACT)?;
+            let mut acc = stream.upload(&x)?;
+            stream.add_assign(&mut acc, &dyb)?;
+            assert_close("add_assign", backend, &stream.download(&acc)?, &added, EXACT)?;
+            let mut scaled_buffer = stream.upload(&x)?;
+            stream.scale(&mut scaled_buffer, 0.37)?;
+            assert_close("scale", backend, &stream.download(&scaled_buffer)?, &scaled, EXACT)?;
+            ensure!(matches!(stream.add(&xb, &mb, &mut stream.alloc_zeros(n - 1)?), Err(Error::ShapeMismatch { .. })));
+        }
+    }
+    Ok(())
 }
 
-#[test]
-fn log_softmax_and_cross_entropy() -> Result<()> {
-    on_every_device(|backend| {
-        let (rows, cols) = (9, 1000);
-        let logits: Vec<f32> = values(41, rows * cols).iter().map(|v| v * 20.0).collect();
-        let mut expected = vec![0.0; rows * cols];
-        cpu::softmax::log_softmax_rows(&logits, cols, &mut expected)?;
-        let mut got = vec![0.0; rows * cols];
-        backend.unary(
-            &logits,
-            &mut got,
-            |x, y| cpu::softmax::log_softmax_rows(x, cols, y),
-            |s, x, y| s.log_softmax_rows(x, cols, y),
-        )?;
-        // |log_softmax| here reaches ~40; 4e-6 relative of the log-sum (~20) bounds the f32 sum.
-        assert_close("log_softmax_rows", backend, &got, &expected, Tolerance { rtol: 4e-6, atol: 1e-4 })?;
+fn reductions_broadcast_and_sum_of_squares(backend: &Backend) -> Result<()> {
+    let (rows, cols) = (37, 300);
+    let matrix = values(31, rows * cols);
+    let (initial_cols, initial_rows) = (values(32, cols), values(33, rows));
+    let col_abs_sum = rows as f32 + 1.0;
+    let row_abs_sum = cols as f32 + 1.0;
 
-        // Cross-entropy from the CPU log-softmax: loss = -logp[label] / N, grad = (p - onehot) / N.
-        let labels: Vec<i64> = (0..rows as i64).map(|r| (r * 131) % cols as i64).collect();
-        let normalizer = 32.0f32;
-        let expected_loss: Vec<f32> =
-            (0..rows).map(|r| -expected[r * cols + labels[r] as usize] / normalizer).collect();
-        let expected_grad: Vec<f32> = (0..rows * cols)
-            .map(|i| (expected[i].exp() - if (i % cols) as i64 == labels[i / cols] { 1.0 } else { 0.0 }) / normalizer)
-            .collect();
-        let Backend::Cuda(stream) = backend else { return Ok(()) };
-        let (x, l) = (stream.upload(&logits)?, stream.upload(&labels)?);
-        let (mut loss, mut grad) = (stream.alloc_zeros(rows)?, stream.alloc_zeros(rows * cols)?);
-        stream.cross_entropy(&x, &l, cols, normalizer, &mut loss, &mut grad)?;
-        let loss_tolerance = Tolerance { rtol: 4e-6, atol: 1e-4 / normalizer };
-        assert_close("cross_entropy loss", backend, &stream.download(&loss)?, &expected_loss, loss_tolerance)?;
-        let grad_tolerance = Tolerance { rtol: 1e-4, atol: 1e-4 / normalizer };
-        assert_close("cross_entropy grad", backend, &stream.download(&grad)?, &expected_grad, grad_tolerance)?;
-        // An out-of-range label poisons its row instead of reading out of bounds.
-        let bad = stream.upload(&[cols as i64; 9])?;
-        stream.cross_entropy(&x, &bad, cols, normalizer, &mut loss, &mut grad)?;
-        ensure!(stream.download(&loss)?.iter().all(|v| v.is_nan()), "an invalid label must give NaN loss");
-        Ok(())
-    })
+    let mut expected = initial_cols.clone();
+    cpu::elementwise::accumulate_column_sums(&matrix, &mut expected)?;
+    let mut got = initial_cols.clone();
+    backend
+        .unary(&matrix, &mut got, cpu::elementwise::accumulate_column_sums, |s, m, o| s.accumulate_column_sums(m, o))?;
+    assert_close("accumulate_column_sums", backend, &got, &expected, reordered_sum(rows + 1, col_abs_sum))?;
+
+    let mut expected = initial_rows.clone();
+    cpu::elementwise::accumulate_row_sums(&matrix, &mut expected)?;
+    let mut got = initial_rows.clone();
+    backend.unary(&matrix, &mut got, cpu::elementwise::accumulate_row_sums, |s, m, o| s.accumulate_row_sums(m, o))?;
+    assert_close("accumulate_row_sums", backend, &got, &expected, reordered_sum(cols + 1, row_abs_sum))?;
+
+    let mut expected = vec![0.0; rows * cols];
+    cpu::elementwise::broadcast_rows(&initial_cols, &mut expected)?;
+    let mut got = vec![0.0; rows * cols];
+    backend.unary(&initial_cols, &mut got, cpu::elementwise::broadcast_rows, |s, r, o| s.broadcast_rows(r, o))?;
+    assert_close("broadcast_rows", backend, &got, &expected, EXACT)?;
+
+    let tensor = Tensor::from_slice(&matrix, [rows * cols], &Device::cpu(0))?;
+    let expected = conveyor_engine::optim::grad_sum_of_squares(&[&tensor])?;
+    let got = match backend {
+        Backend::Cpu => expected,
+        Backend::Cuda(stream) => stream.sum_of_squares(&stream.upload(&matrix)?)?,
+    };
+    ensure!((got - expected).abs() <= 1e-12 * expected, "sum_of_squares on {}: {got} vs {expected}", backend.name());
+    Ok(())
+}
+
+fn log_softmax_and_cross_entropy(backend: &Backend) -> Result<()> {
+    let (rows, cols) = (9, 1000);
+    let logits: Vec<f32> = values(41, rows * cols).iter().map(|v| v * 20.0).collect();
+    let mut expected = vec![0.0; rows * cols];
+    cpu::softmax::log_softmax_rows(&logits, cols, &mut expected)?;
+    let mut got = vec![0.0; rows * cols];
+    backend.unary(
+        &logits,
+        &mut got,
+        |x, y| cpu::softmax::log_softmax_rows(x, cols, y),
+        |s, x, y| s.log_softmax_rows(x, cols, y),
+    )?;
+    // |log_softmax| here reaches ~40; 4e-6 relative of the log-sum (~20) bounds the f32 sum.
+    assert_close("log_softmax_rows", backend, &got, &expected, Tolerance { rtol: 4e-6, atol: 1e-4 })?;
+
+    // Cross-entropy from the CPU log-softmax: loss = -logp[label] / N, grad = (p - onehot) / N.
+    let labels: Vec<i64> = (0..rows as i64).map(|r| (r * 131) % cols as i64).collect();
+    let normalizer = 32.0f32;
+    let expected_loss: Vec<f32> = (0..rows).map(|r| -expected[r * cols + labels[r] as usize] / normalizer).collect();
+    let expected_grad: Vec<f32> = (0..rows * cols)
+        .map(|i| (expected[i].exp() - if (i % cols) as i64 == labels[i / cols] { 1.0 } else { 0.0 }) / normalizer)
+        .collect();
+    let Backend::Cuda(stream) = backend else { return Ok(()) };
+    let (x, l) = (stream.upload(&logits)?, stream.upload(&labels)?);
+    let (mut loss, mut grad) = (stream.alloc_zeros(rows)?, stream.alloc_zeros(rows * cols)?);
+    stream.cross_entropy(&x, &l, cols, normalizer, &mut loss, &mut grad)?;
+    let loss_tolerance = Tolerance { rtol: 4e-6, atol: 1e-4 / normalizer };
+    assert_close("cross_entropy loss", backend, &stream.download(&loss)?, &expected_loss, loss_tolerance)?;
+    let grad_tolerance = Tolerance { rtol: 1e-4, atol: 1e-4 / normalizer };
+    assert_close("cross_entropy grad", backend, &stream.download(&grad)?, &expected_grad, grad_tolerance)?;
+    // An out-of-range label poisons its row instead of reading out of bounds.
+    let bad = stream.upload(&[cols as i64; 9])?;
+    stream.cross_entropy(&x, &bad, cols, normalizer, &mut loss, &mut grad)?;
+    ensure!(stream.download(&loss)?.iter().all(|v| v.is_nan()), "an invalid label must give NaN loss");
+    Ok(())
 }
 
 /// Window geometries: stride 1 and 2, with and without padding, non-square.
@@ -534,129 +501,123 @@ fn windows() -> Result<Vec<Window2d>> {
     ])
 }
 
-#[test]
-fn im2col_col2im_and_convolution() -> Result<()> {
-    on_every_device(|backend| {
-        let batch = 3;
-        for window in windows()? {
-            let (col_len, input_len) = (window.col_rows() * window.out_plane_len(), window.input_len());
-            let input = values(51, batch * input_len);
-            let mut expected = vec![0.0; batch * col_len];
-            for (x, col) in input.chunks(input_len).zip(expected.chunks_mut(col_len)) {
+fn im2col_col2im_and_convolution(backend: &Backend) -> Result<()> {
+    let batch = 3;
+    for window in windows()? {
+        let (col_len, input_len) = (window.col_rows() * window.out_plane_len(), window.input_len());
+        let input = values(51, batch * input_len);
+        let mut expected = vec![0.0; batch * col_len];
+        for (x, col) in input.chunks(input_len).zip(expected.chunks_mut(col_len)) {
+            cpu::conv::im2col(x, &window, col)?;
+        }
+        let cpu_im2col = |x: &[f32], cols: &mut [f32]| -> conveyor_engine::Result<()> {
+            for (x, col) in x.chunks(input_len).zip(cols.chunks_mut(col_len)) {
                 cpu::conv::im2col(x, &window, col)?;
             }
-            let cpu_im2col = |x: &[f32], cols: &mut [f32]| -> conveyor_engine::Result<()> {
-                for (x, col) in x.chunks(input_len).zip(cols.chunks_mut(col_len)) {
-                    cpu::conv::im2col(x, &window, col)?;
-                }
-                Ok(())
-            };
-            let mut got = vec![0.0; batch * col_len];
-            backend.unary(&input, &mut got, cpu_im2col, |s, x, c| s.im2col(x, batch, &window, c))?;
-            assert_close(&format!("im2col {window:?}"), backend, &got, &expected, EXACT)?;
+            Ok(())
+        };
+        let mut got = vec![0.0; batch * col_len];
+        backend.unary(&input, &mut got, cpu_im2col, |s, x, c| s.im2col(x, batch, &window, c))?;
+        assert_close(&format!("im2col {window:?}"), backend, &got, &expected, EXACT)?;
 
-            let (columns, initial) = (values(52, batch * col_len), values(53, batch * input_len));
-            let cpu_col2im = |c: &[f32], dx: &mut [f32]| -> conveyor_engine::Result<()> {
-                for (c, dx) in c.chunks(col_len).zip(dx.chunks_mut(input_len)) {
-                    cpu::conv::col2im(c, &window, dx)?;
-                }
-                Ok(())
-            };
-            let mut expected = initial.clone();
-            cpu_col2im(&columns, &mut expected)?;
-            let mut got = initial.clone();
-            backend.unary(&columns, &mut got, cpu_col2im, |s, c, dx| s.col2im(c, batch, &window, dx))?;
-            let terms = window.kernel_height * window.kernel_width + 1;
-            assert_close(&format!("col2im {window:?}"), backend, &got, &expected, reordered_sum(terms, terms as f32))?;
-
-            // A convolution of the batch: one im2col and one strided-batched GEMM against the CPU's
-            // per-sample im2col and matmul.
-            let Backend::Cuda(stream) = backend else { continue };
-            let out_channels = 5;
-            let weight = Operand::new(54, out_channels, window.col_rows(), false);
-            let out_plane = window.out_plane_len();
-            let mut expected = vec![0.0; batch * out_channels * out_plane];
-            let mut col = vec![0.0; col_len];
-            for (x, y) in input.chunks(input_len).zip(expected.chunks_mut(out_channels * out_plane)) {
-                cpu::conv::im2col(x, &window, &mut col)?;
-                cpu::matmul(y, weight.cpu(), MatRef::row_major(&col, window.col_rows(), out_plane)?, false)?;
+        let (columns, initial) = (values(52, batch * col_len), values(53, batch * input_len));
+        let cpu_col2im = |c: &[f32], dx: &mut [f32]| -> conveyor_engine::Result<()> {
+            for (c, dx) in c.chunks(col_len).zip(dx.chunks_mut(input_len)) {
+                cpu::conv::col2im(c, &window, dx)?;
             }
-            let (x, w) = (stream.upload(&input)?, stream.upload(&weight.data)?);
-            let mut cols = stream.alloc_zeros(batch * col_len)?;
-            stream.im2col(&x, batch, &window, &mut cols)?;
-            let mut y = stream.alloc_zeros(expected.len())?;
-            let cols_view = DeviceMatRef::row_major(&cols, window.col_rows(), out_plane)?.with_batch_stride(col_len);
-            stream.matmul_batched(&mut y, weight.device(&w)?, cols_view, batch, false)?;
-            // The GEMM tolerance with c = 2 and |W|·|cols| <= k (every value lies in [-1, 1]).
-            let atol = 2.0 * (window.col_rows() + 1) as f32 * U * window.col_rows() as f32;
-            assert_close("conv2d forward", backend, &stream.download(&y)?, &expected, Tolerance { rtol: 0.0, atol })?;
+            Ok(())
+        };
+        let mut expected = initial.clone();
+        cpu_col2im(&columns, &mut expected)?;
+        let mut got = initial.clone();
+        backend.unary(&columns, &mut got, cpu_col2im, |s, c, dx| s.col2im(c, batch, &window, dx))?;
+        let terms = window.kernel_height * window.kernel_width + 1;
+        assert_close(&format!("col2im {window:?}"), backend, &got, &expected, reordered_sum(terms, terms as f32))?;
+
+        // A convolution of the batch: one im2col and one strided-batched GEMM against the CPU's
+        // per-sample im2col and matmul.
+        let Backend::Cuda(stream) = backend else { continue };
+        let out_channels = 5;
+        let weight = Operand::new(54, out_channels, window.col_rows(), false);
+        let out_plane = window.out_plane_len();
+        let mut expected = vec![0.0; batch * out_channels * out_plane];
+        let mut col = vec![0.0; col_len];
+        for (x, y) in input.chunks(input_len).zip(expected.chunks_mut(out_channels * out_plane)) {
+            cpu::conv::im2col(x, &window, &mut col)?;
+            cpu::matmul(y, weight.cpu(), MatRef::row_major(&col, window.col_rows(), out_plane)?, false)?;
         }
-        Ok(())
-    })
+        let (x, w) = (stream.upload(&input)?, stream.upload(&weight.data)?);
+        let mut cols = stream.alloc_zeros(batch * col_len)?;
+        stream.im2col(&x, batch, &window, &mut cols)?;
+        let mut y = stream.alloc_zeros(expected.len())?;
+        let cols_view = DeviceMatRef::row_major(&cols, window.col_rows(), out_plane)?.with_batch_stride(col_len);
+        stream.matmul_batched(&mut y, weight.device(&w)?, cols_view, batch, false)?;
+        // The GEMM tolerance with c = 2 and |W|·|cols| <= k (every value lies in [-1, 1]).
+        let atol = 2.0 * (window.col_rows() + 1) as f32 * U * window.col_rows() as f32;
+        assert_close("conv2d forward", backend, &stream.download(&y)?, &expected, Tolerance { rtol: 0.0, atol })?;
+    }
+    Ok(())
 }
 
-#[test]
-fn max_and_average_pooling() -> Result<()> {
-    on_every_device(|backend| {
-        let batch = 2;
-        for window in windows()? {
-            let n_planes = batch * window.channels;
-            let (in_len, out_len) = (n_planes * window.in_plane_len(), n_planes * window.out_plane_len());
-            let input = values(61, in_len);
-            let (dy, initial) = (values(62, out_len), values(63, in_len));
-            let terms = window.kernel_height * window.kernel_width + 1;
+fn max_and_average_pooling(backend: &Backend) -> Result<()> {
+    let batch = 2;
+    for window in windows()? {
+        let n_planes = batch * window.channels;
+        let (in_len, out_len) = (n_planes * window.in_plane_len(), n_planes * window.out_plane_len());
+        let input = values(61, in_len);
+        let (dy, initial) = (values(62, out_len), values(63, in_len));
+        let terms = window.kernel_height * window.kernel_width + 1;
 
-            let mut expected = vec![0.0; out_len];
-            cpu::pool::avg_pool2d_forward(&input, n_planes, &window, &mut expected)?;
-            let mut got = vec![0.0; out_len];
-            backend.unary(
-                &input,
-                &mut got,
-                |x, y| cpu::pool::avg_pool2d_forward(x, n_planes, &window, y),
-                |s, x, y| s.avg_pool_forward(x, n_planes, &window, y),
-            )?;
-            assert_close(&format!("avg_pool_forward {window:?}"), backend, &got, &expected, EXACT)?;
+        let mut expected = vec![0.0; out_len];
+        cpu::pool::avg_pool2d_forward(&input, n_planes, &window, &mut expected)?;
+        let mut got = vec![0.0; out_len];
+        backend.unary(
+            &input,
+            &mut got,
+            |x, y| cpu::pool::avg_pool2d_forward(x, n_planes, &window, y),
+            |s, x, y| s.avg_pool_forward(x, n_planes, &window, y),
+        )?;
+        assert_close(&format!("avg_pool_forward {window:?}"), backend, &got, &expected, EXACT)?;
 
-            let mut expected = initial.clone();
-            cpu::pool::avg_pool2d_backward(&dy, n_planes, &window, &mut expected)?;
-            let mut got = initial.clone();
-            backend.unary(
-                &dy,
-                &mut got,
-                |g, dx| cpu::pool::avg_pool2d_backward(g, n_planes, &window, dx),
-                |s, g, dx| s.avg_pool_backward(g, n_planes, &window, dx),
-            )?;
-            assert_close(
-                &format!("avg_pool_backward {window:?}"),
-                backend,
-                &got,
-                &expected,
-                reordered_sum(terms, terms as f32),
-            )?;
+        let mut expected = initial.clone();
+        cpu::pool::avg_pool2d_backward(&dy, n_planes, &window, &mut expected)?;
+        let mut got = initial.clone();
+        backend.unary(
+            &dy,
+            &mut got,
+            |g, dx| cpu::pool::avg_pool2d_backward(g, n_planes, &window, dx),
+            |s, g, dx| s.avg_pool_backward(g, n_planes, &window, dx),
+        )?;
+        assert_close(
+            &format!("avg_pool_backward {window:?}"),
+            backend,
+            &got,
+            &expected,
+            reordered_sum(terms, terms as f32),
+        )?;
 
-            let (mut expected_y, mut expected_arg) = (vec![0.0; out_len], vec![0.0; out_len]);
-            cpu::pool::max_pool2d_forward(&input, n_planes, &window, &mut expected_y, &mut expected_arg)?;
-            let mut expected_dx = initial.clone();
-            cpu::pool::max_pool2d_backward(&dy, &expected_arg, n_planes, &window, &mut expected_dx)?;
-            let Backend::Cuda(stream) = backend else { continue };
-            let x = stream.upload(&input)?;
-            let (mut y, mut arg) = (stream.alloc_zeros(out_len)?, stream.alloc_zeros::<i32>(out_len)?);
-            stream.max_pool_forward(&x, n_planes, &window, &mut y, &mut arg)?;
-            assert_close("max_pool_forward", backend, &stream.download(&y)?, &expected_y, EXACT)?;
-            let arg_host: Vec<f32> = stream.download(&arg)?.iter().map(|&a| a as f32).collect();
-            assert_close("max_pool_forward argmax", backend, &arg_host, &expected_arg, EXACT)?;
-            let mut dx = stream.upload(&initial)?;
-            stream.max_pool_backward(&stream.upload(&dy)?, &arg, n_planes, &window, &mut dx)?;
-            assert_close(
-                "max_pool_backward",
-                backend,
-                &stream.download(&dx)?,
-                &expected_dx,
-                reordered_sum(terms, terms as f32),
-            )?;
-        }
-        Ok(())
-    })
+        let (mut expected_y, mut expected_arg) = (vec![0.0; out_len], vec![0.0; out_len]);
+        cpu::pool::max_pool2d_forward(&input, n_planes, &window, &mut expected_y, &mut expected_arg)?;
+        let mut expected_dx = initial.clone();
+        cpu::pool::max_pool2d_backward(&dy, &expected_arg, n_planes, &window, &mut expected_dx)?;
+        let Backend::Cuda(stream) = backend else { continue };
+        let x = stream.upload(&input)?;
+        let (mut y, mut arg) = (stream.alloc_zeros(out_len)?, stream.alloc_zeros::<i32>(out_len)?);
+        stream.max_pool_forward(&x, n_planes, &window, &mut y, &mut arg)?;
+        assert_close("max_pool_forward", backend, &stream.download(&y)?, &expected_y, EXACT)?;
+        let arg_host: Vec<f32> = stream.download(&arg)?.iter().map(|&a| a as f32).collect();
+        assert_close("max_pool_forward argmax", backend, &arg_host, &expected_arg, EXACT)?;
+        let mut dx = stream.upload(&initial)?;
+        stream.max_pool_backward(&stream.upload(&dy)?, &arg, n_planes, &window, &mut dx)?;
+        assert_close(
+            "max_pool_backward",
+            backend,
+            &stream.download(&dx)?,
+            &expected_dx,
+            reordered_sum(terms, terms as f32),
+        )?;
+    }
+    Ok(())
 }
 
 /// Three optimizer steps on the CPU (`Optimizer::step`, torch's rules) and on the device.
@@ -695,30 +656,25 @@ fn optimizer_case(backend: &Backend, config: OptimizerConfig) -> Result<()> {
     assert_close(&format!("{config:?}"), backend, &got, &expected, EXACT)
 }
 
-#[test]
-fn optimizer_updates_follow_the_cpu_bit_for_bit() -> Result<()> {
-    on_every_device(|backend| {
-        let configs: [OptimizerConfig; 5] = [
-            SgdConfig::new(0.1).into(),
-            SgdConfig::new(0.05).with_momentum(0.9).with_dampening(0.1).with_weight_decay(1e-2).into(),
-            SgdConfig::new(0.05).with_momentum(0.9).with_nesterov(true).into(),
-            OptimizerConfig::Adam(AdamConfig::adam(1e-3).with_weight_decay(1e-2)),
-            OptimizerConfig::AdamW(AdamConfig::adamw(1e-3).with_betas(0.8, 0.95)),
-        ];
-        for config in configs {
-            optimizer_case(backend, config)?;
-        }
-        Ok(())
-    })
+fn optimizer_updates_follow_the_cpu_bit_for_bit(backend: &Backend) -> Result<()> {
+    let configs: [OptimizerConfig; 5] = [
+        SgdConfig::new(0.1).into(),
+        SgdConfig::new(0.05).with_momentum(0.9).with_dampening(0.1).with_weight_decay(1e-2).into(),
+        SgdConfig::new(0.05).with_momentum(0.9).with_nesterov(true).into(),
+        OptimizerConfig::Adam(AdamConfig::adam(1e-3).with_weight_decay(1e-2)),
+        OptimizerConfig::AdamW(AdamConfig::adamw(1e-3).with_betas(0.8, 0.95)),
+    ];
+    for config in configs {
+        optimizer_case(backend, config)?;
+    }
+    Ok(())
 }
 
-#[test]
-fn cuda_buffers_count_on_the_ledger_and_copy_between_devices() -> Result<()> {
-    let streams: Vec<CudaStream> = backends()
-        .into_iter()
-        .filter_map(|b| if let Backend::Cuda(stream) = b { Some(stream) } else { None })
-        .collect();
-    for stream in &streams {
+fn cuda_buffers_count_on_the_ledger_and_copy_between_devices(backend: &Backend) -> Result<()> {
+    let Backend::Cuda(stream) = backend else { bail!("a GPU-only case given the CPU") };
+    let streams =
+        device_cases::gpu_ordinals().unwrap_or_default().into_iter().map(cuda_stream).collect::<Result<Vec<_>>>()?;
+    {
         // A budgeted handle on the same GPU: its own ledger, refusing past the budget.
         let Device::Cuda(budgeted) = Device::cuda(stream.device().ordinal(), Some(4000))? else { bail!("not a GPU") };
         let worker = budgeted.new_stream()?;
@@ -750,6 +706,27 @@ fn cuda_buffers_count_on_the_ledger_and_copy_between_devices() -> Result<()> {
             );
         }
     }
-    // Without a GPU there is nothing to run; `backends` has printed why.
     Ok(())
+}
+
+fn main() -> ExitCode {
+    let every = |name, body| Case::every_device(name, body);
+    let cases: [Case<Backend>; 9] = [
+        every(
+            "matmul_in_all_four_layouts_with_and_without_accumulate",
+            matmul_in_all_four_layouts_with_and_without_accumulate,
+        ),
+        every("matmul_of_strided_blocks_and_batches", matmul_of_strided_blocks_and_batches),
+        every("elementwise_ops_and_activations", elementwise_ops_and_activations),
+        every("reductions_broadcast_and_sum_of_squares", reductions_broadcast_and_sum_of_squares),
+        every("log_softmax_and_cross_entropy", log_softmax_and_cross_entropy),
+        every("im2col_col2im_and_convolution", im2col_col2im_and_convolution),
+        every("max_and_average_pooling", max_and_average_pooling),
+        every("optimizer_updates_follow_the_cpu_bit_for_bit", optimizer_updates_follow_the_cpu_bit_for_bit),
+        Case::gpus(
+            "cuda_buffers_count_on_the_ledger_and_copy_between_devices",
+            cuda_buffers_count_on_the_ledger_and_copy_between_devices,
+        ),
+    ];
+    device_cases::run(&[], &cases, backends())
 }

@@ -1,6 +1,8 @@
 //! Helpers shared by the engine's integration tests: seeded test values and temporary directories.
 #![allow(dead_code)]
 
+pub mod device_cases;
+
 /// Seeded values in `[-1, 1)` (a 64-bit LCG, high bits).
 pub fn values(seed: u64, len: usize) -> Vec<f32> {
     let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);

@@ -150,10 +150,42 @@ fn load(device: &CudaDevice) -> Result<KernelSet> {
     Ok(KernelSet { functions, _modules: modules.into_values().collect() })
 }
 
-/// Compiles one kernel source to PTX. With a compute capability, for that virtual architecture
-/// (`compute_XY`), falling back to NVRTC's default when this NVRTC does not know the architecture
-/// (the driver JIT-compiles PTX for newer GPUs). `--fmad=false`: no multiply-add is contracted, so
-/// the elementwise arithmetic rounds exactly as the CPU kernels do.
+/// The virtual architectures this NVRTC compiles for (`75` for `compute_75`, ascending), or
+/// `None` when it cannot say (an NVRTC older than 11.2 has no `nvrtcGetSupportedArchs`).
+pub(crate) fn supported_architectures() -> Option<Vec<i32>> {
+    use cudarc::nvrtc::sys::{nvrtcGetNumSupportedArchs, nvrtcGetSupportedArchs, nvrtcResult};
+    let mut count: std::ffi::c_int = 0;
+    // SAFETY: NVRTC writes one int; only called after `is_culib_present` said NVRTC loads.
+    if unsafe { nvrtcGetNumSupportedArchs(&mut count) } != nvrtcResult::NVRTC_SUCCESS || count <= 0 {
+        return None;
+    }
+    let mut archs = vec![0 as std::ffi::c_int; usize::try_from(count).ok()?];
+    // SAFETY: `archs` holds the `count` ints NVRTC writes.
+    if unsafe { nvrtcGetSupportedArchs(archs.as_mut_ptr()) } != nvrtcResult::NVRTC_SUCCESS {
+        return None;
+    }
+    archs.sort_unstable();
+    Some(archs)
+}
+
+/// The virtual architecture to compile for on a GPU of `capability`: the newest one this NVRTC
+/// supports that the GPU can run (PTX runs on its own architecture and every newer one, which the
+/// driver JIT-compiles it for). `Err` names the oldest supported one when the GPU is older than
+/// all of them; `Ok(None)` when NVRTC cannot list them (its default is used).
+pub(crate) fn architecture_for(capability: (i32, i32), supported: Option<&[i32]>) -> Result<Option<i32>, i32> {
+    let wanted = capability.0 * 10 + capability.1;
+    let Some(supported) = supported else { return Ok(Some(wanted)) };
+    match supported.iter().copied().filter(|&arch| arch <= wanted).max() {
+        Some(arch) => Ok(Some(arch)),
+        None => supported.first().map_or(Ok(None), |&oldest| Err(oldest)),
+    }
+}
+
+/// Compiles one kernel source to PTX. With a compute capability, for the newest virtual
+/// architecture this NVRTC supports that the GPU runs ([`architecture_for`]: a GPU newer than
+/// NVRTC gets the newest PTX, which the driver JIT-compiles), falling back to NVRTC's default
+/// when this NVRTC cannot list its architectures and rejects the GPU's. `--fmad=false`: no
+/// multiply-add is contracted, so the elementwise arithmetic rounds exactly as the CPU kernels do.
 pub(crate) fn compile_source(file: &str, source: &str, compute_capability: Option<(i32, i32)>) -> Result<Ptx, String> {
     // SAFETY: only a dlopen probe.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
@@ -175,12 +207,25 @@ pub(crate) fn compile_source(file: &str, source: &str, compute_capability: Optio
         other => format!("NVRTC failed on {file}: {other:?}"),
     };
     if let Some((major, minor)) = compute_capability {
-        let arch = format!("--gpu-architecture=compute_{major}{minor}");
-        match cudarc::nvrtc::compile_ptx_with_opts(source, options(Some(arch))) {
-            Ok(ptx) => return Ok(ptx),
-            // An unknown architecture is an invalid option; a source error fails again below.
-            Err(CompileError::CompileError { .. }) => {}
-            Err(other) => return Err(describe(other)),
+        let supported = supported_architectures();
+        match architecture_for((major, minor), supported.as_deref()) {
+            Err(oldest) => {
+                return Err(format!(
+                    "this NVRTC compiles for compute_{oldest} and newer, but the GPU is sm_{major}{minor}; \
+                     put an older CUDA toolkit's NVRTC (e.g. PyPI's nvidia-cuda-nvrtc-cu12) on LD_LIBRARY_PATH"
+                ));
+            }
+            Ok(None) => {}
+            Ok(Some(arch)) => {
+                let flag = format!("--gpu-architecture=compute_{arch}");
+                match cudarc::nvrtc::compile_ptx_with_opts(source, options(Some(flag))) {
+                    Ok(ptx) => return Ok(ptx),
+                    // Only an NVRTC that cannot list its architectures guesses; a source error
+                    // fails again below with the default architecture.
+                    Err(CompileError::CompileError { .. }) if supported.is_none() => {}
+                    Err(other) => return Err(describe(other)),
+                }
+            }
         }
     }
     cudarc::nvrtc::compile_ptx_with_opts(source, options(None)).map_err(describe)
@@ -218,12 +263,25 @@ mod tests {
             );
             return;
         }
-        for capability in [(7, 0), (8, 0), (8, 6), (9, 0)] {
+        let supported = supported_architectures();
+        println!("NVRTC compiles for {supported:?}");
+        for capability in [(7, 0), (7, 5), (8, 0), (8, 6), (9, 0), (12, 0)] {
+            let arch = match architecture_for(capability, supported.as_deref()) {
+                // A GPU older than this NVRTC: refused with a message naming both.
+                Err(oldest) => {
+                    let err = compile_source(SOURCES[0].0, SOURCES[0].1, Some(capability)).unwrap_err();
+                    assert!(err.contains(&format!("compute_{oldest}")), "{err}");
+                    continue;
+                }
+                Ok(arch) => arch,
+            };
             for (file, source) in SOURCES {
                 let ptx = compile_source(file, source, Some(capability)).unwrap_or_else(|err| panic!("{err}"));
                 let text = ptx.to_src();
-                let target = format!(".target sm_{}{}", capability.0, capability.1);
-                assert!(text.contains(&target), "{file} for {capability:?}: no `{target}` in the PTX");
+                if let Some(arch) = arch {
+                    let target = format!(".target sm_{arch}");
+                    assert!(text.contains(&target), "{file} for {capability:?}: no `{target}` in the PTX");
+                }
                 for name in global_names(source) {
                     assert!(text.contains(&format!(".entry {name}(")), "{file}: no entry {name}");
                 }
@@ -234,6 +292,15 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_newest_supported_architecture_the_gpu_runs_is_chosen() {
+        assert_eq!(architecture_for((9, 0), Some(&[75, 80, 90, 100])), Ok(Some(90)));
+        assert_eq!(architecture_for((8, 9), Some(&[75, 80, 90])), Ok(Some(80)));
+        assert_eq!(architecture_for((12, 1), Some(&[75, 80, 90])), Ok(Some(90)));
+        assert_eq!(architecture_for((7, 0), Some(&[75, 80])), Err(75));
+        assert_eq!(architecture_for((7, 0), None), Ok(Some(70)));
     }
 
     #[test]
