@@ -21,6 +21,9 @@
 //! GPU results differ from CPU results by summation order (cuBLAS, the reductions) and by the
 //! CUDA math library's transcendentals; elementwise operations without transcendentals round
 //! exactly as on the CPU (the kernels are compiled with `--fmad=false`).
+mod conv;
+mod pool;
+
 use crate::cpu::activation::{self, relu, relu_grad, tanh_grad};
 use crate::cpu::softmax::log_softmax_rows;
 use crate::cpu::{MatRef, elementwise, matmul, matmul_uninit, uninit};
