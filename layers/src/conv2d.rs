@@ -1,17 +1,15 @@
-//! `Conv2d`: 2-D convolution over NCHW inputs by im2col + one matrix product per sample, its input
-//! gradient by the same on the output gradient with flipped kernels (stride 1) or a product and
-//! col2im (larger strides), with PyTorch's names, layout and default initialisation.
-use conveyor_engine::cpu::conv::{Im2col, col2im, flip_kernels};
-use conveyor_engine::cpu::conv_lanes::{conv2d_lanes, conv2d_lanes_fits};
-use conveyor_engine::cpu::conv_weight::conv2d_weight_grad;
-use conveyor_engine::cpu::elementwise::accumulate_row_sums;
-use conveyor_engine::cpu::{MatRef, Window2d, matmul, matmul_uninit, uninit};
+//! `Conv2d`: 2-D convolution over NCHW inputs with PyTorch's names, layout and default
+//! initialisation. It computes only through the engine's device ops ([`Tensor::conv2d`],
+//! [`Tensor::conv2d_input_grad`], [`Tensor::conv2d_weight_grad_accumulate`]), so it runs wherever
+//! its input lives: the CPU kernels described below on a CPU device, batched im2col and cuBLAS
+//! products on a GPU.
+use conveyor_engine::cpu::Window2d;
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
 use rand::rngs::StdRng;
 
 use crate::tensor_io::{
-    accumulate_into, check_grad_shape, check_param_grads, check_same_device, chw, expect_inputs, expect_shapes,
-    f32_bytes, into_dtype, largest_parameter_bytes, nchw, saved_tensor, values, zeros_f32,
+    check_grad_shape, check_param_grads, check_same_device, chw, expect_inputs, expect_shapes, f32_bytes, into_dtype,
+    largest_parameter_bytes, nchw, saved_tensor,
 };
 
 /// Stride, zero padding and bias of a [`Conv2d`]; the default is PyTorch's (stride 1, no padding, bias).
@@ -194,47 +192,9 @@ impl Layer for Conv2d {
     fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
         expect_inputs("Conv2d", inputs, 1)?;
         let input = inputs[0];
-        let (batch, window) = self.batch_window(input.shape())?;
+        let (_, window) = self.batch_window(input.shape())?;
         check_same_device("Conv2d", input, self.weight())?;
-        let x = values(input);
-        let weight = values(self.weight());
-        let bias = self.bias().map(values);
-        if conv2d_lanes_fits(&window) {
-            // Output planes of a multiple of 16 pixels: one dispatched kernel over the batch.
-            let output = Tensor::from_f32_init(self.output_dims(batch, &window), input.device(), |dst| {
-                conv2d_lanes(&x, &weight, bias.as_deref(), &window, self.out_channels, dst)
-            })?;
-            let saved = Saved { tensors: vec![input.share()] };
-            return Ok((into_dtype(output, input.dtype())?, saved));
-        }
-        let (col_rows, out_plane) = (window.col_rows(), window.out_plane_len());
-        let weight_view = MatRef::row_major(&weight, self.out_channels, col_rows)?;
-        let mut col = if window.is_pointwise() { Vec::new() } else { vec![0.0; col_rows * out_plane] };
-        let mut scratch = Im2col::new(&window);
-        let sample_len = self.out_channels * out_plane;
-        let mut x_samples = x.chunks_exact(window.input_len());
-        // Each sample's output is written in full: the per-channel bias pre-fill that the product
-        // accumulates onto, or the product alone. No zero-fill first.
-        let output = Tensor::from_f32_init(self.output_dims(batch, &window), input.device(), |dst| {
-            uninit::chunks(dst, sample_len, |_, y_sample| {
-                let x_sample =
-                    x_samples.next().ok_or_else(|| Error::invalid("Conv2d", "fewer input samples than outputs"))?;
-                let col_view = if window.is_pointwise() {
-                    MatRef::row_major(x_sample, col_rows, out_plane)?
-                } else {
-                    scratch.run(x_sample, &mut col)?;
-                    MatRef::row_major(&col, col_rows, out_plane)?
-                };
-                match &bias {
-                    Some(bias) => {
-                        let y_sample = uninit::fill_planes(bias, out_plane, y_sample)?;
-                        matmul(y_sample, weight_view, col_view, true)?;
-                        Ok(y_sample)
-                    }
-                    None => matmul_uninit(y_sample, weight_view, col_view),
-                }
-            })
-        })?;
+        let output = input.conv2d(self.weight(), self.bias(), &window, self.out_channels)?;
         let saved = Saved { tensors: vec![input.share()] };
         Ok((into_dtype(output, input.dtype())?, saved))
     }
@@ -253,69 +213,7 @@ impl Layer for Conv2d {
         let input = saved_tensor("Conv2d", saved, 0)?;
         let (batch, window) = self.batch_window(input.shape())?;
         check_grad_shape("Conv2d", grad_output, &Shape::new(self.output_dims(batch, &window)))?;
-        let grad = values(grad_output);
-        let weight = values(self.weight());
-        let (col_rows, out_plane) = (window.col_rows(), window.out_plane_len());
-        let weight_t = MatRef::row_major(&weight, self.out_channels, col_rows)?.t();
-        let sample_grads = grad.chunks_exact(self.out_channels * out_plane);
-        // The gather form copies out·kh·kw rows per sample where col2im adds in·kh·kw rows, and
-        // its product has `in` rows (a one-row product is slow): take it when `in >= out / 2`.
-        let grad_input = if let Some(gather) = window.input_grad_window(self.out_channels)
-            && !window.is_pointwise()
-            && 2 * self.in_channels >= self.out_channels
-        {
-            // Gather form (stride 1): dx = flipped kernels [in, out·kh·kw] · im2col(dy), which
-            // writes every element of each sample: no zero-fill, no scatter.
-            let mut flipped = vec![0.0; weight.len()];
-            flip_kernels(&weight, self.out_channels, &window, &mut flipped)?;
-            if conv2d_lanes_fits(&gather) {
-                return Ok(vec![Some(into_dtype(
-                    Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
-                        conv2d_lanes(&grad, &flipped, None, &gather, self.in_channels, dst)
-                    })?,
-                    input.dtype(),
-                )?)]);
-            }
-            let flipped_view = MatRef::row_major(&flipped, self.in_channels, gather.col_rows())?;
-            let mut scratch = Im2col::new(&gather);
-            let mut col = vec![0.0; gather.col_rows() * gather.out_plane_len()];
-            let mut dy_samples = sample_grads;
-            Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
-                uninit::chunks(dst, window.input_len(), |_, dx_sample| {
-                    let dy_sample = dy_samples
-                        .next()
-                        .ok_or_else(|| Error::invalid("Conv2d", "fewer output gradients than inputs"))?;
-                    scratch.run(dy_sample, &mut col)?;
-                    matmul_uninit(
-                        dx_sample,
-                        flipped_view,
-                        MatRef::row_major(&col, gather.col_rows(), gather.out_plane_len())?,
-                    )
-                })
-            })?
-        } else if window.is_pointwise() {
-            // dx = weightᵀ · dy writes every element of each sample: no zero-fill.
-            let mut dy_samples = sample_grads;
-            Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
-                uninit::chunks(dst, window.input_len(), |_, dx_sample| {
-                    let dy_sample = dy_samples
-                        .next()
-                        .ok_or_else(|| Error::invalid("Conv2d", "fewer output gradients than inputs"))?;
-                    matmul_uninit(dx_sample, weight_t, MatRef::row_major(dy_sample, self.out_channels, out_plane)?)
-                })
-            })?
-        } else {
-            // Strides above 1: dcol [in·kh·kw, out_plane] = weightᵀ · dy, then scatter-add onto the
-            // (zeroed) input positions.
-            let mut grad_input = zeros_f32(input.shape().clone(), input.device())?;
-            let mut col = vec![0.0; col_rows * out_plane];
-            let dx_samples = grad_input.as_f32_mut()?.chunks_exact_mut(window.input_len());
-            for (dy_sample, dx_sample) in sample_grads.zip(dx_samples) {
-                matmul(&mut col, weight_t, MatRef::row_major(dy_sample, self.out_channels, out_plane)?, false)?;
-                col2im(&col, &window, dx_sample)?;
-            }
-            grad_input
-        };
+        let grad_input = grad_output.conv2d_input_grad(self.weight(), &window, self.out_channels, input.shape())?;
         Ok(vec![Some(into_dtype(grad_input, input.dtype())?)])
     }
 
@@ -324,22 +222,8 @@ impl Layer for Conv2d {
         let input = saved_tensor("Conv2d", saved, 0)?;
         let (batch, window) = self.batch_window(input.shape())?;
         check_grad_shape("Conv2d", grad_output, &Shape::new(self.output_dims(batch, &window)))?;
-        let grad = values(grad_output);
-        let x = values(input);
-        let out_plane = window.out_plane_len();
         let (weight_grad, bias_grad) = param_grads.split_at_mut(1);
-        // dweight [out, in·kh·kw] += Σ_samples dy [out, out_plane] · im2col(x)ᵀ, by the
-        // small-output kernel over the whole batch.
-        accumulate_into(&mut weight_grad[0], |dst| conv2d_weight_grad(&x, &grad, &window, self.out_channels, dst))?;
-        if let Some(bias_grad) = bias_grad.first_mut() {
-            accumulate_into(bias_grad, |dst| {
-                for dy_sample in grad.chunks_exact(self.out_channels * out_plane) {
-                    accumulate_row_sums(dy_sample, dst)?;
-                }
-                Ok(())
-            })?;
-        }
-        Ok(())
+        grad_output.conv2d_weight_grad_accumulate(input, &window, &mut weight_grad[0], bias_grad.first_mut())
     }
 
     fn weight_pass_scratch_bytes(&self) -> u64 {
