@@ -6,9 +6,8 @@
 //! The element-wise worst case is printed beside it but not held to 1e-5: cuBLAS sums in another
 //! order, so a pre-activation within rounding of zero can take the other side of a ReLU on the
 //! GPU, and the weights that sample touches then differ by far more than rounding (seen on an
-//! H200: 3.5e-3 element-wise, relative to max(|w|, 1e-3), for `mlp:1024,4096,4096,10`). A model that cannot train on a device says why in its
-//! row (today the layers other than Linear, ReLU and the loss have no GPU path, so only MLPs
-//! train on CUDA). `--precision bf16|f16` rows are listed as not yet trained (mixed precision is a
+//! H200: 3.5e-3 element-wise, relative to max(|w|, 1e-3), for `mlp:1024,4096,4096,10`). A model
+//! that cannot train on a device says why in its row (a layer without a GPU path). `--precision bf16|f16` rows are listed as not yet trained (mixed precision is a
 //! later step of the GPU issue). With `--torch FILE` (lines `MODEL DEVICE MS`, as
 //! `scripts/gpu_check_torch.py` writes them) PyTorch's step time for the same model, batch and
 //! device is printed beside Conveyor's.
@@ -137,6 +136,11 @@ fn rel_diffs(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> (f64, f64) {
     (normwise, elementwise)
 }
 
+/// One whole GPU (`cuda:N`), the placement PyTorch's column and the precision rows are for.
+fn whole_gpu(label: &str) -> bool {
+    label.starts_with("cuda") && !label.contains([',', 'x'])
+}
+
 /// PyTorch's step times by (model, device).
 fn torch_times(path: &Option<PathBuf>) -> Result<HashMap<(String, String), f64>> {
     let Some(path) = path else { return Ok(HashMap::new()) };
@@ -180,23 +184,17 @@ fn main() -> Result<()> {
             torch_cell(model, "cpu"),
             "-"
         );
-        // Each GPU alone, then a 2-stage pipeline over the CPU and the first GPU (mixed devices,
-        // activations copied between them).
-        let mut placements: Vec<(String, Vec<(bool, usize)>)> =
-            gpus.iter().map(|&o| (format!("cuda:{o}"), vec![(true, o)])).collect();
+        // Each GPU alone, then 2-stage pipelines over the CPU and the first GPU (mixed devices,
+        // activations copied between them) and over two logical devices of the first GPU (two
+        // workers, streams and ledgers on one card), in the device grammar of `--devices`.
+        let mut placements: Vec<String> = gpus.iter().map(|&o| format!("cuda:{o}")).collect();
         if let Some(&first) = gpus.first() {
-            placements.push((format!("cpu:0+cuda:{first}"), vec![(false, 0), (true, first)]));
+            placements.push(format!("cpu:0,cuda:{first}"));
+            placements.push(format!("cuda:{first}x2"));
         }
-        for (label, placement) in &placements {
-            let open = |&(gpu, ordinal): &(bool, usize)| {
-                if gpu { Device::cuda(ordinal, None) } else { Ok(Device::cpu(ordinal)) }
-            };
-            let run = placement
-                .iter()
-                .map(open)
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(anyhow::Error::from)
-                .and_then(|devices| train(&spec, devices, &args));
+        for label in &placements {
+            let run =
+                Device::parse_list(label).map_err(anyhow::Error::from).and_then(|devices| train(&spec, devices, &args));
             match run {
                 Ok(run) => {
                     let (diff, elementwise) = rel_diffs(&run.weights, &reference.weights);
@@ -206,7 +204,7 @@ fn main() -> Result<()> {
                         "{model:<24} {label:<12} {:<9} {:>10.3} {:>10} {diff:>12.2e}  {} (element-wise {elementwise:.1e})",
                         "f32",
                         run.step_ms,
-                        torch_cell(model, if label.starts_with("cuda") { "cuda" } else { "mixed" }),
+                        torch_cell(model, if whole_gpu(label) { "cuda" } else { "pipeline" }),
                         if pass { "PASS".to_string() } else { format!("FAIL (over {:e})", args.tolerance) }
                     );
                 }
@@ -221,7 +219,7 @@ fn main() -> Result<()> {
                     );
                 }
             }
-            for precision in ["bf16", "f16"].into_iter().filter(|_| label.starts_with("cuda")) {
+            for precision in ["bf16", "f16"].into_iter().filter(|_| whole_gpu(label)) {
                 println!("{model:<24} {label:<12} {precision:<9} {:>10} {:>10} {:>12}  not yet trained", "-", "-", "-");
             }
         }

@@ -38,6 +38,34 @@ impl CudaDevice {
     }
 
     /// Always fails: this build has no CUDA support.
+    pub fn with_free_memory_budget(
+        ordinal: usize,
+        _budget_bytes: Option<u64>,
+        slice: Option<crate::device::LogicalSlice>,
+    ) -> Result<Self> {
+        let name = match slice {
+            Some(slice) => format!("cuda:{ordinal}x{}#{}", slice.count, slice.index),
+            None => format!("cuda:{ordinal}"),
+        };
+        Err(not_compiled(&name))
+    }
+
+    /// The memory free on the GPU.
+    pub fn free_memory(&self) -> Result<u64> {
+        match self.never {}
+    }
+
+    /// Which logical device of its GPU this handle is, if it is one.
+    pub fn logical_slice(&self) -> Option<crate::device::LogicalSlice> {
+        match self.never {}
+    }
+
+    /// The handle's name.
+    pub fn label(&self) -> String {
+        match self.never {}
+    }
+
+    /// Always fails: this build has no CUDA support.
     pub fn count() -> Result<usize> {
         Err(not_compiled("CUDA GPUs"))
     }

@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::str::FromStr;
 
-use super::Device;
+use super::{CudaDevice, Device};
 use crate::{Error, Result};
 
 /// The most devices a list may name (`--devices`, the run spec, [`Device::parse_list`]).
@@ -40,39 +40,66 @@ impl fmt::Display for DeviceKind {
     }
 }
 
-/// A device named by kind and ordinal (`cuda:1`), before it is opened.
+/// One of `count` logical devices that share one GPU (`cuda:0x4` names four): each is a worker
+/// with its own stream and its own memory ledger, so a pipeline's stages, bubbles and memory plan
+/// can be developed on one card.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LogicalSlice {
+    /// Which one, `0..count`.
+    pub index: usize,
+    /// How many logical devices split the GPU.
+    pub count: usize,
+}
+
+/// A device named by kind and ordinal (`cuda:1`), or a logical device on a GPU (`cuda:0x4#1`),
+/// before it is opened.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DeviceId {
     /// CPU or CUDA.
     pub kind: DeviceKind,
     /// The index among devices of that kind.
     pub ordinal: usize,
+    /// For a logical device, which share of the GPU it is; `None` for a whole device.
+    pub slice: Option<LogicalSlice>,
 }
 
 impl DeviceId {
     /// CPU device `ordinal`.
     pub fn cpu(ordinal: usize) -> DeviceId {
-        DeviceId { kind: DeviceKind::Cpu, ordinal }
+        DeviceId { kind: DeviceKind::Cpu, ordinal, slice: None }
     }
 
     /// CUDA device `ordinal`.
     pub fn cuda(ordinal: usize) -> DeviceId {
-        DeviceId { kind: DeviceKind::Cuda, ordinal }
+        DeviceId { kind: DeviceKind::Cuda, ordinal, slice: None }
     }
 
-    /// Opens the device with a memory budget (none: unlimited); an error for a CUDA device in a
-    /// build without the `cuda` feature or on a machine without a driver.
+    /// Logical device `index` of `count` on CUDA device `ordinal` (`cuda:ORDINALxCOUNT#INDEX`).
+    pub fn cuda_logical(ordinal: usize, index: usize, count: usize) -> DeviceId {
+        DeviceId { kind: DeviceKind::Cuda, ordinal, slice: Some(LogicalSlice { index, count }) }
+    }
+
+    /// Opens the device with a memory budget; an error for a CUDA device in a build without the
+    /// `cuda` feature or on a machine without a driver. Without a budget a CPU device is
+    /// unlimited, a GPU gets the memory free on it when opened (`cuMemGetInfo`), and a logical
+    /// device that free memory divided by the logical devices sharing the GPU.
     pub fn open(self, budget_bytes: Option<u64>) -> Result<Device> {
-        match self.kind {
-            DeviceKind::Cpu => Ok(Device::cpu_with_budget(self.ordinal, budget_bytes)),
-            DeviceKind::Cuda => Device::cuda(self.ordinal, budget_bytes),
+        match (self.kind, self.slice) {
+            (DeviceKind::Cpu, _) => Ok(Device::cpu_with_budget(self.ordinal, budget_bytes)),
+            (DeviceKind::Cuda, slice) => {
+                Ok(Device::Cuda(CudaDevice::with_free_memory_budget(self.ordinal, budget_bytes, slice)?))
+            }
         }
     }
 }
 
 impl fmt::Display for DeviceId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.kind, self.ordinal)
+        write!(f, "{}:{}", self.kind, self.ordinal)?;
+        if let Some(LogicalSlice { index, count }) = self.slice {
+            write!(f, "x{count}#{index}")?;
+        }
+        Ok(())
     }
 }
 
@@ -149,6 +176,19 @@ pub enum DeviceListProblem {
         /// Devices named.
         count: usize,
     },
+    /// A logical split (`xK`, `xK#I`) is malformed: K not from 1 to [`MAX_DEVICES`], I not below
+    /// K, or `#I` after a range.
+    BadSplit {
+        /// The split as written.
+        text: String,
+    },
+    /// A CPU device split into logical devices (`cpu:0x2`); CPU devices are cores already.
+    SplitCpu,
+    /// One GPU named both whole and split, or split two ways (`cuda:0,cuda:0x2`).
+    SplitConflict {
+        /// The GPU's ordinal.
+        ordinal: usize,
+    },
 }
 
 impl fmt::Display for DeviceListProblem {
@@ -187,6 +227,19 @@ impl fmt::Display for DeviceListProblem {
             DeviceListProblem::NotOne { count } => {
                 write!(f, "{count} devices named where one is needed; write one device such as cuda:1")
             }
+            DeviceListProblem::BadSplit { text } => write!(
+                f,
+                "`{text}` is not a logical split; write cuda:NxK for K logical devices on GPU N (K from 1 to \
+                 {MAX_DEVICES}), or cuda:NxK#I for the one numbered I (I below K)"
+            ),
+            DeviceListProblem::SplitCpu => {
+                f.write_str("only GPUs split into logical devices (cuda:0x4); for N CPU devices write cpu:N or cpu:0-3")
+            }
+            DeviceListProblem::SplitConflict { ordinal } => write!(
+                f,
+                "cuda:{ordinal} is named both whole and split, or split two ways; name it once, as cuda:{ordinal} or \
+                 cuda:{ordinal}xK"
+            ),
         }
     }
 }
@@ -202,9 +255,15 @@ fn list_error(text: &str, item_idx: Option<usize>, problem: DeviceListProblem) -
 /// list     := item ("," item)*
 /// item     := kind ":" ordinals     e.g. cpu:0, cuda:1, cpu:0-3
 ///           | ordinals              an item without a kind takes the previous item's: cuda:0,1
-/// ordinals := N | N "-" M           M >= N: the devices N, N+1, ..., M
+/// ordinals := (N | N "-" M) split?  M >= N: the devices N, N+1, ..., M
+/// split    := "x" K                 GPUs only: each GPU as K logical devices (cuda:0x4)
+///           | "x" K "#" I           the logical device I of K (cuda:0x4#1), one GPU only
 /// kind     := "cpu" | "cuda"
 /// ```
+///
+/// A logical device is a worker with its own stream and memory ledger on a shared GPU (see
+/// [`LogicalSlice`]); without a budget each gets the GPU's free memory divided by K. A GPU is
+/// named whole or split one way, not both.
 ///
 /// One shorthand, the CLI's since its first version: a list that is exactly one `cpu:N` means
 /// N CPU devices, `cpu:0` to `cpu:N-1` (`--devices cpu:4`). To name the one device `cpu:3` in a
@@ -222,6 +281,12 @@ fn list_error(text: &str, item_idx: Option<usize>, problem: DeviceListProblem) -
 /// let lone: DeviceList = "cpu:3-3".parse()?;
 /// assert_eq!(lone.to_string(), "cpu:3-3");
 /// assert_eq!(lone.to_string().parse::<DeviceList>()?, lone);
+/// // One GPU as four logical devices (a 4-stage pipeline on one card).
+/// let split: DeviceList = "cuda:0x4".parse()?;
+/// assert_eq!(split.0.len(), 4);
+/// assert_eq!(split.0[1].to_string(), "cuda:0x4#1");
+/// assert_eq!(split.to_string(), "cuda:0x4");
+/// assert!("cuda:0,cuda:0x2".parse::<DeviceList>().is_err());
 /// # Ok::<(), conveyor_engine::Error>(())
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
@@ -255,6 +320,37 @@ impl fmt::Display for DeviceList {
         if is_cpu_count {
             return write!(f, "cpu:{}", ids.len());
         }
+        // Logical devices: a whole split in order as `cuda:NxK`, others one by one.
+        if ids.iter().any(|id| id.slice.is_some()) {
+            let mut i = 0;
+            while i < ids.len() {
+                if i > 0 {
+                    f.write_str(",")?;
+                }
+                let id = ids[i];
+                let whole_split = id.slice.is_some_and(|slice| {
+                    slice.index == 0
+                        && (0..slice.count)
+                            .all(|k| ids.get(i + k) == Some(&DeviceId::cuda_logical(id.ordinal, k, slice.count)))
+                });
+                match id.slice {
+                    Some(slice) if whole_split => {
+                        write!(f, "{}:{}x{}", id.kind, id.ordinal, slice.count)?;
+                        i += slice.count;
+                    }
+                    // A lone `cpu:N` would read as N devices: a CPU device is written as a range.
+                    None if id.kind == DeviceKind::Cpu => {
+                        write!(f, "{}:{}-{}", id.kind, id.ordinal, id.ordinal)?;
+                        i += 1;
+                    }
+                    _ => {
+                        write!(f, "{id}")?;
+                        i += 1;
+                    }
+                }
+            }
+            return Ok(());
+        }
         let mut runs: Vec<(DeviceKind, usize, usize)> = Vec::new();
         for id in ids {
             match runs.last_mut() {
@@ -285,7 +381,19 @@ struct Run {
     kind: DeviceKind,
     first: usize,
     last: usize,
+    /// `xK` (count) and `#I` (one index) of a logical split.
+    split: Option<(usize, Option<usize>)>,
     item_idx: usize,
+}
+
+/// The split suffix after `x` (`K` or `K#I`): the count and the index if any.
+fn parse_split(text: &str) -> Option<(usize, Option<usize>)> {
+    let (count, index) = match text.split_once('#') {
+        Some((count, index)) => (count, Some(parse_ordinal(index)?)),
+        None => (text, None),
+    };
+    let count = parse_ordinal(count).filter(|&k| (1..=MAX_DEVICES).contains(&k))?;
+    index.is_none_or(|i| i < count).then_some((count, index))
 }
 
 /// A device index: digits only, below `usize::MAX` (which marks the host).
@@ -328,13 +436,25 @@ fn parse_ids(text: &str, shorthand: bool) -> Result<Vec<DeviceId>> {
         let Some(kind) = kind else {
             return Err(err(Some(item_idx), DeviceListProblem::MissingKind { text: item.to_string() }));
         };
+        let (ordinals, split) = match ordinals.split_once('x').filter(|(ordinals, _)| !ordinals.trim().is_empty()) {
+            Some((ordinals, split_text)) => {
+                if kind == DeviceKind::Cpu {
+                    return Err(err(Some(item_idx), DeviceListProblem::SplitCpu));
+                }
+                let split = parse_split(split_text).ok_or_else(|| {
+                    err(Some(item_idx), DeviceListProblem::BadSplit { text: format!("x{}", split_text.trim()) })
+                })?;
+                (ordinals.trim(), Some(split))
+            }
+            None => (ordinals, None),
+        };
         let (first_text, last_text) = match ordinals.split_once('-') {
             Some((first, last)) => (first, Some(last)),
             None => (ordinals, None),
         };
         let is_range =
             last_text.is_some_and(|last| parse_ordinal(first_text).is_some() && parse_ordinal(last).is_some());
-        if shorthand && items.len() == 1 && kind == DeviceKind::Cpu && !is_range {
+        if shorthand && items.len() == 1 && kind == DeviceKind::Cpu && !is_range && split.is_none() {
             return cpu_count(ordinals).map_err(|problem| err(Some(0), problem));
         }
         let ordinal = |text: &str| {
@@ -346,21 +466,45 @@ fn parse_ids(text: &str, shorthand: bool) -> Result<Vec<DeviceId>> {
         if last < first {
             return Err(err(Some(item_idx), DeviceListProblem::ReversedRange { first, last }));
         }
-        runs.push(Run { kind, first, last, item_idx });
+        if let Some((count, Some(_))) = split
+            && first != last
+        {
+            let problem = DeviceListProblem::BadSplit { text: format!("{first}-{last}x{count}#...") };
+            return Err(err(Some(item_idx), problem));
+        }
+        runs.push(Run { kind, first, last, split, item_idx });
     }
-    let count = runs.iter().fold(0usize, |n, r| n.saturating_add((r.last - r.first).saturating_add(1)));
+    let per_device = |r: &Run| match r.split {
+        Some((count, None)) => count,
+        _ => 1,
+    };
+    let count = runs
+        .iter()
+        .fold(0usize, |n, r| n.saturating_add((r.last - r.first).saturating_add(1).saturating_mul(per_device(r))));
     if count > MAX_DEVICES {
         return Err(err(None, DeviceListProblem::TooMany { count, limit: MAX_DEVICES }));
     }
     let mut seen = HashSet::with_capacity(count);
+    // How each GPU is named: whole (`None`) or split `Some(K)` ways; one way per GPU.
+    let mut split_of: std::collections::HashMap<(DeviceKind, usize), Option<usize>> = Default::default();
     let mut ids = Vec::with_capacity(count);
     for run in runs {
         for ordinal in run.first..=run.last {
-            let id = DeviceId { kind: run.kind, ordinal };
-            if !seen.insert(id) {
-                return Err(err(Some(run.item_idx), DeviceListProblem::Duplicate { device: id }));
+            let count = run.split.map(|(count, _)| count);
+            if *split_of.entry((run.kind, ordinal)).or_insert(count) != count {
+                return Err(err(Some(run.item_idx), DeviceListProblem::SplitConflict { ordinal }));
             }
-            ids.push(id);
+            let expanded: Vec<DeviceId> = match run.split {
+                None => vec![DeviceId { kind: run.kind, ordinal, slice: None }],
+                Some((count, Some(index))) => vec![DeviceId::cuda_logical(ordinal, index, count)],
+                Some((count, None)) => (0..count).map(|index| DeviceId::cuda_logical(ordinal, index, count)).collect(),
+            };
+            for id in expanded {
+                if !seen.insert(id) {
+                    return Err(err(Some(run.item_idx), DeviceListProblem::Duplicate { device: id }));
+                }
+                ids.push(id);
+            }
         }
     }
     Ok(ids)
@@ -438,7 +582,10 @@ impl Device {
         match self {
             Device::Cpu(cpu) if cpu.ordinal == usize::MAX => None,
             Device::Cpu(cpu) => Some(DeviceId::cpu(cpu.ordinal)),
-            Device::Cuda(cuda) => Some(DeviceId::cuda(cuda.ordinal())),
+            Device::Cuda(cuda) => Some(match cuda.logical_slice() {
+                Some(slice) => DeviceId::cuda_logical(cuda.ordinal(), slice.index, slice.count),
+                None => DeviceId::cuda(cuda.ordinal()),
+            }),
         }
     }
 }

@@ -147,4 +147,66 @@ fn display_writes_the_canonical_form_and_reads_back() {
     }
     let opened = Device::parse_list("cpu:1-2").unwrap();
     assert_eq!(DeviceList::of(&opened).to_string(), "cpu:1-2");
+    // With logical devices too: every list of up to four among cpu:0-1, cuda:0 and the two
+    // halves of cuda:1 reads back to itself.
+    let pool = [
+        DeviceId::cpu(0),
+        DeviceId::cpu(1),
+        DeviceId::cuda(0),
+        DeviceId::cuda_logical(1, 0, 2),
+        DeviceId::cuda_logical(1, 1, 2),
+    ];
+    let mut lists: Vec<Vec<DeviceId>> = vec![Vec::new()];
+    for _ in 0..4 {
+        let longer: Vec<Vec<DeviceId>> = lists
+            .iter()
+            .flat_map(|list| {
+                pool.iter().filter(|id| !list.contains(id)).map(move |id| [list.clone(), vec![*id]].concat())
+            })
+            .collect();
+        for list in &longer {
+            let list = DeviceList(list.clone());
+            assert_eq!(list.to_string().parse::<DeviceList>().unwrap(), list, "{list}");
+        }
+        lists = longer;
+    }
+}
+
+#[test]
+fn logical_devices_split_a_gpu() {
+    use DeviceListProblem as P;
+    assert_eq!(ids("cuda:0x4"), ["cuda:0x4#0", "cuda:0x4#1", "cuda:0x4#2", "cuda:0x4#3"]);
+    assert_eq!(ids("cuda:0x2#1"), ["cuda:0x2#1"]);
+    assert_eq!(ids("cuda:0-1x2"), ["cuda:0x2#0", "cuda:0x2#1", "cuda:1x2#0", "cuda:1x2#1"]);
+    assert_eq!(ids("cpu:0,cuda:0x2"), ["cpu:0", "cuda:0x2#0", "cuda:0x2#1"]);
+    assert_eq!(ids("cuda:0x1"), ["cuda:0x1#0"]);
+    for (text, canonical) in [
+        ("cuda:0x4", "cuda:0x4"),
+        ("cuda:0-1x2", "cuda:0x2,cuda:1x2"),
+        ("cpu:0,cuda:0x2", "cpu:0-0,cuda:0x2"),
+        ("cuda:0x2#1,cuda:0x2#0", "cuda:0x2#1,cuda:0x2#0"),
+        ("cuda:0x3#0,cuda:0x3#1", "cuda:0x3#0,cuda:0x3#1"),
+    ] {
+        let list: DeviceList = text.parse().unwrap();
+        assert_eq!(list.to_string(), canonical, "{text}");
+        assert_eq!(canonical.parse::<DeviceList>().unwrap(), list, "{canonical} reads back");
+    }
+    assert_eq!("cuda:0x4#2".parse::<DeviceId>().unwrap(), DeviceId::cuda_logical(0, 2, 4));
+    assert_eq!(problem("cpu:0x2"), (Some(0), P::SplitCpu));
+    assert_eq!(problem("cuda:0x0"), (Some(0), P::BadSplit { text: "x0".into() }));
+    assert_eq!(problem("cuda:0x2#2"), (Some(0), P::BadSplit { text: "x2#2".into() }));
+    assert_eq!(problem("cuda:0xz"), (Some(0), P::BadSplit { text: "xz".into() }));
+    assert_eq!(problem("cuda:0-1x2#0"), (Some(0), P::BadSplit { text: "0-1x2#...".into() }));
+    assert_eq!(problem("cuda:0,cuda:0x2"), (Some(1), P::SplitConflict { ordinal: 0 }));
+    assert_eq!(problem("cuda:0x2,cuda:0x3"), (Some(1), P::SplitConflict { ordinal: 0 }));
+    assert_eq!(problem("cuda:0x2#1,cuda:0x2#1"), (Some(1), P::Duplicate { device: DeviceId::cuda_logical(0, 1, 2) }));
+    assert!(matches!(problem(&format!("cuda:0x{}", MAX_DEVICES + 1)).1, P::BadSplit { .. }));
+    assert!(matches!(problem("cuda:0-1x1000").1, P::TooMany { count: 2000, .. }));
+    let message = problem("cuda:0,cuda:0x2").1.to_string();
+    assert!(message.contains("whole and split") && message.contains("cuda:0x"), "{message}");
+    // Without the feature or a driver, opening one is the usual clear error.
+    if let Err(err) = Device::parse_list("cuda:0x2") {
+        assert!(matches!(err, Error::CudaUnavailable(_)), "{err:?}");
+        assert!(err.to_string().contains("cuda:0x2#0"), "{err}");
+    }
 }

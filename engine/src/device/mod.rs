@@ -25,7 +25,7 @@ use std::sync::Arc;
 pub(crate) use cuda::CudaStorage;
 pub use cuda::{CudaBuffer, CudaDevice, CudaElement, CudaStream, DeviceMatRef, GemmElement};
 pub(crate) use host::HostStorage;
-pub use list::{DeviceId, DeviceKind, DeviceList, DeviceListProblem, MAX_DEVICES};
+pub use list::{DeviceId, DeviceKind, DeviceList, DeviceListProblem, LogicalSlice, MAX_DEVICES};
 pub use memory::{MemoryAccount, Reservation, ThreadTally};
 
 use crate::Result;
@@ -138,7 +138,7 @@ impl fmt::Display for Device {
         match self {
             Device::Cpu(cpu) if cpu.ordinal == usize::MAX => f.write_str("host"),
             Device::Cpu(cpu) => write!(f, "cpu:{}", cpu.ordinal),
-            Device::Cuda(cuda) => write!(f, "cuda:{}", cuda.ordinal()),
+            Device::Cuda(cuda) => f.write_str(&cuda.label()),
         }
     }
 }

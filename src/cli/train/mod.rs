@@ -77,7 +77,9 @@ fn list_devices() {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     outln!("cpu: {cores} core(s) here; `--devices cpu:N` runs N CPU devices (one worker thread each)");
     match Device::cuda(0, None) {
-        Ok(device) => outln!("cuda: {device} is available; `--devices cuda:0,1` lists GPUs"),
+        Ok(device) => outln!(
+            "cuda: {device} is available; `--devices cuda:0,1` lists GPUs, `cuda:0x4` splits one into 4 logical devices"
+        ),
         Err(e) => outln!("cuda: unavailable ({e})"),
     }
 }

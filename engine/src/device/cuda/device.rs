@@ -10,13 +10,15 @@ use cudarc::driver::sys::{self, CUdevice_attribute, CUresult};
 use super::compile::{self, KernelSet};
 use super::errors;
 use super::stream::CudaStream;
-use crate::device::MemoryAccount;
+use crate::device::{LogicalSlice, MemoryAccount};
 use crate::{Error, Result};
 
 /// A CUDA GPU: its context and memory ledger. Cheap to clone; clones share the ledger.
 #[derive(Clone)]
 pub struct CudaDevice {
     ordinal: usize,
+    /// Which logical device of the GPU this handle is (`cuda:0x4#1`), if it is one.
+    slice: Option<LogicalSlice>,
     context: Arc<CudaContext>,
     memory: Arc<MemoryAccount>,
     properties: Arc<Properties>,
@@ -72,7 +74,47 @@ impl CudaDevice {
             total_memory: context.total_mem().map_err(|err| query("total memory", err))? as u64,
         };
         let memory = Arc::new(MemoryAccount::new(format!("cuda:{ordinal}"), budget_bytes));
-        Ok(CudaDevice { ordinal, context, memory, properties: Arc::new(properties) })
+        Ok(CudaDevice { ordinal, slice: None, context, memory, properties: Arc::new(properties) })
+    }
+
+    /// A handle of GPU `ordinal` (a logical device of it when `slice` says so) whose ledger's
+    /// budget is `budget_bytes`, or without one the memory free on the GPU now (`cuMemGetInfo`)
+    /// divided by the logical devices sharing it: what the CLI and the run spec open, so the
+    /// memory plan checks against what the card really has.
+    pub fn with_free_memory_budget(
+        ordinal: usize,
+        budget_bytes: Option<u64>,
+        slice: Option<LogicalSlice>,
+    ) -> Result<Self> {
+        let mut device = CudaDevice::new(ordinal, None)?;
+        let budget = match budget_bytes {
+            Some(budget) => budget,
+            None => device.free_memory()? / slice.map_or(1, |s| s.count.max(1)) as u64,
+        };
+        device.slice = slice;
+        device.memory = Arc::new(MemoryAccount::new(device.label(), Some(budget)));
+        Ok(device)
+    }
+
+    /// The memory free on the GPU now, in bytes (`cuMemGetInfo`: every process's allocations
+    /// counted, not only this ledger's).
+    pub fn free_memory(&self) -> Result<u64> {
+        let (free, _total) =
+            self.context.mem_get_info().map_err(|err| errors::driver(self.ordinal, "reading its free memory", err))?;
+        Ok(free as u64)
+    }
+
+    /// Which logical device of its GPU this handle is, if it is one.
+    pub fn logical_slice(&self) -> Option<LogicalSlice> {
+        self.slice
+    }
+
+    /// The handle's name: `cuda:N`, or `cuda:NxK#I` for a logical device.
+    pub fn label(&self) -> String {
+        match self.slice {
+            Some(LogicalSlice { index, count }) => format!("cuda:{}x{count}#{index}", self.ordinal),
+            None => format!("cuda:{}", self.ordinal),
+        }
     }
 
     /// How many CUDA GPUs the driver sees; an error when no driver is installed.
