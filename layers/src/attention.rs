@@ -33,15 +33,14 @@
 //! convolution's im2col columns.
 use std::cell::{RefCell, RefMut};
 
-use conveyor_engine::cpu::attention::{AttentionDims, attention_backward, attention_forward};
-use conveyor_engine::cpu::elementwise::accumulate_column_sums;
-use conveyor_engine::cpu::{MatRef, matmul, matmul_uninit, uninit};
+use conveyor_engine::cpu::attention::AttentionDims;
+use conveyor_engine::device::ops::Matrix;
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
 use rand::rngs::StdRng;
 
 use crate::tensor_io::{
-    accumulate_into, check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes,
-    into_dtype, largest_parameter_bytes, saved_tensor, values, zeros_f32,
+    check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes, into_dtype,
+    largest_parameter_bytes, saved_tensor, zeros_f32,
 };
 
 const KIND: &str = "MultiheadSelfAttention";
@@ -119,17 +118,6 @@ impl Dims {
     /// Rows of the flattened input, `batch · tokens`.
     fn rows(&self) -> usize {
         self.batch * self.tokens
-    }
-
-    /// Elements of one q/k/v block `(w, h)`: `[rows, head_dim]`.
-    fn block_len(&self) -> usize {
-        self.rows() * self.head_dim
-    }
-
-    /// Range of block `(w, h)` in the head-major `[3, n_heads, rows, head_dim]` buffer.
-    fn block(&self, which: usize, head: usize) -> std::ops::Range<usize> {
-        let start = (which * self.n_heads + head) * self.block_len();
-        start..start + self.block_len()
     }
 
     /// The attention kernel's sizes.
@@ -234,18 +222,13 @@ impl MultiheadSelfAttention {
     /// both backward calls need, as a tensor on the input's device.
     fn grad_qkv(&self, dims: Dims, saved: &Saved, grad_output: &Tensor) -> Result<Tensor> {
         let qkv = saved_tensor(KIND, saved, 1)?;
-        let logsumexp = saved_tensor(KIND, saved, 2)?.as_f32()?;
-        let ctx = saved_tensor(KIND, saved, 3)?.as_f32()?;
-        let out_weight = values(&self.params[2].value);
+        let logsumexp = saved_tensor(KIND, saved, 2)?;
+        let ctx = saved_tensor(KIND, saved, 3)?;
         let (rows, d) = (dims.rows(), dims.embed_dim);
         // dctx [rows, D] = dy [rows, D] · out_proj.weight [D, D]
-        let mut grad_ctx = vec![0.0f32; rows * d];
-        let grad = values(grad_output);
-        matmul(&mut grad_ctx, MatRef::row_major(&grad, rows, d)?, MatRef::row_major(&out_weight, d, d)?, false)?;
-        let mut grad_qkv = zeros_f32(qkv.shape().clone(), qkv.device())?;
-        let kernel = dims.kernel(self.causal);
-        attention_backward(kernel, qkv.as_f32()?, ctx, logsumexp, &grad_ctx, grad_qkv.as_f32_mut()?)?;
-        Ok(grad_qkv)
+        let out_weight = Matrix::new(&self.params[2].value, d, d)?;
+        let grad_ctx = Tensor::matmul(Matrix::new(grad_output, rows, d)?, out_weight, None, [rows, d], qkv.device())?;
+        grad_ctx.attention_backward(qkv, ctx, logsumexp, dims.kernel(self.causal))
     }
 
     fn pending_slots(&self) -> RefMut<'_, Vec<PendingGrad>> {
@@ -285,29 +268,9 @@ impl MultiheadSelfAttention {
     }
 
     /// `∂L/∂x` from `∂L/∂qkv`.
-    fn input_grad(&self, dims: Dims, input: &Tensor, grad_qkv: &[f32]) -> Result<Tensor> {
-        let (rows, d, dh) = (dims.rows(), dims.embed_dim, dims.head_dim);
-        let in_weight = values(&self.params[0].value);
-        // dx [rows, D] = Σ_(w, h) dqkv_(w, h) [rows, dh] · W[w·D + h·dh ..] [dh, D]
-        // The first product writes every element (no zero-fill); the others accumulate onto it.
-        let term = |which: usize, h: usize| -> Result<(MatRef<'_>, MatRef<'_>)> {
-            let first = which * d + h * dh;
-            let grad_block = MatRef::row_major(&grad_qkv[dims.block(which, h)], rows, dh)?;
-            Ok((grad_block, MatRef::row_major(&in_weight[first * d..(first + dh) * d], dh, d)?))
-        };
-        let grad_input = Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
-            let (grad_block, weight) = term(0, 0)?;
-            let dst = matmul_uninit(dst, grad_block, weight)?;
-            for which in 0..3 {
-                for h in 0..dims.n_heads {
-                    if which + h > 0 {
-                        let (grad_block, weight) = term(which, h)?;
-                        matmul(dst, grad_block, weight, true)?;
-                    }
-                }
-            }
-            Ok(dst)
-        })?;
+    fn input_grad(&self, dims: Dims, input: &Tensor, grad_qkv: &Tensor) -> Result<Tensor> {
+        let grad_input =
+            grad_qkv.attention_qkv_input_grad(&self.params[0].value, input.shape(), dims.kernel(self.causal))?;
         into_dtype(grad_input, input.dtype())
     }
 
@@ -317,41 +280,17 @@ impl MultiheadSelfAttention {
         dims: Dims,
         saved: &Saved,
         grad_output: &Tensor,
-        grad_qkv: &[f32],
+        grad_qkv: &Tensor,
         param_grads: &mut [Tensor],
     ) -> Result<()> {
-        let (rows, d, dh) = (dims.rows(), dims.embed_dim, dims.head_dim);
-        let x = values(saved_tensor(KIND, saved, 0)?);
-        let ctx = saved_tensor(KIND, saved, 3)?.as_f32()?;
-        let grad = values(grad_output);
-        let x_view = MatRef::row_major(&x, rows, d)?;
+        let x = saved_tensor(KIND, saved, 0)?;
+        let ctx = saved_tensor(KIND, saved, 3)?;
         let [in_weight_grad, in_bias_grad, out_weight_grad, out_bias_grad] = param_grads else {
             unreachable!("check_param_grads checked four gradients");
         };
-        // d in_proj_weight[w·D + h·dh ..] [dh, D] += dqkv_(w, h)ᵀ [dh, rows] · x [rows, D]
-        accumulate_into(in_weight_grad, |dst| {
-            for which in 0..3 {
-                for h in 0..dims.n_heads {
-                    let first = which * d + h * dh;
-                    let grad_block = MatRef::row_major(&grad_qkv[dims.block(which, h)], rows, dh)?;
-                    matmul(&mut dst[first * d..(first + dh) * d], grad_block.t(), x_view, true)?;
-                }
-            }
-            Ok(())
-        })?;
-        accumulate_into(in_bias_grad, |dst| {
-            for which in 0..3 {
-                for h in 0..dims.n_heads {
-                    let first = which * d + h * dh;
-                    accumulate_column_sums(&grad_qkv[dims.block(which, h)], &mut dst[first..first + dh])?;
-                }
-            }
-            Ok(())
-        })?;
-        // d out_proj.weight [D, D] += dyᵀ [D, rows] · ctx [rows, D]
-        let grad_t = MatRef::row_major(&grad, rows, d)?.t();
-        accumulate_into(out_weight_grad, |dst| matmul(dst, grad_t, MatRef::row_major(ctx, rows, d)?, true))?;
-        accumulate_into(out_bias_grad, |dst| accumulate_column_sums(&grad, dst))
+        let kernel = dims.kernel(self.causal);
+        grad_qkv.attention_qkv_weight_grads(x, kernel, in_weight_grad, in_bias_grad)?;
+        grad_output.attention_out_grads(ctx, kernel, out_weight_grad, out_bias_grad)
     }
 
     fn saved_dims(&self, saved: &Saved, grad_output: &Tensor) -> Result<Dims> {
@@ -405,37 +344,21 @@ impl Layer for MultiheadSelfAttention {
         let dims = self.dims(input.shape())?;
         check_same_device(KIND, input, &self.params[0].value)?;
         let device = input.device();
-        let (rows, d, t, dh) = (dims.rows(), dims.embed_dim, dims.tokens, dims.head_dim);
-        let x = values(input);
-        let x_view = MatRef::row_major(&x, rows, d)?;
-        let in_weight = values(&self.params[0].value);
-        let in_bias = values(&self.params[1].value);
-
-        // q, k, v head-major: block (w, h) [rows, dh] = x · W[w·D + h·dh ..]ᵀ + b[w·D + h·dh ..].
-        // The blocks tile the buffer in (w, h) order, each written in full: no zero-fill.
-        let qkv = Tensor::from_f32_init([3, dims.n_heads, dims.batch, t, dh], device, |qkv| {
-            uninit::chunks(qkv, dims.block_len(), |block, dst| {
-                let first = (block / dims.n_heads) * d + (block % dims.n_heads) * dh;
-                let dst = uninit::broadcast_rows(&in_bias[first..first + dh], dst)?;
-                let weight = MatRef::row_major(&in_weight[first * d..(first + dh) * d], dh, d)?;
-                matmul(dst, x_view, weight.t(), true)?;
-                Ok(dst)
-            })
-        })?;
-
-        // ctx = concat_h(softmax(q_h k_hᵀ · scale + mask) v_h) and the rows' logsumexp, fused.
-        let mut logsumexp = zeros_f32([dims.n_heads, dims.batch, t], device)?;
-        let mut ctx = zeros_f32([dims.batch, t, d], device)?;
-        attention_forward(dims.kernel(self.causal), qkv.as_f32()?, ctx.as_f32_mut()?, logsumexp.as_f32_mut()?)?;
-
+        let (rows, d) = (dims.rows(), dims.embed_dim);
+        let kernel = dims.kernel(self.causal);
+        // q, k, v head-major, then ctx = concat_h(softmax(q_h k_hᵀ · scale + mask) v_h) and the
+        // rows' logsumexp, fused.
+        let qkv = input.attention_qkv(&self.params[0].value, &self.params[1].value, kernel)?;
+        let (ctx, logsumexp) = qkv.attention(kernel)?;
         // y = ctx · out_proj.weightᵀ + out_proj.bias
-        let (out_weight, out_bias) = (values(&self.params[2].value), values(&self.params[3].value));
-        let ctx_view = MatRef::row_major(ctx.as_f32()?, rows, d)?;
-        let output = Tensor::from_f32_init(input.shape().clone(), device, |dst| {
-            let dst = uninit::broadcast_rows(&out_bias, dst)?;
-            matmul(dst, ctx_view, MatRef::row_major(&out_weight, d, d)?.t(), true)?;
-            Ok(dst)
-        })?;
+        let out_weight = Matrix::new(&self.params[2].value, d, d)?.t();
+        let output = Tensor::matmul(
+            Matrix::new(&ctx, rows, d)?,
+            out_weight,
+            Some(&self.params[3].value),
+            input.shape().clone(),
+            device,
+        )?;
         let saved = Saved { tensors: vec![input.share(), qkv, logsumexp, ctx] };
         Ok((into_dtype(output, input.dtype())?, saved))
     }
@@ -444,23 +367,22 @@ impl Layer for MultiheadSelfAttention {
         check_param_grads(KIND, &self.params, param_grads)?;
         let dims = self.saved_dims(saved, grad_output)?;
         let grad_qkv = self.grad_qkv(dims, saved, grad_output)?;
-        let grad_qkv = grad_qkv.as_f32()?;
-        let grad_input = self.input_grad(dims, saved_tensor(KIND, saved, 0)?, grad_qkv)?;
-        self.add_weight_grads(dims, saved, grad_output, grad_qkv, param_grads)?;
+        let grad_input = self.input_grad(dims, saved_tensor(KIND, saved, 0)?, &grad_qkv)?;
+        self.add_weight_grads(dims, saved, grad_output, &grad_qkv, param_grads)?;
         Ok(vec![Some(grad_input)])
     }
 
     fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let dims = self.saved_dims(saved, grad_output)?;
         let grad_qkv = self.shared_grad_qkv(dims, saved, grad_output, Half::Input)?;
-        Ok(vec![Some(self.input_grad(dims, saved_tensor(KIND, saved, 0)?, grad_qkv.as_f32()?)?)])
+        Ok(vec![Some(self.input_grad(dims, saved_tensor(KIND, saved, 0)?, &grad_qkv)?)])
     }
 
     fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()> {
         check_param_grads(KIND, &self.params, param_grads)?;
         let dims = self.saved_dims(saved, grad_output)?;
         let grad_qkv = self.shared_grad_qkv(dims, saved, grad_output, Half::Weight)?;
-        self.add_weight_grads(dims, saved, grad_output, grad_qkv.as_f32()?, param_grads)
+        self.add_weight_grads(dims, saved, grad_output, &grad_qkv, param_grads)
     }
 
     fn weight_pass_scratch_bytes(&self) -> u64 {

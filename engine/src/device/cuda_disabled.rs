@@ -486,6 +486,26 @@ impl CudaStream {
     ) -> Result<()> {
         match self.never {}
     }
+    pub fn attention_forward(
+        &self,
+        _dims: &crate::cpu::attention::AttentionDims,
+        _qkv: &Buf<f32>,
+        _ctx: &mut Buf<f32>,
+        _logsumexp: &mut Buf<f32>,
+    ) -> Result<()> {
+        match self.never {}
+    }
+    pub fn attention_backward(
+        &self,
+        _dims: &crate::cpu::attention::AttentionDims,
+        _qkv: &Buf<f32>,
+        _ctx: &Buf<f32>,
+        _logsumexp: &Buf<f32>,
+        _grad_ctx: &Buf<f32>,
+        _grad_qkv: &mut Buf<f32>,
+    ) -> Result<()> {
+        match self.never {}
+    }
     pub fn sgd_step(
         &self,
         _param: &mut Buf<f32>,

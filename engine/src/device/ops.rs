@@ -21,6 +21,7 @@
 //! GPU results differ from CPU results by summation order (cuBLAS, the reductions) and by the
 //! CUDA math library's transcendentals; elementwise operations without transcendentals round
 //! exactly as on the CPU (the kernels are compiled with `--fmad=false`).
+mod attention;
 mod conv;
 mod pool;
 
@@ -120,6 +121,22 @@ fn accumulate_on_host(dst: &mut Tensor, add: impl FnOnce(&mut [f32]) -> Result<(
     let mut acc = dst.to_vec_f32();
     add(&mut acc)?;
     *dst = Tensor::from_f32_values(acc, dst.dtype(), dst.shape().clone(), dst.device())?;
+    Ok(())
+}
+
+/// `grad += part` where `add` computes `part` into zeros: each step's gradient is summed apart and
+/// then added, so a gradient gets the same bits whether its micro-batches run on one device one
+/// after another or on two data-parallel replicas whose sums the all-reduce adds (`a + b` either
+/// way), as the layers' `accumulate_into`. f16/bf16 gradients are added through an f32 copy.
+fn accumulate_part(grad: &mut Tensor, add: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
+    let mut part = Tensor::zeros(grad.shape().clone(), DType::F32, grad.device())?;
+    add(part.as_f32_mut()?)?;
+    if grad.dtype() == DType::F32 {
+        return grad.add_assign(&part);
+    }
+    let mut acc = grad.to_vec_f32();
+    acc.iter_mut().zip(part.as_f32()?).for_each(|(a, &p)| *a += p);
+    *grad = Tensor::from_f32_values(acc, grad.dtype(), grad.shape().clone(), grad.device())?;
     Ok(())
 }
 

@@ -66,6 +66,9 @@ kernels! {
     AvgPoolBackwardF32 => ("conv.cu", "avg_pool_backward_f32"),
     SgdStepF32 => ("optim.cu", "sgd_step_f32"),
     AdamStepF32 => ("optim.cu", "adam_step_f32"),
+    AttentionForwardF32 => ("attention.cu", "attention_forward_f32"),
+    AttentionBackwardQF32 => ("attention.cu", "attention_backward_q_f32"),
+    AttentionBackwardKvF32 => ("attention.cu", "attention_backward_kv_f32"),
 }
 
 /// The loaded kernels of one GPU, indexed like [`Kernel::ALL`].

@@ -42,6 +42,7 @@
 //! **Architecture Invariant:** nothing here panics on a machine without a driver or without a
 //! CUDA library: each library (libcuda, libcublas, libnvrtc, libnccl) is probed with cudarc's
 //! `is_culib_present` before its first call, and its absence is `Error::CudaUnavailable`.
+mod attention;
 mod buffer;
 mod compile;
 mod conv;

@@ -7,7 +7,7 @@
 //! (element counts against the window and channel counts) and return `Error::Shape` otherwise.
 //! Every result is f32 (the layer converts it to its input's dtype); on a GPU every operand must
 //! be an f32 tensor on that GPU.
-use super::{gpu_f32, gpu_f32_mut};
+use super::{accumulate_part, gpu_f32, gpu_f32_mut};
 use crate::cpu::conv::{Im2col, col2im, flip_kernels};
 use crate::cpu::conv_lanes::{conv2d_lanes, conv2d_lanes_fits};
 use crate::cpu::conv_weight::conv2d_weight_grad;
@@ -31,22 +31,6 @@ fn conv_batch(op: &str, input: &Tensor, weight: &Tensor, window: &Window2d, out_
         ));
     }
     Ok(input.numel() / sample)
-}
-
-/// `grad += part` where `add` computes `part` into zeros: each step's gradient is summed apart and
-/// then added, so a gradient gets the same bits whether its micro-batches run on one device one
-/// after another or on two data-parallel replicas whose sums the all-reduce adds (`a + b` either
-/// way), as the layers' `accumulate_into`. f16/bf16 gradients are added through an f32 copy.
-fn accumulate_part(grad: &mut Tensor, add: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
-    let mut part = Tensor::zeros(grad.shape().clone(), DType::F32, grad.device())?;
-    add(part.as_f32_mut()?)?;
-    if grad.dtype() == DType::F32 {
-        return grad.add_assign(&part);
-    }
-    let mut acc = grad.to_vec_f32();
-    acc.iter_mut().zip(part.as_f32()?).for_each(|(a, &p)| *a += p);
-    *grad = Tensor::from_f32_values(acc, grad.dtype(), grad.shape().clone(), grad.device())?;
-    Ok(())
 }
 
 /// A GPU buffer of `len` ones (the right operand that spreads a bias over output planes).
