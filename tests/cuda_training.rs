@@ -2,8 +2,10 @@
 //! ReLU, cross-entropy, SGD with momentum and gradient clipping) for a few steps on `cuda:0`, and
 //! as a 2-stage 1F1B pipeline on `cuda:0`,`cuda:1` (or, with one GPU, on two handles of `cuda:0`,
 //! two workers with their own streams and ledgers), and the weights, losses and predictions are
-//! compared with the same runs on CPU devices. The layers without a GPU path, given GPU tensors,
-//! fail with `Error::NotOnHost` (or another structured error), never a panic.
+//! compared with the same runs on CPU devices. The pooling layers, Dropout and Add (device ops
+//! only) give on a GPU, forward and backward, what they give on a CPU; the layers without a GPU
+//! path, given GPU tensors, fail with `Error::NotOnHost` (or another structured error), never a
+//! panic.
 //!
 //! One trial per case and device (`engine/tests/common/device_cases.rs`): without the `cuda`
 //! feature, a driver or a GPU, each `[cuda]` trial is listed as ignored, by name, and the reason
@@ -20,6 +22,12 @@
 //! `max |w_gpu - w_cpu| / max(|w_cpu|, 1e-3) ≤ 1e-4` for every weight (as `common::max_rel_diff`
 //! computes it), `1e-5` relative on the reported losses, and `1e-4` (same formula) on the
 //! predicted logits.
+//!
+//! The pooling layers, Dropout and Add compute without products: their forward passes and the
+//! gradients of non-overlapping windows round as on the CPU (bit for bit); the gradients of
+//! overlapping windows (3x3 stride 1 here) sum at most 9 terms in another order, within
+//! `2·9·u·Σ|terms| < 1e-5` of the CPU's for the values of these inputs (|x| ≤ 1), checked as
+//! `max_rel_diff ≤ 1e-5`.
 mod common;
 #[path = "../engine/tests/common/device_cases.rs"]
 mod device_cases;
@@ -139,13 +147,8 @@ fn layers_without_a_gpu_path_refuse_gpu_tensors_without_panicking(device: &Devic
     let ids = Tensor::from_vec(vec![0.0, 1.0, 2.0, 3.0], [2, 2], &host).unwrap();
     let layers: Vec<(&str, Box<dyn Layer>, Vec<&Tensor>)> = vec![
         ("Conv2d", Box::new(Conv2d::new(3, 4, (3, 3), Conv2dOptions::default(), &mut rng).unwrap()), vec![&image]),
-        ("MaxPool2d", Box::new(MaxPool2d::new((2, 2), (2, 2)).unwrap()), vec![&image]),
-        ("AvgPool2d", Box::new(AvgPool2d::new((2, 2), (2, 2)).unwrap()), vec![&image]),
-        ("GlobalAvgPool2d", Box::new(GlobalAvgPool2d::new()), vec![&image]),
         ("LayerNorm", Box::new(LayerNorm::new(8).unwrap()), vec![&tokens]),
         ("Embedding", Box::new(Embedding::new(5, 8, &mut rng).unwrap()), vec![&ids]),
-        ("Dropout", Box::new(Dropout::new(0.5).unwrap()), vec![&tokens]),
-        ("Add", Box::new(Add::new()), vec![&tokens, &tokens]),
         (
             "MultiheadSelfAttention",
             Box::new(MultiheadSelfAttention::new(8, 2, false, &mut rng).unwrap()),
@@ -160,12 +163,71 @@ fn layers_without_a_gpu_path_refuse_gpu_tensors_without_panicking(device: &Devic
     Ok(())
 }
 
+/// One layer's forward (training, seed 3) and input gradients on `device` and on the host.
+fn forward_and_backward(
+    layer: &mut dyn Layer,
+    inputs: &[&Tensor],
+    device: &Device,
+) -> anyhow::Result<Vec<(String, Vec<f32>)>> {
+    layer.to_device(device)?;
+    let inputs: Vec<Tensor> = inputs.iter().map(|t| t.to_device(device)).collect::<Result<_, _>>()?;
+    let inputs: Vec<&Tensor> = inputs.iter().collect();
+    let (output, saved) = layer.forward(&inputs, &ForwardCtx::train(3))?;
+    let grad_values: Vec<f32> = (0..output.numel()).map(|i| ((i * 7) % 11) as f32 * 0.1 - 0.5).collect();
+    let grad_output = Tensor::from_vec(grad_values, output.shape().clone(), device)?;
+    let mut results = vec![("output".to_string(), output.try_to_vec_f32()?)];
+    for (i, grad) in layer.backward_input(&saved, &grad_output)?.into_iter().enumerate() {
+        let grad = grad.ok_or_else(|| anyhow::anyhow!("no gradient for input {i}"))?;
+        anyhow::ensure!(grad.device().same_device(device), "input {i}'s gradient is on {}", grad.device());
+        results.push((format!("input {i} gradient"), grad.try_to_vec_f32()?));
+    }
+    Ok(results)
+}
+
+fn pooling_dropout_and_add_on_a_gpu_match_the_cpu(device: &Device) -> anyhow::Result<()> {
+    let host = Device::host();
+    let image = Tensor::from_vec(
+        (0..2 * 3 * 7 * 6).map(|i| ((i * 5) % 13) as f32 * 0.15 - 0.9).collect(),
+        [2, 3, 7, 6],
+        &host,
+    )?;
+    let tokens = Tensor::from_vec((0..2 * 4 * 8).map(|i| (i % 5) as f32 * 0.1).collect(), [2, 4, 8], &host)?;
+    let other = Tensor::from_vec((0..2 * 4 * 8).map(|i| (i % 3) as f32 * -0.3).collect(), [2, 4, 8], &host)?;
+    type Make = fn() -> Box<dyn Layer>;
+    let layers: Vec<(&str, Make, Vec<&Tensor>)> = vec![
+        ("MaxPool2d 2x2/2", || Box::new(MaxPool2d::new((2, 2), (2, 2)).unwrap()), vec![&image]),
+        ("MaxPool2d 3x3/1 pad 1", || Box::new(MaxPool2d::with_padding((3, 3), (1, 1), (1, 1)).unwrap()), vec![&image]),
+        ("AvgPool2d 2x2/2", || Box::new(AvgPool2d::new((2, 2), (2, 2)).unwrap()), vec![&image]),
+        ("AvgPool2d 3x3/1 pad 1", || Box::new(AvgPool2d::with_padding((3, 3), (1, 1), (1, 1)).unwrap()), vec![&image]),
+        ("GlobalAvgPool2d", || Box::new(GlobalAvgPool2d::new()), vec![&image]),
+        ("Dropout", || Box::new(Dropout::new(0.5).unwrap()), vec![&tokens]),
+        ("Add", || Box::new(Add::new()), vec![&tokens, &other]),
+    ];
+    for (name, make, inputs) in layers {
+        let on_gpu = forward_and_backward(make().as_mut(), &inputs, device)?;
+        let on_cpu = forward_and_backward(make().as_mut(), &inputs, &host)?;
+        let diff = max_rel_diff(&on_gpu, &on_cpu);
+        anyhow::ensure!(diff <= 1e-5, "{name} on {device}: max relative difference {diff:e} from the CPU");
+        // Everything but the overlapping windows' gradients rounds as on the CPU.
+        let overlapping = name.contains("3x3/1");
+        for ((what, gpu), (_, cpu)) in on_gpu.iter().zip(&on_cpu) {
+            if overlapping && what != "output" {
+                continue;
+            }
+            let same = gpu.iter().map(|v| v.to_bits()).eq(cpu.iter().map(|v| v.to_bits()));
+            anyhow::ensure!(same, "{name} on {device}: the {what} differs from the CPU's bits");
+        }
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
-    let cases: [Case<Device>; 2] = [
+    let cases: [Case<Device>; 3] = [
         Case::every_device(
             "an_mlp_trained_on_every_device_matches_one_cpu",
             an_mlp_trained_on_every_device_matches_one_cpu,
         ),
+        Case::gpus("pooling_dropout_and_add_on_a_gpu_match_the_cpu", pooling_dropout_and_add_on_a_gpu_match_the_cpu),
         Case::gpus(
             "layers_without_a_gpu_path_refuse_gpu_tensors_without_panicking",
             layers_without_a_gpu_path_refuse_gpu_tensors_without_panicking,

@@ -11,8 +11,8 @@
 //!
 //! One formula everywhere: element `i` passes when `|got_i - expected_i| <= atol_i + rtol·|expected_i|`.
 //! - Data movement and single IEEE operations (copies, im2col, broadcast, ReLU, dropout, add,
-//!   scale, average-pooling forward, max pooling forward and its argmax, tanh's gradient) and the
-//!   optimizer updates: `rtol = atol = 0`, bit for bit. The kernels are compiled with
+//!   scale, average and global average pooling forward, max pooling forward and its f32 argmax,
+//!   tanh's gradient) and the optimizer updates: `rtol = atol = 0`, bit for bit. The kernels are compiled with
 //!   `--fmad=false`, so each `a * b + c` rounds twice as in Rust, and sqrt and division are IEEE.
 //! - Matrix products: `atol_ij = c·(k + 1)·u·((|A|·|B|)_ij + |C0_ij|)`, `rtol = 0`, with `u = 2⁻²⁴`,
 //!   `k` the inner dimension and `C0` the accumulated-onto destination: twice the worst-case
@@ -602,11 +602,16 @@ fn max_and_average_pooling(backend: &Backend) -> Result<()> {
         cpu::pool::max_pool2d_backward(&dy, &expected_arg, n_planes, &window, &mut expected_dx)?;
         let Backend::Cuda(stream) = backend else { continue };
         let x = stream.upload(&input)?;
-        let (mut y, mut arg) = (stream.alloc_zeros(out_len)?, stream.alloc_zeros::<i32>(out_len)?);
+        let (mut y, mut arg) = (stream.alloc_zeros(out_len)?, stream.alloc_zeros::<f32>(out_len)?);
         stream.max_pool_forward(&x, n_planes, &window, &mut y, &mut arg)?;
         assert_close("max_pool_forward", backend, &stream.download(&y)?, &expected_y, EXACT)?;
-        let arg_host: Vec<f32> = stream.download(&arg)?.iter().map(|&a| a as f32).collect();
-        assert_close("max_pool_forward argmax", backend, &arg_host, &expected_arg, EXACT)?;
+        // The argmax in the CPU's layout, f32 positions within the plane, bit for bit.
+        let arg_host = stream.download(&arg)?;
+        ensure!(
+            arg_host.iter().map(|a| a.to_bits()).eq(expected_arg.iter().map(|a| a.to_bits())),
+            "max_pool_forward argmax on {} differs from the CPU's bits",
+            backend.name()
+        );
         let mut dx = stream.upload(&initial)?;
         stream.max_pool_backward(&stream.upload(&dy)?, &arg, n_planes, &window, &mut dx)?;
         assert_close(
@@ -618,6 +623,94 @@ fn max_and_average_pooling(backend: &Backend) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// The device the Tensor-level ops of a backend run on: the host, or the backend's GPU.
+fn tensor_device(backend: &Backend) -> Result<Device> {
+    Ok(match backend {
+        Backend::Cpu => Device::cpu(0),
+        Backend::Cuda(stream) => Device::cuda(stream.device().ordinal(), None)?,
+    })
+}
+
+/// The Tensor-level pooling, dropout and residual-sum ops (`device::ops::pool`, what the layers
+/// call) on this backend's device, against the CPU kernels: forward passes, the argmax (its f32
+/// bits), dropout and add bit for bit; pooling gradients bit for bit on the CPU and within the
+/// reordered-sum bound on a GPU (overlapping windows sum in another order there).
+fn pool_dropout_and_add_tensor_ops(backend: &Backend) -> Result<()> {
+    let device = tensor_device(backend)?;
+    let batch = 2;
+    let exact_on_cpu = |tolerance: Tolerance| if let Backend::Cpu = backend { EXACT } else { tolerance };
+    for window in windows()? {
+        let n_planes = batch * window.channels;
+        let (in_len, out_len) = (n_planes * window.in_plane_len(), n_planes * window.out_plane_len());
+        let in_shape = conveyor_engine::Shape::new([batch, window.channels, window.in_height, window.in_width]);
+        let out_dims = [batch, window.channels, window.out_height(), window.out_width()];
+        let (input, dy) = (values(91, in_len), values(92, out_len));
+        let x = Tensor::from_slice(&input, in_shape.clone(), &device)?;
+        let grad = Tensor::from_slice(&dy, out_dims, &device)?;
+        let terms = window.kernel_height * window.kernel_width + 1;
+        let what = |op: &str| format!("Tensor::{op} {window:?}");
+
+        let (mut expected_y, mut expected_arg) = (vec![0.0; out_len], vec![0.0; out_len]);
+        cpu::pool::max_pool2d_forward(&input, n_planes, &window, &mut expected_y, &mut expected_arg)?;
+        let (y, argmax) = x.max_pool2d(&window)?;
+        ensure!(y.dims() == out_dims && argmax.dims() == out_dims, "max_pool2d shapes");
+        assert_close(&what("max_pool2d"), backend, &y.try_to_vec_f32()?, &expected_y, EXACT)?;
+        ensure!(
+            argmax.try_to_vec_f32()?.iter().map(|a| a.to_bits()).eq(expected_arg.iter().map(|a| a.to_bits())),
+            "{}: the argmax on {} differs from the CPU's bits",
+            what("max_pool2d"),
+            backend.name()
+        );
+        let mut expected_dx = vec![0.0; in_len];
+        cpu::pool::max_pool2d_backward(&dy, &expected_arg, n_planes, &window, &mut expected_dx)?;
+        let dx = Tensor::max_pool2d_input_grad(&grad, &argmax, &window, &in_shape)?;
+        let tolerance = exact_on_cpu(reordered_sum(terms, terms as f32));
+        assert_close(&what("max_pool2d_input_grad"), backend, &dx.try_to_vec_f32()?, &expected_dx, tolerance)?;
+
+        let mut expected_y = vec![0.0; out_len];
+        cpu::pool::avg_pool2d_forward(&input, n_planes, &window, &mut expected_y)?;
+        assert_close(&what("avg_pool2d"), backend, &x.avg_pool2d(&window)?.try_to_vec_f32()?, &expected_y, EXACT)?;
+        let mut expected_dx = vec![0.0; in_len];
+        cpu::pool::avg_pool2d_backward(&dy, n_planes, &window, &mut expected_dx)?;
+        let dx = Tensor::avg_pool2d_input_grad(&grad, &window, &in_shape)?;
+        let tolerance = exact_on_cpu(reordered_sum(terms, terms as f32));
+        assert_close(&what("avg_pool2d_input_grad"), backend, &dx.try_to_vec_f32()?, &expected_dx, tolerance)?;
+
+        // Global average pooling: one sum per plane, in the same order on every device.
+        let mut expected_y = vec![0.0; n_planes];
+        cpu::pool::global_avg_pool_forward(&input, window.in_plane_len(), &mut expected_y)?;
+        let y = x.global_avg_pool2d()?;
+        ensure!(y.dims() == [batch, window.channels], "global_avg_pool2d shape {}", y.shape());
+        assert_close(&what("global_avg_pool2d"), backend, &y.try_to_vec_f32()?, &expected_y, EXACT)?;
+        let plane_grad = values(93, n_planes);
+        let mut expected_dx = vec![0.0; in_len];
+        cpu::pool::global_avg_pool_backward(&plane_grad, window.in_plane_len(), &mut expected_dx)?;
+        let plane_grad = Tensor::from_slice(&plane_grad, [batch, window.channels], &device)?;
+        let dx = Tensor::global_avg_pool2d_input_grad(&plane_grad, &in_shape)?;
+        assert_close(&what("global_avg_pool2d_input_grad"), backend, &dx.try_to_vec_f32()?, &expected_dx, EXACT)?;
+    }
+
+    // Dropout: x · keep · scale in that order, forward and with the saved mask; and the sum.
+    let n = 1001;
+    let (input, other) = (values(94, n), values(95, n));
+    let keep: Vec<f32> = values(96, n).iter().map(|&v| if v < -0.4 { 0.0 } else { 1.0 }).collect();
+    let scale = 1.0 / (1.0 - 0.3f32);
+    let expected: Vec<f32> = input.iter().zip(&keep).map(|(x, k)| x * k * scale).collect();
+    let x = Tensor::from_slice(&input, [7, 11, 13], &device)?;
+    let (y, mask) = x.dropout_forward(&keep, scale)?;
+    assert_close("Tensor::dropout_forward", backend, &y.try_to_vec_f32()?, &expected, EXACT)?;
+    ensure!(mask.try_to_vec_f32()? == keep, "the saved dropout mask on {} is not the keep mask", backend.name());
+    let again = x.dropout_apply(&mask, scale)?;
+    assert_close("Tensor::dropout_apply", backend, &again.try_to_vec_f32()?, &expected, EXACT)?;
+    let expected: Vec<f32> = input.iter().zip(&other).map(|(a, b)| a + b).collect();
+    let sum = x.add(&Tensor::from_slice(&other, [7, 11, 13], &device)?)?;
+    assert_close("Tensor::add", backend, &sum.try_to_vec_f32()?, &expected, EXACT)?;
+    match x.dropout_forward(&keep[1..], scale) {
+        Err(Error::ShapeMismatch { .. }) => Ok(()),
+        other => bail!("a short dropout mask gave {other:?}, expected a shape error"),
+    }
 }
 
 /// Three optimizer steps on the CPU (`Optimizer::step`, torch's rules) and on the device.
@@ -711,7 +804,7 @@ fn cuda_buffers_count_on_the_ledger_and_copy_between_devices(backend: &Backend) 
 
 fn main() -> ExitCode {
     let every = |name, body| Case::every_device(name, body);
-    let cases: [Case<Backend>; 9] = [
+    let cases: [Case<Backend>; 10] = [
         every(
             "matmul_in_all_four_layouts_with_and_without_accumulate",
             matmul_in_all_four_layouts_with_and_without_accumulate,
@@ -722,6 +815,7 @@ fn main() -> ExitCode {
         every("log_softmax_and_cross_entropy", log_softmax_and_cross_entropy),
         every("im2col_col2im_and_convolution", im2col_col2im_and_convolution),
         every("max_and_average_pooling", max_and_average_pooling),
+        every("pool_dropout_and_add_tensor_ops", pool_dropout_and_add_tensor_ops),
         every("optimizer_updates_follow_the_cpu_bit_for_bit", optimizer_updates_follow_the_cpu_bit_for_bit),
         Case::gpus(
             "cuda_buffers_count_on_the_ledger_and_copy_between_devices",

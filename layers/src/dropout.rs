@@ -1,13 +1,15 @@
 //! `Dropout`: in training, zeroes each element with probability p and scales the rest by
 //! 1/(1-p) (PyTorch's inverted dropout); the identity in evaluation. The mask is drawn from a
 //! generator seeded with `ForwardCtx::seed`, so recomputing a forward pass reproduces it exactly.
-use conveyor_engine::cpu::uninit;
+//!
+//! The mask is drawn on the host on every device (so a GPU drops the same elements as a CPU) and
+//! applied by the device ops `Tensor::dropout_forward` and `Tensor::dropout_apply`, so the layer
+//! runs on every device: on a CPU in the input's dtype, on a GPU in f32.
 use conveyor_engine::{Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
-use half::f16;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
-use crate::tensor_io::{check_grad_shape, expect_inputs, expect_shapes, into_dtype, saved_tensor, values};
+use crate::tensor_io::{check_grad_shape, expect_inputs, expect_shapes, saved_tensor};
 
 /// Inverted dropout with drop probability `p`.
 ///
@@ -15,7 +17,7 @@ use crate::tensor_io::{check_grad_shape, expect_inputs, expect_shapes, into_dtyp
 /// `i`-th draw of `StdRng::seed_from_u64(ctx.seed)` from U[0, 1) is below `p`. The same seed gives
 /// the same mask (activation recomputation relies on this), a different seed a different one. The
 /// caller gives each layer and micro-batch its own seed. The mask is saved as f16 zeros and ones
-/// (2 bytes per element).
+/// on a CPU (2 bytes per element), as f32 on a GPU (4 bytes, the kernel's operand type).
 #[derive(Debug, Clone, Copy)]
 pub struct Dropout {
     p: f32,
@@ -70,15 +72,9 @@ impl Layer for Dropout {
         if !ctx.training || self.p == 0.0 {
             return Ok((input.share(), Saved::default()));
         }
-        let mask = self.mask(input.numel(), ctx.seed);
-        let scale = self.scale();
-        let x = values(input);
-        let output = Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
-            uninit::map2(dst, &x, &mask, |x, keep| x * keep * scale)
-        })?;
-        let mask =
-            Tensor::from_f16_vec(mask.into_iter().map(f16::from_f32).collect(), input.shape().clone(), input.device())?;
-        Ok((into_dtype(output, input.dtype())?, Saved { tensors: vec![mask] }))
+        let keep = self.mask(input.numel(), ctx.seed);
+        let (output, mask) = input.dropout_forward(&keep, self.scale())?;
+        Ok((output, Saved { tensors: vec![mask] }))
     }
 
     fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
@@ -88,12 +84,7 @@ impl Layer for Dropout {
         }
         let mask = saved_tensor("Dropout", saved, 0)?;
         check_grad_shape("Dropout", grad_output, mask.shape())?;
-        let scale = self.scale();
-        let (dy, keep) = (values(grad_output), mask.to_vec_f32());
-        let grad_input = Tensor::from_f32_init(mask.shape().clone(), grad_output.device(), |dst| {
-            uninit::map2(dst, &dy, &keep, |dy, keep| dy * keep * scale)
-        })?;
-        Ok(vec![Some(into_dtype(grad_input, grad_output.dtype())?)])
+        Ok(vec![Some(grad_output.dropout_apply(mask, self.scale())?)])
     }
 
     fn backward_weight(&self, _saved: &Saved, _grad_output: &Tensor, _param_grads: &mut [Tensor]) -> Result<()> {

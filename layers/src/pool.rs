@@ -1,16 +1,16 @@
 //! Pooling layers over NCHW inputs: `MaxPool2d` (argmax positions saved for backward),
 //! `AvgPool2d` (padding counted in the divisor, PyTorch's default) and `GlobalAvgPool2d`
 //! (`[B, C, H, W] -> [B, C]`).
+//!
+//! They compute through the engine's device ops (`Tensor::max_pool2d`, `Tensor::avg_pool2d`,
+//! `Tensor::global_avg_pool2d` and their input gradients), so they run on every device: on a CPU
+//! the kernels of `conveyor_engine::cpu::pool`, in the input's dtype; on a GPU the CUDA kernels,
+//! f32 only. The layers check shapes and geometry and never ask where a tensor lives.
 use conveyor_engine::cpu::Window2d;
-use conveyor_engine::cpu::pool::{
-    avg_pool2d_backward, avg_pool2d_forward, global_avg_pool_backward, global_avg_pool_forward, max_pool2d_forward,
-    max_pool2d_input_grad,
-};
 use conveyor_engine::{Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 
 use crate::tensor_io::{
-    check_grad_shape, chw, expect_inputs, expect_shapes, f32_bytes, into_dtype, nchw, read_shape_marker, saved_tensor,
-    shape_marker, values, zeros_f32,
+    check_grad_shape, chw, expect_inputs, expect_shapes, f32_bytes, nchw, read_shape_marker, saved_tensor, shape_marker,
 };
 
 /// Kernel, stride and padding shared by the windowed pools.
@@ -112,31 +112,18 @@ impl Layer for MaxPool2d {
     fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
         expect_inputs("MaxPool2d", inputs, 1)?;
         let input = inputs[0];
-        let (batch, window, out_dims) = self.geometry.batch_window("MaxPool2d", input.shape())?;
-        let mut output = zeros_f32(out_dims, input.device())?;
-        let mut argmax = zeros_f32(out_dims, input.device())?;
-        max_pool2d_forward(
-            &values(input),
-            batch * window.channels,
-            &window,
-            output.as_f32_mut()?,
-            argmax.as_f32_mut()?,
-        )?;
+        let (_, window, _) = self.geometry.batch_window("MaxPool2d", input.shape())?;
+        let (output, argmax) = input.max_pool2d(&window)?;
         let saved = Saved { tensors: vec![argmax, shape_marker(input.shape(), input.device())?] };
-        Ok((into_dtype(output, input.dtype())?, saved))
+        Ok((output, saved))
     }
 
     fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let argmax = saved_tensor("MaxPool2d", saved, 0)?;
         let input_shape = read_shape_marker("MaxPool2d", saved_tensor("MaxPool2d", saved, 1)?)?;
-        let (batch, window, out_dims) = self.geometry.batch_window("MaxPool2d", &input_shape)?;
+        let (_, window, out_dims) = self.geometry.batch_window("MaxPool2d", &input_shape)?;
         check_grad_shape("MaxPool2d", grad_output, &Shape::new(out_dims))?;
-        // Written in full (disjoint windows gathered in one pass, others zeroed and scattered).
-        let (grad, argmax) = (values(grad_output), argmax.as_f32()?);
-        let grad_input = Tensor::from_f32_init(input_shape, grad_output.device(), |dst| {
-            max_pool2d_input_grad(&grad, argmax, batch * window.channels, &window, dst)
-        })?;
-        Ok(vec![Some(into_dtype(grad_input, grad_output.dtype())?)])
+        Ok(vec![Some(Tensor::max_pool2d_input_grad(grad_output, argmax, &window, &input_shape)?)])
     }
 
     fn backward_weight(&self, _saved: &Saved, _grad_output: &Tensor, _param_grads: &mut [Tensor]) -> Result<()> {
@@ -198,20 +185,17 @@ impl Layer for AvgPool2d {
     fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
         expect_inputs("AvgPool2d", inputs, 1)?;
         let input = inputs[0];
-        let (batch, window, out_dims) = self.geometry.batch_window("AvgPool2d", input.shape())?;
-        let mut output = zeros_f32(out_dims, input.device())?;
-        avg_pool2d_forward(&values(input), batch * window.channels, &window, output.as_f32_mut()?)?;
+        let (_, window, _) = self.geometry.batch_window("AvgPool2d", input.shape())?;
+        let output = input.avg_pool2d(&window)?;
         let saved = Saved { tensors: vec![shape_marker(input.shape(), input.device())?] };
-        Ok((into_dtype(output, input.dtype())?, saved))
+        Ok((output, saved))
     }
 
     fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let input_shape = read_shape_marker("AvgPool2d", saved_tensor("AvgPool2d", saved, 0)?)?;
-        let (batch, window, out_dims) = self.geometry.batch_window("AvgPool2d", &input_shape)?;
+        let (_, window, out_dims) = self.geometry.batch_window("AvgPool2d", &input_shape)?;
         check_grad_shape("AvgPool2d", grad_output, &Shape::new(out_dims))?;
-        let mut grad_input = zeros_f32(input_shape, grad_output.device())?;
-        avg_pool2d_backward(&values(grad_output), batch * window.channels, &window, grad_input.as_f32_mut()?)?;
-        Ok(vec![Some(into_dtype(grad_input, grad_output.dtype())?)])
+        Ok(vec![Some(Tensor::avg_pool2d_input_grad(grad_output, &window, &input_shape)?)])
     }
 
     fn backward_weight(&self, _saved: &Saved, _grad_output: &Tensor, _param_grads: &mut [Tensor]) -> Result<()> {
@@ -270,23 +254,20 @@ impl Layer for GlobalAvgPool2d {
     fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
         expect_inputs("GlobalAvgPool2d", inputs, 1)?;
         let input = inputs[0];
-        let [batch, channels, height, width] = nchw("GlobalAvgPool2d", input.shape())?;
+        let [_, _, height, width] = nchw("GlobalAvgPool2d", input.shape())?;
         if height == 0 || width == 0 {
             return Err(Error::shape("GlobalAvgPool2d", "a non-empty plane", input.shape().to_string()));
         }
-        let mut output = zeros_f32([batch, channels], input.device())?;
-        global_avg_pool_forward(&values(input), height * width, output.as_f32_mut()?)?;
+        let output = input.global_avg_pool2d()?;
         let saved = Saved { tensors: vec![shape_marker(input.shape(), input.device())?] };
-        Ok((into_dtype(output, input.dtype())?, saved))
+        Ok((output, saved))
     }
 
     fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let input_shape = read_shape_marker("GlobalAvgPool2d", saved_tensor("GlobalAvgPool2d", saved, 0)?)?;
-        let [batch, channels, height, width] = nchw("GlobalAvgPool2d", &input_shape)?;
+        let [batch, channels, _, _] = nchw("GlobalAvgPool2d", &input_shape)?;
         check_grad_shape("GlobalAvgPool2d", grad_output, &Shape::new([batch, channels]))?;
-        let mut grad_input = zeros_f32(input_shape, grad_output.device())?;
-        global_avg_pool_backward(&values(grad_output), height * width, grad_input.as_f32_mut()?)?;
-        Ok(vec![Some(into_dtype(grad_input, grad_output.dtype())?)])
+        Ok(vec![Some(Tensor::global_avg_pool2d_input_grad(grad_output, &input_shape)?)])
     }
 
     fn backward_weight(&self, _saved: &Saved, _grad_output: &Tensor, _param_grads: &mut [Tensor]) -> Result<()> {

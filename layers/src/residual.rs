@@ -1,8 +1,9 @@
-//! `Add`: the residual join `y = a + b` of two tensors of one shape (`n_inputs() == 2`).
-use conveyor_engine::cpu::uninit;
+//! `Add`: the residual join `y = a + b` of two tensors of one shape (`n_inputs() == 2`),
+//! computed by the device op `Tensor::add`, so it runs on every device (CPU: in f32, rounded back
+//! to the first input's dtype; GPU: f32).
 use conveyor_engine::{Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 
-use crate::tensor_io::{expect_inputs, expect_shapes, f32_bytes, into_dtype, values};
+use crate::tensor_io::{expect_inputs, expect_shapes, f32_bytes};
 
 /// Elementwise sum of two inputs of the same shape; both get the output gradient unchanged (two
 /// shares of it, no copies). Saves nothing.
@@ -54,10 +55,7 @@ impl Layer for Add {
                 rhs: rhs.device().to_string(),
             });
         }
-        let (a, b) = (values(lhs), values(rhs));
-        let output =
-            Tensor::from_f32_init(lhs.shape().clone(), lhs.device(), |dst| uninit::map2(dst, &a, &b, |a, b| a + b))?;
-        Ok((into_dtype(output, lhs.dtype())?, Saved::default()))
+        Ok((lhs.add(rhs)?, Saved::default()))
     }
 
     fn backward_input(&self, _saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {

@@ -2,7 +2,8 @@
 //! caller's dtype, argument and device checks, gradient accumulation, and shape markers in `Saved`.
 //!
 //! These helpers read and write elements in host memory: they serve the layers that compute with
-//! the CPU kernels directly. Linear, the activations and the cross-entropy loss compute through
+//! the CPU kernels directly. Linear, the activations, the cross-entropy loss, the pooling layers
+//! (`MaxPool2d`, `AvgPool2d`, `GlobalAvgPool2d`), `Dropout` and the residual `Add` compute through
 //! the engine's device ops (`conveyor_engine::device::ops`) and so also run on GPUs. Every other
 //! layer given a tensor on a GPU fails with `Error::NotOnHost` when it creates or accumulates its
 //! result here or in `Tensor` (`from_f32_init`, `as_f32_mut`, [`tensor_from_f32`],

@@ -454,14 +454,14 @@ impl CudaStream {
         _n_planes: usize,
         _window: &Window2d,
         _output: &mut Buf<f32>,
-        _argmax: &mut Buf<i32>,
+        _argmax: &mut Buf<f32>,
     ) -> Result<()> {
         match self.never {}
     }
     pub fn max_pool_backward(
         &self,
         _grad_output: &Buf<f32>,
-        _argmax: &Buf<i32>,
+        _argmax: &Buf<f32>,
         _n_planes: usize,
         _window: &Window2d,
         _input_grad: &mut Buf<f32>,

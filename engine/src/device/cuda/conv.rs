@@ -7,8 +7,9 @@ use super::buffer::CudaBuffer;
 use super::compile::Kernel;
 use super::errors::to_i32;
 use super::stream::CudaStream;
-use crate::Result;
 use crate::cpu::Window2d;
+use crate::cpu::pool::MAX_POOL_PLANE_LIMIT;
+use crate::{Error, Result};
 
 /// A window's sizes as the C `int`s the kernels take.
 struct WindowArgs {
@@ -42,6 +43,21 @@ impl WindowArgs {
             ow: int("output width", window.out_width())?,
         })
     }
+}
+
+/// Checks that every position of `window`'s input plane is exact as an f32 argmax (at most
+/// [`MAX_POOL_PLANE_LIMIT`] = 2^24 positions), with the CPU kernel's error otherwise.
+fn check_argmax_plane(op: &str, window: &Window2d) -> Result<()> {
+    if window.in_plane_len() > MAX_POOL_PLANE_LIMIT {
+        return Err(Error::invalid(
+            "max pooling input",
+            format!(
+                "{op}: a {}x{} plane exceeds 2^24 positions, which f32 argmax indices cannot address",
+                window.in_height, window.in_width
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl CudaStream {
@@ -128,17 +144,20 @@ impl CudaStream {
 
     /// Max pooling of `n_planes` planes: `output` gets each window's maximum (padding acting as
     /// -inf), `argmax` its position within the input plane (`row * in_width + col`, -1 for a
-    /// window entirely in the padding), as `cpu::pool::max_pool2d_forward` (which stores it as f32).
+    /// window entirely in the padding) as an f32, the layout of `cpu::pool::max_pool2d_forward`
+    /// bit for bit. Planes above [`MAX_POOL_PLANE_LIMIT`] (2^24) positions, which f32 cannot
+    /// address exactly, are an error, as on the CPU.
     pub fn max_pool_forward(
         &self,
         input: &CudaBuffer<f32>,
         n_planes: usize,
         window: &Window2d,
         output: &mut CudaBuffer<f32>,
-        argmax: &mut CudaBuffer<i32>,
+        argmax: &mut CudaBuffer<f32>,
     ) -> Result<()> {
         let kernel = Kernel::MaxPoolForwardF32;
         let op = kernel.name();
+        check_argmax_plane(op, window)?;
         let out_len = n_planes * window.out_plane_len();
         self.check_len(op, "input", n_planes * window.in_plane_len(), input.len())?;
         self.check_len(op, "output", out_len, output.len())?;
@@ -150,7 +169,6 @@ impl CudaStream {
             return Ok(());
         }
         let a = WindowArgs::new(op, window)?;
-        to_i32(op, "input plane", window.in_plane_len())?;
         let planes = n_planes as i64;
         let function = self.kernels()?.get(kernel);
         let mut launch = self.raw.launch_builder(function);
@@ -172,17 +190,20 @@ impl CudaStream {
     }
 
     /// Max pooling's input gradient, accumulated: `input_grad[p, argmax] += grad_output`
-    /// (`cpu::pool::max_pool2d_backward`).
+    /// (`cpu::pool::max_pool2d_backward`), reading the f32 argmax [`CudaStream::max_pool_forward`]
+    /// wrote; positions outside `[0, in_plane)` (-1, NaN) route nothing. Atomic adds: where
+    /// windows overlap, a position's gradients are summed in no fixed order.
     pub fn max_pool_backward(
         &self,
         grad_output: &CudaBuffer<f32>,
-        argmax: &CudaBuffer<i32>,
+        argmax: &CudaBuffer<f32>,
         n_planes: usize,
         window: &Window2d,
         input_grad: &mut CudaBuffer<f32>,
     ) -> Result<()> {
         let kernel = Kernel::MaxPoolBackwardF32;
         let op = kernel.name();
+        check_argmax_plane(op, window)?;
         let out_len = n_planes * window.out_plane_len();
         self.check_len(op, "grad_output", out_len, grad_output.len())?;
         self.check_len(op, "argmax", out_len, argmax.len())?;

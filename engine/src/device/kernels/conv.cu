@@ -44,10 +44,11 @@ extern "C" __global__ void col2im_f32(const float* cols, float* dx, int batch, i
 }
 
 // Max pooling forward over `planes` planes: y, and the winning position within the input plane
-// (y0 * w + x0; -1 when the window lies entirely in the padding). Padding acts as -inf, the first
-// maximum wins ties and NaN propagates, the last NaN of a window winning, as on the CPU and in
-// PyTorch (`val > max || isnan(val)`).
-extern "C" __global__ void max_pool_forward_f32(const float* x, float* y, int* argmax, long long planes, int h, int w,
+// (y0 * w + x0; -1 when the window lies entirely in the padding) stored as a float, as
+// cpu::pool::max_pool2d_forward stores it (exact: the launcher checks h * w <= 2^24). Padding acts
+// as -inf, the first maximum wins ties and NaN propagates, the last NaN of a window winning, as on
+// the CPU and in PyTorch (`val > max || isnan(val)`).
+extern "C" __global__ void max_pool_forward_f32(const float* x, float* y, float* argmax, long long planes, int h, int w,
                                                 int kh, int kw, int sh, int sw, int ph, int pw, int oh, int ow) {
     long long total = planes * oh * ow;
     for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total; idx += (long long)blockDim.x * gridDim.x) {
@@ -65,17 +66,20 @@ extern "C" __global__ void max_pool_forward_f32(const float* x, float* y, int* a
                 if (best_at < 0 || v > best || isnan(v)) { best = v; best_at = at; }
             }
         }
-        y[idx] = best; argmax[idx] = best_at;
+        y[idx] = best; argmax[idx] = (float)best_at;
     }
 }
 
-// Max pooling backward, accumulated: dx[p][argmax] += dy (atomic: overlapping windows may share a winner).
-extern "C" __global__ void max_pool_backward_f32(const float* dy, const int* argmax, float* dx, long long planes,
+// Max pooling backward, accumulated: dx[p][argmax] += dy (atomic: overlapping windows may share a
+// winner). The argmax is read as the forward stored it, a float position; -1 (a window entirely in
+// the padding) and NaN fail the range test and route nothing, as on the CPU.
+extern "C" __global__ void max_pool_backward_f32(const float* dy, const float* argmax, float* dx, long long planes,
                                                  long long in_plane, long long out_plane) {
     long long total = planes * out_plane;
+    float limit = (float)in_plane;
     for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total; idx += (long long)blockDim.x * gridDim.x) {
-        int at = argmax[idx];
-        if (at >= 0 && at < in_plane) atomicAdd(&dx[(idx / out_plane) * in_plane + at], dy[idx]);
+        float at = argmax[idx];
+        if (at >= 0.0f && at < limit) atomicAdd(&dx[(idx / out_plane) * in_plane + (long long)at], dy[idx]);
     }
 }
 
