@@ -89,14 +89,16 @@ fn batch(spec: &ModelSpec, rows: usize, seed: u64) -> Result<(Tensor, Vec<usize>
     Ok((Tensor::from_vec(values, dims, &Device::host())?, labels))
 }
 
-/// Trains `spec` for `args.steps` steps, one stage per device (layers cut evenly, 1F1B with one
-/// micro-batch per stage).
+/// Trains `spec` for `args.steps` steps, one stage per device (layers cut evenly, 1F1B with two
+/// micro-batches).
 fn train(spec: &ModelSpec, devices: Vec<Device>, args: &Args) -> Result<Run> {
     let graph = spec.build(7)?;
     let layers: Vec<_> = graph.topological_order()?.into_iter().filter(|&id| graph.layer(id).is_some()).collect();
     let per_stage = layers.len().div_ceil(devices.len());
     let stages: Vec<Vec<_>> = layers.chunks(per_stage).map(<[_]>::to_vec).collect();
-    let micro_batches = devices.len();
+    // Two micro-batches for every run, one device or two: Dropout draws one mask per
+    // micro-batch, so runs compare only at the same micro-batch count.
+    let micro_batches = 2;
     let mut trainer = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
         .devices(devices)
         .stages(stages)
