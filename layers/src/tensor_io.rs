@@ -2,11 +2,13 @@
 //! caller's dtype, argument and device checks, gradient accumulation, and shape markers in `Saved`.
 //!
 //! These helpers read and write elements in host memory: they serve the layers that compute with
-//! the CPU kernels directly. Linear, the activations and the cross-entropy loss compute through
-//! the engine's device ops (`conveyor_engine::device::ops`) and so also run on GPUs. Every other
-//! layer given a tensor on a GPU fails with `Error::NotOnHost` when it creates or accumulates its
-//! result here or in `Tensor` (`from_f32_init`, `as_f32_mut`, [`tensor_from_f32`],
-//! [`accumulate_into`]), never with a panic.
+//! the CPU kernels directly. Linear, the activations, the cross-entropy loss, Conv2d, LayerNorm,
+//! Embedding, PositionalEmbedding and MeanOverTokens compute through the engine's device ops
+//! (`conveyor_engine::device::ops`) and so also run on GPUs; of these helpers they use only the
+//! argument, device and shape checks, [`into_dtype`] and the shape markers. Every other layer
+//! given a tensor on a GPU fails with `Error::NotOnHost` when it creates or accumulates its result
+//! here or in `Tensor` (`from_f32_init`, `as_f32_mut`, [`tensor_from_f32`], [`accumulate_into`]),
+//! never with a panic.
 use std::borrow::Cow;
 
 use conveyor_engine::{DType, Device, Error, Parameter, Result, Saved, Shape, Tensor};
@@ -140,18 +142,6 @@ pub(crate) fn check_param_grads(kind: &str, params: &[Parameter], param_grads: &
 /// sums one parameter's part (for [`conveyor_engine::Layer::weight_pass_scratch_bytes`]).
 pub(crate) fn largest_parameter_bytes(params: &[Parameter]) -> u64 {
     params.iter().map(|p| 4 * p.value.numel() as u64).max().unwrap_or(0)
-}
-
-/// Runs `add` on the gradient's elements as f32 in host memory, in place (through an f32 copy for
-/// f16/bf16): for a caller that adds sums it made on their own (as [`accumulate_into`] does).
-pub(crate) fn add_rows_into(grad: &mut Tensor, add: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
-    if grad.dtype() == DType::F32 || matches!(grad.device(), Device::Cuda(_)) {
-        return add(grad.as_f32_mut()?);
-    }
-    let mut acc = grad.to_vec_f32();
-    add(&mut acc)?;
-    *grad = tensor_from_f32(acc, grad.shape().clone(), grad.dtype(), grad.device())?;
-    Ok(())
 }
 
 /// Adds one call's contribution to a gradient that may hold other micro-batches' already: `add`
