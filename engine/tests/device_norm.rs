@@ -26,6 +26,9 @@ use conveyor_engine::{Device, Tensor};
 /// Unit roundoff of f32.
 const U: f32 = 1.0 / 16_777_216.0;
 
+/// Named results of one device's run.
+type Results = Vec<(&'static str, Tensor)>;
+
 fn check(what: &str, device: &Device, got: &Tensor, expected: &Tensor) -> Result<()> {
     ensure!(got.device().same_device(device), "{what}: the result is on {}, not {device}", got.device());
     ensure!(
@@ -48,7 +51,7 @@ fn check(what: &str, device: &Device, got: &Tensor, expected: &Tensor) -> Result
 }
 
 /// Layer norm over rows of 8: output, mean, rstd, input gradient, weight and bias gradients.
-fn layer_norm_runs(device: &Device) -> Result<Vec<(&'static str, Tensor)>> {
+fn layer_norm_runs(device: &Device) -> Result<Results> {
     let (rows_shape, dim) = ([2, 3, 8], 8);
     let x = Tensor::from_vec(values(1, 48).iter().map(|v| 3.0 * v + 0.5).collect(), rows_shape, device)?;
     let weight = Tensor::from_vec(values(2, dim), [dim], device)?;
@@ -73,7 +76,7 @@ fn layer_norm_runs(device: &Device) -> Result<Vec<(&'static str, Tensor)>> {
 
 /// A table of 7 rows of 5 looked up by `[2, 6]` ids with repeats, and its gradient (rows 0 and 6
 /// are looked up by no id: their initial gradient values must survive).
-fn embedding_runs(device: &Device) -> Result<Vec<(&'static str, Tensor)>> {
+fn embedding_runs(device: &Device) -> Result<Results> {
     let table = Tensor::from_vec(values(10, 35), [7, 5], device)?;
     let ids = Tensor::from_vec(vec![3.0, 1.0, 3.0, 5.0, 1.0, 3.0, 2.0, 2.0, 4.0, 3.0, 5.0, 1.0], [2, 6], device)?;
     let output = table.embedding(&ids)?;
@@ -92,7 +95,7 @@ fn embedding_runs(device: &Device) -> Result<Vec<(&'static str, Tensor)>> {
 
 /// A `[6, 5]` position table added to `[3, 4, 5]` (rows 4 and 5 unused), its gradient, and the
 /// mean over the 4 tokens with its gradient.
-fn sequence_runs(device: &Device) -> Result<Vec<(&'static str, Tensor)>> {
+fn sequence_runs(device: &Device) -> Result<Results> {
     let x = Tensor::from_vec(values(20, 60), [3, 4, 5], device)?;
     let table = Tensor::from_vec(values(21, 30), [6, 5], device)?;
     let y = x.add_positions(&table)?;
@@ -111,7 +114,7 @@ fn sequence_runs(device: &Device) -> Result<Vec<(&'static str, Tensor)>> {
     ])
 }
 
-fn compare(device: &Device, run: fn(&Device) -> Result<Vec<(&'static str, Tensor)>>) -> Result<()> {
+fn compare(device: &Device, run: fn(&Device) -> Result<Results>) -> Result<()> {
     let expected = run(&Device::cpu(0))?;
     let got = run(device)?;
     for ((what, got), (_, expected)) in got.iter().zip(&expected) {

@@ -150,13 +150,13 @@ impl CudaStream {
         if output.is_empty() {
             return Ok(());
         }
-        let n_ids = ids.len();
+        let (n_ids, config) = (ids.len(), self.grid_stride(output.len()));
         let function = self.kernels()?.get(kernel);
         let mut launch = self.raw.launch_builder(function);
         launch.arg(&ids.slice).arg(&table.slice).arg(&mut output.slice).arg(&n_ids).arg(&n_rows).arg(&dim);
         // SAFETY: reads n_ids floats of ids and, for ids in 0..n_rows only, rows of the
         // n_rows x dim table; writes n_ids x dim floats of output (checked).
-        unsafe { launch.launch(self.grid_stride(output.len())) }.map(drop).map_err(|err| self.launch_error(kernel, err))
+        unsafe { launch.launch(config) }.map(drop).map_err(|err| self.launch_error(kernel, err))
     }
 
     /// `grad[ids[s], :] += Σ_k grad_output[positions[k], :]` over `k` in
