@@ -386,7 +386,7 @@ impl Layer for MultiheadSelfAttention {
     }
 
     fn weight_pass_scratch_bytes(&self) -> u64 {
-        // `accumulate_into` sums each parameter's part apart, one parameter at a time.
+        // The device ops sum each parameter's part apart (on a CPU), one parameter at a time.
         largest_parameter_bytes(&self.params)
     }
 

@@ -1,11 +1,13 @@
 //! `Embedding`: a lookup table mapping integer ids (carried in an f32 tensor) to rows of `weight`
-//! (PyTorch's `nn.Embedding`, weight `[num_embeddings, dim]` drawn from N(0, 1)).
+//! (PyTorch's `nn.Embedding`, weight `[num_embeddings, dim]` drawn from N(0, 1)). It computes
+//! through the engine's device ops ([`Tensor::embedding`], [`Tensor::embedding_grad_accumulate`]),
+//! so it runs on CPUs and GPUs alike (on a GPU the ids are downloaded to be checked).
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
 use rand::rngs::StdRng;
 
 use crate::tensor_io::{
-    add_rows_into, check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes,
-    largest_parameter_bytes, saved_tensor, tensor_from_f32, values,
+    check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes, into_dtype,
+    largest_parameter_bytes, saved_tensor,
 };
 
 /// Lookup of rows of `weight` `[num_embeddings, dim]`: input ids `[B, T]` (f32 holding integers in
@@ -56,24 +58,6 @@ impl Embedding {
         self.dim
     }
 
-    /// The ids as indices, or an error naming the first id that is not an integer in range.
-    fn indices(&self, ids: &Tensor) -> Result<Vec<usize>> {
-        values(ids)
-            .iter()
-            .enumerate()
-            .map(|(position, &id)| {
-                if id.fract() == 0.0 && id >= 0.0 && (id as usize) < self.num_embeddings {
-                    Ok(id as usize)
-                } else {
-                    Err(Error::invalid(
-                        "Embedding ids",
-                        format!("id {id} at flat position {position} is not an integer in 0..{}; pass integer-valued ids below num_embeddings", self.num_embeddings),
-                    ))
-                }
-            })
-            .collect()
-    }
-
     fn output_dims(&self, ids: &Shape) -> Vec<usize> {
         let mut dims = ids.dims().to_vec();
         dims.push(self.dim);
@@ -114,13 +98,7 @@ impl Layer for Embedding {
         }
         let weight = &self.params[0].value;
         check_same_device("Embedding", ids, weight)?;
-        let indices = self.indices(ids)?;
-        let table = values(weight);
-        let mut output = Vec::with_capacity(indices.len() * self.dim);
-        for &index in &indices {
-            output.extend_from_slice(&table[index * self.dim..(index + 1) * self.dim]);
-        }
-        let output = tensor_from_f32(output, self.output_dims(ids.shape()), weight.dtype(), ids.device())?;
+        let output = into_dtype(weight.embedding(ids)?, weight.dtype())?;
         Ok((output, Saved { tensors: vec![ids.share()] }))
     }
 
@@ -132,42 +110,13 @@ impl Layer for Embedding {
         check_param_grads("Embedding", &self.params, param_grads)?;
         let ids = saved_tensor("Embedding", saved, 0)?;
         check_grad_shape("Embedding", grad_output, &Shape::new(self.output_dims(ids.shape())))?;
-        let indices = self.indices(ids)?;
-        let grad = values(grad_output);
-        // This micro-batch's rows summed per id on their own (ids in order of first appearance),
-        // then added: the same bits however the batch is cut into micro-batches and replicas (see
-        // `accumulate_into`), with a buffer for the ids present rather than the whole table.
-        let mut slot_of: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
-        let mut ids = Vec::new();
-        let slots: Vec<usize> = indices
-            .iter()
-            .map(|&index| {
-                *slot_of.entry(index).or_insert_with(|| {
-                    ids.push(index);
-                    ids.len() - 1
-                })
-            })
-            .collect();
-        let mut part = Tensor::zeros([ids.len(), self.dim], conveyor_engine::DType::F32, grad_output.device())?;
-        let sums = part.as_f32_mut()?;
-        for (&slot, row) in slots.iter().zip(grad.chunks_exact(self.dim)) {
-            sums[slot * self.dim..(slot + 1) * self.dim].iter_mut().zip(row).for_each(|(d, &g)| *d += g);
-        }
-        let sums = part.as_f32()?;
-        let dim = self.dim;
-        add_rows_into(&mut param_grads[0], |dst| {
-            for (slot, &index) in ids.iter().enumerate() {
-                dst[index * dim..(index + 1) * dim]
-                    .iter_mut()
-                    .zip(&sums[slot * dim..(slot + 1) * dim])
-                    .for_each(|(d, &s)| *d += s);
-            }
-            Ok(())
-        })
+        // This micro-batch's rows are summed per id on their own, then added: the same bits
+        // however the batch is cut into micro-batches and replicas.
+        grad_output.embedding_grad_accumulate(ids, &mut param_grads[0])
     }
 
     fn weight_pass_scratch_bytes(&self) -> u64 {
-        // `accumulate_into` sums each parameter's part apart, one parameter at a time.
+        // The CPU sums each parameter's part apart, one parameter at a time.
         largest_parameter_bytes(&self.params)
     }
 

@@ -1,11 +1,11 @@
 //! `LayerNorm`: normalisation over the last dimension with an elementwise affine transform
-//! (PyTorch's `nn.LayerNorm(normalized_len)`, eps 1e-5).
-use conveyor_engine::cpu::layer_norm::{layer_norm_backward_input, layer_norm_backward_weight, layer_norm_forward};
+//! (PyTorch's `nn.LayerNorm(normalized_len)`, eps 1e-5). It computes through the engine's device
+//! ops ([`Tensor::layer_norm`] and its gradients), so it runs on CPUs and GPUs alike.
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 
 use crate::tensor_io::{
-    accumulate_into, check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes,
-    into_dtype, largest_parameter_bytes, saved_tensor, values, zeros_f32,
+    check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes, into_dtype,
+    largest_parameter_bytes, saved_tensor,
 };
 
 /// PyTorch's default epsilon.
@@ -98,20 +98,9 @@ impl Layer for LayerNorm {
     fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
         expect_inputs("LayerNorm", inputs, 1)?;
         let input = inputs[0];
-        let rows = self.check_input(input.shape())?;
+        self.check_input(input.shape())?;
         check_same_device("LayerNorm", input, &self.params[0].value)?;
-        let mut output = zeros_f32(input.shape().clone(), input.device())?;
-        let mut mean = zeros_f32([rows], input.device())?;
-        let mut rstd = zeros_f32([rows], input.device())?;
-        layer_norm_forward(
-            &values(input),
-            &values(&self.params[0].value),
-            &values(&self.params[1].value),
-            self.eps,
-            output.as_f32_mut()?,
-            mean.as_f32_mut()?,
-            rstd.as_f32_mut()?,
-        )?;
+        let (output, mean, rstd) = input.layer_norm(&self.params[0].value, &self.params[1].value, self.eps)?;
         let saved = Saved { tensors: vec![input.share(), mean, rstd] };
         Ok((into_dtype(output, input.dtype())?, saved))
     }
@@ -120,15 +109,7 @@ impl Layer for LayerNorm {
         let input = saved_tensor("LayerNorm", saved, 0)?;
         let (mean, rstd) = (saved_tensor("LayerNorm", saved, 1)?, saved_tensor("LayerNorm", saved, 2)?);
         check_grad_shape("LayerNorm", grad_output, input.shape())?;
-        let mut grad_input = zeros_f32(input.shape().clone(), input.device())?;
-        layer_norm_backward_input(
-            &values(input),
-            &values(grad_output),
-            &values(&self.params[0].value),
-            mean.as_f32()?,
-            rstd.as_f32()?,
-            grad_input.as_f32_mut()?,
-        )?;
+        let grad_input = grad_output.layer_norm_input_grad(input, &self.params[0].value, mean, rstd)?;
         Ok(vec![Some(into_dtype(grad_input, input.dtype())?)])
     }
 
@@ -137,16 +118,12 @@ impl Layer for LayerNorm {
         let input = saved_tensor("LayerNorm", saved, 0)?;
         let (mean, rstd) = (saved_tensor("LayerNorm", saved, 1)?, saved_tensor("LayerNorm", saved, 2)?);
         check_grad_shape("LayerNorm", grad_output, input.shape())?;
-        let (x, dy) = (values(input), values(grad_output));
-        let (mean, rstd) = (mean.as_f32()?, rstd.as_f32()?);
         let (weight_grad, bias_grad) = param_grads.split_at_mut(1);
-        accumulate_into(&mut weight_grad[0], |dw| layer_norm_backward_weight(&x, &dy, mean, rstd, Some(dw), None))?;
-        accumulate_into(&mut bias_grad[0], |db| layer_norm_backward_weight(&x, &dy, mean, rstd, None, Some(db)))?;
-        Ok(())
+        grad_output.layer_norm_weight_grad_accumulate(input, mean, rstd, &mut weight_grad[0], &mut bias_grad[0])
     }
 
     fn weight_pass_scratch_bytes(&self) -> u64 {
-        // `accumulate_into` sums each parameter's part apart, one parameter at a time.
+        // The CPU sums each parameter's part apart, one parameter at a time.
         largest_parameter_bytes(&self.params)
     }
 

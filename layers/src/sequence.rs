@@ -1,14 +1,14 @@
 //! Layers over the token dimension of `[batch, tokens, features]` sequences:
 //! `PositionalEmbedding`, which tells tokens apart by position (attention alone is
 //! permutation-equivariant), and `MeanOverTokens`, the pooling a sequence classifier puts before
-//! its head.
-use conveyor_engine::cpu::uninit;
+//! its head. Both compute through the engine's device ops ([`Tensor::add_positions`],
+//! [`Tensor::mean_over_tokens`] and their gradients), so they run on CPUs and GPUs alike.
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
 use rand::rngs::StdRng;
 
 use crate::tensor_io::{
-    accumulate_into, check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes,
-    into_dtype, largest_parameter_bytes, read_shape_marker, saved_tensor, shape_marker, values, zeros_f32,
+    check_grad_shape, check_param_grads, check_same_device, expect_inputs, expect_shapes, f32_bytes, into_dtype,
+    largest_parameter_bytes, read_shape_marker, saved_tensor, shape_marker,
 };
 
 /// A learned position table added to a sequence: `y[b, t, :] = x[b, t, :] + weight[t, :]` for `x`
@@ -95,16 +95,9 @@ impl Layer for PositionalEmbedding {
     fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
         expect_inputs("PositionalEmbedding", inputs, 1)?;
         let input = inputs[0];
-        let tokens = self.check(input.dims(), true)?;
+        self.check(input.dims(), true)?;
         check_same_device("PositionalEmbedding", input, &self.params[0].value)?;
-        let table = values(&self.params[0].value);
-        let table = &table[..tokens * self.dim];
-        let (x, len) = (values(input), tokens * self.dim);
-        let output = Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
-            uninit::chunks(dst, len, |sample, out| {
-                uninit::map2(out, &x[sample * len..(sample + 1) * len], table, |x, p| x + p)
-            })
-        })?;
+        let output = input.add_positions(&self.params[0].value)?;
         let saved = Saved { tensors: vec![shape_marker(input.shape(), input.device())?] };
         Ok((into_dtype(output, input.dtype())?, saved))
     }
@@ -118,20 +111,13 @@ impl Layer for PositionalEmbedding {
     fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()> {
         check_param_grads("PositionalEmbedding", &self.params, param_grads)?;
         let input_shape = read_shape_marker("PositionalEmbedding", saved_tensor("PositionalEmbedding", saved, 0)?)?;
-        let tokens = self.check(input_shape.dims(), true)?;
+        self.check(input_shape.dims(), true)?;
         check_grad_shape("PositionalEmbedding", grad_output, &input_shape)?;
-        let grad = values(grad_output);
-        let len = tokens * self.dim;
-        accumulate_into(&mut param_grads[0], |dst| {
-            for sample in grad.chunks_exact(len) {
-                dst[..len].iter_mut().zip(sample).for_each(|(d, &g)| *d += g);
-            }
-            Ok(())
-        })
+        grad_output.positions_grad_accumulate(&mut param_grads[0])
     }
 
     fn weight_pass_scratch_bytes(&self) -> u64 {
-        // `accumulate_into` sums each parameter's part apart, one parameter at a time.
+        // The CPU sums each parameter's part apart, one parameter at a time.
         largest_parameter_bytes(&self.params)
     }
 
@@ -196,19 +182,8 @@ impl Layer for MeanOverTokens {
     fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
         expect_inputs(KIND, inputs, 1)?;
         let input = inputs[0];
-        let [batch, tokens, features] = batched_dims(input.shape())?;
-        let x = values(input);
-        let mut output = zeros_f32([batch, features], input.device())?;
-        let inv = 1.0 / tokens as f32;
-        let dst = output.as_f32_mut()?;
-        if features > 0 {
-            for (sample, out) in x.chunks_exact(tokens * features).zip(dst.chunks_exact_mut(features)) {
-                for row in sample.chunks_exact(features) {
-                    out.iter_mut().zip(row).for_each(|(o, &v)| *o += v);
-                }
-                out.iter_mut().for_each(|o| *o *= inv);
-            }
-        }
+        batched_dims(input.shape())?;
+        let output = input.mean_over_tokens()?;
         let saved = Saved { tensors: vec![shape_marker(input.shape(), input.device())?] };
         Ok((into_dtype(output, input.dtype())?, saved))
     }
@@ -217,19 +192,7 @@ impl Layer for MeanOverTokens {
         let input_shape = read_shape_marker(KIND, saved_tensor(KIND, saved, 0)?)?;
         let [batch, tokens, features] = batched_dims(&input_shape)?;
         check_grad_shape(KIND, grad_output, &Shape::new(vec![batch, features]))?;
-        let grad = values(grad_output);
-        let inv = 1.0 / tokens as f32;
-        // Every token row of sample b is dy[b] / T: written in full, no zero-fill.
-        let grad_input = if features == 0 {
-            zeros_f32(input_shape, grad_output.device())?
-        } else {
-            Tensor::from_f32_init(input_shape, grad_output.device(), |dst| {
-                uninit::chunks(dst, features, |row, out| {
-                    let b = row / tokens;
-                    uninit::map(out, &grad[b * features..(b + 1) * features], |g| g * inv)
-                })
-            })?
-        };
+        let grad_input = grad_output.mean_over_tokens_grad(tokens)?;
         Ok(vec![Some(into_dtype(grad_input, grad_output.dtype())?)])
     }
 

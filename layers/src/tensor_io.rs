@@ -2,16 +2,16 @@
 //! caller's dtype, argument and device checks, gradient accumulation, and shape markers in `Saved`.
 //!
 //! These helpers read and write elements in host memory: they serve the layers that compute with
-//! the CPU kernels directly. Linear, the activations, the cross-entropy loss, the pooling layers
-//! (`MaxPool2d`, `AvgPool2d`, `GlobalAvgPool2d`), `Dropout` and the residual `Add` compute through
-//! the engine's device ops (`conveyor_engine::device::ops`) and so also run on GPUs. Every other
-//! layer given a tensor on a GPU fails with `Error::NotOnHost` when it creates or accumulates its
-//! result here or in `Tensor` (`from_f32_init`, `as_f32_mut`, [`tensor_from_f32`],
-//! [`accumulate_into`]), never with a panic.
+//! the CPU kernels directly. Every zoo layer (Linear, the activations, the cross-entropy loss,
+//! Conv2d, the pooling layers, Dropout, the residual Add, LayerNorm, Embedding,
+//! PositionalEmbedding, MeanOverTokens and MultiheadSelfAttention) computes through the engine's
+//! device ops (`conveyor_engine::device::ops`) and so also runs on GPUs; of these helpers they use
+//! only the argument, device and shape checks, [`into_dtype`] and the shape markers. A layer that
+//! uses the rest, given a tensor on a GPU, fails with `Error::NotOnHost` when it creates its
+//! result in `Tensor` (`from_f32_init`, `as_f32_mut`), never with a panic.
 use std::borrow::Cow;
 
 use conveyor_engine::{DType, Device, Error, Parameter, Result, Saved, Shape, Tensor};
-use half::{bf16, f16};
 
 /// The elements as f32: borrowed for f32 tensors, converted (one copy) for f16/bf16.
 ///
@@ -22,24 +22,6 @@ pub(crate) fn values(tensor: &Tensor) -> Cow<'_, [f32]> {
     match tensor.as_f32() {
         Ok(slice) => Cow::Borrowed(slice),
         Err(_) => Cow::Owned(tensor.try_to_vec_f32().unwrap_or_else(|_| vec![0.0; tensor.numel()])),
-    }
-}
-
-/// A tensor of `dtype` from f32 values computed on the host (rounded to nearest even when
-/// narrowing); `Error::NotOnHost` for a GPU `device`, whose layers compute through device ops.
-pub(crate) fn tensor_from_f32(
-    data: Vec<f32>,
-    shape: impl Into<Shape>,
-    dtype: DType,
-    device: &Device,
-) -> Result<Tensor> {
-    if let Device::Cuda(_) = device {
-        return Err(Error::NotOnHost { op: "a host-computed layer result".into(), device: device.to_string() });
-    }
-    match dtype {
-        DType::F32 => Tensor::from_vec(data, shape, device),
-        DType::F16 => Tensor::from_f16_vec(data.iter().map(|&x| f16::from_f32(x)).collect(), shape, device),
-        DType::BF16 => Tensor::from_bf16_vec(data.iter().map(|&x| bf16::from_f32(x)).collect(), shape, device),
     }
 }
 
@@ -137,45 +119,10 @@ pub(crate) fn check_param_grads(kind: &str, params: &[Parameter], param_grads: &
     Ok(())
 }
 
-/// The f32 bytes of the largest of `params`: the buffer [`accumulate_into`] holds at most while it
+/// The f32 bytes of the largest of `params`: the buffer the device ops' accumulate-apart rule holds at most while it
 /// sums one parameter's part (for [`conveyor_engine::Layer::weight_pass_scratch_bytes`]).
 pub(crate) fn largest_parameter_bytes(params: &[Parameter]) -> u64 {
     params.iter().map(|p| 4 * p.value.numel() as u64).max().unwrap_or(0)
-}
-
-/// Runs `add` on the gradient's elements as f32 in host memory, in place (through an f32 copy for
-/// f16/bf16): for a caller that adds sums it made on their own (as [`accumulate_into`] does).
-pub(crate) fn add_rows_into(grad: &mut Tensor, add: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
-    if grad.dtype() == DType::F32 || matches!(grad.device(), Device::Cuda(_)) {
-        return add(grad.as_f32_mut()?);
-    }
-    let mut acc = grad.to_vec_f32();
-    add(&mut acc)?;
-    *grad = tensor_from_f32(acc, grad.shape().clone(), grad.dtype(), grad.device())?;
-    Ok(())
-}
-
-/// Adds one call's contribution to a gradient that may hold other micro-batches' already: `add`
-/// accumulates into a zeroed f32 buffer of the gradient's shape (counted on the gradient's
-/// device), which is then added to the gradient. A micro-batch's rows are so summed on their own
-/// before they meet the others', whatever order `add` takes them in, and a batch's gradient is
-/// the same bits whether its micro-batches run on one device one after another or on two
-/// data-parallel replicas whose sums the all-reduce adds (`a + b` either way). f16/bf16 gradients
-/// are added through an f32 copy; a gradient on a GPU is `Error::NotOnHost` (from `as_f32_mut`,
-/// before any download).
-pub(crate) fn accumulate_into(grad: &mut Tensor, add: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
-    if matches!(grad.device(), Device::Cuda(_)) {
-        return add(grad.as_f32_mut()?);
-    }
-    let mut part = Tensor::zeros(grad.shape().clone(), DType::F32, grad.device())?;
-    add(part.as_f32_mut()?)?;
-    if grad.dtype() == DType::F32 {
-        return grad.add_assign(&part);
-    }
-    let mut acc = grad.to_vec_f32();
-    acc.iter_mut().zip(part.as_f32()?).for_each(|(a, &p)| *a += p);
-    *grad = tensor_from_f32(acc, grad.shape().clone(), grad.dtype(), grad.device())?;
-    Ok(())
 }
 
 /// A zero-element tensor recording `shape` (its dims are `shape` followed by 0), for layers whose

@@ -528,4 +528,81 @@ impl CudaStream {
     ) -> Result<()> {
         match self.never {}
     }
+    pub fn layer_norm_forward(
+        &self,
+        _input: &Buf<f32>,
+        _weight: &Buf<f32>,
+        _bias: &Buf<f32>,
+        _eps: f32,
+        _output: &mut Buf<f32>,
+        _mean: &mut Buf<f32>,
+        _rstd: &mut Buf<f32>,
+    ) -> Result<()> {
+        match self.never {}
+    }
+    pub fn layer_norm_backward_input(
+        &self,
+        _input: &Buf<f32>,
+        _grad_output: &Buf<f32>,
+        _weight: &Buf<f32>,
+        _mean: &Buf<f32>,
+        _rstd: &Buf<f32>,
+        _input_grad: &mut Buf<f32>,
+    ) -> Result<()> {
+        match self.never {}
+    }
+    pub fn layer_norm_backward_weight(
+        &self,
+        _input: &Buf<f32>,
+        _grad_output: &Buf<f32>,
+        _mean: &Buf<f32>,
+        _rstd: &Buf<f32>,
+        _weight_grad: &mut Buf<f32>,
+        _bias_grad: &mut Buf<f32>,
+    ) -> Result<()> {
+        match self.never {}
+    }
+    pub fn embedding_gather(
+        &self,
+        _ids: &Buf<f32>,
+        _table: &Buf<f32>,
+        _n_rows: usize,
+        _output: &mut Buf<f32>,
+    ) -> Result<()> {
+        match self.never {}
+    }
+    pub fn embedding_scatter_add(
+        &self,
+        _grad_output: &Buf<f32>,
+        _ids: &Buf<i64>,
+        _offsets: &Buf<i64>,
+        _positions: &Buf<i64>,
+        _grad: &mut Buf<f32>,
+        _dim: usize,
+    ) -> Result<()> {
+        match self.never {}
+    }
+    pub fn add_positions(
+        &self,
+        _input: &Buf<f32>,
+        _table: &Buf<f32>,
+        _len: usize,
+        _output: &mut Buf<f32>,
+    ) -> Result<()> {
+        match self.never {}
+    }
+    pub fn positions_grad_accumulate(&self, _grad_output: &Buf<f32>, _len: usize, _grad: &mut Buf<f32>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn mean_over_tokens(&self, _input: &Buf<f32>, _dims: [usize; 3], _output: &mut Buf<f32>) -> Result<()> {
+        match self.never {}
+    }
+    pub fn mean_over_tokens_backward(
+        &self,
+        _grad_output: &Buf<f32>,
+        _dims: [usize; 3],
+        _input_grad: &mut Buf<f32>,
+    ) -> Result<()> {
+        match self.never {}
+    }
 }

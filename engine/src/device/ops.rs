@@ -4,7 +4,10 @@
 //! their gradients ([`Tensor::activation`], [`Activation`]) and softmax cross-entropy
 //! ([`Tensor::softmax_cross_entropy`]), and the elementwise products a custom layer composes with
 //! ([`Tensor::mul`], [`Tensor::mul_rows`]). They are methods of [`Tensor`]; this module holds them and
-//! the two types they take.
+//! the two types they take. Child modules hold the ops of one layer family each: `norm.rs` layer
+//! normalisation, embedding lookups and the token reductions of the sequence layers
+//! ([`Tensor::layer_norm`], [`Tensor::embedding`], [`Tensor::add_positions`],
+//! [`Tensor::mean_over_tokens`] and their gradients).
 //!
 //! # Dispatch rule
 //!
@@ -23,6 +26,7 @@
 //! exactly as on the CPU (the kernels are compiled with `--fmad=false`).
 mod attention;
 mod conv;
+mod norm;
 mod pool;
 
 use crate::cpu::activation::{self, relu, relu_grad, tanh_grad};

@@ -69,6 +69,15 @@ kernels! {
     AttentionForwardF32 => ("attention.cu", "attention_forward_f32"),
     AttentionBackwardQF32 => ("attention.cu", "attention_backward_q_f32"),
     AttentionBackwardKvF32 => ("attention.cu", "attention_backward_kv_f32"),
+    LayerNormForwardF32 => ("norm.cu", "layer_norm_forward_f32"),
+    LayerNormBackwardInputF32 => ("norm.cu", "layer_norm_backward_input_f32"),
+    LayerNormBackwardWeightF32 => ("norm.cu", "layer_norm_backward_weight_f32"),
+    EmbeddingGatherF32 => ("norm.cu", "embedding_gather_f32"),
+    EmbeddingScatterAddF32 => ("norm.cu", "embedding_scatter_add_f32"),
+    AddPositionsF32 => ("norm.cu", "add_positions_f32"),
+    PositionsGradAccumulateF32 => ("norm.cu", "positions_grad_accumulate_f32"),
+    MeanOverTokensF32 => ("norm.cu", "mean_over_tokens_f32"),
+    MeanOverTokensBackwardF32 => ("norm.cu", "mean_over_tokens_backward_f32"),
 }
 
 /// The loaded kernels of one GPU, indexed like [`Kernel::ALL`].

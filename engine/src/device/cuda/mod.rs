@@ -34,7 +34,7 @@
 //! - `storage.rs`: `CudaStorage`, a tensor's elements on a GPU (the payload of `Tensor`'s CUDA
 //!   storage), with upload, download, copies and zero-filling.
 //! - `gemm.rs`: cuBLAS matrix products. `compile.rs`: NVRTC and the kernel table.
-//! - `elementwise.rs`, `conv.rs`, `optim.rs`: the typed launch wrappers, one per kernel in
+//! - `elementwise.rs`, `conv.rs`, `norm.rs`, `optim.rs`: the typed launch wrappers, one per kernel in
 //!   `device/kernels/*.cu`.
 //! - `errors.rs`: cudarc errors as the engine's `Error`.
 //! - `nccl.rs` (the `nccl` feature): the NCCL `Communicator`.
@@ -50,6 +50,7 @@ mod device;
 mod elementwise;
 mod errors;
 mod gemm;
+mod norm;
 mod optim;
 mod storage;
 mod stream;

@@ -6,11 +6,12 @@
 //! `device/cuda/compile.rs` lists them and a unit test holds it to these sources).
 
 /// Every kernel source, by file name.
-pub const SOURCES: [(&str, &str); 6] = [
+pub const SOURCES: [(&str, &str); 7] = [
     ("elementwise.cu", include_str!("elementwise.cu")),
     ("reduce.cu", include_str!("reduce.cu")),
     ("softmax.cu", include_str!("softmax.cu")),
     ("conv.cu", include_str!("conv.cu")),
     ("optim.cu", include_str!("optim.cu")),
     ("attention.cu", include_str!("attention.cu")),
+    ("norm.cu", include_str!("norm.cu")),
 ];
