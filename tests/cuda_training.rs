@@ -193,8 +193,12 @@ fn pooling_dropout_and_add_on_a_gpu_match_the_cpu(device: &Device) -> anyhow::Re
 }
 
 /// Conv2d (the lane-kernel and im2col paths, stride 2) and self-attention (causal and not),
-/// forward and every gradient, on the GPU against the CPU: within `1e-5` relative (as
-/// `common::max_rel_diff` measures it), the products summing in another order.
+/// forward and every gradient, on the GPU against the CPU: `‖gpu − cpu‖ / ‖cpu‖ ≤ 1e-5` for each
+/// result, the products summing in another order. (Element by element a sum that cancels to near
+/// zero differs by far more, relatively: 2.1e-4 by `max_rel_diff`'s measure for a conv weight
+/// gradient on an H200. The element-wise error bounds are held in `engine/tests/device_conv.rs`
+/// and `device_attention.rs`; this case checks the layers' plumbing: dispatch, layouts, saved
+/// state.)
 fn conv_and_attention_on_a_gpu_match_the_cpu(device: &Device) -> anyhow::Result<()> {
     let host = Device::host();
     let image = Tensor::from_vec(
@@ -236,8 +240,14 @@ fn conv_and_attention_on_a_gpu_match_the_cpu(device: &Device) -> anyhow::Result<
     for (name, make, inputs) in layers {
         let on_gpu = forward_and_backward(make().as_mut(), &inputs, device)?;
         let on_cpu = forward_and_backward(make().as_mut(), &inputs, &host)?;
-        let diff = max_rel_diff(&on_gpu, &on_cpu);
-        anyhow::ensure!(diff <= 1e-5, "{name} on {device}: max relative difference {diff:e} from the CPU");
+        for ((what, gpu), (_, cpu)) in on_gpu.iter().zip(&on_cpu) {
+            let norm = |v: &mut dyn Iterator<Item = f32>| v.map(|x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+            let diff = norm(&mut gpu.iter().zip(cpu).map(|(a, b)| a - b)) / norm(&mut cpu.iter().copied()).max(1e-30);
+            anyhow::ensure!(
+                diff <= 1e-5,
+                "{name} on {device}: the {what} differs from the CPU's by {diff:e} (norm-wise)"
+            );
+        }
     }
     Ok(())
 }
