@@ -107,6 +107,24 @@ fn messages_say_what_is_wrong_and_what_would_fix_it() {
     assert!(message(&list).contains("1025 devices are over the limit of 1024 devices"));
 }
 
+/// Every list of up to four distinct devices from `pool` reads back from its `Display`.
+fn every_list_reads_back(pool: &[DeviceId]) {
+    let mut lists: Vec<Vec<DeviceId>> = vec![Vec::new()];
+    for _ in 0..4 {
+        let longer: Vec<Vec<DeviceId>> = lists
+            .iter()
+            .flat_map(|list| {
+                pool.iter().filter(|id| !list.contains(id)).map(move |id| [list.clone(), vec![*id]].concat())
+            })
+            .collect();
+        for list in &longer {
+            let list = DeviceList(list.clone());
+            assert_eq!(list.to_string().parse::<DeviceList>().unwrap(), list, "{list}");
+        }
+        lists = longer;
+    }
+}
+
 #[test]
 fn display_writes_the_canonical_form_and_reads_back() {
     let cases = [
@@ -131,20 +149,7 @@ fn display_writes_the_canonical_form_and_reads_back() {
     }
     // Every list of up to four devices among cpu:0-2 and cuda:0-1 reads back to itself.
     let pool = [DeviceId::cpu(0), DeviceId::cpu(1), DeviceId::cpu(2), DeviceId::cuda(0), DeviceId::cuda(1)];
-    let mut lists: Vec<Vec<DeviceId>> = vec![Vec::new()];
-    for _ in 0..4 {
-        let longer: Vec<Vec<DeviceId>> = lists
-            .iter()
-            .flat_map(|list| {
-                pool.iter().filter(|id| !list.contains(id)).map(move |id| [list.clone(), vec![*id]].concat())
-            })
-            .collect();
-        for list in &longer {
-            let list = DeviceList(list.clone());
-            assert_eq!(list.to_string().parse::<DeviceList>().unwrap(), list, "{list}");
-        }
-        lists = longer;
-    }
+    every_list_reads_back(&pool);
     let opened = Device::parse_list("cpu:1-2").unwrap();
     assert_eq!(DeviceList::of(&opened).to_string(), "cpu:1-2");
     // With logical devices too: every list of up to four among cpu:0-1, cuda:0 and the two
@@ -156,20 +161,7 @@ fn display_writes_the_canonical_form_and_reads_back() {
         DeviceId::cuda_logical(1, 0, 2),
         DeviceId::cuda_logical(1, 1, 2),
     ];
-    let mut lists: Vec<Vec<DeviceId>> = vec![Vec::new()];
-    for _ in 0..4 {
-        let longer: Vec<Vec<DeviceId>> = lists
-            .iter()
-            .flat_map(|list| {
-                pool.iter().filter(|id| !list.contains(id)).map(move |id| [list.clone(), vec![*id]].concat())
-            })
-            .collect();
-        for list in &longer {
-            let list = DeviceList(list.clone());
-            assert_eq!(list.to_string().parse::<DeviceList>().unwrap(), list, "{list}");
-        }
-        lists = longer;
-    }
+    every_list_reads_back(&pool);
 }
 
 #[test]
