@@ -144,6 +144,12 @@ fn accumulate_part(grad: &mut Tensor, add: impl FnOnce(&mut [f32]) -> Result<()>
     Ok(())
 }
 
+/// `len` f32 ones on `device`: the operand of the rank-1 products that spread a bias over rows or
+/// planes, or sum rows, on a GPU (conv, attention).
+fn ones(device: &Device, len: usize) -> Result<Tensor> {
+    Tensor::full(1.0, [len], DType::F32, device)
+}
+
 /// `dst`'s f32 buffer on its GPU, writable (copied first when shared).
 fn gpu_f32_mut<'a>(op: &str, dst: &'a mut Tensor) -> Result<&'a mut CudaBuffer<f32>> {
     let device = dst.device().to_string();

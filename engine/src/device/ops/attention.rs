@@ -11,7 +11,7 @@
 //! so the blocks are a batch with stride `dh·D`), the biases are spread by rank-1 batched
 //! products, the input gradient sums its `3·H` per-block products by column sums (a `[3H, rows, D]`
 //! scratch on the device's ledger), and the attention runs the kernels of `attention.cu`.
-use super::{accumulate_part, gpu_f32, gpu_f32_mut};
+use super::{accumulate_part, gpu_f32, gpu_f32_mut, ones};
 use crate::cpu::attention::{AttentionDims, attention_backward, attention_forward};
 use crate::cpu::elementwise::accumulate_column_sums;
 use crate::cpu::{MatRef, matmul, matmul_uninit, uninit};
@@ -29,11 +29,6 @@ fn check_numel(op: &str, what: &str, tensor: &Tensor, expected: usize) -> Result
         return Err(Error::shape(op, format!("{what} of {expected} elements"), tensor.shape().to_string()));
     }
     Ok(())
-}
-
-/// `len` ones on `device` (the operand that spreads a bias over rows, or sums rows).
-fn ones(device: &Device, len: usize) -> Result<Tensor> {
-    Tensor::full(1.0, [len], DType::F32, device)
 }
 
 impl Tensor {

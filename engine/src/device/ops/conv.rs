@@ -7,7 +7,7 @@
 //! (element counts against the window and channel counts) and return `Error::Shape` otherwise.
 //! Every result is f32 (the layer converts it to its input's dtype); on a GPU every operand must
 //! be an f32 tensor on that GPU.
-use super::{accumulate_part, gpu_f32, gpu_f32_mut};
+use super::{accumulate_part, gpu_f32, gpu_f32_mut, ones};
 use crate::cpu::conv::{Im2col, col2im, flip_kernels};
 use crate::cpu::conv_lanes::{conv2d_lanes, conv2d_lanes_fits};
 use crate::cpu::conv_weight::conv2d_weight_grad;
@@ -31,11 +31,6 @@ fn conv_batch(op: &str, input: &Tensor, weight: &Tensor, window: &Window2d, out_
         ));
     }
     Ok(input.numel() / sample)
-}
-
-/// A GPU buffer of `len` ones (the right operand that spreads a bias over output planes).
-fn ones(device: &Device, len: usize) -> Result<Tensor> {
-    Tensor::full(1.0, [len], DType::F32, device)
 }
 
 impl Tensor {
