@@ -233,12 +233,20 @@ pub struct DataParallel {
     pub zero: u8,
     /// How each batch is shared among the replicas.
     pub shares: ReplicaShares,
+    /// The gradient buckets' size, `None` to all-reduce at the optimizer step
+    /// (`TrainerBuilder::bucket_size`).
+    pub bucket_bytes: Option<usize>,
 }
 
 impl DataParallel {
     /// One replica: no data parallelism.
     pub fn none() -> DataParallel {
-        DataParallel { replicas: 1, zero: 0, shares: ReplicaShares::Even }
+        DataParallel {
+            replicas: 1,
+            zero: 0,
+            shares: ReplicaShares::Even,
+            bucket_bytes: Some(conveyor_engine::runtime::DEFAULT_BUCKET_BYTES),
+        }
     }
 
     /// `replicas` replicas sharing every batch evenly, optimizer state not sharded.
@@ -327,6 +335,7 @@ pub fn with_replicas(
         replicas => builder
             .data_parallel(replicas, build_replica)
             .zero(data_parallel.zero)
-            .replica_shares(data_parallel.shares.clone()),
+            .replica_shares(data_parallel.shares.clone())
+            .bucket_size(data_parallel.bucket_bytes),
     }
 }

@@ -138,12 +138,13 @@ fn drive() -> Result<()> {
         );
     }
     // Data-parallel replicas across ranks: a rank per worker (replica x pipeline device), and a
-    // rank per device with tensor-parallel groups (2 replicas x 2 stages x 2 shards = 8 ranks).
+    // rank per device with tensor-parallel groups (2 replicas x 2 stages x 2 shards = 8 ranks);
+    // two with small gradient buckets, all-reduced across ranks during the backward pass.
     for (ranks, devices, extra) in [
         (2, "cpu:2", vec!["--microbatches", "1"]),
-        (4, "cpu:4", vec!["--stages", "2", "--schedule", "zb-h2", "--microbatches", "2"]),
+        (4, "cpu:4", vec!["--stages", "2", "--schedule", "zb-h2", "--microbatches", "2", "--bucket-size", "1KiB"]),
         (4, "cpu:8", vec!["--stages", "2", "--tensor-parallel", "2", "--microbatches", "2"]),
-        (8, "cpu:8", vec!["--stages", "2", "--tensor-parallel", "2", "--microbatches", "2"]),
+        (8, "cpu:8", vec!["--stages", "2", "--tensor-parallel", "2", "--microbatches", "2", "--bucket-size", "1"]),
     ] {
         let result = h.equivalence_data_parallel(ranks, devices, &extra);
         h.record(&format!("equivalence --data-parallel 2 {} on {devices}: -n {ranks}", extra.join(" ")), result);

@@ -303,7 +303,8 @@ fn data_parallel_plans_show_each_replicas_memory_and_the_all_reduce_on_the_step(
         plan_json(&args)
     };
     let one = with(&["--devices", "cpu:2"])?;
-    let replicated = with(&["--devices", "cpu:4", "--data-parallel", "2"])?;
+    let replicated = with(&["--devices", "cpu:4", "--data-parallel", "2", "--bucket-size", "off"])?;
+    let bucketed = with(&["--devices", "cpu:4", "--data-parallel", "2"])?;
     let sharded = with(&["--devices", "cpu:4", "--data-parallel", "2", "--zero", "1"])?;
     // Each replica plans the first two devices on half the batch.
     ensure!(u64_of(&one, "micro_batch_rows")? == 64 && u64_of(&replicated, "micro_batch_rows")? == 32);
@@ -326,6 +327,11 @@ fn data_parallel_plans_show_each_replicas_memory_and_the_all_reduce_on_the_step(
     let latest_end =
         events.iter().map(|e| f64_of(e, "end_s")).collect::<Result<Vec<_>>>()?.into_iter().fold(0.0, f64::max);
     ensure!((f64_of(&replicated, "predicted_step_s")? - latest_end).abs() < 1e-9, "the step ends with the all-reduce");
+    // In buckets (the default) the all-reduce starts beside the final weight pass: the same
+    // bytes, a step no longer than at the optimizer step.
+    ensure!(bucketed["data_parallel"]["bucket_size"] == "25MiB" && dp["bucket_size"] == "off");
+    let step = |v: &Value| f64_of(v, "predicted_step_s");
+    ensure!(step(&bucketed)? <= step(&replicated)? + 1e-12, "{} against {}", step(&bucketed)?, step(&replicated)?);
     // ZeRO-1 halves the state over all replicas and never raises a device's.
     let all = |v: &Value| u64_of(&v["data_parallel"], "optimizer_state_all_replicas");
     ensure!(all(&sharded)? * 2 == all(&replicated)?, "{} against {}", all(&sharded)?, all(&replicated)?);

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use conveyor::RunSpec;
 use conveyor::engine::runtime::{CoreSlotPolicy, Recompute};
 use conveyor::schedules::ScheduleKind;
-use conveyor::spec::{LrSchedule, OnNonFinite, OptimizerKind, PlacementSpec, SpecError};
+use conveyor::spec::{BucketSize, LrSchedule, OnNonFinite, OptimizerKind, PlacementSpec, SpecError};
 use train_cli_support::{arg, assert_usage_error, conveyor_ok, f32s, parameters, temp_dir};
 
 /// A spec with every field away from its default.
@@ -28,6 +28,7 @@ fn everything_set() -> RunSpec {
     pipeline.microbatches = 4;
     pipeline.recompute = Recompute::ExceptLast;
     pipeline.core_slots = CoreSlotPolicy::Slots(3);
+    pipeline.bucket_size = BucketSize::Bytes(4 << 20);
     let training = &mut spec.training;
     training.batch = 16;
     training.steps = Some(12);
@@ -68,6 +69,7 @@ fn toml_round_trips_a_table_of_specs() {
     time.pipeline.placement = PlacementSpec::Time;
     time.pipeline.core_slots = CoreSlotPolicy::Off;
     time.checkpoint.init = Some("start.safetensors".into());
+    time.pipeline.bucket_size = BucketSize::Off;
     for spec in [RunSpec::default(), everything_set(), manual, file, time] {
         let text = spec.to_toml_string().unwrap();
         assert_eq!(RunSpec::from_toml_str(&text).unwrap(), spec, "{text}");
@@ -125,6 +127,7 @@ fn unknown_keys_and_bad_values_name_the_key() {
         ("[optimizer]\nlr_schedule = \"sawtooth\"\n", "optimizer.lr_schedule", Some("--lr-schedule"), "step:N,GAMMA"),
         ("[pipeline]\ndevice_memory = \"lots\"\n", "pipeline.device_memory", Some("--device-memory"), "512MiB"),
         ("[pipeline]\nplacement = []\n", "pipeline.placement", Some("--placement"), "no stages"),
+        ("[pipeline]\nbucket_size = \"big\"\n", "pipeline.bucket_size", Some("--bucket-size"), "or off"),
         ("[optimizer]\nname = \"lamb\"\n", "optimizer.name", Some("--optimizer"), "use sgd, momentum, adam or adamw"),
         ("[outputs]\nsvgs = \"x.svg\"\n", "outputs.svgs", None, "unknown field"),
         ("[trainig]\nbatch = 8\n", "trainig", None, "unknown field `trainig`"),

@@ -224,6 +224,8 @@ fn data_parallel_all_reduces_end_the_step_and_cost_by_the_link() -> Result<()> {
     let common = ["--schedule", "1f1b", "--stages", "2", "--microbatches", "4", "--latency", "0.001"];
     let mut args = common.to_vec();
     args.extend(["--bandwidth", "4000000", "--data-parallel", "2", "--gradient-bytes", "4000000"]);
+    let bucketed = simulate_json(&args)?;
+    args.extend(["--bucket-size", "off"]);
     let json = simulate_json(&args)?;
     let plain = simulate_json(&common)?;
     // Ring over 2 ranks: 2 messages and 2 (R - 1) / R = 1 times the bytes.
@@ -239,6 +241,21 @@ fn data_parallel_all_reduces_end_the_step_and_cost_by_the_link() -> Result<()> {
     );
     let reduces = json["events"].as_array().context("events")?.iter().filter(|e| e["op"] == "all_reduce").count();
     ensure!(reduces == 2);
+    // In buckets (the default) each all-reduce starts with its device's final backward: part of
+    // it hides under that op, so the step is shorter than at the optimizer step, never shorter
+    // than without replicas.
+    ensure!(bucketed["bucket_size"] == "25MiB" && json["bucket_size"] == "off");
+    let (with_buckets, at_step) = (makespan(&bucketed)?, makespan(&json)?);
+    ensure!(makespan(&plain)? <= with_buckets && with_buckets < at_step, "{with_buckets} against {at_step}");
+    let events = bucketed["events"].as_array().context("events")?;
+    let on_device_0 = |op: &'static str| events.iter().filter(move |e| e["device"] == 0 && e["op"] == op);
+    let last_backward_end = on_device_0("backward").filter_map(|e| e["end"].as_f64()).fold(0.0, f64::max);
+    let all_reduce_start = on_device_0("all_reduce").find_map(|e| e["start"].as_f64()).context("an all-reduce")?;
+    ensure!(all_reduce_start < last_backward_end, "{all_reduce_start} {last_backward_end}");
+    assert_usage_error(
+        &[&["simulate"], &args[..args.len() - 2], &["--bucket-size", "lots"]].concat(),
+        "--bucket-size `lots`",
+    )?;
     assert_usage_error(
         &["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4", "--data-parallel", "0"],
         "--data-parallel 0",

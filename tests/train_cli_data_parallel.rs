@@ -146,3 +146,26 @@ fn replica_shares_split_the_batch_and_train_the_whole_batch() {
         assert!(stderr.contains(expected), "{shares}: {stderr}");
     }
 }
+
+#[test]
+fn bucket_sizes_save_the_same_bits_and_bad_sizes_are_refused() {
+    let dir = train_cli_support::temp_dir("dp-cli-buckets");
+    let replicas = ["--devices", "cpu:4", "--data-parallel", "2", "--stages", "2", "--microbatches", "2"];
+    let at_step = dir.join("off.safetensors");
+    train(&[&replicas[..], &["--bucket-size", "off"]].concat(), &at_step);
+    for size in ["1", "1KiB", "25MiB"] {
+        let path = dir.join(format!("{size}.safetensors"));
+        let stdout = train(&[&replicas[..], &["--bucket-size", size]].concat(), &path);
+        assert_eq!(worst(&at_step, &path), 0.0, "--bucket-size {size} against off: not bit for bit");
+        // The bubble summary says how much of the all-reduce ran beside compute.
+        assert!(stdout.contains("% of it under compute"), "{stdout}");
+    }
+    for bad in ["lots", "0", "4XB"] {
+        let mut args = RUN.to_vec();
+        args.extend(["--devices", "cpu:2", "--data-parallel", "2", "--bucket-size", bad]);
+        let out = conveyor(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "--bucket-size {bad}: {stderr}");
+        assert!(stderr.contains("--bucket-size") && stderr.contains("or off"), "--bucket-size {bad}: {stderr}");
+    }
+}

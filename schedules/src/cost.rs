@@ -96,6 +96,7 @@ pub struct CostModel {
     /// reaches its optimizer step and before the commit (empty: none).
     #[serde(skip)]
     device_all_reduce_s: Vec<f64>,
+    all_reduce_in_buckets: bool,
 }
 
 impl Default for CostModel {
@@ -124,6 +125,7 @@ impl CostModel {
             device_start_s: Vec::new(),
             device_optimizer_step_s: Vec::new(),
             device_all_reduce_s: Vec::new(),
+            all_reduce_in_buckets: false,
         }
     }
 
@@ -223,6 +225,22 @@ impl CostModel {
     pub fn with_device_all_reduce_s(mut self, device_all_reduce_s: Vec<f64>) -> CostModel {
         self.device_all_reduce_s = device_all_reduce_s;
         self
+    }
+
+    /// Runs each device's gradient all-reduce in buckets beside its backward pass (the runtime's
+    /// `bucket_size`): it starts when the device starts its final weight pass (the weight pass,
+    /// or fused backward, of the last micro-batch, which makes the gradients final node by node)
+    /// instead of at the optimizer step, on the device's communication thread, and the commit
+    /// waits for its end. A model of the overlap: the runtime's first bucket starts after the
+    /// last node's weight gradient, a little later.
+    pub fn with_all_reduce_in_buckets(mut self, in_buckets: bool) -> CostModel {
+        self.all_reduce_in_buckets = in_buckets;
+        self
+    }
+
+    /// Whether the all-reduce overlaps the final weight pass ([`CostModel::with_all_reduce_in_buckets`]).
+    pub fn all_reduce_in_buckets(&self) -> bool {
+        self.all_reduce_in_buckets
     }
 
     /// The gradient all-reduce's cost on `device_idx` (0 without data parallelism).

@@ -73,6 +73,9 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationRepo
     // Whether each device has run its gradient all-reduce (data parallelism), which it does on
     // reaching its optimizer step, before the commit.
     let mut all_reduced = vec![false; programs.len()];
+    // With buckets, each device's all-reduce starts with its final weight pass.
+    let mut final_weight_start: Vec<Option<f64>> = vec![None; programs.len()];
+    let last_micro_batch = schedule.n_micro_batches().checked_sub(1);
     loop {
         let mut progressed = false;
         if commit_at.is_none()
@@ -89,7 +92,10 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationRepo
                     progressed = true;
                     let seconds = costs.device_all_reduce_s(device_idx);
                     if seconds > 0.0 {
-                        let start_s = free_at[device_idx];
+                        let start_s = match final_weight_start[device_idx] {
+                            Some(start_s) if costs.all_reduce_in_buckets() => start_s,
+                            _ => free_at[device_idx],
+                        };
                         timeline.events.push(instruction_event(
                             device_idx,
                             instruction,
@@ -97,7 +103,7 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationRepo
                             start_s,
                             start_s + seconds,
                         ));
-                        free_at[device_idx] = start_s + seconds;
+                        free_at[device_idx] = free_at[device_idx].max(start_s + seconds);
                     }
                 }
                 let ready_at = match instruction.recv_from(n_stages) {
@@ -121,6 +127,11 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationRepo
                         free_at[device_idx],
                         start_s,
                     ));
+                }
+                if matches!(instruction.op_kind(), OpKind::Backward | OpKind::BackwardWeight)
+                    && instruction.micro_batch_idx() == last_micro_batch
+                {
+                    final_weight_start[device_idx] = Some(start_s);
                 }
                 let end_s = start_s + op_cost(costs, device_idx, instruction);
                 timeline.events.push(instruction_event(
@@ -261,6 +272,29 @@ mod tests {
         assert!(matches!(simulate(&schedule, &negative), Err(ScheduleError::InvalidCost { .. })));
     }
 
+    /// `op`'s events as `(device, start, end)`, device 0 first.
+    fn spans_of(report: &SimulationReport, op: OpKind) -> Vec<(usize, f64, f64)> {
+        let mut events: Vec<_> =
+            report.timeline.events.iter().filter(|e| e.op == op).map(|e| (e.device_idx, e.start_s, e.end_s)).collect();
+        events.sort_by_key(|e| e.0);
+        events
+    }
+
+    #[test]
+    fn bucketed_all_reduces_start_with_the_final_weight_pass() {
+        // As below, with buckets: device 1's fused backward of the last micro-batch runs [2, 3],
+        // device 0's [3, 4]; their all-reduces start with them ([2, 4] and [3, 3.5]), the commit
+        // waits for both, at 4; the steps take 1.
+        let schedule = Schedule::new(ScheduleKind::GPipe, 2, 1, 1).unwrap();
+        let costs = CostModel::uniform(StageCosts::new(1.0, 0.5, 0.5))
+            .with_optimizer_step_s(1.0)
+            .with_device_all_reduce_s(vec![0.5, 2.0])
+            .with_all_reduce_in_buckets(true);
+        let report = simulate(&schedule, &costs).unwrap();
+        assert_eq!(spans_of(&report, OpKind::AllReduce), vec![(0, 3.0, 3.5), (1, 2.0, 4.0)]);
+        assert_eq!(report.makespan_s, 5.0);
+    }
+
     #[test]
     fn gradient_all_reduces_run_before_the_commit() {
         // GPipe, 2 stages, 1 micro-batch, F = B = 1: device 1 is done at 3, device 0 at 4. Each
@@ -272,17 +306,7 @@ mod tests {
             .with_device_all_reduce_s(vec![0.5, 2.0]);
         assert_eq!(costs.device_all_reduce_s(5), 0.0, "devices past the list have none");
         let report = simulate(&schedule, &costs).unwrap();
-        let of = |op: OpKind| -> Vec<(usize, f64, f64)> {
-            let mut events: Vec<_> = report
-                .timeline
-                .events
-                .iter()
-                .filter(|e| e.op == op)
-                .map(|e| (e.device_idx, e.start_s, e.end_s))
-                .collect();
-            events.sort_by_key(|e| e.0);
-            events
-        };
+        let of = |op: OpKind| spans_of(&report, op);
         assert_eq!(of(OpKind::AllReduce), vec![(0, 4.0, 4.5), (1, 3.0, 5.0)]);
         assert_eq!(of(OpKind::OptimizerStep), vec![(0, 5.0, 6.0), (1, 5.0, 6.0)]);
         assert_eq!(report.makespan_s, 6.0);

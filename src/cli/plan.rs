@@ -37,6 +37,7 @@ pub struct PlanArgs {
     pub placement: String,
     pub data_parallel: usize,
     pub zero: u8,
+    pub bucket_size: conveyor::spec::BucketSize,
     pub json: bool,
     /// `--schedule auto`: `schedule`, `chunks`, `microbatches` and `recompute` are chosen.
     pub auto_schedule: bool,
@@ -151,13 +152,13 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     if args.json {
         let mut json = plan_json(&plan, &report, &args, &graph, devices.len());
         if let Some(replica_plan) = &replica_plan {
-            json["data_parallel"] = replica_json(&plan, replica_plan, &report);
+            json["data_parallel"] = replica_json(&plan, replica_plan, &report, args.bucket_size);
         }
         outln!("{}", serde_json::to_string(&json)?);
     } else {
         print_table(&plan, &report, &args, plan.config.micro_batch_rows, devices.len());
         if let Some(replica_plan) = &replica_plan {
-            print_replicas(&plan, replica_plan, &report);
+            print_replicas(&plan, replica_plan, &report, args.bucket_size);
         }
     }
     Ok(())
@@ -202,8 +203,9 @@ pub(super) fn simulate_plan(
     // Each recomputed micro-batch's input-gradient op costs one more forward of its stage.
     let mut costs = predicted_costs(plan, &schedule, args.recompute);
     if let Some(replicas) = replicas {
-        costs =
-            costs.with_device_all_reduce_s(replicas.device_all_reduce_s(n_devices, |s| schedule.device_of_stage(s)));
+        costs = costs
+            .with_device_all_reduce_s(replicas.device_all_reduce_s(n_devices, |s| schedule.device_of_stage(s)))
+            .with_all_reduce_in_buckets(args.bucket_size.bytes().is_some());
     }
     simulate(&schedule, &costs).context("simulating the schedule with the plan's predicted stage costs")
 }
@@ -376,7 +378,7 @@ pub(super) fn print_table(
 
 /// The data-parallel view of the plan: each replica's memory per stage (with ZeRO-1, its share of
 /// the optimizer state), the gradients each stage all-reduces and the predicted cost.
-fn print_replicas(plan: &Plan, replicas: &ReplicaPlan, report: &SimulationReport) {
+fn print_replicas(plan: &Plan, replicas: &ReplicaPlan, report: &SimulationReport, buckets: conveyor::spec::BucketSize) {
     outln!(
         "data parallel: {} replicas of this pipeline, each on its own devices{}; each stage's gradients are \
          all-reduced (ring, {} per message, {}/s) when its device reaches the optimizer step",
@@ -427,15 +429,24 @@ fn print_replicas(plan: &Plan, replicas: &ReplicaPlan, report: &SimulationReport
     );
     let all_reduce_s: f64 =
         report.timeline.events.iter().filter(|e| e.op == OpKind::AllReduce).map(|e| e.duration_s()).fold(0.0, f64::max);
+    let when = match buckets.bytes() {
+        Some(_) => format!("in {buckets} buckets beside each device's final weight pass, "),
+        None => "at each device's optimizer step, ".to_string(),
+    };
     outln!(
-        "the predicted step above includes the gradient all-reduce before the commit (the longest device's: {}); \
-         each replica takes 1/{} of every batch",
+        "the predicted step above includes the gradient all-reduce ({when}before the commit; the longest device's: \
+         {}); each replica takes 1/{} of every batch",
         format_seconds(all_reduce_s),
         replicas.replicas
     );
 }
 
-fn replica_json(plan: &Plan, replicas: &ReplicaPlan, report: &SimulationReport) -> serde_json::Value {
+fn replica_json(
+    plan: &Plan,
+    replicas: &ReplicaPlan,
+    report: &SimulationReport,
+    buckets: conveyor::spec::BucketSize,
+) -> serde_json::Value {
     let stages: Vec<serde_json::Value> = replicas
         .stages
         .iter()
@@ -466,6 +477,7 @@ fn replica_json(plan: &Plan, replicas: &ReplicaPlan, report: &SimulationReport) 
         "stages": stages,
         "optimizer_state_all_replicas": replicas.optimizer_state_in_all(plan),
         "all_reduce_events": events,
+        "bucket_size": buckets.to_string(),
     })
 }
 

@@ -67,6 +67,11 @@ pub struct PlanFlags {
     /// plan shows each device's share [default: 0].
     #[arg(long, value_name = "STAGE")]
     pub zero: Option<u8>,
+    /// With --data-parallel: the gradient buckets' size (their all-reduce runs beside the final
+    /// weight pass), or `off` (the all-reduce at the optimizer step), as `train --bucket-size`
+    /// [default: 25MiB].
+    #[arg(long, value_name = "SIZE|off")]
+    pub bucket_size: Option<String>,
     /// Print one JSON object (stages, predicted_step_s, predicted_bubble_fraction, ...) instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -145,6 +150,10 @@ impl PlanFlags {
             placement,
             data_parallel: self.data_parallel.or(pipeline.map(|p| p.data_parallel)).unwrap_or(1),
             zero: self.zero.or(pipeline.map(|p| p.zero)).unwrap_or(0),
+            bucket_size: match &self.bucket_size {
+                Some(text) => text.parse()?,
+                None => pipeline.map(|p| p.bucket_size).unwrap_or_default(),
+            },
             json: self.json,
             auto_schedule,
             explain: self.explain,

@@ -55,6 +55,11 @@ pub struct SimulateArgs {
     /// Gradient bytes of each stage, all-reduced across --data-parallel replicas.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub gradient_bytes: u64,
+    /// With --data-parallel: `off` runs each device's all-reduce at its optimizer step; a size
+    /// (as `train --bucket-size`) runs it in buckets, beside the device's final weight pass
+    /// [default: 25MiB].
+    #[arg(long, value_name = "SIZE|off")]
+    pub bucket_size: Option<String>,
     /// Print one JSON object (makespan, bubble_fraction, peak_inflight, events, ...) instead of text.
     #[arg(long)]
     pub json: bool,
@@ -103,6 +108,10 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     if args.data_parallel == 0 {
         return Err(super::usage("--data-parallel 0: give at least 1 replica"));
     }
+    let buckets: conveyor::spec::BucketSize = match &args.bucket_size {
+        Some(text) => text.parse()?,
+        None => Default::default(),
+    };
     // Each stage's gradients in one all-reduce over the replicas, on the same link model.
     let link = conveyor::engine::placement::Link { latency_s: args.latency, bandwidth_bytes_per_s: bandwidth };
     let stage_all_reduce_s = conveyor::engine::collective::cost_s(
@@ -116,7 +125,8 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     let costs = CostModel::uniform(stage_costs)
         .with_link(Link { latency_s: args.latency, bandwidth_bytes_per_s: bandwidth })
         .with_message_bytes(MessageBytes { activation_bytes: args.message_bytes, gradient_bytes: args.message_bytes })
-        .with_device_all_reduce_s(device_all_reduce_s);
+        .with_device_all_reduce_s(device_all_reduce_s)
+        .with_all_reduce_in_buckets(buckets.bytes().is_some());
     let report = simulate(&schedule, &costs).context("simulating the schedule")?;
     if !report.makespan_s.is_finite() {
         return Err(super::usage(format!(
@@ -154,6 +164,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             "chunks": schedule.n_chunks(),
             "data_parallel": args.data_parallel,
             "all_reduce_s_per_stage": stage_all_reduce_s,
+            "bucket_size": buckets.to_string(),
             "layout": schedule.layout(),
             "stages_of_device": (0..schedule.n_devices())
                 .map(|d| schedule.stages_of_device(d).collect::<Vec<_>>())
@@ -187,10 +198,14 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     if args.data_parallel > 1 {
         outln!(
             "data parallel: {} replicas; each stage all-reduces {} bytes of gradients in {} s (ring on the link), \
-             A on the chart, before the commit",
+             A on the chart, {} before the commit",
             args.data_parallel,
             args.gradient_bytes,
-            stage_all_reduce_s
+            stage_all_reduce_s,
+            match buckets.bytes() {
+                Some(_) => format!("in {buckets} buckets beside the device's final weight pass,"),
+                None => "at the optimizer step,".to_string(),
+            }
         );
     }
     if schedule.n_chunks() > 1 {

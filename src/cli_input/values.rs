@@ -52,6 +52,60 @@ pub fn parse_devices(spec: &str, budget: Option<u64>) -> Result<Vec<Device>, Usa
     })
 }
 
+/// `--bucket-size`: how data-parallel replicas all-reduce their gradients
+/// (`TrainerBuilder::bucket_size`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BucketSize {
+    /// Buckets of about this many bytes, each all-reduced as soon as its gradients are final,
+    /// while the backward pass goes on.
+    Bytes(u64),
+    /// Every gradient all-reduced when its worker reaches the optimizer step (`off`).
+    Off,
+}
+
+impl Default for BucketSize {
+    fn default() -> Self {
+        BucketSize::Bytes(conveyor_engine::runtime::DEFAULT_BUCKET_BYTES as u64)
+    }
+}
+
+impl BucketSize {
+    /// The trainer's setting: `Some(bytes)` for buckets, `None` for `off`.
+    pub fn bytes(self) -> Option<usize> {
+        match self {
+            BucketSize::Bytes(bytes) => Some(usize::try_from(bytes).unwrap_or(usize::MAX)),
+            BucketSize::Off => None,
+        }
+    }
+}
+
+impl std::fmt::Display for BucketSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let BucketSize::Bytes(bytes) = *self else { return f.write_str("off") };
+        for (unit, size) in [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)] {
+            if bytes % size == 0 {
+                return write!(f, "{}{unit}", bytes / size);
+            }
+        }
+        write!(f, "{bytes}")
+    }
+}
+
+impl std::str::FromStr for BucketSize {
+    type Err = UsageError;
+    fn from_str(text: &str) -> Result<Self, UsageError> {
+        if text.trim() == "off" {
+            return Ok(BucketSize::Off);
+        }
+        parse_size(text).map(BucketSize::Bytes).map_err(|_| {
+            usage(format!(
+                "--bucket-size `{text}`: expected a size of at least one byte such as 25MiB or 4MiB, or off (all-reduce \
+                 at the optimizer step)"
+            ))
+        })
+    }
+}
+
 /// `--on-nonfinite`: what a step with a non-finite loss or gradient does.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum OnNonFinite {

@@ -72,7 +72,7 @@ pub use prepare::PreparedRun;
 pub use toml::{MAX_SPEC_FILE_BYTES, flag_of_key};
 pub use validate::{devices_used, hyperparameters, total_steps};
 
-pub use crate::cli_input::{LrSchedule, OnNonFinite};
+pub use crate::cli_input::{BucketSize, LrSchedule, OnNonFinite};
 
 /// Everything a training run is. Each table of the TOML form is one field; [`RunSpec::default`]
 /// is `conveyor train` with no flags. See the [module documentation](self) for the file format.
@@ -177,6 +177,12 @@ pub struct PipelineSection {
     /// steps). Default even.
     #[serde(with = "toml::text")]
     pub replica_shares: ReplicaShares,
+    /// `bucket_size` (`--bucket-size`): with data-parallel replicas, gradients are all-reduced in
+    /// buckets of about this size (`"25MiB"`), each started as soon as its gradients are final so
+    /// that communication overlaps the backward pass, or `"off"`: every gradient at the optimizer
+    /// step. The same sums either way. Default 25MiB (PyTorch DDP's).
+    #[serde(with = "toml::text")]
+    pub bucket_size: BucketSize,
     /// `placement` (`--placement`). Default auto.
     #[serde(with = "toml::placement")]
     pub placement: PlacementSpec,
@@ -210,6 +216,7 @@ impl Default for PipelineSection {
             data_parallel: 1,
             zero: 0,
             replica_shares: ReplicaShares::Even,
+            bucket_size: BucketSize::default(),
             placement: PlacementSpec::Auto,
             schedule: ScheduleKind::OneFOneB,
             chunks: 1,

@@ -104,7 +104,12 @@ impl RunSpec {
             core_slots: pipeline.core_slots,
         };
         let replicas = pipeline.data_parallel;
-        let data_parallel = DataParallel { replicas, zero: pipeline.zero, shares: pipeline.replica_shares.clone() };
+        let data_parallel = DataParallel {
+            replicas,
+            zero: pipeline.zero,
+            shares: pipeline.replica_shares.clone(),
+            bucket_bytes: pipeline.bucket_size.bytes(),
+        };
         let pipeline_devices = devices.len() / k / replicas;
         let (plan, trainer) = if k > 1 {
             drop(graph);

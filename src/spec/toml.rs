@@ -9,7 +9,7 @@ use conveyor_engine::runtime::{CoreSlotPolicy, Recompute, ReplicaShares};
 use conveyor_schedules::ScheduleKind;
 use serde::{Deserialize, Deserializer, Serializer};
 
-use super::{LrSchedule, OnNonFinite, OptimizerKind, Precision, RunSpec, SpecError};
+use super::{BucketSize, LrSchedule, OnNonFinite, OptimizerKind, Precision, RunSpec, SpecError};
 
 /// The largest run spec file [`RunSpec::from_file`] reads (1 MiB): a spec is a page of text.
 pub const MAX_SPEC_FILE_BYTES: u64 = 1 << 20;
@@ -27,6 +27,7 @@ const FLAGS: &[(&str, &str)] = &[
     ("pipeline.data_parallel", "--data-parallel"),
     ("pipeline.zero", "--zero"),
     ("pipeline.replica_shares", "--replica-shares"),
+    ("pipeline.bucket_size", "--bucket-size"),
     ("pipeline.placement", "--placement"),
     ("pipeline.schedule", "--schedule"),
     ("pipeline.chunks", "--chunks"),
@@ -232,6 +233,15 @@ impl SpecText for ReplicaShares {
     }
     fn from_text(text: &str) -> Result<Self, String> {
         text.parse().map_err(reason)
+    }
+}
+
+impl SpecText for BucketSize {
+    fn to_text(&self) -> String {
+        self.to_string()
+    }
+    fn from_text(text: &str) -> Result<Self, String> {
+        text.parse().map_err(|e: crate::cli_input::UsageError| e.0)
     }
 }
 

@@ -201,6 +201,8 @@ impl Layout {
                     .schedule(ScheduleKind::OneFOneB, 1)
                     .micro_batches(2)
                     .optimizer(OptimizerConfig::adam(0.01))
+                    // A bucket per layer: the faults strike with all-reduces in flight across ranks.
+                    .bucket_size(Some(1))
                     .build()?)
             }
         }

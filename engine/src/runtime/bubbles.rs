@@ -80,8 +80,12 @@ pub struct DeviceTime {
     pub waiting_s: f64,
     /// Of the idle time, seconds a ready op waited for a core slot (within the makespan).
     pub core_wait_s: f64,
-    /// Of the idle time, seconds in the gradient all-reduce across data-parallel replicas.
+    /// Seconds in the gradient all-reduce across data-parallel replicas (within the makespan).
     pub all_reduce_s: f64,
+    /// Of `all_reduce_s`, the seconds the all-reduce ran beside this worker's compute ops
+    /// (buckets launched during the backward pass, `TrainerBuilder::bucket_size`); the rest kept
+    /// the worker idle.
+    pub all_reduce_hidden_s: f64,
     /// The highest peak memory among the worker's devices, bytes.
     pub peak_memory_bytes: u64,
     /// Micro-batches in flight at most on the worker's first stage (schedule theory).
@@ -198,7 +202,11 @@ impl fmt::Display for BubbleReport {
                 String::new()
             };
             if device.all_reduce_s > 0.0 {
-                core_part.push_str(&format!(", gradient all-reduce {:.1} ms", device.all_reduce_s * 1e3));
+                core_part.push_str(&format!(
+                    ", gradient all-reduce {:.1} ms, {:.0}% of it under compute",
+                    device.all_reduce_s * 1e3,
+                    100.0 * device.all_reduce_hidden_s / device.all_reduce_s
+                ));
             }
             write!(
                 f,
@@ -425,6 +433,7 @@ pub fn bubbles_over(
                 waiting_s: time_in(timeline, worker, OpKind::Wait),
                 core_wait_s: time_in(timeline, worker, OpKind::CoreWait),
                 all_reduce_s: time_in(timeline, worker, OpKind::AllReduce),
+                all_reduce_hidden_s: all_reduce_under_compute_s(timeline, worker),
                 peak_memory_bytes: peak_memory
                     .get(members)
                     .into_iter()
@@ -453,6 +462,18 @@ pub fn bubbles_over(
 
 /// Seconds `device_idx` spent in events of kind `op` within the makespan (the first compute
 /// start to the last compute end).
+/// Seconds of `device_idx`'s gradient all-reduces that overlap its own compute ops (each
+/// worker's compute ops are sequential, and so are its all-reduces, so the pairwise overlaps add up).
+fn all_reduce_under_compute_s(timeline: &Timeline, device_idx: usize) -> f64 {
+    let on_device = || timeline.events.iter().filter(|e| e.device_idx == device_idx);
+    let all_reduces: Vec<_> = on_device().filter(|e| e.op == OpKind::AllReduce).collect();
+    on_device()
+        .filter(|e| e.op.is_compute())
+        .flat_map(|c| all_reduces.iter().map(move |a| (c.end_s.min(a.end_s) - c.start_s.max(a.start_s)).max(0.0)))
+        .sum::<f64>()
+        + 0.0 // an empty f64 sum is -0.0
+}
+
 fn time_in(timeline: &Timeline, device_idx: usize, op: OpKind) -> f64 {
     let compute = timeline.events.iter().filter(|e| e.op.is_compute());
     let start = compute.clone().map(|e| e.start_s).fold(f64::INFINITY, f64::min);

@@ -402,6 +402,7 @@ impl TrainerBuilder {
             workers,
             replicas,
             zero,
+            bucket_bytes: self.bucket_bytes,
             shares: crate::runtime::replica_shares::ShareState::new(self.replica_shares, replicas),
             group_aborts,
             group_layout: layout,

@@ -209,6 +209,7 @@ impl Trainer {
                 max_grad_norm: self.max_grad_norm,
                 use_core_slots: slots_this_step.is_some(),
                 micro_batch_offset: replica * n_micro_batches,
+                bucket_bytes: self.bucket_bytes,
             };
             let worker = self.workers[worker_idx].as_ref().expect("a local worker");
             worker

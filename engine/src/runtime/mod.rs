@@ -23,6 +23,7 @@ mod bubbles;
 mod coordinator;
 mod core_seat;
 mod core_slots;
+mod gradient_buckets;
 mod gradient_groups;
 mod measured_costs;
 mod ranks;
@@ -34,6 +35,7 @@ mod transfer;
 mod worker;
 
 pub use bubbles::{BubbleGap, BubbleReport, CoresIdle, CostBasis, DevicePeak, DeviceTime, bubbles_over};
+pub use gradient_buckets::{DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES};
 pub use replica_shares::{AUTO_SHARE_STEPS, ReplicaShares};
 pub use stepping::{Batch, Evaluation, FitSummary, IntoBatch, StepControl};
 pub use trainer::{AUTO_SLOTS_MIN_OP_FLOPS, Trainer, TrainerBuilder};

@@ -3,6 +3,7 @@
 use std::collections::BTreeSet;
 
 use super::Recompute;
+use super::gradient_buckets::BucketQueue;
 use crate::graph::NodeId;
 use crate::optim::Optimizer;
 use crate::{Device, Error, ForwardCtx, Layer, Loss, Result, Saved, Targets, Tensor};
@@ -327,6 +328,7 @@ impl Stage {
         micro_batch_idx: usize,
         received: Vec<Payload>,
         fused: bool,
+        final_grads: Option<&mut BucketQueue>,
     ) -> Result<Vec<(usize, Payload)>> {
         let stage_idx = self.stage_idx;
         let n_nodes = self.nodes.len();
@@ -377,7 +379,7 @@ impl Stage {
         state.saved = saved;
         state.grad_out = grad_out;
         if fused {
-            self.backward_weight(micro_batch_idx)?;
+            self.backward_weight(micro_batch_idx, final_grads)?;
         }
         Ok(outgoing)
     }
@@ -386,16 +388,22 @@ impl Stage {
     /// in micro-batch order on every schedule, so the sums are the same bit for bit: a
     /// micro-batch whose turn has not come keeps its activations and is computed as soon as every
     /// earlier micro-batch's weight pass has run.
-    pub fn backward_weight(&mut self, micro_batch_idx: usize) -> Result<()> {
+    ///
+    /// Nodes go last to first. With `final_grads` (data-parallel buckets), the step's last
+    /// micro-batch hands each node's gradients over as soon as its weight pass is done: they are
+    /// final (see `gradient_buckets.rs`).
+    pub fn backward_weight(&mut self, micro_batch_idx: usize, mut final_grads: Option<&mut BucketQueue>) -> Result<()> {
         if micro_batch_idx != self.next_weight_micro_batch {
             self.micro_batch(micro_batch_idx)?;
             self.deferred_weight.insert(micro_batch_idx);
             return Ok(());
         }
+        let n_micro_batches = self.micro_batches.len();
         let mut next = Some(micro_batch_idx);
         while let Some(mb) = next {
             let state = std::mem::take(self.micro_batch(mb)?);
-            for (j, node) in self.nodes.iter_mut().enumerate() {
+            let last = mb + 1 == n_micro_batches;
+            for (j, node) in self.nodes.iter_mut().enumerate().rev() {
                 let (Some(saved), Some(grad)) =
                     (state.saved.get(j).and_then(Option::as_ref), state.grad_out.get(j).and_then(Option::as_ref))
                 else {
@@ -408,6 +416,9 @@ impl Stage {
                     ));
                 };
                 node.layer.backward_weight(saved, grad, &mut node.grads)?;
+                if let (true, Some(queue)) = (last, final_grads.as_deref_mut()) {
+                    queue.push(self.stage_idx, j, &mut node.grads);
+                }
             }
             self.next_weight_micro_batch = mb + 1;
             next = self.deferred_weight.remove(&(mb + 1)).then_some(mb + 1);

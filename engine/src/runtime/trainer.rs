@@ -59,6 +59,7 @@ pub struct TrainerBuilder {
     replica_graphs: Option<ReplicaGraphs>,
     zero: u8,
     replica_shares: super::ReplicaShares,
+    bucket_bytes: Option<usize>,
     tied: Vec<Vec<String>>,
 }
 
@@ -144,6 +145,20 @@ impl TrainerBuilder {
     /// differently). Each replica must get at least one row per micro-batch.
     pub fn replica_shares(mut self, shares: super::ReplicaShares) -> Self {
         self.replica_shares = shares;
+        self
+    }
+
+    /// How data-parallel replicas all-reduce their gradients (default: buckets of
+    /// [`super::DEFAULT_BUCKET_BYTES`], PyTorch DDP's 25 MiB). `Some(bytes)`: each node's
+    /// gradients are handed over as soon as the step's last weight pass has made them final
+    /// (last node first), gathered into buckets of about `bytes` (the first at most
+    /// [`super::FIRST_BUCKET_BYTES`]) and all-reduced by a communication thread while the
+    /// backward pass goes on; the optimizer step waits for the last bucket. `None`: every
+    /// gradient is all-reduced when the worker reaches its optimizer step, after its backward.
+    /// The sums are the same bit for bit either way and for any size: each tensor is reduced on
+    /// its own, with the same nesting (a bucket only decides when its tensors start).
+    pub fn bucket_size(mut self, bytes: Option<usize>) -> Self {
+        self.bucket_bytes = bytes;
         self
     }
 
@@ -269,6 +284,8 @@ pub struct Trainer {
     pub(super) replicas: usize,
     /// Whether the replicas shard the optimizer state ([`TrainerBuilder::zero`]).
     pub(super) zero: bool,
+    /// The gradient buckets' size ([`TrainerBuilder::bucket_size`]).
+    pub(super) bucket_bytes: Option<usize>,
     /// How batches are shared among the replicas ([`TrainerBuilder::replica_shares`]).
     pub(super) shares: crate::runtime::replica_shares::ShareState,
     /// With workers in one process: what aborts each worker's gradient groups (replicas, tied
@@ -386,6 +403,7 @@ impl Trainer {
             replica_graphs: None,
             zero: 0,
             replica_shares: Default::default(),
+            bucket_bytes: Some(super::DEFAULT_BUCKET_BYTES),
             tied: Vec::new(),
         }
     }
@@ -434,6 +452,12 @@ impl Trainer {
     /// Data-parallel replicas of the pipeline ([`TrainerBuilder::data_parallel`]; 1 without).
     pub fn replicas(&self) -> usize {
         self.replicas
+    }
+
+    /// The gradient buckets' size in bytes, or `None` when gradients are all-reduced at the
+    /// optimizer step ([`TrainerBuilder::bucket_size`]).
+    pub fn bucket_size(&self) -> Option<usize> {
+        self.bucket_bytes
     }
 
     /// The ZeRO stage in use: 1 when the replicas shard the optimizer state, else 0.

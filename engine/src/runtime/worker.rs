@@ -11,6 +11,7 @@ use crossbeam::channel::{Receiver, Sender};
 
 use super::core_seat::{Aborted, CoreSeat};
 use super::core_slots::CoreSlots;
+use super::gradient_buckets::BucketReducer;
 use super::gradient_groups::{GradientGroups, GroupComm};
 use super::stage::{Payload, Stage, StepCtx};
 use super::{FaultInjection, FaultPoint};
@@ -86,6 +87,9 @@ pub(crate) struct StepJob {
     /// Added to this worker's micro-batch indices in what it reports (losses, outputs): replica
     /// `r`'s micro-batches come after those of the replicas before it.
     pub micro_batch_offset: usize,
+    /// With data-parallel replicas: the gradient buckets' size, or `None` to all-reduce every
+    /// gradient at the optimizer step ([`super::TrainerBuilder::bucket_size`]).
+    pub bucket_bytes: Option<usize>,
 }
 
 /// The coordinator's decision after every worker is ready.
@@ -376,168 +380,213 @@ fn execute(
     // first served, as `simulate_with_core_slots` assumes.
     let mut seat = CoreSeat::new(core_slots, device_idx);
     let local = |stages: &[Stage], stage_idx: usize| stages.iter().position(|s| s.stage_idx == stage_idx);
-    for (instruction_idx, instruction) in job.program.iter().enumerate() {
-        if let Some(stall) = job.stall.filter(|s| s.device_idx == device_idx && s.instruction_idx == instruction_idx) {
-            seat.release();
-            std::thread::sleep(std::time::Duration::from_secs_f64(stall.seconds));
-        }
-        let op = instruction.op_kind();
-        let micro_batch_idx = instruction.micro_batch_idx();
-        if op == OpKind::OptimizerStep {
-            if !job.training {
-                continue;
-            }
-            // Data parallelism: every replica's gradients summed into each (a fixed order, the same
-            // sum in every replica) before anything reads them.
-            let replica = run.groups.replica.as_ref().map(GroupComm::comm);
-            if let Some(replica) = replica {
-                for stage in stages.iter_mut() {
-                    let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
-                    rec.record(Some(stage_idx), OpKind::AllReduce, None, || {
-                        guarded(stage_idx, &device, FaultPoint::Prepare, None, job.fault, || {
-                            Ok(stage.all_reduce_gradients(replica)?)
-                        })
-                    })?;
-                }
-            }
-            // Tied parameters: every copy's gradient summed into each (after the replicas' sums).
-            if !run.groups.ties.is_empty() {
-                let first = run.groups.ties[0].copies[0].stage_idx;
-                let device = stages.iter().find(|s| s.stage_idx == first).map(|s| s.device.clone());
-                let device = device.unwrap_or_else(Device::host);
-                rec.record(None, OpKind::AllReduce, None, || {
-                    guarded(first, &device, FaultPoint::Prepare, None, job.fault, || Ok(run.groups.sum_tied(stages)?))
-                })?;
-            }
-            // The commit (see runtime/README.md). Prepare: everything that can fail, then vote.
-            let mut sum_of_squares = 0.0;
-            let mut non_finite = None;
-            for stage in stages.iter_mut() {
-                let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
-                let vote =
-                    guarded(stage_idx, &device, FaultPoint::Prepare, None, job.fault, || Ok(stage.prepare_commit()?))?;
-                sum_of_squares += vote.sum_of_squares;
-                if let (None, Some(parameter)) = (&non_finite, vote.non_finite_parameter) {
-                    non_finite = Some((stage_idx, parameter));
-                }
-                guarded(stage_idx, &device, FaultPoint::Vote, None, job.fault, || Ok(()))?;
-            }
-            let losses = std::mem::take(&mut losses);
-            let _ = reports.send(Report::Ready { device_idx, losses, sum_of_squares, non_finite });
-            let commit = seat.wait_for(&job.commit, &job.abort)?;
-            rec.take_core(&mut seat, None, None, &job.abort)?;
-            // Apply: from here this worker's stages may hold the update until the step ends; a
-            // failure anywhere then rolls every stage back (`needs_rollback`).
-            *applied = true;
-            rec.record(None, op, None, || {
-                for stage in stages.iter_mut() {
-                    let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
-                    guarded(stage_idx, &device, FaultPoint::Apply, None, job.fault, || {
-                        Ok(stage.apply_commit(job.max_grad_norm, commit.global_norm, replica)?)
-                    })?;
-                }
-                Ok(())
-            })?;
-            continue;
-        }
-        let stage_idx = instruction.stage_idx().expect("compute instructions have a stage");
-        let micro_batch_idx = micro_batch_idx.expect("compute instructions have a micro-batch");
-        let Some(s) = local(stages, stage_idx) else {
-            return Err(OpFailure::Failed(Error::invalid(
-                "program",
-                format!("device {device_idx} does not hold stage {stage_idx}"),
-            )));
-        };
-        match instruction {
-            Instruction::Forward { .. } => {
-                if !stages[s].recv_from.is_empty() {
-                    injected(job.fault, stage_idx, &stages[s].device, FaultPoint::Receive, micro_batch_idx)?;
-                }
-                let wait = rec.start_wait(stage_idx, micro_batch_idx);
-                let mut inputs: Payload = Vec::new();
-                let mut queued_at = None;
-                for route in &stages[s].recv_from {
-                    let key = (route.peer_stage_idx, stage_idx, false);
-                    let ((mb, payload), queued) = job.links.recv(&mut seat, key, &job.abort, &stages[s].device)?;
-                    queued_at = queued.or(queued_at);
-                    check_order(&stages[s], mb, micro_batch_idx)?;
-                    inputs.extend(payload);
-                }
-                if let Some(per_mb) = job.data.get_mut(&stage_idx)
-                    && let Some(payload) = per_mb.get_mut(micro_batch_idx)
+    // Data parallelism with buckets: a communication thread all-reduces each bucket of final
+    // gradients while this thread goes on (see `gradient_buckets.rs`).
+    let buckets = job.bucket_bytes.filter(|_| job.training).zip(run.groups.replica.as_ref());
+    std::thread::scope(|scope| {
+        let mut reducer = buckets.map(|(cap, comm)| BucketReducer::start(scope, comm, cap, job.started));
+        let outcome = catch_unwind(AssertUnwindSafe(|| -> std::result::Result<(), OpFailure> {
+            for (instruction_idx, instruction) in job.program.iter().enumerate() {
+                if let Some(stall) =
+                    job.stall.filter(|s| s.device_idx == device_idx && s.instruction_idx == instruction_idx)
                 {
-                    inputs.append(payload);
+                    seat.release();
+                    std::thread::sleep(std::time::Duration::from_secs_f64(stall.seconds));
                 }
-                rec.end_wait(wait, queued_at);
-                let targets = match stages[s].output_node {
-                    Some(_) => job.targets.get_mut(micro_batch_idx).and_then(Option::take),
-                    None => None,
+                let op = instruction.op_kind();
+                let micro_batch_idx = instruction.micro_batch_idx();
+                if op == OpKind::OptimizerStep {
+                    if !job.training {
+                        continue;
+                    }
+                    // Data parallelism: every replica's gradients summed into each (a fixed order, the same
+                    // sum in every replica) before anything reads them.
+                    let replica = run.groups.replica.as_ref().map(GroupComm::comm);
+                    if let Some(reducer) = reducer.take() {
+                        let first =
+                            stages.first().map(|s| (s.stage_idx, s.device.clone())).expect("a worker holds a stage");
+                        // Every gradient comes back, whatever happens next.
+                        let finished = reducer.finish(stages);
+                        let spans = guarded(first.0, &first.1, FaultPoint::Prepare, None, job.fault, || {
+                            finished.map_err(|error| match error {
+                                // Another worker failed and abandoned the step; its report says why.
+                                Error::CollectiveAborted { .. } => OpFailure::Aborted,
+                                error => OpFailure::Failed(error),
+                            })
+                        })?;
+                        rec.events.extend(spans.into_iter().map(|span| TimelineEvent {
+                            device_idx,
+                            stage_idx: Some(span.stage_idx),
+                            op: OpKind::AllReduce,
+                            micro_batch_idx: None,
+                            start_s: span.start_s,
+                            end_s: span.end_s,
+                        }));
+                    } else if let Some(replica) = replica {
+                        for stage in stages.iter_mut() {
+                            let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
+                            rec.record(Some(stage_idx), OpKind::AllReduce, None, || {
+                                guarded(stage_idx, &device, FaultPoint::Prepare, None, job.fault, || {
+                                    Ok(stage.all_reduce_gradients(replica)?)
+                                })
+                            })?;
+                        }
+                    }
+                    // Tied parameters: every copy's gradient summed into each (after the replicas' sums).
+                    if !run.groups.ties.is_empty() {
+                        let first = run.groups.ties[0].copies[0].stage_idx;
+                        let device = stages.iter().find(|s| s.stage_idx == first).map(|s| s.device.clone());
+                        let device = device.unwrap_or_else(Device::host);
+                        rec.record(None, OpKind::AllReduce, None, || {
+                            guarded(first, &device, FaultPoint::Prepare, None, job.fault, || {
+                                Ok(run.groups.sum_tied(stages)?)
+                            })
+                        })?;
+                    }
+                    // The commit (see runtime/README.md). Prepare: everything that can fail, then vote.
+                    let mut sum_of_squares = 0.0;
+                    let mut non_finite = None;
+                    for stage in stages.iter_mut() {
+                        let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
+                        let vote = guarded(stage_idx, &device, FaultPoint::Prepare, None, job.fault, || {
+                            Ok(stage.prepare_commit()?)
+                        })?;
+                        sum_of_squares += vote.sum_of_squares;
+                        if let (None, Some(parameter)) = (&non_finite, vote.non_finite_parameter) {
+                            non_finite = Some((stage_idx, parameter));
+                        }
+                        guarded(stage_idx, &device, FaultPoint::Vote, None, job.fault, || Ok(()))?;
+                    }
+                    let losses = std::mem::take(&mut losses);
+                    let _ = reports.send(Report::Ready { device_idx, losses, sum_of_squares, non_finite });
+                    let commit = seat.wait_for(&job.commit, &job.abort)?;
+                    rec.take_core(&mut seat, None, None, &job.abort)?;
+                    // Apply: from here this worker's stages may hold the update until the step ends; a
+                    // failure anywhere then rolls every stage back (`needs_rollback`).
+                    *applied = true;
+                    rec.record(None, op, None, || {
+                        for stage in stages.iter_mut() {
+                            let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
+                            guarded(stage_idx, &device, FaultPoint::Apply, None, job.fault, || {
+                                Ok(stage.apply_commit(job.max_grad_norm, commit.global_norm, replica)?)
+                            })?;
+                        }
+                        Ok(())
+                    })?;
+                    continue;
+                }
+                let stage_idx = instruction.stage_idx().expect("compute instructions have a stage");
+                let micro_batch_idx = micro_batch_idx.expect("compute instructions have a micro-batch");
+                let Some(s) = local(stages, stage_idx) else {
+                    return Err(OpFailure::Failed(Error::invalid(
+                        "program",
+                        format!("device {device_idx} does not hold stage {stage_idx}"),
+                    )));
                 };
-                let stage = &mut stages[s];
-                rec.take_core(&mut seat, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
-                let (messages, loss_value, eval_output) =
-                    rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
-                        guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
-                            Ok(stage.forward(&ctx, micro_batch_idx, inputs, targets)?)
-                        })
-                    })?;
-                if let Some(l) = loss_value {
-                    losses.push((job.micro_batch_offset + micro_batch_idx, l));
+                match instruction {
+                    Instruction::Forward { .. } => {
+                        if !stages[s].recv_from.is_empty() {
+                            injected(job.fault, stage_idx, &stages[s].device, FaultPoint::Receive, micro_batch_idx)?;
+                        }
+                        let wait = rec.start_wait(stage_idx, micro_batch_idx);
+                        let mut inputs: Payload = Vec::new();
+                        let mut queued_at = None;
+                        for route in &stages[s].recv_from {
+                            let key = (route.peer_stage_idx, stage_idx, false);
+                            let ((mb, payload), queued) =
+                                job.links.recv(&mut seat, key, &job.abort, &stages[s].device)?;
+                            queued_at = queued.or(queued_at);
+                            check_order(&stages[s], mb, micro_batch_idx)?;
+                            inputs.extend(payload);
+                        }
+                        if let Some(per_mb) = job.data.get_mut(&stage_idx)
+                            && let Some(payload) = per_mb.get_mut(micro_batch_idx)
+                        {
+                            inputs.append(payload);
+                        }
+                        rec.end_wait(wait, queued_at);
+                        let targets = match stages[s].output_node {
+                            Some(_) => job.targets.get_mut(micro_batch_idx).and_then(Option::take),
+                            None => None,
+                        };
+                        let stage = &mut stages[s];
+                        rec.take_core(&mut seat, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
+                        let (messages, loss_value, eval_output) =
+                            rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
+                                guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
+                                    Ok(stage.forward(&ctx, micro_batch_idx, inputs, targets)?)
+                                })
+                            })?;
+                        if let Some(l) = loss_value {
+                            losses.push((job.micro_batch_offset + micro_batch_idx, l));
+                        }
+                        if let Some(out) = eval_output {
+                            outputs.push((job.micro_batch_offset + micro_batch_idx, out));
+                        }
+                        send_all(job, &seat, stage_idx, micro_batch_idx, messages, false)?;
+                    }
+                    Instruction::BackwardInput { .. } | Instruction::Backward { .. } => {
+                        if stages[s].needs_recompute(micro_batch_idx) {
+                            let stage = &mut stages[s];
+                            rec.take_core(&mut seat, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
+                            rec.record(Some(stage_idx), OpKind::Recompute, Some(micro_batch_idx), || {
+                                guarded_mut(stage, OpKind::Recompute, micro_batch_idx, job.fault, |stage| {
+                                    Ok(stage.recompute(&ctx, micro_batch_idx)?)
+                                })
+                            })?;
+                        }
+                        let wait = rec.start_wait(stage_idx, micro_batch_idx);
+                        let mut received = Vec::new();
+                        let mut peers: Vec<usize> = stages[s].send_to.iter().map(|r| r.peer_stage_idx).collect();
+                        peers.sort_unstable_by(|a, b| b.cmp(a));
+                        if !peers.is_empty() {
+                            injected(job.fault, stage_idx, &stages[s].device, FaultPoint::Receive, micro_batch_idx)?;
+                        }
+                        let mut queued_at = None;
+                        for peer in peers {
+                            let key = (peer, stage_idx, true);
+                            let ((mb, payload), queued) =
+                                job.links.recv(&mut seat, key, &job.abort, &stages[s].device)?;
+                            queued_at = queued.or(queued_at);
+                            check_order(&stages[s], mb, micro_batch_idx)?;
+                            received.push(payload);
+                        }
+                        rec.end_wait(wait, queued_at);
+                        let fused = matches!(instruction, Instruction::Backward { .. });
+                        let stage = &mut stages[s];
+                        rec.take_core(&mut seat, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
+                        let messages = rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
+                            guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
+                                Ok(stage.backward_input(
+                                    micro_batch_idx,
+                                    received,
+                                    fused,
+                                    reducer.as_mut().map(|r| &mut r.queue),
+                                )?)
+                            })
+                        })?;
+                        send_all(job, &seat, stage_idx, micro_batch_idx, messages, true)?;
+                    }
+                    Instruction::BackwardWeight { .. } => {
+                        let stage = &mut stages[s];
+                        rec.take_core(&mut seat, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
+                        rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
+                            guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
+                                Ok(stage.backward_weight(micro_batch_idx, reducer.as_mut().map(|r| &mut r.queue))?)
+                            })
+                        })?;
+                    }
+                    Instruction::OptimizerStep => unreachable!("handled above"),
                 }
-                if let Some(out) = eval_output {
-                    outputs.push((job.micro_batch_offset + micro_batch_idx, out));
-                }
-                send_all(job, &seat, stage_idx, micro_batch_idx, messages, false)?;
             }
-            Instruction::BackwardInput { .. } | Instruction::Backward { .. } => {
-                if stages[s].needs_recompute(micro_batch_idx) {
-                    let stage = &mut stages[s];
-                    rec.take_core(&mut seat, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
-                    rec.record(Some(stage_idx), OpKind::Recompute, Some(micro_batch_idx), || {
-                        guarded_mut(stage, OpKind::Recompute, micro_batch_idx, job.fault, |stage| {
-                            Ok(stage.recompute(&ctx, micro_batch_idx)?)
-                        })
-                    })?;
-                }
-                let wait = rec.start_wait(stage_idx, micro_batch_idx);
-                let mut received = Vec::new();
-                let mut peers: Vec<usize> = stages[s].send_to.iter().map(|r| r.peer_stage_idx).collect();
-                peers.sort_unstable_by(|a, b| b.cmp(a));
-                if !peers.is_empty() {
-                    injected(job.fault, stage_idx, &stages[s].device, FaultPoint::Receive, micro_batch_idx)?;
-                }
-                let mut queued_at = None;
-                for peer in peers {
-                    let key = (peer, stage_idx, true);
-                    let ((mb, payload), queued) = job.links.recv(&mut seat, key, &job.abort, &stages[s].device)?;
-                    queued_at = queued.or(queued_at);
-                    check_order(&stages[s], mb, micro_batch_idx)?;
-                    received.push(payload);
-                }
-                rec.end_wait(wait, queued_at);
-                let fused = matches!(instruction, Instruction::Backward { .. });
-                let stage = &mut stages[s];
-                rec.take_core(&mut seat, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
-                let messages = rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
-                    guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
-                        Ok(stage.backward_input(micro_batch_idx, received, fused)?)
-                    })
-                })?;
-                send_all(job, &seat, stage_idx, micro_batch_idx, messages, true)?;
-            }
-            Instruction::BackwardWeight { .. } => {
-                let stage = &mut stages[s];
-                rec.take_core(&mut seat, Some(stage_idx), Some(micro_batch_idx), &job.abort)?;
-                rec.record(Some(stage_idx), op, Some(micro_batch_idx), || {
-                    guarded_mut(stage, op, micro_batch_idx, job.fault, |stage| {
-                        Ok(stage.backward_weight(micro_batch_idx)?)
-                    })
-                })?;
-            }
-            Instruction::OptimizerStep => unreachable!("handled above"),
+            Ok(())
+        }));
+        // A step that ended early leaves the all-reduces unfinished: end them, take the gradients back.
+        if let Some(reducer) = reducer.take() {
+            reducer.abandon(stages);
         }
-    }
-    Ok(())
+        outcome.unwrap_or_else(|payload| std::panic::resume_unwind(payload))
+    })
 }
 
 fn check_order(stage: &Stage, got: usize, expected: usize) -> std::result::Result<(), OpFailure> {

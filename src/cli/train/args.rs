@@ -80,6 +80,12 @@ pub struct TrainArgs {
     /// share gives one device's gradient on the whole batch. [default: even]
     #[arg(long, value_name = "auto|even|A,B,...")]
     pub replica_shares: Option<String>,
+    /// With --data-parallel: all-reduce the gradients in buckets of about this size (e.g. 25MiB,
+    /// 4MiB), each started as soon as its gradients are final so that communication overlaps the
+    /// backward pass, or `off` to all-reduce every gradient at the optimizer step. The same
+    /// weights either way. [default: 25MiB]
+    #[arg(long, value_name = "SIZE|off")]
+    pub bucket_size: Option<String>,
     /// Placement of layers on stages: `auto` (minimise the slowest stage under the budgets, from
     /// FLOP estimates), `time` (the same from layer times measured on this machine first:
     /// balance by time), or a file as `conveyor plan --placement` reads: one line per stage
@@ -267,6 +273,9 @@ impl TrainArgs {
         if let Some(text) = &self.replica_shares {
             pipeline.replica_shares =
                 text.parse().map_err(|e: conveyor_engine::Error| usage(format!("--replica-shares: {e}")))?;
+        }
+        if let Some(text) = &self.bucket_size {
+            pipeline.bucket_size = text.parse()?;
         }
         if let Some(text) = &self.placement {
             pipeline.placement = PlacementSpec::from_text(text);
