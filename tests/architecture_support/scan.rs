@@ -100,6 +100,13 @@ fn blank(c: char) -> char {
 }
 
 pub fn lex(text: &str) -> Lexed {
+    let mut lexed = lex_keeping_tests(text);
+    blank_test_modules(&mut lexed);
+    lexed
+}
+
+/// [`lex`] without blanking test items.
+fn lex_keeping_tests(text: &str) -> Lexed {
     let chars: Vec<char> = text.chars().collect();
     let n = chars.len();
     let mut code = Vec::with_capacity(n);
@@ -242,12 +249,12 @@ pub fn lex(text: &str) -> Lexed {
         emit!(chars[i], code);
         i += 1;
     }
-    let mut lexed = Lexed { code, code_with_strings: with_strings, strings };
-    blank_test_modules(&mut lexed);
-    lexed
+    Lexed { code, code_with_strings: with_strings, strings }
 }
 
-/// Blanks every `#[cfg(test)] mod name { .. }` block (strings inside it are dropped too).
+/// Blanks every item under `#[cfg(test)]`: an inline `mod name { .. }` block (strings inside it
+/// are dropped too), a test-only `fn`, `impl` or `use`, and the declaration `mod name;` (whose file
+/// [`without_test_files`] drops).
 fn blank_test_modules(lexed: &mut Lexed) {
     let marker: Vec<char> = "#[cfg(test)]".chars().collect();
     let mut i = 0;
@@ -256,31 +263,28 @@ fn blank_test_modules(lexed: &mut Lexed) {
             i += 1;
             continue;
         }
+        // The item ends at the first `;` outside brackets, or at the `}` closing its first `{`.
         let after = i + marker.len();
-        let rest: String = lexed.code[after..].iter().take(200).collect();
-        let trimmed = rest.trim_start();
-        let is_inline_mod =
-            trimmed.starts_with("mod ") && trimmed.find(['{', ';']).is_some_and(|p| trimmed.as_bytes()[p] == b'{');
-        if !is_inline_mod {
-            i = after;
-            continue;
-        }
-        let open = (after..lexed.code.len()).find(|&k| lexed.code[k] == '{').expect("checked above");
-        let mut depth = 0usize;
-        let mut close = lexed.code.len() - 1;
-        for k in open..lexed.code.len() {
+        let mut depth = 0i64;
+        let mut close = None;
+        let mut k = after;
+        while k < lexed.code.len() {
             match lexed.code[k] {
-                '{' => depth += 1,
-                '}' => {
-                    depth -= 1;
-                    if depth == 0 {
-                        close = k;
-                        break;
-                    }
+                '(' | '[' => depth += 1,
+                ')' | ']' => depth -= 1,
+                ';' if depth == 0 => {
+                    close = Some(k);
+                    break;
+                }
+                '{' if depth == 0 => {
+                    close = matching_brace(&lexed.code, k);
+                    break;
                 }
                 _ => {}
             }
+            k += 1;
         }
+        let close = close.unwrap_or(lexed.code.len() - 1);
         let first_line = line_of(&lexed.code, i);
         let last_line = line_of(&lexed.code, close);
         for k in i..=close {
@@ -290,6 +294,56 @@ fn blank_test_modules(lexed: &mut Lexed) {
         lexed.strings.retain(|&(line, _)| line < first_line || line > last_line);
         i = close + 1;
     }
+}
+
+/// The position of the `}` closing the `{` at `open`, if the code closes it.
+pub fn matching_brace(code: &[char], open: usize) -> Option<usize> {
+    let mut depth = 0usize;
+    for (k, &c) in code.iter().enumerate().skip(open) {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(k);
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// `files` without the files of out-of-line test modules: for each `#[cfg(test)] mod name;` in
+/// `a/b.rs` (or `a/mod.rs`, `a/lib.rs`), the files `a/b/name.rs` (`a/name.rs`) and everything
+/// under `a/b/name/` (`a/name/`).
+pub fn without_test_files(files: Vec<SourceFile>) -> Vec<SourceFile> {
+    let mut test_modules: Vec<String> = Vec::new();
+    for file in &files {
+        let dir = match file.path.rsplit_once('/') {
+            Some((dir, "mod.rs" | "lib.rs" | "main.rs")) => dir.to_string(),
+            _ => file.path.trim_end_matches(".rs").to_string(),
+        };
+        let code: String = lex_keeping_tests(&file.text).code.into_iter().collect();
+        let mut rest = code.as_str();
+        while let Some(at) = rest.find("#[cfg(test)]") {
+            rest = &rest[at + "#[cfg(test)]".len()..];
+            // `mod name;`, `pub mod name;`, `pub(crate) mod name;`
+            let words: Vec<&str> = rest
+                .split(|c: char| !is_ident_char(c))
+                .filter(|w| !w.is_empty() && !matches!(*w, "pub" | "crate" | "super"))
+                .take(2)
+                .collect();
+            let declaration = rest.find(['{', ';']).is_some_and(|p| rest.as_bytes()[p] == b';');
+            if let (["mod", name], true) = (words.as_slice(), declaration) {
+                test_modules.push(format!("{dir}/{name}"));
+            }
+        }
+    }
+    files
+        .into_iter()
+        .filter(|f| !test_modules.iter().any(|m| f.path == format!("{m}.rs") || f.path.starts_with(&format!("{m}/"))))
+        .collect()
 }
 
 /// The 1-based line of position `pos`.
@@ -496,6 +550,22 @@ mod tests {
         let idents: Vec<String> = identifiers(&lexed.code).into_iter().map(|i| i.text).collect();
         assert_eq!(idents, ["fn", "shipped", "fn", "after"]);
         assert!(lexed.strings.is_empty());
+    }
+
+    #[test]
+    fn lexer_drops_test_items_and_test_module_files_are_dropped() {
+        let text = "#[cfg(test)]\nfn helper() { Mutex::new(0); }\nfn shipped() {}\n#[cfg(test)]\nmod tests;\n";
+        let idents: Vec<String> = identifiers(&lex(text).code).into_iter().map(|i| i.text).collect();
+        assert_eq!(idents, ["fn", "shipped"]);
+        let files = vec![
+            SourceFile::new("a/src/tensor/mod.rs", text),
+            SourceFile::new("a/src/tensor/tests.rs", "fn t() {}\n"),
+            SourceFile::new("a/src/tensor/other.rs", "fn o() {}\n"),
+            SourceFile::new("a/src/conv.rs", "#[cfg(test)]\npub(crate) mod conv_tests;\n"),
+            SourceFile::new("a/src/conv/conv_tests/more.rs", "fn m() {}\n"),
+        ];
+        let kept: Vec<String> = without_test_files(files).into_iter().map(|f| f.path).collect();
+        assert_eq!(kept, ["a/src/tensor/mod.rs", "a/src/tensor/other.rs", "a/src/conv.rs"]);
     }
 
     #[test]

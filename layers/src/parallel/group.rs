@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use conveyor_engine::collective::{Communicator, ProcessGroup, RankHandle, Traffic, TransportGroup};
-use conveyor_engine::{Device, Error, Result, Tensor};
+use conveyor_engine::{DType, Device, Error, Result, Tensor};
 
 /// Where the `k` shards of a split layer live.
 #[derive(Clone, Debug)]
@@ -282,7 +282,10 @@ impl ShardGroup {
                 rhs: self.first().to_string(),
             });
         }
-        tensor.as_f32().map(|_| ()).map_err(|_| Error::UnsupportedDType { op: kind.into(), dtype: tensor.dtype() })
+        if tensor.dtype() != DType::F32 {
+            return Err(Error::UnsupportedDType { op: kind.into(), dtype: tensor.dtype() });
+        }
+        Ok(())
     }
 
     /// `Layer::to_device` for a split layer: its shards stay on their devices, so only the group's

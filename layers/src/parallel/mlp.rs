@@ -1,8 +1,7 @@
 //! `ParallelMlp`: Megatron's pairing of a column-split and a row-split Linear around an
 //! elementwise activation, inside one layer so the hidden activation never leaves its device.
 use conveyor_engine::collective::{Partition, Traffic};
-use conveyor_engine::cpu::activation::{gelu_backward_uninit, gelu_forward_uninit, relu, relu_grad};
-use conveyor_engine::cpu::uninit;
+use conveyor_engine::device::ops::Activation;
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 use rand::rngs::StdRng;
 
@@ -30,32 +29,21 @@ pub enum MlpActivation {
 }
 
 impl MlpActivation {
-    /// `act(h)`, written without a zero-fill (the identity is a share of `h`, no copy).
+    /// `act(h)` through the device op (the identity is a share of `h`, no copy).
     fn forward(self, hidden: &Tensor) -> Result<Tensor> {
-        let h = hidden.as_f32()?;
         match self {
             MlpActivation::Identity => Ok(hidden.share()),
-            MlpActivation::Relu => {
-                Tensor::from_f32_init(hidden.shape().clone(), hidden.device(), |dst| uninit::map(dst, h, relu))
-            }
-            MlpActivation::Gelu => {
-                Tensor::from_f32_init(hidden.shape().clone(), hidden.device(), |dst| gelu_forward_uninit(h, dst))
-            }
+            MlpActivation::Relu => hidden.activation(Activation::Relu),
+            MlpActivation::Gelu => hidden.activation(Activation::Gelu),
         }
     }
 
-    /// `dh = act'(h) ⊙ da` (ReLU's mask `h > 0` equals `relu(h) > 0`).
+    /// `dh = act'(h) ⊙ da` through the device op (ReLU's mask `h > 0` equals `relu(h) > 0`).
     fn backward(self, hidden: &Tensor, grad: &Tensor) -> Result<Tensor> {
-        let (h, da) = (hidden.as_f32()?, grad.as_f32()?);
-        let device = hidden.device();
         match self {
             MlpActivation::Identity => Ok(grad.share()),
-            MlpActivation::Relu => {
-                Tensor::from_f32_init(hidden.shape().clone(), device, |dst| uninit::map2(dst, h, da, relu_grad))
-            }
-            MlpActivation::Gelu => {
-                Tensor::from_f32_init(hidden.shape().clone(), device, |dst| gelu_backward_uninit(h, da, dst))
-            }
+            MlpActivation::Relu => Tensor::activation_grad(Activation::Relu, hidden, grad),
+            MlpActivation::Gelu => Tensor::activation_grad(Activation::Gelu, hidden, grad),
         }
     }
 }
