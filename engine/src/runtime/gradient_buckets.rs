@@ -27,6 +27,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::thread::{Scope, ScopedJoinHandle};
 use std::time::Instant;
 
+use conveyor_schedules::OpKind;
 use crossbeam::channel::{self, Receiver, Sender};
 
 use super::gradient_groups::GroupComm;
@@ -128,11 +129,12 @@ impl<'scope> BucketReducer<'scope> {
         comm: &'scope GroupComm,
         cap_bytes: usize,
         started: Instant,
+        device_idx: usize,
     ) -> BucketReducer<'scope> {
         let (sender, receiver) = channel::unbounded();
         let thread = std::thread::Builder::new()
             .name("conveyor-buckets".into())
-            .spawn_scoped(scope, move || reduce_buckets(&receiver, comm, started))
+            .spawn_scoped(scope, move || reduce_buckets(&receiver, comm, started, device_idx))
             .expect("spawning the bucket all-reduce thread");
         let queue = BucketQueue {
             sender: Some(sender),
@@ -198,11 +200,14 @@ fn put_back(stages: &mut [Stage], items: Vec<NodeGrads>) -> Result<()> {
 }
 
 /// The communication thread: all-reduces each bucket's tensors in queue order until the queue
-/// closes; after a failure it only collects what it gets, to give it back.
-fn reduce_buckets(queue: &Receiver<Bucket>, comm: &GroupComm, started: Instant) -> Returned {
+/// closes; after a failure it only collects what it gets, to give it back. Each bucket is an
+/// op span of worker `device_idx` (the trace and `conveyor train --svg` draw it).
+fn reduce_buckets(queue: &Receiver<Bucket>, comm: &GroupComm, started: Instant, device_idx: usize) -> Returned {
     let mut returned = Returned { items: Vec::new(), spans: Vec::new(), error: None };
     while let Ok(mut bucket) = queue.recv() {
         if returned.error.is_none() {
+            let stage_idx = bucket.items[0].stage_idx;
+            let span = super::worker::op_span(device_idx, Some(stage_idx), OpKind::AllReduce, None);
             let start_s = started.elapsed().as_secs_f64();
             let outcome = catch_unwind(AssertUnwindSafe(|| -> Result<()> {
                 for grad in bucket.items.iter_mut().flat_map(|item| item.grads.iter_mut()) {
@@ -212,9 +217,9 @@ fn reduce_buckets(queue: &Receiver<Bucket>, comm: &GroupComm, started: Instant) 
                 Ok(())
             }));
             let end_s = started.elapsed().as_secs_f64();
+            drop(span);
             match outcome {
                 Ok(Ok(())) => {
-                    let stage_idx = bucket.items[0].stage_idx;
                     returned.spans.push(BucketSpan { stage_idx, start_s, end_s });
                 }
                 Ok(Err(error)) => returned.error = Some(error),

@@ -384,7 +384,7 @@ fn execute(
     // gradients while this thread goes on (see `gradient_buckets.rs`).
     let buckets = job.bucket_bytes.filter(|_| job.training).zip(run.groups.replica.as_ref());
     std::thread::scope(|scope| {
-        let mut reducer = buckets.map(|(cap, comm)| BucketReducer::start(scope, comm, cap, job.started));
+        let mut reducer = buckets.map(|(cap, comm)| BucketReducer::start(scope, comm, cap, job.started, device_idx));
         let outcome = catch_unwind(AssertUnwindSafe(|| -> std::result::Result<(), OpFailure> {
             for (instruction_idx, instruction) in job.program.iter().enumerate() {
                 if let Some(stall) =
@@ -627,7 +627,7 @@ fn cpu_time_of(event: &TimelineEvent, cpu_s: f64) -> super::OpCpuTime {
 
 /// Opens the `tracing` span of one op (see [`crate::trace`]); a disabled callsite when no
 /// subscriber listens to [`crate::trace::OP_TARGET`].
-fn op_span(
+pub(super) fn op_span(
     device_idx: usize,
     stage_idx: Option<usize>,
     op: OpKind,
