@@ -2,7 +2,10 @@
 //! on the CPU (`cpu:0`, the reference) and on every GPU, from the same seed and the same batches,
 //! printed as one table: the step time on each device (median of the steps after the first), the
 //! largest norm-wise relative weight difference `‖w_gpu - w_cpu‖ / ‖w_cpu‖` over the parameter
-//! tensors after the last step, and whether it is within `--tolerance` (1e-5 by default, f32).
+//! tensors after the last step, and whether it is within `--tolerance` (1e-5 by default, f32);
+//! and each run's largest measured peak memory over its memory plan's (`peak/plan`: a device's
+//! ledger high-water mark over the steps against `Plan::device_peaks`, which must not exceed 1 on
+//! a GPU either; the CPU reference row shows the CPU's figure).
 //! The element-wise worst case is printed beside it but not held to 1e-5: cuBLAS sums in another
 //! order, so a pre-activation within rounding of zero can take the other side of a ReLU on the
 //! GPU, and the weights that sample touches then differ by far more than rounding (seen on an
@@ -23,6 +26,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Parser;
 use conveyor::engine::optim::{OptimizerConfig, SgdConfig};
+use conveyor::engine::placement::Placement;
 use conveyor::engine::runtime::Trainer;
 use conveyor::engine::{CudaDevice, Device, Tensor};
 use conveyor::layers::CrossEntropyLoss;
@@ -59,6 +63,9 @@ struct Args {
 struct Run {
     weights: Vec<(String, Vec<f32>)>,
     step_ms: f64,
+    /// The largest measured peak over planned peak of any device (the ledger's high-water mark
+    /// over the steps against `Plan::device_peaks`): above 1 the memory plan is not a bound.
+    peak_over_plan: f64,
 }
 
 /// Seeded inputs for `spec` (token ids for a transformer) and labels in `0..classes`.
@@ -93,31 +100,51 @@ fn batch(spec: &ModelSpec, rows: usize, seed: u64) -> Result<(Tensor, Vec<usize>
 /// micro-batches).
 fn train(spec: &ModelSpec, devices: Vec<Device>, args: &Args) -> Result<Run> {
     let graph = spec.build(7)?;
-    let layers: Vec<_> = graph.topological_order()?.into_iter().filter(|&id| graph.layer(id).is_some()).collect();
+    let layers: Vec<String> = graph
+        .topological_order()?
+        .into_iter()
+        .filter(|&id| graph.layer(id).is_some())
+        .map(|id| graph.node(id).map(|node| node.name.clone()))
+        .collect::<conveyor::engine::Result<_>>()?;
     let per_stage = layers.len().div_ceil(devices.len());
-    let stages: Vec<Vec<_>> = layers.chunks(per_stage).map(<[_]>::to_vec).collect();
+    // Planned by hand (the same cut on every device kind) so that the trainer keeps its memory
+    // plan, which each device's measured peak is held to, as `tests/memory_plan_bound.rs` does on
+    // the CPU.
+    let stages: Vec<Vec<String>> = layers.chunks(per_stage).map(<[_]>::to_vec).collect();
+    let n_devices = devices.len();
     // Two micro-batches for every run, one device or two: Dropout draws one mask per
     // micro-batch, so runs compare only at the same micro-batch count.
     let micro_batches = 2;
     let mut trainer = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
         .devices(devices)
-        .stages(stages)
         .schedule(ScheduleKind::OneFOneB, 1)
         .micro_batches(micro_batches)
+        .batch_rows(args.batch)
+        .placement(Placement::Manual(stages))
         .optimizer(OptimizerConfig::Sgd(SgdConfig::new(0.05).with_momentum(0.9)))
         .seed(11)
         .build()?;
     let mut times = Vec::new();
+    let mut measured = vec![0u64; n_devices];
     for step in 0..args.steps {
         let (x, y) = batch(spec, args.batch, step)?;
         let start = Instant::now();
-        trainer.train_step(&x, &y)?;
+        let report = trainer.train_step(&x, &y)?;
         times.push(start.elapsed().as_secs_f64() * 1e3);
+        for (peak, &bytes) in measured.iter_mut().zip(&report.peak_memory) {
+            *peak = (*peak).max(bytes);
+        }
     }
+    let planned = trainer.plan().context("a planned placement keeps its plan")?.device_peaks(n_devices);
+    let peak_over_plan = measured
+        .iter()
+        .zip(&planned)
+        .map(|(&bytes, plan)| bytes as f64 / plan.first().copied().unwrap_or(1).max(1) as f64)
+        .fold(0.0, f64::max);
     let mut timed = times.split_off(usize::from(times.len() > 1));
     timed.sort_by(f64::total_cmp);
     let weights = trainer.parameters()?.into_iter().map(|(name, t)| (name, t.to_vec_f32())).collect();
-    Ok(Run { weights, step_ms: timed[timed.len() / 2] })
+    Ok(Run { weights, step_ms: timed[timed.len() / 2], peak_over_plan })
 }
 
 /// The largest `‖a - b‖ / ‖b‖` over the parameter tensors (the norm-wise relative error: the
@@ -168,8 +195,8 @@ fn main() -> Result<()> {
         }
     };
     println!(
-        "{:<24} {:<12} {:<9} {:>10} {:>10} {:>12}  status",
-        "model", "device", "precision", "step ms", "torch ms", "|dw|/|w|"
+        "{:<24} {:<12} {:<9} {:>10} {:>10} {:>12} {:>9}  status",
+        "model", "device", "precision", "step ms", "torch ms", "|dw|/|w|", "peak/plan"
     );
     let torch_cell = |model: &str, device: &str| {
         torch.get(&(model.to_string(), device.to_string())).map_or("-".to_string(), |ms| format!("{ms:.3}"))
@@ -179,12 +206,13 @@ fn main() -> Result<()> {
         let spec: ModelSpec = model.parse().with_context(|| format!("model {model}"))?;
         let reference = train(&spec, vec![Device::cpu(0)], &args).with_context(|| format!("{model} on cpu:0"))?;
         println!(
-            "{model:<24} {:<12} {:<9} {:>10.3} {:>10} {:>12}  reference",
+            "{model:<24} {:<12} {:<9} {:>10.3} {:>10} {:>12} {:>9.3}  reference",
             "cpu:0",
             "f32",
             reference.step_ms,
             torch_cell(model, "cpu"),
-            "-"
+            "-",
+            reference.peak_over_plan
         );
         // Each GPU alone, then 2-stage pipelines over the CPU and the first GPU (mixed devices,
         // activations copied between them) and over two logical devices of the first GPU (two
@@ -200,14 +228,21 @@ fn main() -> Result<()> {
             match run {
                 Ok(run) => {
                     let (diff, elementwise) = rel_diffs(&run.weights, &reference.weights);
-                    let pass = diff <= args.tolerance;
+                    let within_plan = run.peak_over_plan <= 1.0;
+                    let pass = diff <= args.tolerance && within_plan;
                     failures += usize::from(!pass);
+                    let status = match (diff <= args.tolerance, within_plan) {
+                        (true, true) => "PASS".to_string(),
+                        (false, _) => format!("FAIL (over {:e})", args.tolerance),
+                        (true, false) => "FAIL (peak memory over the plan)".to_string(),
+                    };
                     println!(
-                        "{model:<24} {label:<12} {:<9} {:>10.3} {:>10} {diff:>12.2e}  {} (element-wise {elementwise:.1e})",
+                        "{model:<24} {label:<12} {:<9} {:>10.3} {:>10} {diff:>12.2e} {:>9.3}  {status} (element-wise \
+                         {elementwise:.1e})",
                         "f32",
                         run.step_ms,
                         torch_cell(model, if whole_gpu(label) { "cuda" } else { "pipeline" }),
-                        if pass { "PASS".to_string() } else { format!("FAIL (over {:e})", args.tolerance) }
+                        run.peak_over_plan,
                     );
                 }
                 Err(err) => {
@@ -216,13 +251,16 @@ fn main() -> Result<()> {
                     failures += usize::from(!(missing_layer && args.allow_missing_layers));
                     let why: String = why.chars().take(110).collect();
                     println!(
-                        "{model:<24} {label:<12} {:<9} {:>10} {:>10} {:>12}  CANNOT TRAIN: {why}",
-                        "f32", "-", "-", "-"
+                        "{model:<24} {label:<12} {:<9} {:>10} {:>10} {:>12} {:>9}  CANNOT TRAIN: {why}",
+                        "f32", "-", "-", "-", "-"
                     );
                 }
             }
             for precision in ["bf16", "f16"].into_iter().filter(|_| whole_gpu(label)) {
-                println!("{model:<24} {label:<12} {precision:<9} {:>10} {:>10} {:>12}  not yet trained", "-", "-", "-");
+                println!(
+                    "{model:<24} {label:<12} {precision:<9} {:>10} {:>10} {:>12} {:>9}  not yet trained",
+                    "-", "-", "-", "-"
+                );
             }
         }
     }
