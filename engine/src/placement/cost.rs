@@ -592,14 +592,10 @@ impl NodeCosts {
             }
         }
         // Then the derived caches (on the stage's device), the most used (largest FLOPs) first,
-        // each kept if it still fits. Only where a step runs two micro-batches or more through
-        // the stage: a cache is rebuilt from the parameters after every update, so with one
-        // micro-batch it is used once per rebuild and costs a pass over the weights for nothing
-        // (Linear's packed copies: the 8 x 1024 MLP at batch 256 takes 7-16% longer per step with
-        // them than without on a 2-core AMD EPYC; with 4 micro-batches 4-9% shorter).
+        // each kept if it still fits.
         let mut derived_caches = vec![false; end - start];
         let mut dropped_caches = Vec::new();
-        if config.count_workspace && n_micro_batches > 1 {
+        if config.count_workspace {
             let mut by_flops: Vec<usize> = (0..end - start).filter(|&j| self.workspace_bytes[start + j] > 0).collect();
             let node_flops = |j: usize| {
                 let n = start + j;
