@@ -70,6 +70,21 @@ pub(crate) fn measured_costs(timeline: &Timeline, n_stages: usize) -> CostModel 
         .with_device_start_s(device_start_s)
         .with_device_optimizer_step_s(device_optimizer_step_s(timeline))
         .with_device_all_reduce_s(device_time_in(timeline, OpKind::AllReduce))
+        .with_all_reduce_in_buckets(all_reduce_in_buckets(timeline))
+}
+
+/// Whether the gradient all-reduce ran in buckets beside the backward pass (some all-reduce of a
+/// device starts before that device's last compute op other than the optimizer step ends), so
+/// the simulator fed these costs starts it with the final weight pass, as the runtime did.
+fn all_reduce_in_buckets(timeline: &Timeline) -> bool {
+    timeline.events.iter().filter(|e| e.op == OpKind::AllReduce).any(|all_reduce| {
+        timeline.events.iter().any(|e| {
+            e.device_idx == all_reduce.device_idx
+                && e.op.is_compute()
+                && e.op != OpKind::OptimizerStep
+                && e.end_s > all_reduce.start_s
+        })
+    })
 }
 
 /// An op on one device: (device, stage, op, micro-batch), as a timeline event has them.
@@ -84,6 +99,7 @@ pub(crate) fn span_costs(timeline: &Timeline, n_stages: usize) -> CostModel {
         .with_op_costs(op_costs)
         .with_device_optimizer_step_s(device_optimizer_step_s(timeline))
         .with_device_all_reduce_s(device_time_in(timeline, OpKind::AllReduce))
+        .with_all_reduce_in_buckets(all_reduce_in_buckets(timeline))
 }
 
 /// Each measured op's cost and the part of it that is not its own span, keyed by (stage, op,
@@ -237,4 +253,33 @@ fn mean_costs(samples: impl Iterator<Item = (Option<usize>, OpKind, f64)>, n_sta
     } else {
         optimizer_s / optimizer_n as f64
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use conveyor_schedules::TimelineEvent;
+
+    use super::*;
+
+    fn event(device_idx: usize, op: OpKind, start_s: f64, end_s: f64) -> TimelineEvent {
+        TimelineEvent { device_idx, stage_idx: Some(device_idx), op, micro_batch_idx: None, start_s, end_s }
+    }
+
+    #[test]
+    fn an_all_reduce_beside_the_backward_pass_is_simulated_in_buckets() {
+        let mut timeline = Timeline::new(2, 2);
+        timeline.events = vec![
+            event(0, OpKind::Backward, 0.0, 2.0),
+            event(1, OpKind::Backward, 0.0, 1.0),
+            event(1, OpKind::AllReduce, 1.0, 1.5),
+            event(1, OpKind::OptimizerStep, 1.5, 2.0),
+        ];
+        // Device 1's all-reduce starts after its own last op: at the optimizer step.
+        assert!(!all_reduce_in_buckets(&timeline));
+        assert!(!span_costs(&timeline, 2).all_reduce_in_buckets());
+        // Device 0's starts during its backward: in buckets.
+        timeline.events.push(event(0, OpKind::AllReduce, 1.5, 2.5));
+        assert!(all_reduce_in_buckets(&timeline));
+        assert!(span_costs(&timeline, 2).all_reduce_in_buckets());
+    }
 }
