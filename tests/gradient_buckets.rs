@@ -5,7 +5,8 @@
 //! bubble ones defer the weight passes) and for three replicas (each tensor keeps its ring
 //! nesting); two replicas of one micro-batch equal one device with two, bit for bit; the timeline
 //! shows one all-reduce per bucket; a fault in one replica while buckets are in flight fails the
-//! step everywhere with nothing changed, and the next step trains.
+//! step everywhere with nothing changed, and the next step trains; workers sharing fewer core
+//! slots than there are workers never wait in a sum holding a slot.
 mod common;
 
 use std::sync::Arc;
@@ -14,7 +15,9 @@ use common::{data, even_stages, weights};
 use conveyor::Sequential;
 use conveyor::engine::graph::Graph;
 use conveyor::engine::optim::{OptimizerConfig, SgdConfig};
-use conveyor::engine::runtime::{DEFAULT_BUCKET_BYTES, FaultInjection, FaultPoint, StepReport, Trainer};
+use conveyor::engine::runtime::{
+    CoreSlotPolicy, DEFAULT_BUCKET_BYTES, FaultInjection, FaultPoint, StepReport, Trainer,
+};
 use conveyor::engine::{Device, Error};
 use conveyor::layers::CrossEntropyLoss;
 use conveyor::schedules::{OpKind, ScheduleKind};
@@ -36,6 +39,11 @@ struct Layout {
 }
 
 fn trainer(layout: &Layout, optimizer: OptimizerConfig, bucket_bytes: Option<usize>) -> Trainer {
+    slotted(layout, optimizer, bucket_bytes, CoreSlotPolicy::Auto)
+}
+
+/// [`trainer`] with the workers' core slots as `slots` says.
+fn slotted(layout: &Layout, optimizer: OptimizerConfig, bucket_bytes: Option<usize>, slots: CoreSlotPolicy) -> Trainer {
     let graph = mlp();
     let stage_nodes = even_stages(&graph, layout.stages);
     let chunks = if layout.schedule == ScheduleKind::Interleaved { 2 } else { 1 };
@@ -47,6 +55,7 @@ fn trainer(layout: &Layout, optimizer: OptimizerConfig, bucket_bytes: Option<usi
         .micro_batches(layout.micro_batches)
         .optimizer(optimizer)
         .bucket_size(bucket_bytes)
+        .core_slots(slots)
         .seed(11);
     let builder = if layout.replicas > 1 { builder.data_parallel(layout.replicas, |_, _| Ok(mlp())) } else { builder };
     builder.build().unwrap()
@@ -165,5 +174,21 @@ fn a_fault_while_buckets_are_in_flight_fails_the_step_everywhere_and_the_next_st
             }
             assert_eq!(weights(&trainer), weights(&reference), "{what}: weights after the next steps");
         }
+    }
+}
+
+#[test]
+fn replicas_sharing_fewer_core_slots_than_workers_train_what_they_train_without() {
+    // 2 replicas x 2 stages on 2 slots: a worker waiting in the all-reduce (either way) must not
+    // hold a slot the other replica's workers need to get there (this hung for the collective's
+    // 60 s timeout before).
+    let layout = Layout { replicas: 2, stages: 2, micro_batches: 4, schedule: ScheduleKind::OneFOneB };
+    let adam = OptimizerConfig::adam(0.01);
+    let want = run(&mut trainer(&layout, adam, None), 3);
+    for bytes in [None, Some(1), Some(DEFAULT_BUCKET_BYTES)] {
+        let started = std::time::Instant::now();
+        let got = run(&mut slotted(&layout, adam, bytes, CoreSlotPolicy::Slots(2)), 3);
+        assert!(started.elapsed().as_secs_f64() < 10.0, "buckets of {bytes:?}: {:?}", started.elapsed());
+        assert_eq!(got, want, "buckets of {bytes:?} on 2 core slots");
     }
 }

@@ -402,6 +402,14 @@ fn execute(
                     // Data parallelism: every replica's gradients summed into each (a fixed order, the same
                     // sum in every replica) before anything reads them.
                     let replica = run.groups.replica.as_ref().map(GroupComm::comm);
+                    // The sums wait for other workers, which may need a core slot to get there:
+                    // no slot is held while waiting (with more workers than cores, two replicas'
+                    // workers holding both slots in the all-reduce would wait for ever on the
+                    // other replica's, which have none).
+                    let sums = replica.is_some() || !run.groups.ties.is_empty();
+                    if sums {
+                        seat.release();
+                    }
                     if let Some(reducer) = reducer.take() {
                         let first =
                             stages.first().map(|s| (s.stage_idx, s.device.clone())).expect("a worker holds a stage");
@@ -442,6 +450,9 @@ fn execute(
                                 Ok(run.groups.sum_tied(stages)?)
                             })
                         })?;
+                    }
+                    if sums {
+                        rec.take_core(&mut seat, None, None, &job.abort)?;
                     }
                     // The commit (see runtime/README.md). Prepare: everything that can fail, then vote.
                     let mut sum_of_squares = 0.0;
