@@ -27,6 +27,7 @@
 //! - `device.rs`: [`CudaDevice`] (context, ledger, properties, peer access, stream creation).
 //! - `buffer.rs`: [`CudaBuffer`], the element traits, [`DeviceMatRef`] (strided matrix views).
 //! - `stream.rs`: [`CudaStream`], host↔device copies, launch configurations.
+//! - `strided.rs`: copies of row blocks on one GPU (the column ops).
 //! - `transfer.rs`: device-to-device copies, between GPUs by peer access or staged through
 //!   pinned host memory.
 //! - `thread_streams.rs`: each thread's stream per GPU ([`CudaDevice::thread_stream`]) and the
@@ -54,6 +55,7 @@ mod norm;
 mod optim;
 mod storage;
 mod stream;
+mod strided;
 mod thread_streams;
 mod transfer;
 
