@@ -102,7 +102,7 @@ impl Tensor {
     /// ```
     pub fn narrow_columns(&self, outer: usize, start: usize, len: usize, shape: impl Into<Shape>) -> Result<Tensor> {
         let op = "narrow_columns";
-        let inner = if outer == 0 { 0 } else { self.numel() / outer };
+        let inner = self.numel().checked_div(outer).unwrap_or(0);
         check_matrix(op, self, outer, inner)?;
         if start + len > inner {
             return Err(Error::shape(
@@ -131,7 +131,7 @@ impl Tensor {
     /// ```
     pub fn cat_columns(blocks: &[&Tensor], outer: usize, shape: impl Into<Shape>, device: &Device) -> Result<Tensor> {
         let op = "cat_columns";
-        let widths: Vec<usize> = blocks.iter().map(|b| if outer == 0 { 0 } else { b.numel() / outer }).collect();
+        let widths: Vec<usize> = blocks.iter().map(|b| b.numel().checked_div(outer).unwrap_or(0)).collect();
         for (block, &width) in blocks.iter().zip(&widths) {
             check_matrix(op, block, outer, width)?;
             if block.dtype() != DType::F32 {

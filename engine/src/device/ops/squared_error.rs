@@ -57,7 +57,6 @@ impl Tensor {
                 stream.scale(&mut negated, -1.0)?;
                 let mut diff = cuda.alloc_zeros::<f32>(output.len())?;
                 stream.add(output, &negated, &mut diff)?;
-                drop(negated);
                 let sum = stream.sum_of_squares(&diff)?;
                 stream.scale(&mut diff, grad_scale)?;
                 Ok((mean(sum), Tensor::from_cuda_f32(diff, self.shape().clone(), device)?))
