@@ -5,10 +5,11 @@
 //!
 //! A group of `n` ranks is a set of handles, one per device, each used from its own thread (SPMD:
 //! every rank calls the same collectives in the same order). [`ProcessGroup::new`] builds the
-//! in-process implementation for CPU devices over crossbeam channels; [`TransportGroup::new`] the
-//! same collectives for the ranks of a [`crate::transport::Transport`] (one process per rank under
-//! MPI), with the same algorithms (`algorithms.rs`), so the two agree bit for bit; NCCL implements
-//! the same trait. Every collective names its buffers explicitly and writes in place, as NCCL and
+//! in-process implementation over crossbeam channels (host buffers, for CPU devices and as the host
+//! fallback of GPU tensors); [`TransportGroup::new`] the same collectives for the ranks of a
+//! [`crate::transport::Transport`] (one process per rank under MPI), with the same algorithms
+//! (`algorithms.rs`), so the two agree bit for bit; NCCL implements the same trait. Every
+//! collective names its buffers explicitly and writes in place, as NCCL and
 //! MPI do, so a later backend needs no change of signature. How a buffer is divided among ranks is
 //! a [`Partition`]: even (sizes within one element) or given counts (the `v` variants of MPI), so
 //! lengths not divisible by `n` need no padding.

@@ -68,9 +68,9 @@ enum Members {
 /// The shards of a split layer held here (all `k`, or one) and their collective handles.
 ///
 /// Calls are serialised by a lock (a layer's forward and backward calls come from one pipeline
-/// worker anyway). With every shard here a failed call recovers the group before returning, so one
-/// budget overrun does not poison the layer for the next step; with one shard per rank the ranks
-/// recover together afterwards ([`ShardGroup::recover`]).
+/// worker anyway). With every shard here a failed call recovers the group before returning (an
+/// NCCL group is built anew), so one budget overrun does not poison the layer for the next step;
+/// with one shard per rank the ranks recover together afterwards ([`ShardGroup::recover`]).
 #[derive(Debug)]
 pub(crate) struct ShardGroup {
     k: usize,
@@ -215,11 +215,16 @@ impl ShardGroup {
                 outcome
             }
             // An NCCL rank cannot tell its peers that it failed: they end at the group's timeout,
-            // and a rank that failed after issuing work refuses later calls (see `nccl.rs`).
+            // and a rank that failed after issuing work refuses later calls (see `nccl.rs`), so a
+            // failed call builds the group anew, as the in-process group recovers.
             Members::Nccl(comms) => {
-                let comms = lock(comms);
+                let mut comms = lock(comms);
                 let refs: Vec<&dyn Communicator> = comms.iter().map(|c| c.as_ref()).collect();
-                self.run_threads(&refs, &|_: usize, _: &str| {}, states, f)
+                let outcome = self.run_threads(&refs, &|_: usize, _: &str| {}, states, f);
+                if outcome.is_err() {
+                    *comms = CudaDevice::nccl_group(&self.devices)?;
+                }
+                outcome
             }
             Members::Rank(shard) => {
                 // No recovery here: the rank that failed may be in no collective at all (its
