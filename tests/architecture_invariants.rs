@@ -572,294 +572,49 @@ struct HostReadGroup {
 /// Every host read of `layers/src`. A read anywhere else, or through another accessor, fails
 /// `layers_compute_through_device_ops`; so does an entry (or one of its accessors) nothing reads
 /// any more, and a permitted read whose guard is gone.
-const HOST_READS: [HostReadGroup; 4] = [
-    HostReadGroup {
-        why: "the permitted exception: Linear's packed weight. `refresh` builds the panels only for an f32 weight \
+const HOST_READS: [HostReadGroup; 1] = [HostReadGroup {
+    why: "the permitted exception: Linear's packed weight. `refresh` builds the panels only for an f32 weight \
               on a CPU device (`Device::Cpu(_)`), so `packed` exists only there; forward and the input gradient \
               read them only when fresh, after `check_same_device` put the input on the weight's CPU device. Any \
               other weight goes through `Tensor::matmul`. `tensor_io::values` is the two arms' reader (the scan \
               follows every call to it)",
-        departure: false,
-        sites: &[
-            guarded(
-                "layers/src/linear.rs",
-                "Linear::refresh",
-                &["as_f32", "as_f32_mut", "cpu::MatRef::row_major", "cpu::packed::pack_rhs", "cpu::packed::packed_len"],
-                "matches!(weight.device(), Device::Cpu(_))",
-            ),
-            guarded(
-                "layers/src/linear.rs",
-                "Linear::forward",
-                &[
-                    "as_f32",
-                    "cpu::MatRef::row_major",
-                    "cpu::packed::matmul_packed",
-                    "cpu::packed::matmul_packed_uninit",
-                    "cpu::uninit::broadcast_rows",
-                    "from_f32_init",
-                    "tensor_io::values",
-                ],
-                "self.packed.as_ref().filter(|_| self.packed_fresh)",
-            ),
-            guarded(
-                "layers/src/linear.rs",
-                "Linear::backward_input",
-                &[
-                    "as_f32",
-                    "cpu::MatRef::row_major",
-                    "cpu::packed::matmul_packed_uninit",
-                    "from_f32_init",
-                    "tensor_io::values",
-                ],
-                "self.packed.as_ref().filter(|_| self.packed_fresh)",
-            ),
-            site("layers/src/tensor_io.rs", "values", &["as_f32", "try_to_vec_f32"]),
-        ],
-    },
-    HostReadGroup {
-        why: "TODO: MseLoss downloads the output and targets, sums (o - t)^2 in f64 on the host and uploads the \
-              gradient (it runs on GPUs, off the device); no device op computes a squared difference and its sum \
-              yet (a `Tensor::mse` beside `softmax_cross_entropy` would)",
-        departure: true,
-        sites: &[site("layers/src/mse.rs", "MseLoss::loss_and_grad", &["try_to_vec_f32"])],
-    },
-    HostReadGroup {
-        why: "TODO: the tensor-parallel layers' steps run on CPU devices only: each shard computes with the CPU \
-              kernels on host slices (`linear_shard.rs`, `conv_shard.rs`, the conv stack's ReLU and its mask) and \
-              the shards exchange through `Communicator`, whose collectives take host slices (`exchange.rs`, \
-              `layout.rs`); moving them needs the shard products on the device ops (`Tensor::matmul`, `conv2d`, \
-              `activation`, `activation_grad`) and collectives over device buffers (NCCL's)",
-        departure: true,
-        sites: &[
-            site(
-                "layers/src/parallel/column.rs",
-                "ColumnParallelLinear::forward",
-                &[
-                    "parallel::exchange::all_gather_columns",
-                    "parallel::exchange::input_for_shard",
-                    "parallel::linear_shard::forward",
-                ],
-            ),
-            site(
-                "layers/src/parallel/column.rs",
-                "ColumnParallelLinear::backward_input",
-                &["parallel::exchange::columns_for_shard", "parallel::linear_shard::input_grad"],
-            ),
-            site(
-                "layers/src/parallel/column.rs",
-                "ColumnParallelLinear::backward_weight",
-                &["parallel::exchange::columns_for_shard", "parallel::linear_shard::weight_grad"],
-            ),
-            site(
-                "layers/src/parallel/conv.rs",
-                "ChannelParallelConv2d::forward",
-                &[
-                    "parallel::conv_shard::forward",
-                    "parallel::exchange::all_gather_columns",
-                    "parallel::exchange::input_for_shard",
-                ],
-            ),
-            site(
-                "layers/src/parallel/conv.rs",
-                "ChannelParallelConv2d::backward_input",
-                &["parallel::conv_shard::input_grad", "parallel::exchange::columns_for_shard"],
-            ),
-            site(
-                "layers/src/parallel/conv.rs",
-                "ChannelParallelConv2d::backward_weight",
-                &["parallel::conv_shard::weight_grad", "parallel::exchange::columns_for_shard"],
-            ),
-            site(
-                "layers/src/parallel/conv_shard.rs",
-                "forward",
-                &["as_f32", "as_f32_mut", "cpu::MatRef::row_major", "cpu::conv::im2col", "cpu::matmul"],
-            ),
-            site(
-                "layers/src/parallel/conv_shard.rs",
-                "input_grad",
-                &["as_f32", "as_f32_mut", "cpu::MatRef::row_major", "cpu::conv::col2im", "cpu::matmul"],
-            ),
-            site(
-                "layers/src/parallel/conv_shard.rs",
-                "weight_grad",
-                &[
-                    "as_f32",
-                    "as_f32_mut",
-                    "cpu::MatRef::row_major",
-                    "cpu::conv::im2col",
-                    "cpu::elementwise::accumulate_row_sums",
-                    "cpu::matmul",
-                ],
-            ),
-            site(
-                "layers/src/parallel/conv_stack.rs",
-                "ChannelParallelConvStack::forward",
-                &[
-                    "as_f32_mut",
-                    "cpu::activation::relu",
-                    "parallel::conv_shard::forward",
-                    "parallel::exchange::all_gather_columns",
-                    "parallel::exchange::broadcast_from_first",
-                    "parallel::exchange::scatter_columns",
-                ],
-            ),
-            site(
-                "layers/src/parallel/conv_stack.rs",
-                "ChannelParallelConvStack::backward_chain",
-                &[
-                    "as_f32",
-                    "as_f32_mut",
-                    "parallel::conv_shard::input_grad",
-                    "parallel::conv_shard::weight_grad",
-                    "parallel::exchange::gather_columns",
-                    "parallel::exchange::reduce_scatter_columns",
-                    "parallel::exchange::scatter_columns",
-                ],
-            ),
-            site("layers/src/parallel/exchange.rs", "broadcast_from_first", &["as_f32_mut"]),
-            site("layers/src/parallel/exchange.rs", "scatter_columns", &["as_f32", "as_f32_mut"]),
-            site("layers/src/parallel/exchange.rs", "all_gather_columns", &["as_f32", "as_f32_mut"]),
-            site("layers/src/parallel/exchange.rs", "gather_columns", &["as_f32", "as_f32_mut"]),
-            site("layers/src/parallel/exchange.rs", "reduce_scatter_columns", &["as_f32", "as_f32_mut"]),
-            site("layers/src/parallel/exchange.rs", "input_for_shard", &["parallel::exchange::broadcast_from_first"]),
-            site(
-                "layers/src/parallel/exchange.rs",
-                "columns_for_shard",
-                &["as_f32", "parallel::exchange::scatter_columns", "parallel::layout::column_block"],
-            ),
-            site("layers/src/parallel/layout.rs", "column_block", &["as_f32_mut"]),
-            site(
-                "layers/src/parallel/linear_shard.rs",
-                "forward",
-                &[
-                    "as_f32",
-                    "cpu::MatRef::row_major",
-                    "cpu::matmul",
-                    "cpu::matmul_uninit",
-                    "cpu::uninit::broadcast_rows",
-                    "from_f32_init",
-                ],
-            ),
-            site(
-                "layers/src/parallel/linear_shard.rs",
-                "input_grad",
-                &["as_f32", "cpu::MatRef::row_major", "cpu::matmul_uninit", "from_f32_init"],
-            ),
-            site(
-                "layers/src/parallel/linear_shard.rs",
-                "weight_grad",
-                &[
-                    "as_f32",
-                    "as_f32_mut",
-                    "cpu::MatRef::row_major",
-                    "cpu::elementwise::accumulate_column_sums",
-                    "cpu::matmul",
-                ],
-            ),
-            site(
-                "layers/src/parallel/mlp.rs",
-                "ParallelMlp::forward",
-                &["parallel::exchange::broadcast_from_first", "parallel::linear_shard::forward"],
-            ),
-            site(
-                "layers/src/parallel/mlp.rs",
-                "ParallelMlp::backward_input",
-                &["parallel::exchange::broadcast_from_first", "parallel::linear_shard::input_grad"],
-            ),
-            site(
-                "layers/src/parallel/mlp.rs",
-                "ParallelMlp::backward_weight",
-                &[
-                    "parallel::exchange::broadcast_from_first",
-                    "parallel::linear_shard::input_grad",
-                    "parallel::linear_shard::weight_grad",
-                ],
-            ),
-            site(
-                "layers/src/parallel/row.rs",
-                "RowParallelLinear::forward",
-                &["parallel::exchange::columns_for_shard", "parallel::linear_shard::forward"],
-            ),
-            site(
-                "layers/src/parallel/row.rs",
-                "RowParallelLinear::backward_input",
-                &[
-                    "parallel::exchange::all_gather_columns",
-                    "parallel::exchange::input_for_shard",
-                    "parallel::linear_shard::input_grad",
-                ],
-            ),
-            site(
-                "layers/src/parallel/row.rs",
-                "RowParallelLinear::backward_weight",
-                &["parallel::exchange::input_for_shard", "parallel::linear_shard::weight_grad"],
-            ),
-        ],
-    },
-    HostReadGroup {
-        why: "TODO: the tensor-parallel layers cut their parameters into shards and join them back (build, \
-              checkpoint export and import: not per step) through host memory, with the exchanges above where \
-              the shards sit on other ranks; `Tensor::narrow_rows` / `cat_rows` / `copy_from` would do the row \
-              cuts on the devices, the column cuts need a device op",
-        departure: true,
-        sites: &[
-            site("layers/src/parallel/column.rs", "ColumnParallelLinear::from_parameters_on", &["to_vec_f32"]),
-            site(
-                "layers/src/parallel/column.rs",
-                "ColumnParallelLinear::gather_parameters",
-                &["parallel::gather_rows"],
-            ),
-            site("layers/src/parallel/column.rs", "ColumnParallelLinear::load_unsplit", &["as_f32_mut", "to_vec_f32"]),
-            site("layers/src/parallel/conv.rs", "ChannelParallelConv2d::from_parameters_on", &["to_vec_f32"]),
-            site("layers/src/parallel/conv.rs", "ChannelParallelConv2d::gather_parameters", &["parallel::gather_rows"]),
-            site("layers/src/parallel/conv.rs", "ChannelParallelConv2d::load_unsplit", &["as_f32_mut", "to_vec_f32"]),
-            site("layers/src/parallel/conv_stack.rs", "ChannelParallelConvStack::from_parameters", &["to_vec_f32"]),
-            site(
-                "layers/src/parallel/conv_stack.rs",
-                "ChannelParallelConvStack::gather_parameters",
-                &["parallel::unsplit_rows"],
-            ),
-            site(
-                "layers/src/parallel/conv_stack.rs",
-                "ChannelParallelConvStack::load_unsplit",
-                &["as_f32_mut", "to_vec_f32"],
-            ),
-            site(
-                "layers/src/parallel/mlp.rs",
-                "ParallelMlp::from_linears",
-                &["parallel::layout::column_block", "to_vec_f32"],
-            ),
-            site(
-                "layers/src/parallel/mlp.rs",
-                "ParallelMlp::gather_parameters",
-                &["parallel::unsplit_columns", "parallel::unsplit_rows"],
-            ),
-            site(
-                "layers/src/parallel/mlp.rs",
-                "ParallelMlp::load_unsplit",
-                &["as_f32_mut", "parallel::layout::column_block", "to_vec_f32"],
-            ),
-            site("layers/src/parallel/mod.rs", "unsplit_rows", &["to_vec_f32"]),
-            site("layers/src/parallel/mod.rs", "gather_rows", &["to_vec_f32"]),
-            site("layers/src/parallel/mod.rs", "unsplit_columns", &["to_vec_f32"]),
-            site(
-                "layers/src/parallel/row.rs",
-                "RowParallelLinear::from_parameters_on",
-                &["parallel::layout::column_block", "to_vec_f32"],
-            ),
-            site(
-                "layers/src/parallel/row.rs",
-                "RowParallelLinear::gather_parameters",
-                &["as_f32_mut", "parallel::exchange::all_gather_columns", "parallel::unsplit_columns"],
-            ),
-            site(
-                "layers/src/parallel/row.rs",
-                "RowParallelLinear::load_unsplit",
-                &["as_f32_mut", "parallel::layout::column_block", "to_vec_f32"],
-            ),
-        ],
-    },
-];
+    departure: false,
+    sites: &[
+        guarded(
+            "layers/src/linear.rs",
+            "Linear::refresh",
+            &["as_f32", "as_f32_mut", "cpu::MatRef::row_major", "cpu::packed::pack_rhs", "cpu::packed::packed_len"],
+            "matches!(weight.device(), Device::Cpu(_))",
+        ),
+        guarded(
+            "layers/src/linear.rs",
+            "Linear::forward",
+            &[
+                "as_f32",
+                "cpu::MatRef::row_major",
+                "cpu::packed::matmul_packed",
+                "cpu::packed::matmul_packed_uninit",
+                "cpu::uninit::broadcast_rows",
+                "from_f32_init",
+                "tensor_io::values",
+            ],
+            "self.packed.as_ref().filter(|_| self.packed_fresh)",
+        ),
+        guarded(
+            "layers/src/linear.rs",
+            "Linear::backward_input",
+            &[
+                "as_f32",
+                "cpu::MatRef::row_major",
+                "cpu::packed::matmul_packed_uninit",
+                "from_f32_init",
+                "tensor_io::values",
+            ],
+            "self.packed.as_ref().filter(|_| self.packed_fresh)",
+        ),
+        site("layers/src/tensor_io.rs", "values", &["as_f32", "try_to_vec_f32"]),
+    ],
+}];
 
 const NO_HOST_READS: &str = "no layer reads host memory: layers compute through the device ops (Linear's packed \
                              weight on CPU devices excepted)";

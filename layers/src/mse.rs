@@ -1,11 +1,9 @@
 //! `MseLoss`: mean squared error over real-valued targets of the output's shape (PyTorch's
-//! `nn.MSELoss()`, `reduction="mean"`), for regression. The arithmetic runs on the host: a GPU
-//! output and its targets are downloaded and the gradient uploaded (the loss is one elementwise
-//! pass over the last stage's output, small beside the layers before it).
+//! `nn.MSELoss()`, `reduction="mean"`), for regression. The arithmetic is the device op
+//! `Tensor::squared_error`, which runs where the output lives.
 use conveyor_engine::{Error, Loss, Result, Shape, Targets, Tensor};
 
 use crate::loss::check_normalizer;
-use crate::tensor_io::into_dtype;
 
 /// Mean squared error over every element: for an output `o` and targets `t` of one shape
 /// `[rows, ...]` with `D` elements per row, returns `Σ (o - t)² / (normalizer · D)` and its
@@ -55,20 +53,7 @@ impl Loss for MseLoss {
         check_normalizer("MseLoss", normalizer)?;
         let per_row = output.shape().trailing_numel();
         let scale = f64::from(normalizer) * per_row as f64;
-        let grad_scale = (2.0 / scale) as f32;
-        let (o, t) = (output.try_to_vec_f32()?, values.try_to_vec_f32()?);
-        let mut sum = 0.0f64;
-        let grad: Vec<f32> = o
-            .iter()
-            .zip(&t)
-            .map(|(&o, &t)| {
-                let exact = f64::from(o) - f64::from(t);
-                sum += exact * exact;
-                grad_scale * (o - t)
-            })
-            .collect();
-        let grad = into_dtype(Tensor::from_vec(grad, output.shape().clone(), output.device())?, output.dtype())?;
-        Ok((if per_row == 0 { 0.0 } else { sum / scale }, grad))
+        output.squared_error(values, scale)
     }
 
     /// Real values of the output's per-sample shape.

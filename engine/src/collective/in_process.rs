@@ -1,4 +1,4 @@
-//! The in-process group for CPU devices: one unbounded crossbeam channel per ordered pair of
+//! The in-process group (host buffers, for CPU devices and as the host fallback of GPU tensors): one unbounded crossbeam channel per ordered pair of
 //! ranks, messages tagged with the collective and its sequence number, and a shared abort flag
 //! that ends every rank's wait when one rank fails. The collectives themselves are
 //! `algorithms.rs`, shared with the transport group, except the all-reduce, which reads the other
@@ -48,7 +48,9 @@ impl Shared {
     }
 }
 
-/// Builds in-process groups of CPU devices.
+/// Builds in-process groups. The ranks' buffers are host slices; on CUDA devices the tensor
+/// collectives (`Communicator::all_reduce_tensor` ...) stage GPU tensors through them (the host
+/// fallback), and messages count on the receiving device's ledger either way.
 ///
 /// ```
 /// use conveyor_engine::Device;
@@ -78,12 +80,6 @@ impl ProcessGroup {
         }
         if timeout < Duration::from_millis(1) {
             return Err(Error::invalid("ProcessGroup timeout", format!("{timeout:?}: give at least 1 ms")));
-        }
-        if let Some(cuda) = devices.iter().find(|d| matches!(d, Device::Cuda(_))) {
-            return Err(Error::invalid(
-                "ProcessGroup devices",
-                format!("{cuda}: the in-process group serves CPU devices; CUDA groups need a NCCL communicator"),
-            ));
         }
         let n_ranks = devices.len();
         let shared = Arc::new(Shared {

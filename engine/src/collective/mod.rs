@@ -5,10 +5,11 @@
 //!
 //! A group of `n` ranks is a set of handles, one per device, each used from its own thread (SPMD:
 //! every rank calls the same collectives in the same order). [`ProcessGroup::new`] builds the
-//! in-process implementation for CPU devices over crossbeam channels; [`TransportGroup::new`] the
-//! same collectives for the ranks of a [`crate::transport::Transport`] (one process per rank under
-//! MPI), with the same algorithms (`algorithms.rs`), so the two agree bit for bit; NCCL implements
-//! the same trait. Every collective names its buffers explicitly and writes in place, as NCCL and
+//! in-process implementation over crossbeam channels (host buffers, for CPU devices and as the host
+//! fallback of GPU tensors); [`TransportGroup::new`] the same collectives for the ranks of a
+//! [`crate::transport::Transport`] (one process per rank under MPI), with the same algorithms
+//! (`algorithms.rs`), so the two agree bit for bit; NCCL implements the same trait. Every
+//! collective names its buffers explicitly and writes in place, as NCCL and
 //! MPI do, so a later backend needs no change of signature. How a buffer is divided among ranks is
 //! a [`Partition`]: even (sizes within one element) or given counts (the `v` variants of MPI), so
 //! lengths not divisible by `n` need no padding.
@@ -20,6 +21,15 @@
 //! give each one's messages, bytes and time under `t = latency + bytes / bandwidth` for the
 //! planner, and every handle counts the messages and bytes it sends ([`Communicator::traffic`]) so
 //! tests can hold the implementation to the formula.
+//!
+//! Tensors enter through the `*_tensor` methods (`all_reduce_tensor`, `broadcast_tensor`,
+//! `scatter_tensor`, `gather_tensor`, `all_gather_tensor`, `reduce_scatter_tensor`), which run
+//! where the tensors live (`tensors.rs`): on CPU tensors the slice collective on their host
+//! elements in place (the same call, the same bits); on GPU tensors the communicator's
+//! [`DeviceCollectives`] when it has them (NCCL's rank, no host copy), and otherwise a host
+//! fallback (copy to the host, the slice collective, copy back), so an in-process or transport
+//! group serves GPU tensors too. The runtime's gradient sums and the tensor-parallel layers call
+//! only these.
 //!
 //! The rejected alternative, a shared buffer behind a barrier that every rank reads and sums, is
 //! simpler in process but has no counterpart on separate devices and moves `n` times the bytes
@@ -52,6 +62,7 @@ mod direct;
 mod in_process;
 mod over_transport;
 mod partition;
+mod tensors;
 
 use std::fmt;
 
@@ -59,6 +70,7 @@ pub use cost::{Traffic, cost_s, traffic};
 pub use in_process::{DEFAULT_TIMEOUT, GroupAbort, ProcessGroup, RankHandle};
 pub use over_transport::{COLLECTIVE_ROUND_BASE, TransportGroup, interrupt_waits, resume_waits};
 pub use partition::Partition;
+pub use tensors::DeviceCollectives;
 
 use crate::{Device, Result, Tensor};
 
@@ -170,13 +182,41 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// `recv_parts.len(s)`.
     fn all_to_all(&self, send: &[f32], send_parts: &Partition, recv: &mut [f32], recv_parts: &Partition) -> Result<()>;
 
-    /// [`Communicator::all_reduce`] on an f32 tensor's elements.
-    fn all_reduce_tensor(&self, tensor: &mut Tensor) -> Result<()> {
-        self.all_reduce(tensor.as_f32_mut()?)
+    /// Collectives on buffers already on this rank's GPU, when the communicator has them (NCCL's
+    /// rank); `None` (the default) sends GPU tensors through the host (`tensors.rs`).
+    fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {
+        None
     }
 
-    /// [`Communicator::broadcast`] on an f32 tensor's elements.
+    /// [`Communicator::all_reduce`] on an f32 tensor's elements, where they live: in place on a
+    /// CPU tensor's host elements (exactly the slice call), on the GPU buffer with NCCL, or
+    /// through host copies otherwise (see `tensors.rs`). So it is for every tensor collective.
+    fn all_reduce_tensor(&self, tensor: &mut Tensor) -> Result<()> {
+        tensors::all_reduce(self, tensor)
+    }
+
+    /// [`Communicator::broadcast`] on an f32 tensor's elements, where they live.
     fn broadcast_tensor(&self, tensor: &mut Tensor, root: usize) -> Result<()> {
-        self.broadcast(tensor.as_f32_mut()?, root)
+        tensors::broadcast(self, tensor, root)
+    }
+
+    /// [`Communicator::scatter`] on f32 tensors, where they live (`send` is needed on the root only).
+    fn scatter_tensor(&self, send: Option<&Tensor>, recv: &mut Tensor, root: usize, parts: &Partition) -> Result<()> {
+        tensors::scatter(self, send, recv, root, parts)
+    }
+
+    /// [`Communicator::gather`] on f32 tensors, where they live (`recv` is needed on the root only).
+    fn gather_tensor(&self, send: &Tensor, recv: Option<&mut Tensor>, root: usize, parts: &Partition) -> Result<()> {
+        tensors::gather(self, send, recv, root, parts)
+    }
+
+    /// [`Communicator::all_gather`] on f32 tensors, where they live.
+    fn all_gather_tensor(&self, send: &Tensor, recv: &mut Tensor, parts: &Partition) -> Result<()> {
+        tensors::all_gather(self, send, recv, parts)
+    }
+
+    /// [`Communicator::reduce_scatter`] on f32 tensors, where they live.
+    fn reduce_scatter_tensor(&self, send: &Tensor, recv: &mut Tensor, parts: &Partition) -> Result<()> {
+        tensors::reduce_scatter(self, send, recv, parts)
     }
 }

@@ -341,6 +341,19 @@ impl CudaStream {
     pub fn copy_into<T: CudaElement>(&self, _src: &Buf<T>, _dst: &mut Buf<T>) -> Result<()> {
         match self.never {}
     }
+    pub fn copy_rows(
+        &self,
+        _src: &Buf<f32>,
+        _src_at: usize,
+        _src_stride: usize,
+        _dst: &mut Buf<f32>,
+        _dst_at: usize,
+        _dst_stride: usize,
+        _rows: usize,
+        _width: usize,
+    ) -> Result<()> {
+        match self.never {}
+    }
     pub fn matmul<T: GemmElement>(
         &self,
         _dst: &mut Buf<f32>,

@@ -7,7 +7,9 @@
 //! the two types they take. Child modules hold the ops of one layer family each: `norm.rs` layer
 //! normalisation, embedding lookups and the token reductions of the sequence layers
 //! ([`Tensor::layer_norm`], [`Tensor::embedding`], [`Tensor::add_positions`],
-//! [`Tensor::mean_over_tokens`] and their gradients).
+//! [`Tensor::mean_over_tokens`] and their gradients), `squared_error.rs` the MSE loss
+//! ([`Tensor::squared_error`]), `columns.rs` the column blocks of tensor-parallel layouts
+//! ([`Tensor::narrow_columns`], [`Tensor::cat_columns`], [`Tensor::pack_columns`]).
 //!
 //! # Dispatch rule
 //!
@@ -25,9 +27,11 @@
 //! CUDA math library's transcendentals; elementwise operations without transcendentals round
 //! exactly as on the CPU (the kernels are compiled with `--fmad=false`).
 mod attention;
+mod columns;
 mod conv;
 mod norm;
 mod pool;
+mod squared_error;
 
 use crate::cpu::activation::{self, relu, relu_grad, tanh_grad};
 use crate::cpu::softmax::log_softmax_rows;

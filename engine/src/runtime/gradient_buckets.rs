@@ -211,8 +211,7 @@ fn reduce_buckets(queue: &Receiver<Bucket>, comm: &GroupComm, started: Instant, 
             let start_s = started.elapsed().as_secs_f64();
             let outcome = catch_unwind(AssertUnwindSafe(|| -> Result<()> {
                 for grad in bucket.items.iter_mut().flat_map(|item| item.grads.iter_mut()) {
-                    grad.make_unique()?;
-                    comm.comm().all_reduce(grad.as_f32_mut()?)?;
+                    comm.comm().all_reduce_tensor(grad)?;
                 }
                 Ok(())
             }));

@@ -80,8 +80,7 @@ impl GradientGroups {
                 sum.add_assign(grad_of(stages, copy)?)?;
             }
             if let Some(comm) = &tie.comm {
-                sum.make_unique()?;
-                comm.comm().all_reduce(sum.as_f32_mut()?)?;
+                comm.comm().all_reduce_tensor(&mut sum)?;
             }
             for copy in &tie.copies {
                 *grad_of(stages, copy)? = sum.share();

@@ -431,8 +431,7 @@ impl Stage {
     pub fn all_reduce_gradients(&mut self, comm: &dyn crate::collective::Communicator) -> Result<()> {
         for node in &mut self.nodes {
             for grad in &mut node.grads {
-                grad.make_unique()?;
-                comm.all_reduce(grad.as_f32_mut()?)?;
+                comm.all_reduce_tensor(grad)?;
             }
         }
         Ok(())
@@ -569,7 +568,7 @@ impl Stage {
         for (node_idx, node) in self.nodes.iter_mut().enumerate() {
             let owner = zero.owners[node_idx];
             for p in node.layer.parameters_mut().iter_mut() {
-                comm.broadcast(p.value.as_f32_mut()?, owner)?;
+                comm.broadcast_tensor(&mut p.value, owner)?;
             }
             // `parameters_mut` marked the derived copies stale, the owner's too (its values did
             // not change, but a stale copy is treated as absent, which changes the arithmetic).

@@ -7,7 +7,10 @@ use rand::rngs::StdRng;
 use super::exchange::{all_gather_columns, columns_for_shard, grads_per_rank, input_for_shard, rows};
 use super::group::{ShardGroup, Shards};
 use super::layout::with_last;
-use super::{check_linear_input, check_saved_replicated, gather_rows, linear_cost, linear_shard, split_features};
+use super::{
+    check_linear_input, check_saved_replicated, gather_rows, linear_cost, linear_shard, load_shard, shard_rows,
+    split_features,
+};
 use crate::Linear;
 use crate::tensor_io::{check_grad_shape, check_param_grads, expect_inputs};
 
@@ -68,19 +71,14 @@ impl ColumnParallelLinear {
         let group = ShardGroup::new(KIND, shards)?;
         let (out_features, in_features) = super::check_linear_params(KIND, weight, bias)?;
         let parts = split_features(KIND, "out_features", out_features, group.k())?;
-        let weight_values = weight.to_vec_f32();
-        let bias_values = bias.map(Tensor::to_vec_f32);
         let mut params = Vec::new();
         for (rank, device) in group.local_devices() {
             let range = parts.range(rank);
-            let rows = parts.scaled(in_features).range(rank);
-            let value = Tensor::from_slice(&weight_values[rows], [range.len(), in_features], device)?;
+            let value = shard_rows(weight, range.clone(), [range.len(), in_features], device)?;
             params.push(Parameter { name: "weight".into(), value });
-            if let Some(bias) = &bias_values {
-                params.push(Parameter {
-                    name: "bias".into(),
-                    value: Tensor::from_slice(&bias[range.clone()], [range.len()], device)?,
-                });
+            if let Some(bias) = bias {
+                let value = shard_rows(bias, range.clone(), [range.len()], device)?;
+                params.push(Parameter { name: "bias".into(), value });
             }
         }
         Ok(ColumnParallelLinear { in_features, out_features, parts, has_bias: bias.is_some(), params, group })
@@ -155,13 +153,11 @@ impl ColumnParallelLinear {
         if value.dims() != dims {
             return Err(Error::shape(format!("{KIND} {name}"), format!("{dims:?}"), value.shape().to_string()));
         }
-        let values = value.to_vec_f32();
-        let per_row = if offset == 0 { self.in_features } else { 1 };
         let per_rank = self.per_rank();
         for rank in self.group.local() {
-            let range = self.parts.scaled(per_row).range(rank);
+            let range = self.parts.range(rank);
             let at = self.group.local_index(rank) * per_rank + offset;
-            self.params[at].value.as_f32_mut()?.copy_from_slice(&values[range]);
+            load_shard(&mut self.params[at].value, value.narrow_rows(range.start, range.len())?)?;
         }
         Ok(())
     }

@@ -8,7 +8,7 @@ use rand::rngs::StdRng;
 use super::exchange::{all_gather_columns, columns_for_shard, grads_per_rank, input_for_shard};
 use super::group::{ShardGroup, Shards};
 use super::layout::with_channels;
-use super::{check_saved_replicated_dims, conv_shard, gather_rows, split_features};
+use super::{check_saved_replicated_dims, conv_shard, gather_rows, load_shard, shard_rows, split_features};
 use crate::tensor_io::{check_grad_shape, check_param_grads, chw, expect_inputs, expect_shapes, f32_bytes, nchw};
 use crate::{Conv2d, Conv2dOptions};
 
@@ -98,22 +98,14 @@ impl ChannelParallelConv2d {
             return Err(Error::shape(format!("{KIND} bias"), format!("[{out_channels}]"), bias.shape().to_string()));
         }
         let parts = split_features(KIND, "out_channels", out_channels, group.k())?;
-        let filter_len = in_channels * kh * kw;
-        let (weight_values, bias_values) = (weight.to_vec_f32(), bias.map(Tensor::to_vec_f32));
         let mut params = Vec::new();
         for (rank, device) in group.local_devices() {
             let channels = parts.range(rank);
-            let value = Tensor::from_slice(
-                &weight_values[parts.scaled(filter_len).range(rank)],
-                [channels.len(), in_channels, kh, kw],
-                device,
-            )?;
+            let value = shard_rows(weight, channels.clone(), [channels.len(), in_channels, kh, kw], device)?;
             params.push(Parameter { name: "weight".into(), value });
-            if let Some(bias) = &bias_values {
-                params.push(Parameter {
-                    name: "bias".into(),
-                    value: Tensor::from_slice(&bias[channels.clone()], [channels.len()], device)?,
-                });
+            if let Some(bias) = bias {
+                let value = shard_rows(bias, channels.clone(), [channels.len()], device)?;
+                params.push(Parameter { name: "bias".into(), value });
             }
         }
         Ok(ChannelParallelConv2d {
@@ -181,21 +173,19 @@ impl ChannelParallelConv2d {
 
     /// Splits the unsplit tensor `name` (`weight` or `bias`) into the shards, in place.
     pub fn load_unsplit(&mut self, name: &str, value: &Tensor) -> Result<()> {
-        let filter_len = self.in_channels * self.kernel_size.0 * self.kernel_size.1;
-        let (offset, dims, per_channel) = match name {
-            "weight" => (0, self.weight_dims().to_vec(), filter_len),
-            "bias" if self.has_bias => (1, vec![self.out_channels], 1),
+        let (offset, dims) = match name {
+            "weight" => (0, self.weight_dims().to_vec()),
+            "bias" if self.has_bias => (1, vec![self.out_channels]),
             _ => return Err(Error::invalid(format!("{KIND} parameter"), format!("`{name}`: expected weight or bias"))),
         };
         if value.dims() != dims {
             return Err(Error::shape(format!("{KIND} {name}"), format!("{dims:?}"), value.shape().to_string()));
         }
-        let values = value.to_vec_f32();
         let per_rank = self.per_rank();
         for rank in self.group.local() {
-            let range = self.parts.scaled(per_channel).range(rank);
+            let channels = self.parts.range(rank);
             let at = self.group.local_index(rank) * per_rank + offset;
-            self.params[at].value.as_f32_mut()?.copy_from_slice(&values[range]);
+            load_shard(&mut self.params[at].value, value.narrow_rows(channels.start, channels.len())?)?;
         }
         Ok(())
     }

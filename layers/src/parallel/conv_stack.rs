@@ -16,7 +16,7 @@
 //! the first conv's filters (the `Layer` API's two backward calls share no state).
 use conveyor_engine::collective::{Communicator, Partition, Traffic};
 use conveyor_engine::cpu::Window2d;
-use conveyor_engine::cpu::activation::relu;
+use conveyor_engine::device::ops::Activation;
 use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 use rand::rngs::StdRng;
 
@@ -25,7 +25,7 @@ use super::exchange::{
 };
 use super::group::ShardGroup;
 use super::layout::with_channels;
-use super::{conv_shard, split_features, unsplit_rows};
+use super::{conv_shard, load_shard, shard_rows, split_features, unsplit_rows};
 use crate::tensor_io::{check_grad_shape, check_param_grads, chw, expect_inputs, expect_shapes, f32_bytes, nchw};
 use crate::{Conv2d, Conv2dOptions};
 
@@ -205,20 +205,12 @@ impl ChannelParallelConvStack {
             for (conv, (weight, bias)) in convs.iter().zip(params) {
                 let [_, in_per_shard, kh, kw] = conv.unsplit_weight_dims();
                 let channels = conv.parts.range(rank);
-                let filter_len = in_per_shard * kh * kw;
-                let weight_values = weight.to_vec_f32();
-                let value = Tensor::from_slice(
-                    &weight_values[conv.parts.scaled(filter_len).range(rank)],
-                    [channels.len(), in_per_shard, kh, kw],
-                    device,
-                )?;
+                let dims = [channels.len(), in_per_shard, kh, kw];
+                let value = shard_rows(weight, channels.clone(), dims, device)?;
                 shards.push(Parameter { name: format!("{}.weight", conv.module_idx), value });
                 if let Some(bias) = bias {
-                    let bias_values = bias.to_vec_f32();
-                    shards.push(Parameter {
-                        name: format!("{}.bias", conv.module_idx),
-                        value: Tensor::from_slice(&bias_values[channels.clone()], [channels.len()], device)?,
-                    });
+                    let value = shard_rows(bias, channels.clone(), [channels.len()], device)?;
+                    shards.push(Parameter { name: format!("{}.bias", conv.module_idx), value });
                 }
             }
         }
@@ -272,26 +264,29 @@ impl ChannelParallelConvStack {
     /// Splits the unsplit tensor `name` (a name [`Self::gather_parameters`] gives) into the shards.
     pub fn load_unsplit(&mut self, name: &str, value: &Tensor) -> Result<()> {
         let found = self.convs.iter().find_map(|conv| {
-            let [_, in_per_shard, kh, kw] = conv.unsplit_weight_dims();
             if name == format!("{}.weight", conv.module_idx) {
-                Some((conv.offset, conv.unsplit_weight_dims().to_vec(), in_per_shard * kh * kw, &conv.parts))
+                Some((conv.offset, conv.unsplit_weight_dims().to_vec(), &conv.parts))
             } else if conv.spec.options.bias && name == format!("{}.bias", conv.module_idx) {
-                Some((conv.offset + 1, vec![conv.spec.out_channels], 1, &conv.parts))
+                Some((conv.offset + 1, vec![conv.spec.out_channels], &conv.parts))
             } else {
                 None
             }
         });
-        let Some((offset, dims, per_channel, parts)) = found else {
+        let Some((offset, dims, parts)) = found else {
             let names: Vec<String> = self.export_parameter_shapes().into_iter().map(|(n, _)| n).collect();
             return Err(Error::invalid(format!("{KIND} parameter"), format!("`{name}`: expected one of {names:?}")));
         };
         if value.dims() != dims {
             return Err(Error::shape(format!("{KIND} {name}"), format!("{dims:?}"), value.shape().to_string()));
         }
-        let values = value.to_vec_f32();
-        let ranges: Vec<_> = (0..self.group.k()).map(|rank| parts.scaled(per_channel).range(rank)).collect();
-        for (rank, range) in ranges.into_iter().enumerate() {
-            self.params[rank * self.per_rank + offset].value.as_f32_mut()?.copy_from_slice(&values[range]);
+        let blocks: Vec<Tensor> = (0..self.group.k())
+            .map(|rank| {
+                let channels = parts.range(rank);
+                value.narrow_rows(channels.start, channels.len())
+            })
+            .collect::<Result<_>>()?;
+        for (rank, block) in blocks.into_iter().enumerate() {
+            load_shard(&mut self.params[rank * self.per_rank + offset].value, block)?;
         }
         Ok(())
     }
@@ -391,11 +386,7 @@ impl ChannelParallelConvStack {
         let mut dy = scatter_columns(comm, grad_output, batch, &self.convs[last].parts.scaled(plane), dims, device)?;
         for (i, conv) in self.convs.iter().enumerate().rev() {
             if let Some(activation) = shard.activations[i] {
-                for (g, &a) in dy.as_f32_mut()?.iter_mut().zip(activation.as_f32()?) {
-                    if a <= 0.0 {
-                        *g = 0.0;
-                    }
-                }
+                dy = Tensor::activation_grad(Activation::Relu, activation, &dy)?;
             }
             let x = shard.inputs[i];
             if let Some(grads) = grads.as_deref_mut() {
@@ -485,7 +476,7 @@ impl Layer for ChannelParallelConvStack {
                 }
                 y = conv_shard::forward(&x, self.weight(rank, i), self.bias(rank, i), &windows[i])?;
                 if conv.spec.relu {
-                    y.as_f32_mut()?.iter_mut().for_each(|v| *v = relu(*v));
+                    y = y.activation(Activation::Relu)?;
                     activations.push(y.share());
                 }
                 conv_inputs.push(std::mem::replace(&mut x, Tensor::zeros([0], conveyor_engine::DType::F32, device)?));

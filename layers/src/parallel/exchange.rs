@@ -1,10 +1,12 @@
 //! The exchanges of split layers, one function per pattern, each run by every rank of the group:
 //! replicate a tensor from the first device, scatter its column blocks, all-gather column blocks,
-//! and cut per-rank gradient slices out of the flat `param_grads`.
+//! and cut per-rank gradient slices out of the flat `param_grads`. Every exchange is a tensor
+//! collective (`Communicator::*_tensor`) on tensors laid out by the column ops, so it runs where
+//! the tensors live: host slices on CPU devices, NCCL or the host fallback on GPUs.
 use conveyor_engine::collective::{Communicator, Partition};
 use conveyor_engine::{DType, Device, Error, Result, Tensor};
 
-use super::layout::{pack_columns, unpack_columns};
+use super::layout::widths;
 
 /// Rank 0's `full` copied to every rank (broadcast); rank `r` gets a tensor of `full`'s shape on `device`.
 pub(crate) fn broadcast_from_first(
@@ -14,7 +16,7 @@ pub(crate) fn broadcast_from_first(
 ) -> Result<Tensor> {
     let mut copy =
         if comm.rank() == 0 { full.try_clone()? } else { Tensor::zeros(full.shape().clone(), DType::F32, device)? };
-    comm.broadcast(copy.as_f32_mut()?, 0)?;
+    comm.broadcast_tensor(&mut copy, 0)?;
     Ok(copy)
 }
 
@@ -31,11 +33,10 @@ pub(crate) fn scatter_columns(
     let flat_parts = parts.scaled(outer);
     let mut block = Tensor::zeros(dims, DType::F32, device)?;
     if comm.rank() == 0 {
-        let mut packed = Tensor::zeros([flat_parts.total()], DType::F32, device)?;
-        pack_columns(full.as_f32()?, outer, parts, packed.as_f32_mut()?)?;
-        comm.scatter(packed.as_f32()?, block.as_f32_mut()?, 0, &flat_parts)?;
+        let packed = full.pack_columns(outer, &widths(parts))?;
+        comm.scatter_tensor(Some(&packed), &mut block, 0, &flat_parts)?;
     } else {
-        comm.scatter(&[], block.as_f32_mut()?, 0, &flat_parts)?;
+        comm.scatter_tensor(None, &mut block, 0, &flat_parts)?;
     }
     Ok(block)
 }
@@ -52,10 +53,8 @@ pub(crate) fn all_gather_columns(
 ) -> Result<Tensor> {
     let flat_parts = parts.scaled(outer);
     let mut gathered = Tensor::zeros([flat_parts.total()], DType::F32, device)?;
-    comm.all_gather(block.as_f32()?, gathered.as_f32_mut()?, &flat_parts)?;
-    let mut full = Tensor::zeros(dims, DType::F32, device)?;
-    unpack_columns(gathered.as_f32()?, outer, parts, full.as_f32_mut()?)?;
-    Ok(full)
+    comm.all_gather_tensor(block, &mut gathered, &flat_parts)?;
+    Tensor::unpack_columns(&gathered, outer, &widths(parts), dims)
 }
 
 /// Splits `grads` (aligned with a split layer's `parameters()`, rank-major) into each rank's run of
@@ -93,14 +92,12 @@ pub(crate) fn gather_columns(
 ) -> Result<Option<Tensor>> {
     let flat_parts = parts.scaled(outer);
     if comm.rank() != 0 {
-        comm.gather(block.as_f32()?, &mut [], 0, &flat_parts)?;
+        comm.gather_tensor(block, None, 0, &flat_parts)?;
         return Ok(None);
     }
     let mut packed = Tensor::zeros([flat_parts.total()], DType::F32, device)?;
-    comm.gather(block.as_f32()?, packed.as_f32_mut()?, 0, &flat_parts)?;
-    let mut full = Tensor::zeros(dims, DType::F32, device)?;
-    unpack_columns(packed.as_f32()?, outer, parts, full.as_f32_mut()?)?;
-    Ok(Some(full))
+    comm.gather_tensor(block, Some(&mut packed), 0, &flat_parts)?;
+    Ok(Some(Tensor::unpack_columns(&packed, outer, &widths(parts), dims)?))
 }
 
 /// Every rank's `full` `[outer, parts.total()]` summed over ranks, rank `r` keeping its column
@@ -114,10 +111,9 @@ pub(crate) fn reduce_scatter_columns(
     device: &Device,
 ) -> Result<Tensor> {
     let flat_parts = parts.scaled(outer);
-    let mut packed = Tensor::zeros([flat_parts.total()], DType::F32, device)?;
-    pack_columns(full.as_f32()?, outer, parts, packed.as_f32_mut()?)?;
+    let packed = full.pack_columns(outer, &widths(parts))?;
     let mut block = Tensor::zeros(dims, DType::F32, device)?;
-    comm.reduce_scatter(packed.as_f32()?, block.as_f32_mut()?, &flat_parts)?;
+    comm.reduce_scatter_tensor(&packed, &mut block, &flat_parts)?;
     Ok(block)
 }
 
@@ -147,7 +143,7 @@ pub(crate) fn columns_for_shard(
     replicated: bool,
 ) -> Result<Tensor> {
     if replicated {
-        return super::layout::column_block(full.as_f32()?, outer, parts, comm.rank(), dims, device);
+        return super::layout::column_block(full, outer, parts, comm.rank(), dims, device);
     }
     scatter_columns(comm, full, outer, parts, dims, device)
 }

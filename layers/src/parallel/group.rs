@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use conveyor_engine::collective::{Communicator, ProcessGroup, RankHandle, Traffic, TransportGroup};
-use conveyor_engine::{DType, Device, Error, Result, Tensor};
+use conveyor_engine::{CudaDevice, DType, Device, Error, Result, Tensor};
 
 /// Where the `k` shards of a split layer live.
 #[derive(Clone, Debug)]
@@ -57,16 +57,20 @@ impl RankShard {
 
 #[derive(Debug)]
 enum Members {
+    /// Every shard here, meeting in an in-process group (host buffers: GPU tensors go through the
+    /// host, the collectives' fallback).
     Local(Mutex<Vec<RankHandle>>),
+    /// Every shard here, each on its own GPU, meeting in an NCCL group (device buffers).
+    Nccl(Mutex<Vec<Box<dyn Communicator>>>),
     Rank(RankShard),
 }
 
 /// The shards of a split layer held here (all `k`, or one) and their collective handles.
 ///
 /// Calls are serialised by a lock (a layer's forward and backward calls come from one pipeline
-/// worker anyway). With every shard here a failed call recovers the group before returning, so one
-/// budget overrun does not poison the layer for the next step; with one shard per rank the ranks
-/// recover together afterwards ([`ShardGroup::recover`]).
+/// worker anyway). With every shard here a failed call recovers the group before returning (an
+/// NCCL group is built anew), so one budget overrun does not poison the layer for the next step;
+/// with one shard per rank the ranks recover together afterwards ([`ShardGroup::recover`]).
 #[derive(Debug)]
 pub(crate) struct ShardGroup {
     k: usize,
@@ -102,12 +106,15 @@ impl ShardGroup {
                 ));
             }
         }
-        Ok(ShardGroup {
-            k: devices.len(),
-            first_shard: 0,
-            devices: devices.to_vec(),
-            members: Members::Local(Mutex::new(ProcessGroup::new(devices)?)),
-        })
+        // Shards on distinct GPUs exchange through NCCL when it is built and installed; any other
+        // set of devices (or NCCL missing) through the in-process group, whose collectives stage
+        // GPU tensors through the host.
+        let nccl = devices.iter().all(|d| matches!(d, Device::Cuda(_))).then(|| CudaDevice::nccl_group(devices));
+        let members = match nccl {
+            Some(Ok(comms)) => Members::Nccl(Mutex::new(comms)),
+            _ => Members::Local(Mutex::new(ProcessGroup::new(devices)?)),
+        };
+        Ok(ShardGroup { k: devices.len(), first_shard: 0, devices: devices.to_vec(), members })
     }
 
     /// The number of shards, here and elsewhere.
@@ -161,6 +168,7 @@ impl ShardGroup {
     pub(crate) fn traffic(&self) -> Vec<Traffic> {
         match &self.members {
             Members::Local(handles) => lock(handles).iter().map(|h| h.traffic()).collect(),
+            Members::Nccl(comms) => lock(comms).iter().map(|c| c.traffic()).collect(),
             Members::Rank(shard) => vec![shard.lock().traffic()],
         }
     }
@@ -169,6 +177,7 @@ impl ShardGroup {
     pub(crate) fn reset_traffic(&self) {
         match &self.members {
             Members::Local(handles) => lock(handles).iter().for_each(|h| h.reset_traffic()),
+            Members::Nccl(comms) => lock(comms).iter().for_each(|c| c.reset_traffic()),
             Members::Rank(shard) => shard.lock().reset_traffic(),
         }
     }
@@ -195,7 +204,28 @@ impl ShardGroup {
             ));
         }
         match &self.members {
-            Members::Local(handles) => self.run_local(&mut lock(handles), states, f),
+            Members::Local(handles) => {
+                let mut handles = lock(handles);
+                let abort = |rank: usize, reason: &str| handles[rank].abort_handle().abort(rank, reason);
+                let comms: Vec<&dyn Communicator> = handles.iter().map(|h| h as &dyn Communicator).collect();
+                let outcome = self.run_threads(&comms, &abort, states, f);
+                if outcome.is_err() {
+                    ProcessGroup::recover(&mut handles)?;
+                }
+                outcome
+            }
+            // An NCCL rank cannot tell its peers that it failed: they end at the group's timeout,
+            // and a rank that failed after issuing work refuses later calls (see `nccl.rs`), so a
+            // failed call builds the group anew, as the in-process group recovers.
+            Members::Nccl(comms) => {
+                let mut comms = lock(comms);
+                let refs: Vec<&dyn Communicator> = comms.iter().map(|c| c.as_ref()).collect();
+                let outcome = self.run_threads(&refs, &|_: usize, _: &str| {}, states, f);
+                if outcome.is_err() {
+                    *comms = CudaDevice::nccl_group(&self.devices)?;
+                }
+                outcome
+            }
             Members::Rank(shard) => {
                 // No recovery here: the rank that failed may be in no collective at all (its
                 // failure was its own), so waiting for it could last the whole timeout. The
@@ -209,17 +239,22 @@ impl ShardGroup {
         }
     }
 
-    fn run_local<S: Send, T: Send>(
+    /// Runs `f` for every shard on its own thread (the first on the caller's) with `comms[r]`;
+    /// `abort(rank, reason)` ends the other shards' waits when one fails or panics outside a
+    /// collective. On failure returns the root cause (a shard's own error rather than the aborts
+    /// it caused on its peers); the caller recovers the group.
+    fn run_threads<S: Send, T: Send>(
         &self,
-        handles: &mut [RankHandle],
+        comms: &[&dyn Communicator],
+        abort: &(dyn Fn(usize, &str) + Sync),
         states: Vec<S>,
         f: impl Fn(usize, &dyn Communicator, S) -> Result<T> + Sync,
     ) -> Result<Vec<T>> {
         // A shard that fails or panics outside a collective (a budget overrun while it allocates)
         // aborts the group at once, so the shards waiting for it in a collective end too.
-        let guarded = |rank: usize, handle: &RankHandle, state: S| -> Result<T> {
-            let mut guard = AbortUnlessDone { handle, rank, reason: "its thread panicked".into(), done: false };
-            let result = f(rank, handle, state);
+        let guarded = |rank: usize, comm: &dyn Communicator, state: S| -> Result<T> {
+            let mut guard = AbortUnlessDone { abort, rank, reason: "its thread panicked".into(), done: false };
+            let result = f(rank, comm, state);
             match &result {
                 Err(error) if !matches!(error, Error::CollectiveAborted { .. }) => guard.reason = error.to_string(),
                 _ => guard.done = true,
@@ -230,13 +265,13 @@ impl ShardGroup {
             let mut states = states.into_iter();
             let first_state = states.next().expect("a group has at least one rank");
             let guarded = &guarded;
-            let threads: Vec<_> = handles[1..]
+            let threads: Vec<_> = comms[1..]
                 .iter()
                 .zip(states)
                 .enumerate()
-                .map(|(i, (handle, state))| scope.spawn(move || guarded(i + 1, handle, state)))
+                .map(|(i, (&comm, state))| scope.spawn(move || guarded(i + 1, comm, state)))
                 .collect();
-            let mut results = vec![guarded(0, &handles[0], first_state)];
+            let mut results = vec![guarded(0, comms[0], first_state)];
             for (i, thread) in threads.into_iter().enumerate() {
                 results.push(thread.join().unwrap_or_else(|payload| {
                     let message = payload
@@ -257,7 +292,6 @@ impl ShardGroup {
         if results.iter().all(Result::is_ok) {
             return Ok(results.into_iter().map(|r| r.expect("checked ok")).collect());
         }
-        ProcessGroup::recover(handles)?;
         let mut errors: Vec<Error> = results.into_iter().filter_map(Result::err).collect();
         let cause = errors.iter().position(|e| !matches!(e, Error::CollectiveAborted { .. })).unwrap_or(0);
         Err(errors.swap_remove(cause))
@@ -268,7 +302,7 @@ impl ShardGroup {
     /// with every shard here it does nothing (a failed call recovers before returning).
     pub(crate) fn recover(&self) -> Result<()> {
         match &self.members {
-            Members::Local(_) => Ok(()),
+            Members::Local(_) | Members::Nccl(_) => Ok(()),
             Members::Rank(shard) => shard.lock().recover(),
         }
     }
@@ -308,7 +342,7 @@ impl ShardGroup {
 /// Aborts the rank's group when dropped before the shard's call was marked done (an error, or a
 /// panic unwinding through it).
 struct AbortUnlessDone<'a> {
-    handle: &'a RankHandle,
+    abort: &'a (dyn Fn(usize, &str) + Sync),
     rank: usize,
     reason: String,
     done: bool,
@@ -317,7 +351,7 @@ struct AbortUnlessDone<'a> {
 impl Drop for AbortUnlessDone<'_> {
     fn drop(&mut self) {
         if !self.done {
-            self.handle.abort_handle().abort(self.rank, &self.reason);
+            (self.abort)(self.rank, &self.reason);
         }
     }
 }

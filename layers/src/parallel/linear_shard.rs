@@ -1,8 +1,8 @@
 //! The arithmetic of one shard of a split linear layer, on the shard's device: `y = x · wᵀ + b`,
 //! `dx = dy · w`, `dw += dyᵀ · x`, `db += Σ dy` for `x` `[.., in]`, `w` `[out, in]`, `dy` `[.., out]`.
-//! The same products as `Linear`, on the shard's part of the weight.
-use conveyor_engine::cpu::elementwise::accumulate_column_sums;
-use conveyor_engine::cpu::{MatRef, matmul, matmul_uninit, uninit};
+//! The same device ops as `Linear` without its packed weight (`Tensor::matmul`,
+//! `matmul_accumulate`, `accumulate_column_sums`), on the shard's part of the weight.
+use conveyor_engine::device::ops::Matrix;
 use conveyor_engine::{Result, Shape, Tensor};
 
 use super::layout::with_last;
@@ -20,29 +20,18 @@ fn out_in(weight: &Tensor) -> (usize, usize) {
 pub(crate) fn forward(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let (out_features, in_features) = out_in(weight);
     let rows = rows_of(x);
-    let x_view = MatRef::row_major(x.as_f32()?, rows, in_features)?;
-    let weight_t = MatRef::row_major(weight.as_f32()?, out_features, in_features)?.t();
-    let bias = bias.map(Tensor::as_f32).transpose()?;
-    // Written in full (bias pre-fill, then the product onto it; or the product alone): no zero-fill.
-    Tensor::from_f32_init(with_last(x.shape(), out_features), weight.device(), |dst| match bias {
-        Some(bias) => {
-            let dst = uninit::broadcast_rows(bias, dst)?;
-            matmul(dst, x_view, weight_t, true)?;
-            Ok(dst)
-        }
-        None => matmul_uninit(dst, x_view, weight_t),
-    })
+    let x_view = Matrix::new(x, rows, in_features)?;
+    let weight_t = Matrix::new(weight, out_features, in_features)?.t();
+    Tensor::matmul(x_view, weight_t, bias, with_last(x.shape(), out_features), weight.device())
 }
 
 /// `dx = dy · w`, shaped like `x_shape`, on the weight's device.
 pub(crate) fn input_grad(grad_output: &Tensor, weight: &Tensor, x_shape: &Shape) -> Result<Tensor> {
     let (out_features, in_features) = out_in(weight);
     let rows = rows_of(grad_output);
-    let dy_view = MatRef::row_major(grad_output.as_f32()?, rows, out_features)?;
-    let weight_view = MatRef::row_major(weight.as_f32()?, out_features, in_features)?;
-    Tensor::from_f32_init(with_last(x_shape, in_features), weight.device(), |dst| {
-        matmul_uninit(dst, dy_view, weight_view)
-    })
+    let dy_view = Matrix::new(grad_output, rows, out_features)?;
+    let weight_view = Matrix::new(weight, out_features, in_features)?;
+    Tensor::matmul(dy_view, weight_view, None, with_last(x_shape, in_features), weight.device())
 }
 
 /// `dw += dyᵀ · x` and `db += Σ_rows dy`.
@@ -54,11 +43,10 @@ pub(crate) fn weight_grad(
 ) -> Result<()> {
     let (out_features, in_features) = (weight_grad.dims()[0], weight_grad.dims()[1]);
     let rows = rows_of(x);
-    let dy = grad_output.as_f32()?;
-    let dy_t = MatRef::row_major(dy, rows, out_features)?.t();
-    matmul(weight_grad.as_f32_mut()?, dy_t, MatRef::row_major(x.as_f32()?, rows, in_features)?, true)?;
+    let dy_t = Matrix::new(grad_output, rows, out_features)?.t();
+    weight_grad.matmul_accumulate(dy_t, Matrix::new(x, rows, in_features)?)?;
     if let Some(bias_grad) = bias_grad {
-        accumulate_column_sums(dy, bias_grad.as_f32_mut()?)?;
+        bias_grad.accumulate_column_sums(grad_output)?;
     }
     Ok(())
 }

@@ -2,17 +2,18 @@
 //! elementwise activation, inside one layer so the hidden activation never leaves its device.
 use conveyor_engine::collective::{Partition, Traffic};
 use conveyor_engine::device::ops::Activation;
-use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
+use conveyor_engine::{DType, Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 use rand::rngs::StdRng;
 
 use super::exchange::{broadcast_from_first, grads_per_rank};
 use super::group::ShardGroup;
 use super::layout::{column_block, with_last};
 use super::{
-    check_linear_input, check_linear_params, linear_cost, linear_shard, split_features, unsplit_columns, unsplit_rows,
+    check_linear_input, check_linear_params, linear_cost, linear_shard, load_shard, shard_rows, split_features,
+    unsplit_columns, unsplit_rows,
 };
 use crate::Linear;
-use crate::tensor_io::{check_grad_shape, check_param_grads, expect_inputs, f32_bytes};
+use crate::tensor_io::{check_grad_shape, check_param_grads, expect_inputs, f32_bytes, into_dtype};
 
 const KIND: &str = "ParallelMlp";
 
@@ -103,37 +104,26 @@ impl ParallelMlp {
             ));
         }
         let parts = split_features(KIND, "hidden_features", hidden_features, group.k())?;
-        let (w1, b1, w2, b2) = (
-            fc1.weight().to_vec_f32(),
-            fc1.bias().map(Tensor::to_vec_f32),
-            fc2.weight().to_vec_f32(),
-            fc2.bias().map(Tensor::to_vec_f32),
-        );
+        let (b1, b2) = (fc1.bias(), fc2.bias());
+        let w2 = into_dtype(fc2.weight().share(), DType::F32)?;
         let mut params = Vec::new();
         let mut offsets = Vec::new();
         for (rank, device) in group.devices().iter().enumerate() {
             offsets.push(params.len());
             let hidden = parts.range(rank);
-            let w1_rows = &w1[parts.scaled(in_features).range(rank)];
-            params.push(Parameter {
-                name: "fc1.weight".into(),
-                value: Tensor::from_slice(w1_rows, [hidden.len(), in_features], device)?,
-            });
-            if let Some(b1) = &b1 {
-                params.push(Parameter {
-                    name: "fc1.bias".into(),
-                    value: Tensor::from_slice(&b1[hidden.clone()], [hidden.len()], device)?,
-                });
+            let value = shard_rows(fc1.weight(), hidden.clone(), [hidden.len(), in_features], device)?;
+            params.push(Parameter { name: "fc1.weight".into(), value });
+            if let Some(b1) = b1 {
+                let value = shard_rows(b1, hidden.clone(), [hidden.len()], device)?;
+                params.push(Parameter { name: "fc1.bias".into(), value });
             }
             let w2_block = column_block(&w2, out_features, &parts, rank, vec![out_features, hidden.len()], device)?;
             params.push(Parameter { name: "fc2.weight".into(), value: w2_block });
             if rank == 0
-                && let Some(b2) = &b2
+                && let Some(b2) = b2
             {
-                params.push(Parameter {
-                    name: "fc2.bias".into(),
-                    value: Tensor::from_slice(b2, [out_features], device)?,
-                });
+                let value = shard_rows(b2, 0..out_features, [out_features], device)?;
+                params.push(Parameter { name: "fc2.bias".into(), value });
             }
         }
         Ok(ParallelMlp {
@@ -226,23 +216,23 @@ impl ParallelMlp {
         if value.dims() != expected {
             return Err(Error::shape(format!("{KIND} {name}"), format!("{expected:?}"), value.shape().to_string()));
         }
-        let values = value.to_vec_f32();
+        let value = into_dtype(value.share(), DType::F32)?;
         for rank in 0..self.group.k() {
             let (w1, b1, w2, b2) = self.slots(rank);
+            let hidden = self.parts.range(rank);
             let (index, block) = match name {
-                "fc1.weight" => (w1, values[self.parts.scaled(self.in_features).range(rank)].to_vec()),
-                "fc1.bias" => (b1.expect("checked fc1_bias"), values[self.parts.range(rank)].to_vec()),
+                "fc1.weight" => (w1, value.narrow_rows(hidden.start, hidden.len())?),
+                "fc1.bias" => (b1.expect("checked fc1_bias"), value.narrow_rows(hidden.start, hidden.len())?),
                 "fc2.weight" => {
-                    let device = Device::host();
-                    let dims = vec![self.out_features, self.parts.len(rank)];
-                    (w2, column_block(&values, self.out_features, &self.parts, rank, dims, &device)?.to_vec_f32())
+                    let dims = vec![self.out_features, hidden.len()];
+                    (w2, column_block(&value, self.out_features, &self.parts, rank, dims, value.device())?)
                 }
                 _ => match b2 {
-                    Some(b2) => (b2, values.clone()),
+                    Some(b2) => (b2, value.share()),
                     None => continue,
                 },
             };
-            self.params[index].value.as_f32_mut()?.copy_from_slice(&block);
+            load_shard(&mut self.params[index].value, block)?;
         }
         Ok(())
     }

@@ -31,8 +31,9 @@
 //! `fc1.weight` ... for the MLP), so optimizers and gradient buffers work per shard on the shard's
 //! device. Each layer documents its exact order. The unsplit tensors, under the unsplit names, come
 //! from `gather_parameters()` (on the host) and go back with `load_unsplit(name, tensor)`; that is
-//! the surface for checkpoints. We rejected shard names such as `weight.shard0`: checkpoints would
-//! then depend on `k`.
+//! the surface for checkpoints. Cuts and joins are device ops (`narrow_rows`, `narrow_columns`,
+//! `cat_rows`, `cat_columns`, `copy_from`) and tensor collectives, never host slices. We rejected
+//! shard names such as `weight.shard0`: checkpoints would then depend on `k`.
 //!
 //! # Exchanges at the edges
 //!
@@ -43,6 +44,15 @@
 //! between tensor-parallel stages; today only the first device's copy is returned. The Layer API's
 //! two backward calls cannot share state (`Saved` is immutable), so `backward_weight` repeats the
 //! exchange of `dy` that `backward_input` made (and the MLP recomputes its hidden gradient).
+//!
+//! # Devices
+//!
+//! Each shard computes through the engine's device ops (`Tensor::matmul`, `conv2d`, `activation`
+//! and the column ops of `layout.rs`) and exchanges through the tensor collectives
+//! (`Communicator::all_gather_tensor` ...), so the layers run on any devices: on CPU devices the
+//! collectives work on the tensors' host elements in place; with every shard on its own GPU they go
+//! through NCCL when Conveyor is built with `nccl` and libnccl is found (`ShardGroup`), and through
+//! the in-process group's host fallback otherwise (each exchange downloads and uploads).
 //!
 //! The threads are spawned per call (`std::thread::scope`); the alternative, a persistent pool of
 //! `k - 1` threads per layer, saves the spawns (tens of microseconds per call, see the test
@@ -68,11 +78,10 @@ pub use row::RowParallelLinear;
 use std::ops::Range;
 
 use conveyor_engine::collective::Partition;
-use conveyor_engine::{Device, Error, LayerCost, Parameter, Result, Saved, Shape, Tensor};
+use conveyor_engine::{DType, Device, Error, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 
-use crate::tensor_io::f32_bytes;
+use crate::tensor_io::{f32_bytes, into_dtype};
 use group::ShardGroup;
-use layout::write_column_block;
 
 /// `features` split over `k` devices; an error when some device would get none.
 fn split_features(kind: &str, what: &str, features: usize, k: usize) -> Result<Partition> {
@@ -166,13 +175,35 @@ fn check_saved_inputs(kind: &str, saved: &Saved, parts: &Partition, local: Range
     Ok(dims)
 }
 
+/// Rows `range` of `value`'s leading dimension (an unsplit parameter), as an f32 tensor of `dims`
+/// on `device`: a shard's part of a parameter split by rows (output features or channels).
+fn shard_rows(value: &Tensor, range: Range<usize>, dims: impl Into<Shape>, device: &Device) -> Result<Tensor> {
+    let rows = value.narrow_rows(range.start, range.len())?;
+    into_dtype(rows, DType::F32)?.reshape(dims)?.move_to_device(device)
+}
+
+/// Copies `value` (any device and dtype, `shard`'s element count) into `shard` in place.
+fn load_shard(shard: &mut Tensor, value: Tensor) -> Result<()> {
+    let value = into_dtype(value, DType::F32)?.reshape(shard.shape().clone())?;
+    shard.copy_from(&value)
+}
+
+/// The shards' host copies, in order.
+fn on_host<'a>(shards: impl Iterator<Item = &'a Tensor>) -> Result<Vec<Tensor>> {
+    shards.map(|shard| shard.to_device(&Device::host())).collect()
+}
+
 /// Concatenates shards along their first dimension into an unsplit host tensor of `dims`.
 fn unsplit_rows<'a>(shards: impl Iterator<Item = &'a Parameter>, dims: impl Into<Shape>) -> Result<Tensor> {
-    let mut values = Vec::new();
-    for shard in shards {
-        values.extend(shard.value.to_vec_f32());
-    }
-    Tensor::from_vec(values, dims, &Device::host())
+    let copies = on_host(shards.map(|shard| &shard.value))?;
+    let flat: Vec<Tensor> = copies
+        .into_iter()
+        .map(|c| {
+            let n = c.numel();
+            c.reshape([n])
+        })
+        .collect::<Result<_>>()?;
+    Tensor::cat_rows(&flat.iter().collect::<Vec<_>>(), &Device::host())?.reshape(dims)
 }
 
 /// The unsplit host tensor of `dims` whose flat elements are the shards' blocks `flat_parts`
@@ -186,24 +217,30 @@ fn gather_rows(
     dims: impl Into<Shape>,
 ) -> Result<Tensor> {
     if group.n_local() == group.k() {
-        let values: Vec<f32> = local.iter().flat_map(|t| t.to_vec_f32()).collect();
-        return Tensor::from_vec(values, dims, &Device::host());
+        let copies = on_host(local.iter().copied())?;
+        let flat: Vec<Tensor> = copies
+            .into_iter()
+            .map(|c| {
+                let n = c.numel();
+                c.reshape([n])
+            })
+            .collect::<Result<_>>()?;
+        return Tensor::cat_rows(&flat.iter().collect::<Vec<_>>(), &Device::host())?.reshape(dims);
     }
+    let host = Device::host();
     let mut gathered = group.run(vec![(); group.n_local()], |rank, comm, ()| {
-        let mut values = vec![0.0; flat_parts.total()];
-        comm.all_gather(&local[group.local_index(rank)].to_vec_f32(), &mut values, flat_parts)?;
+        let mut values = Tensor::zeros([flat_parts.total()], DType::F32, &host)?;
+        comm.all_gather_tensor(local[group.local_index(rank)], &mut values, flat_parts)?;
         Ok(values)
     })?;
-    Tensor::from_vec(gathered.swap_remove(0), dims, &Device::host())
+    gathered.swap_remove(0).reshape(dims)
 }
 
 /// Assembles column blocks `[outer, parts.len(r)]` into an unsplit host tensor `[outer, parts.total()]`.
 fn unsplit_columns(shards: &[&Tensor], outer: usize, parts: &Partition) -> Result<Tensor> {
-    let mut values = vec![0.0; outer * parts.total()];
-    for (rank, shard) in shards.iter().enumerate() {
-        write_column_block(&mut values, outer, parts, rank, &shard.to_vec_f32());
-    }
-    Tensor::from_vec(values, [outer, parts.total()], &Device::host())
+    let copies = on_host(shards.iter().copied())?;
+    let blocks: Vec<&Tensor> = copies.iter().collect();
+    Tensor::cat_columns(&blocks, outer, [outer, parts.total()], &Device::host())
 }
 
 /// The cost of a Linear `[.., in] → [.., out]`, all shards together (the FLOPs and parameters of

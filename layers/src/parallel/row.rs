@@ -7,9 +7,12 @@ use rand::rngs::StdRng;
 use super::exchange::{all_gather_columns, columns_for_shard, grads_per_rank, input_for_shard, rows};
 use super::group::{ShardGroup, Shards};
 use super::layout::{column_block, with_last};
-use super::{check_linear_input, check_saved_inputs, linear_cost, linear_shard, split_features, unsplit_columns};
+use super::{
+    check_linear_input, check_saved_inputs, linear_cost, linear_shard, load_shard, shard_rows, split_features,
+    unsplit_columns,
+};
 use crate::Linear;
-use crate::tensor_io::{check_grad_shape, check_param_grads, expect_inputs};
+use crate::tensor_io::{check_grad_shape, check_param_grads, expect_inputs, into_dtype};
 
 const KIND: &str = "RowParallelLinear";
 
@@ -72,19 +75,16 @@ impl RowParallelLinear {
         let group = ShardGroup::new(KIND, shards)?;
         let (out_features, in_features) = super::check_linear_params(KIND, weight, bias)?;
         let parts = split_features(KIND, "in_features", in_features, group.k())?;
-        let weight_values = weight.to_vec_f32();
+        let weight = into_dtype(weight.share(), DType::F32)?;
         let mut params = Vec::new();
         for (rank, device) in group.local_devices() {
-            let value =
-                column_block(&weight_values, out_features, &parts, rank, vec![out_features, parts.len(rank)], device)?;
+            let value = column_block(&weight, out_features, &parts, rank, vec![out_features, parts.len(rank)], device)?;
             params.push(Parameter { name: "weight".into(), value });
             if rank == 0
                 && let Some(bias) = bias
             {
-                params.push(Parameter {
-                    name: "bias".into(),
-                    value: Tensor::from_slice(&bias.to_vec_f32(), [out_features], device)?,
-                });
+                let value = shard_rows(bias, 0..out_features, [out_features], device)?;
+                params.push(Parameter { name: "bias".into(), value });
             }
         }
         Ok(RowParallelLinear { in_features, out_features, parts, has_bias: bias.is_some(), params, group })
@@ -166,7 +166,7 @@ impl RowParallelLinear {
                         Some(bias) => bias.to_device(&host)?,
                         None => Tensor::zeros([self.out_features], DType::F32, &host)?,
                     };
-                    comm.broadcast(bias.as_f32_mut()?, 0)?;
+                    comm.broadcast_tensor(&mut bias, 0)?;
                     Some(bias)
                 }
                 false => None,
@@ -187,12 +187,12 @@ impl RowParallelLinear {
                 if value.dims() != dims {
                     return Err(Error::shape(format!("{KIND} weight"), format!("{dims:?}"), value.shape().to_string()));
                 }
-                let values = value.to_vec_f32();
+                let value = into_dtype(value.share(), DType::F32)?;
                 for rank in self.group.local() {
                     let index = self.weight_index(rank);
                     let device = self.params[index].value.device().clone();
                     let block = column_block(
-                        &values,
+                        &value,
                         self.out_features,
                         &self.parts,
                         rank,
@@ -212,7 +212,7 @@ impl RowParallelLinear {
                     ));
                 }
                 if self.bias().is_some() {
-                    self.params[1].value.as_f32_mut()?.copy_from_slice(&value.to_vec_f32());
+                    load_shard(&mut self.params[1].value, value.share())?;
                 }
                 Ok(())
             }

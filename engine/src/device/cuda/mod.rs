@@ -27,6 +27,7 @@
 //! - `device.rs`: [`CudaDevice`] (context, ledger, properties, peer access, stream creation).
 //! - `buffer.rs`: [`CudaBuffer`], the element traits, [`DeviceMatRef`] (strided matrix views).
 //! - `stream.rs`: [`CudaStream`], host↔device copies, launch configurations.
+//! - `strided.rs`: copies of blocks of rows on one GPU (the column ops).
 //! - `transfer.rs`: device-to-device copies, between GPUs by peer access or staged through
 //!   pinned host memory.
 //! - `thread_streams.rs`: each thread's stream per GPU ([`CudaDevice::thread_stream`]) and the
@@ -37,7 +38,8 @@
 //! - `elementwise.rs`, `conv.rs`, `norm.rs`, `optim.rs`: the typed launch wrappers, one per kernel in
 //!   `device/kernels/*.cu`.
 //! - `errors.rs`: cudarc errors as the engine's `Error`.
-//! - `nccl.rs` (the `nccl` feature): the NCCL `Communicator`.
+//! - `nccl.rs` (the `nccl` feature): the NCCL `Communicator`, with collectives on host slices
+//!   and on device buffers (`DeviceCollectives`, what the tensor collectives use).
 //!
 //! **Architecture Invariant:** nothing here panics on a machine without a driver or without a
 //! CUDA library: each library (libcuda, libcublas, libnvrtc, libnccl) is probed with cudarc's
@@ -54,6 +56,7 @@ mod norm;
 mod optim;
 mod storage;
 mod stream;
+mod strided;
 mod thread_streams;
 mod transfer;
 

@@ -3,9 +3,13 @@
 //!
 //! # Design
 //!
-//! The trait's collectives take host `f32` slices (the engine's tensors live in host memory
-//! today), so each call uploads its operands to device buffers counted on the rank's ledger, issues
-//! the NCCL operations on the rank's stream, waits for them, and downloads the result. NCCL has
+//! The rank implements both sides of the collectives. [`DeviceCollectives`] takes buffers already on
+//! the rank's GPU (a tensor's elements, reached through `Communicator::all_reduce_tensor` and the
+//! other tensor collectives): it waits for the calling thread's stream (the tensors' producers),
+//! issues the NCCL operations on the rank's stream and waits for them, with no host copy. The
+//! trait's slice collectives take host `f32` slices, so each such call uploads its operands to
+//! device buffers counted on the rank's ledger, runs the same NCCL operations, and downloads the
+//! result. NCCL has
 //! native broadcast, reduce, all-reduce, and all-gather / reduce-scatter for equal parts; scatter,
 //! gather and all-to-all are grouped point-to-point sends and receives (NCCL's documented
 //! recipes), and all-gather / reduce-scatter over unequal parts are grouped broadcasts / reduces,
@@ -27,7 +31,7 @@ use cudarc::driver::CudaStream as RawStream;
 use cudarc::nccl::{Comm, ReduceOp, group_end, group_start, result::NcclError};
 
 use super::backend::{CudaBuffer, CudaDevice};
-use crate::collective::{CollectiveOp, Communicator, DEFAULT_TIMEOUT, Partition, Traffic, traffic};
+use crate::collective::{CollectiveOp, Communicator, DEFAULT_TIMEOUT, DeviceCollectives, Partition, Traffic, traffic};
 use crate::{Device, Error, Result};
 
 /// How often a waiting rank polls its stream for completion.
@@ -285,6 +289,135 @@ fn equal_parts(parts: &Partition) -> bool {
     (0..parts.n_ranks()).all(|r| parts.len(r) == parts.len(0))
 }
 
+impl Call<'_> {
+    /// Checks that a tensor's buffer lives on this rank's GPU.
+    fn check_buffer(&self, what: &str, buffer: &CudaBuffer<f32>) -> Result<()> {
+        if buffer.device().ordinal() != self.rank.cuda.ordinal() {
+            return Err(self.failed(format!(
+                "{what} lives on cuda:{}, but this rank is cuda:{}",
+                buffer.device().ordinal(),
+                self.rank.cuda.ordinal()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Waits for the work this thread queued on the GPU (a tensor's producers) before NCCL reads
+    /// or writes its buffers on the rank's stream.
+    fn settle(&self) -> Result<()> {
+        let stream = self.rank.cuda.thread_stream()?;
+        stream.synchronize()
+    }
+
+    /// Copies `src[from]` into `dst[to]` (equal lengths) on the rank's stream and waits.
+    fn copy_on_gpu(
+        &self,
+        src: &CudaBuffer<f32>,
+        from: std::ops::Range<usize>,
+        dst: &mut CudaBuffer<f32>,
+        to: std::ops::Range<usize>,
+    ) -> Result<()> {
+        if from.is_empty() {
+            return Ok(());
+        }
+        self.rank
+            .stream
+            .memcpy_dtod(&src.slice.slice(from), &mut dst.slice.slice_mut(to))
+            .map_err(|err| self.failed(format!("copying this rank's own part: {err}")))?;
+        self.wait()
+    }
+
+    /// The NCCL part of a broadcast of `buf` (not empty) from `root`.
+    fn broadcast_on(&self, buf: &mut CudaBuffer<f32>, root: i32) -> Result<()> {
+        self.nccl("broadcast", self.comm.broadcast_in_place(&mut buf.slice, root))?;
+        self.wait()
+    }
+
+    /// The NCCL part of an all-reduce of `buf` (not empty).
+    fn all_reduce_on(&self, buf: &mut CudaBuffer<f32>) -> Result<()> {
+        self.nccl("all_reduce", self.comm.all_reduce_in_place(&mut buf.slice, &ReduceOp::Sum))?;
+        self.wait()
+    }
+
+    /// The NCCL part of a scatter: the root sends every other rank its part of `send`; another
+    /// rank receives its part into `recv` (when not empty). Own parts are the caller's.
+    fn scatter_on(
+        &self,
+        send: Option<&CudaBuffer<f32>>,
+        recv: Option<&mut CudaBuffer<f32>>,
+        root: usize,
+        parts: &Partition,
+    ) -> Result<()> {
+        let n_ranks = self.rank.n_ranks;
+        if let Some(send) = send {
+            self.grouped(|| send_each_part(self, send, parts, (0..n_ranks).filter(|&r| r != root)))?;
+        } else if let Some(recv) = recv {
+            let len = recv.len();
+            self.grouped(|| self.nccl("recv", self.comm.recv(&mut recv.slice.slice_mut(..len), root as i32)))?;
+        }
+        self.wait()
+    }
+
+    /// The NCCL part of a gather: another rank sends `send` (when not empty) to the root; the
+    /// root receives every other rank's part into `recv`. Own parts are the caller's.
+    fn gather_on(
+        &self,
+        send: Option<&CudaBuffer<f32>>,
+        recv: Option<&mut CudaBuffer<f32>>,
+        root: usize,
+        parts: &Partition,
+    ) -> Result<()> {
+        let n_ranks = self.rank.n_ranks;
+        if let Some(recv) = recv {
+            self.grouped(|| recv_each_part(self, recv, parts, (0..n_ranks).filter(|&r| r != root)))?;
+        } else if let Some(send) = send {
+            let len = send.len();
+            self.grouped(|| self.nccl("send", self.comm.send(&send.slice.slice(..len), root as i32)))?;
+        }
+        self.wait()
+    }
+
+    /// The NCCL part of an all-gather of `send` into `recv` (not empty).
+    fn all_gather_on(&self, send: &CudaBuffer<f32>, recv: &mut CudaBuffer<f32>, parts: &Partition) -> Result<()> {
+        let len = send.len();
+        if equal_parts(parts) {
+            let outcome = self.comm.all_gather(&send.slice.slice(..len), &mut recv.slice);
+            self.nccl("all_gather", outcome)?;
+        } else {
+            // allgatherv: one broadcast rooted at each rank, into that rank's part.
+            self.grouped(|| {
+                for root in (0..self.rank.n_ranks).filter(|&r| parts.len(r) > 0) {
+                    let own = (root == self.rank.rank).then(|| send.slice.slice(..len));
+                    let mut target = recv.slice.slice_mut(parts.range(root));
+                    self.nccl("broadcast", self.comm.broadcast(own.as_ref(), &mut target, root as i32))?;
+                }
+                Ok(())
+            })?;
+        }
+        self.wait()
+    }
+
+    /// The NCCL part of a reduce-scatter of `send` (not empty) into `recv`.
+    fn reduce_scatter_on(&self, send: &CudaBuffer<f32>, recv: &mut CudaBuffer<f32>, parts: &Partition) -> Result<()> {
+        let len = recv.len();
+        if equal_parts(parts) {
+            let outcome = self.comm.reduce_scatter(&send.slice, &mut recv.slice, &ReduceOp::Sum);
+            self.nccl("reduce_scatter", outcome)?;
+        } else {
+            // reduce_scatter_v: one reduce rooted at each rank, of that rank's part.
+            self.grouped(|| {
+                for root in (0..self.rank.n_ranks).filter(|&r| parts.len(r) > 0) {
+                    let part = send.slice.slice(parts.range(root));
+                    let mut own = (root == self.rank.rank).then(|| recv.slice.slice_mut(..len));
+                    self.nccl("reduce", self.comm.reduce(&part, own.as_mut(), &ReduceOp::Sum, root as i32))?;
+                }
+                Ok(())
+            })?;
+        }
+        self.wait()
+    }
+}
+
 impl Communicator for NcclRank {
     fn rank(&self) -> usize {
         self.rank
@@ -306,6 +439,10 @@ impl Communicator for NcclRank {
         *self.traffic.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Traffic::default();
     }
 
+    fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {
+        Some(self)
+    }
+
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
         self.run(CollectiveOp::Broadcast, buf.len(), |call| {
             let root = call.check_root(root)?;
@@ -313,8 +450,7 @@ impl Communicator for NcclRank {
                 return Ok(());
             }
             let mut device = call.upload(buf)?;
-            call.nccl("broadcast", call.comm.broadcast_in_place(&mut device.slice, root))?;
-            call.wait()?;
+            call.broadcast_on(&mut device, root)?;
             call.download(&device, buf)
         })
     }
@@ -338,8 +474,7 @@ impl Communicator for NcclRank {
                 return Ok(());
             }
             let mut device = call.upload(buf)?;
-            call.nccl("all_reduce", call.comm.all_reduce_in_place(&mut device.slice, &ReduceOp::Sum))?;
-            call.wait()?;
+            call.all_reduce_on(&mut device)?;
             call.download(&device, buf)
         })
     }
@@ -352,8 +487,7 @@ impl Communicator for NcclRank {
             if self.rank == root {
                 call.check_len("the root's send", parts.total(), send.len())?;
                 let device_send = call.upload(send)?;
-                call.grouped(|| send_each_part(call, &device_send, parts, (0..self.n_ranks).filter(|&r| r != root)))?;
-                call.wait()?;
+                call.scatter_on(Some(&device_send), None, root, parts)?;
                 recv.copy_from_slice(&send[parts.range(root)]);
                 return Ok(());
             }
@@ -361,10 +495,7 @@ impl Communicator for NcclRank {
                 return Ok(());
             }
             let mut device_recv = call.zeros(recv.len())?;
-            call.grouped(|| {
-                call.nccl("recv", call.comm.recv(&mut device_recv.slice.slice_mut(..recv.len()), root as i32))
-            })?;
-            call.wait()?;
+            call.scatter_on(None, Some(&mut device_recv), root, parts)?;
             call.download(&device_recv, recv)
         })
     }
@@ -379,15 +510,11 @@ impl Communicator for NcclRank {
                     return Ok(());
                 }
                 let device_send = call.upload(send)?;
-                call.grouped(|| {
-                    call.nccl("send", call.comm.send(&device_send.slice.slice(..send.len()), root as i32))
-                })?;
-                return call.wait();
+                return call.gather_on(Some(&device_send), None, root, parts);
             }
             call.check_len("the root's recv", parts.total(), recv.len())?;
             let mut device_recv = call.zeros(recv.len())?;
-            call.grouped(|| recv_each_part(call, &mut device_recv, parts, (0..self.n_ranks).filter(|&r| r != root)))?;
-            call.wait()?;
+            call.gather_on(None, Some(&mut device_recv), root, parts)?;
             call.download(&device_recv, recv)?;
             recv[parts.range(root)].copy_from_slice(send);
             Ok(())
@@ -404,21 +531,7 @@ impl Communicator for NcclRank {
             }
             let device_send = call.upload(send)?;
             let mut device_recv = call.zeros(recv.len())?;
-            if equal_parts(parts) {
-                let outcome = call.comm.all_gather(&device_send.slice.slice(..send.len()), &mut device_recv.slice);
-                call.nccl("all_gather", outcome)?;
-            } else {
-                // allgatherv: one broadcast rooted at each rank, into that rank's part.
-                call.grouped(|| {
-                    for root in (0..self.n_ranks).filter(|&r| parts.len(r) > 0) {
-                        let own = (root == self.rank).then(|| device_send.slice.slice(..send.len()));
-                        let mut target = device_recv.slice.slice_mut(parts.range(root));
-                        call.nccl("broadcast", call.comm.broadcast(own.as_ref(), &mut target, root as i32))?;
-                    }
-                    Ok(())
-                })?;
-            }
-            call.wait()?;
+            call.all_gather_on(&device_send, &mut device_recv, parts)?;
             call.download(&device_recv, recv)
         })
     }
@@ -433,21 +546,7 @@ impl Communicator for NcclRank {
             }
             let device_send = call.upload(send)?;
             let mut device_recv = call.zeros(recv.len())?;
-            if equal_parts(parts) {
-                let outcome = call.comm.reduce_scatter(&device_send.slice, &mut device_recv.slice, &ReduceOp::Sum);
-                call.nccl("reduce_scatter", outcome)?;
-            } else {
-                // reduce_scatter_v: one reduce rooted at each rank, of that rank's part.
-                call.grouped(|| {
-                    for root in (0..self.n_ranks).filter(|&r| parts.len(r) > 0) {
-                        let part = device_send.slice.slice(parts.range(root));
-                        let mut own = (root == self.rank).then(|| device_recv.slice.slice_mut(..recv.len()));
-                        call.nccl("reduce", call.comm.reduce(&part, own.as_mut(), &ReduceOp::Sum, root as i32))?;
-                    }
-                    Ok(())
-                })?;
-            }
-            call.wait()?;
+            call.reduce_scatter_on(&device_send, &mut device_recv, parts)?;
             call.download(&device_recv, recv)
         })
     }
@@ -470,6 +569,122 @@ impl Communicator for NcclRank {
             call.download(&device_recv, recv)?;
             recv[recv_parts.range(self.rank)].copy_from_slice(&send[send_parts.range(self.rank)]);
             Ok(())
+        })
+    }
+}
+
+/// The same collectives on buffers already on the rank's GPU (tensors' elements): no upload or
+/// download, and the rank's own parts copied on the GPU.
+impl DeviceCollectives for NcclRank {
+    fn all_reduce_device(&self, buf: &mut CudaBuffer<f32>) -> Result<()> {
+        self.run(CollectiveOp::AllReduce, buf.len(), |call| {
+            call.check_buffer("the buffer", buf)?;
+            if buf.is_empty() {
+                return Ok(());
+            }
+            call.settle()?;
+            call.all_reduce_on(buf)
+        })
+    }
+
+    fn broadcast_device(&self, buf: &mut CudaBuffer<f32>, root: usize) -> Result<()> {
+        self.run(CollectiveOp::Broadcast, buf.len(), |call| {
+            let root = call.check_root(root)?;
+            call.check_buffer("the buffer", buf)?;
+            if buf.is_empty() {
+                return Ok(());
+            }
+            call.settle()?;
+            call.broadcast_on(buf, root)
+        })
+    }
+
+    fn scatter_device(
+        &self,
+        send: Option<&CudaBuffer<f32>>,
+        recv: &mut CudaBuffer<f32>,
+        root: usize,
+        parts: &Partition,
+    ) -> Result<()> {
+        self.run(CollectiveOp::Scatter, parts.total(), |call| {
+            call.check_root(root)?;
+            parts.check_ranks("scatter", self.n_ranks)?;
+            call.check_len("recv", parts.len(self.rank), recv.len())?;
+            call.check_buffer("recv", recv)?;
+            call.settle()?;
+            if self.rank == root {
+                let send = send.ok_or_else(|| call.failed("the root has no send buffer"))?;
+                call.check_len("the root's send", parts.total(), send.len())?;
+                call.check_buffer("send", send)?;
+                call.scatter_on(Some(send), None, root, parts)?;
+                return call.copy_on_gpu(send, parts.range(root), recv, 0..parts.len(root));
+            }
+            if recv.is_empty() {
+                return Ok(());
+            }
+            call.scatter_on(None, Some(recv), root, parts)
+        })
+    }
+
+    fn gather_device(
+        &self,
+        send: &CudaBuffer<f32>,
+        recv: Option<&mut CudaBuffer<f32>>,
+        root: usize,
+        parts: &Partition,
+    ) -> Result<()> {
+        self.run(CollectiveOp::Gather, parts.total(), |call| {
+            call.check_root(root)?;
+            parts.check_ranks("gather", self.n_ranks)?;
+            call.check_len("send", parts.len(self.rank), send.len())?;
+            call.check_buffer("send", send)?;
+            call.settle()?;
+            if self.rank != root {
+                if send.is_empty() {
+                    return Ok(());
+                }
+                return call.gather_on(Some(send), None, root, parts);
+            }
+            let recv = recv.ok_or_else(|| call.failed("the root has no receive buffer"))?;
+            call.check_len("the root's recv", parts.total(), recv.len())?;
+            call.check_buffer("recv", recv)?;
+            call.gather_on(None, Some(&mut *recv), root, parts)?;
+            call.copy_on_gpu(send, 0..send.len(), recv, parts.range(root))
+        })
+    }
+
+    fn all_gather_device(&self, send: &CudaBuffer<f32>, recv: &mut CudaBuffer<f32>, parts: &Partition) -> Result<()> {
+        self.run(CollectiveOp::AllGather, parts.total(), |call| {
+            parts.check_ranks("all_gather", self.n_ranks)?;
+            call.check_len("send", parts.len(self.rank), send.len())?;
+            call.check_len("recv", parts.total(), recv.len())?;
+            call.check_buffer("send", send)?;
+            call.check_buffer("recv", recv)?;
+            if recv.is_empty() {
+                return Ok(());
+            }
+            call.settle()?;
+            call.all_gather_on(send, recv, parts)
+        })
+    }
+
+    fn reduce_scatter_device(
+        &self,
+        send: &CudaBuffer<f32>,
+        recv: &mut CudaBuffer<f32>,
+        parts: &Partition,
+    ) -> Result<()> {
+        self.run(CollectiveOp::ReduceScatter, parts.total(), |call| {
+            parts.check_ranks("reduce_scatter", self.n_ranks)?;
+            call.check_len("send", parts.total(), send.len())?;
+            call.check_len("recv", parts.len(self.rank), recv.len())?;
+            call.check_buffer("send", send)?;
+            call.check_buffer("recv", recv)?;
+            if send.is_empty() {
+                return Ok(());
+            }
+            call.settle()?;
+            call.reduce_scatter_on(send, recv, parts)
         })
     }
 }
