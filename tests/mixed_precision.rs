@@ -252,3 +252,50 @@ fn resnet_and_transformer_train_in_bf16_on_two_devices_as_on_one() {
         assert!(one == two, "{spec:?}: differ by up to {}", max_rel_diff(&two, &one));
     }
 }
+
+/// The memory plan stays an upper bound under bf16: every device's measured peak over training
+/// steps and an evaluation is within the plan's figure for it, the plan being measured under the
+/// same precision. (For these small models the whole device need is not lower than at f32: the
+/// activations halve, but the parameters' transient half copies add about as much.)
+#[test]
+fn the_bf16_plan_bounds_what_the_devices_hold() {
+    for spec in [mlp(), cnn()] {
+        let build = |precision| {
+            Trainer::builder(spec.build(3).unwrap(), Arc::new(CrossEntropyLoss::new()))
+                .devices(vec![Device::cpu(0), Device::cpu(1)])
+                .micro_batches(4)
+                .batch_rows(32)
+                .optimizer(OptimizerConfig::adam(1e-3))
+                .precision(precision)
+                .placement(Placement::auto())
+                .build()
+                .unwrap()
+        };
+        let mut trainer = build(Precision::Bf16);
+        let planned: Vec<u64> = trainer.plan().unwrap().device_peaks(2).into_iter().flatten().collect();
+        let f32_planned: Vec<u64> =
+            build(Precision::F32).plan().unwrap().device_peaks(2).into_iter().flatten().collect();
+        let mut measured = [0u64; 2];
+        for step in 0..3 {
+            let (x, y) = data(32, &spec.input_shape(), 10, step);
+            let report = trainer.train_step(&x, &y).unwrap();
+            for (m, p) in measured.iter_mut().zip(&report.peak_memory) {
+                *m = (*m).max(*p);
+            }
+        }
+        let (x, _) = data(32, &spec.input_shape(), 10, 9);
+        trainer.predict(&x).unwrap();
+        for (m, device) in measured.iter_mut().zip(trainer.devices()) {
+            *m = (*m).max(device.peak_memory());
+        }
+        println!("{spec:?}: measured {measured:?}, bf16 plan {planned:?}, f32 plan {f32_planned:?}");
+        for d in 0..2 {
+            assert!(
+                measured[d] <= planned[d],
+                "{spec:?} device {d}: measured {} over the plan {}",
+                measured[d],
+                planned[d]
+            );
+        }
+    }
+}

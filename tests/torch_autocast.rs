@@ -13,7 +13,7 @@
 //! |got − want| ≤ 2⁻⁵ · max_i |want_i − initial_i|      (and the loss to 2⁻⁷ relative)
 //! ```
 //!
-//! An f32 step (no autocast) differs from torch's bf16 step by several times more (measured).
+//! Measured: the bf16 step is 2.7e-3 of the update away from torch's, an f32 step 0.25.
 mod common;
 
 use std::process::Command;

@@ -157,6 +157,14 @@ fn probe(
     for p in layer.parameters() {
         params[rank_of(group, &p.value)] += p.value.size_in_bytes() as u64;
     }
+    // Under a mixed precision a product rounds its parameters to the half type for the call (a
+    // copy on the device's ledger, freed when it returns), in its forward and its input-gradient
+    // call, and computes an f32 result it then rounds; the host's ledger cannot show either, so
+    // every parameter's half copy and the f32 form of each half result are counted.
+    let rounded_parameters = match (precision.half_dtype(), ledger) {
+        (Some(half), false) => layer.parameters().iter().map(|p| (p.value.numel() * half.size_in_bytes()) as u64).sum(),
+        _ => 0,
+    };
     // Forward.
     let in_use_before: Vec<u64> = group.iter().map(Device::memory_in_use).collect();
     let tallies = start(group, ledger)?;
@@ -186,7 +194,11 @@ fn probe(
         }
         peaks.iter().zip(&new_bytes).map(|(p, n)| (*p).max(*n)).collect()
     } else {
-        new_bytes.clone()
+        // The product's f32 result before it is rounded to a half output, too.
+        let f32_result = if output.dtype() == DType::F32 { 0 } else { (output.numel() * 4) as u64 };
+        let mut peak = new_bytes.clone();
+        peak[0] += rounded_parameters + f32_result;
+        peak
     };
     // Input gradient.
     let grad_output = Tensor::full(1.0, output.shape().clone(), output.dtype(), output.device())?;
@@ -205,7 +217,12 @@ fn probe(
         })
         .collect();
     let mut floor = grad_bytes.clone();
-    floor[0] += held;
+    // Half input gradients come from f32 results rounded after the product (host layers).
+    let f32_results: u64 = match ledger {
+        false => input_grads.iter().flatten().filter(|g| g.dtype() != DType::F32).map(|g| (g.numel() * 4) as u64).sum(),
+        true => 0,
+    };
+    floor[0] += held + rounded_parameters + f32_results;
     let backward_input_peak = peaks_or(tallies, &floor);
     let mut backward_held = vec![0u64; k];
     backward_held[0] = held;
