@@ -230,7 +230,9 @@ fn bad_precisions_exit_2_and_plan_takes_the_flag() {
 
 /// The zoo's other models under bf16: the ResNet (convolutions, residual adds) and the
 /// transformer (embeddings, attention, layer norm: f32 and bf16 activations meet in its residual
-/// adds and gradient sums), on two devices bit for bit as on one, with finite losses.
+/// adds and gradient sums), on two devices bit for bit as on one, with finite losses and fewer
+/// activation bytes (measured: 51% of f32's for the ResNet, 59% for the transformer, whose
+/// logsumexp, layer norms and embeddings stay f32).
 #[test]
 fn resnet_and_transformer_train_in_bf16_on_two_devices_as_on_one() {
     let transformer: ModelSpec = "transformer:8,4,16,2,2,4".parse().unwrap();
@@ -240,16 +242,17 @@ fn resnet_and_transformer_train_in_bf16_on_two_devices_as_on_one() {
     let resnet: ModelSpec = "resnet".parse().unwrap();
     let (image_batch, image_labels) = data(32, &resnet.input_shape(), 10, 1);
     for (spec, x, y) in [(resnet, &image_batch, &image_labels), (transformer, &token_batch, &token_labels)] {
-        let run = |n_devices| {
-            let mut t = trainer(&spec, Precision::Bf16, n_devices, ScheduleKind::OneFOneB);
-            for _ in 0..2 {
-                let report = t.train_step(x, y).unwrap();
-                assert!(report.loss.is_finite(), "{spec:?}: loss {}", report.loss);
-            }
-            weights(&t)
+        let run = |precision, n_devices| {
+            let mut t = trainer(&spec, precision, n_devices, ScheduleKind::OneFOneB);
+            let reports: Vec<StepReport> = (0..2).map(|_| t.train_step(x, y).unwrap()).collect();
+            assert!(reports.iter().all(|r| r.loss.is_finite()), "{spec:?}: losses not finite");
+            (weights(&t), peak_activations(&reports))
         };
-        let (one, two) = (run(1), run(2));
+        let ((one, bf16_bytes), (two, _)) = (run(Precision::Bf16, 1), run(Precision::Bf16, 2));
         assert!(one == two, "{spec:?}: differ by up to {}", max_rel_diff(&two, &one));
+        let (_, f32_bytes) = run(Precision::F32, 1);
+        println!("{spec:?}: peak activation bytes f32 {f32_bytes}, bf16 {bf16_bytes}");
+        assert!(bf16_bytes * 10 <= f32_bytes * 7, "{spec:?}: bf16 {bf16_bytes} against f32 {f32_bytes}");
     }
 }
 

@@ -8,9 +8,10 @@
 //! tensors between layers, what layers save for backward, the messages between stages) and the
 //! operands of products change. Under [`Precision::Bf16`] or [`Precision::F16`]:
 //!
-//! - **Matmul-like ops** (Linear, Conv2d; PyTorch's lower-precision list) round their input,
-//!   weight and bias to the half type ([`Precision::round_operand`]), multiply with f32
-//!   accumulation, and store the output in the half type. On the CPU the rounding happens first
+//! - **Matmul-like ops** (Linear, Conv2d, attention's projections, whose q/k/v and heads are then
+//!   half too; PyTorch's lower-precision list) round their input, weight and bias to the half
+//!   type ([`Precision::round_operand`]), multiply with f32 accumulation, and store the output in
+//!   the half type. On the CPU the rounding happens first
 //!   and the f32 kernels run on the rounded values: numerically PyTorch's CPU autocast (bf16
 //!   inputs, f32 accumulation). What they save for backward is the rounded input, so saved
 //!   activations take half the bytes. Their backward rounds the output gradient and the weight

@@ -220,7 +220,7 @@ impl TrainerBuilder {
     }
 
     /// Mixed precision, as `torch.autocast` (default f32): under [`crate::Precision::Bf16`] or
-    /// [`crate::Precision::F16`] the products (Linear, Conv2d) compute on half-rounded operands
+    /// [`crate::Precision::F16`] the products (Linear, Conv2d, attention) compute on half-rounded operands
     /// with f32 sums and keep their outputs and saved inputs in the half type, the fp32-list ops
     /// (losses, softmax, layer norm) compute in f32; parameters, gradients and optimizer state
     /// stay f32 (`crate::Precision` has the rules). F16 also scales the loss
