@@ -128,6 +128,25 @@ fn f16_trains_with_a_loss_scale_that_grows_after_good_steps() {
     }
     assert_eq!(scales, [65536.0, 65536.0, 131072.0], "x2 after growth_interval committed steps");
     assert_eq!(trainer.loss_scale(), Some(131072.0));
+    // A checkpoint carries the scale and its count; a resumed trainer goes on from them.
+    let dir = temp_dir("mixed-precision-loss-scale");
+    let path = dir.join("f16.safetensors");
+    trainer.checkpoint(&path).unwrap();
+    let resumed = |growth_interval| {
+        Trainer::builder(spec.build(3).unwrap(), Arc::new(CrossEntropyLoss::new()))
+            .micro_batches(2)
+            .optimizer(OptimizerConfig::Sgd(SgdConfig::new(0.05)))
+            .precision(Precision::F16)
+            .loss_scale(LossScaleConfig { growth_interval, ..Default::default() })
+            .resume(&path)
+            .build()
+            .unwrap()
+    };
+    let mut again = resumed(2);
+    assert_eq!(again.loss_scale(), Some(131072.0));
+    let (x, y) = data(32, &spec.input_shape(), 10, 3);
+    again.train_step(&x, &y).unwrap();
+    assert_eq!(again.loss_scale(), Some(262144.0), "the count went on: one good step was recorded");
 }
 
 /// An overflow injected by a loss scale of 2^40: the scaled loss gradient is far past f16's
@@ -301,4 +320,31 @@ fn the_bf16_plan_bounds_what_the_devices_hold() {
             );
         }
     }
+}
+
+/// `train --precision f16` says so and reports its loss scale in the metrics.
+#[test]
+fn f16_runs_report_the_loss_scale_in_the_metrics() {
+    let dir = temp_dir("mixed-precision-f16-cli");
+    let metrics_path = dir.join("m.jsonl");
+    let stdout = conveyor_ok(&[
+        "train",
+        "--model",
+        "mlp:8,16,4",
+        "--data",
+        "synthetic:64,8,4",
+        "--precision",
+        "f16",
+        "--steps",
+        "4",
+        "--log-every",
+        "0",
+        "--metrics",
+        arg(&metrics_path),
+    ]);
+    assert!(stdout.contains("f16 mixed precision"), "{stdout}");
+    let lines = metrics(&metrics_path);
+    let scales: Vec<f64> = lines.iter().filter_map(|l| l["loss_scale"].as_f64()).collect();
+    assert_eq!(scales, [65536.0; 4], "{lines:?}");
+    assert!(lines.iter().all(|l| l.get("skipped").is_none()), "{lines:?}");
 }

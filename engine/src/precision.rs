@@ -164,6 +164,12 @@ impl LossScaler {
         self.good_steps
     }
 
+    /// Puts back a scale and count a checkpoint recorded (`Trainer::checkpoint`).
+    pub fn restore(&mut self, scale: f32, good_steps: u32) {
+        self.scale = scale;
+        self.good_steps = good_steps;
+    }
+
     /// After a committed step: counts it, and grows the scale after `growth_interval` in a row
     /// (kept finite).
     pub fn committed(&mut self) {
