@@ -54,6 +54,7 @@ fn main() {
         recompute: Recompute::Never,
         seed: 0,
         core_slots: Default::default(),
+        precision: Default::default(),
     };
     let graph = support::wide_mlp();
     let started = Instant::now();

@@ -30,6 +30,7 @@ fn trainer() -> Trainer {
         recompute: Recompute::Never,
         seed: 0,
         core_slots: Default::default(),
+        precision: Default::default(),
     };
     build_trainer(support::wide_mlp(), vec![Device::cpu(0), Device::cpu(1)], &config).unwrap().1
 }

@@ -31,6 +31,7 @@ fn main() -> anyhow::Result<()> {
         recompute: Recompute::Never,
         seed: 0,
         core_slots: Default::default(),
+        precision: Default::default(),
     };
 
     let one = vec![Device::cpu_with_budget(0, Some(budget))];

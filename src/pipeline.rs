@@ -38,6 +38,7 @@ pub fn builder(graph: Graph, devices: Vec<Device>, config: &PipelineConfig) -> T
         .recompute(config.recompute)
         .seed(config.seed)
         .core_slots(config.core_slots)
+        .precision(config.precision)
 }
 
 /// Plans the graph ([`plan`]) and starts a trainer with that placement: the builder with

@@ -25,6 +25,7 @@ fn base() -> PipelineConfig {
         recompute: Recompute::Never,
         seed: 0,
         core_slots: Default::default(),
+        precision: Default::default(),
     }
 }
 

@@ -235,6 +235,7 @@ fn measured_peaks_are_within_the_plan_and_close_to_it() {
                             recompute,
                             seed: 0,
                             core_slots: CoreSlotPolicy::Slots(1),
+                            precision: Default::default(),
                         };
                         let budget = smallest_budget(&spec, &config, k);
                         let (floor, extremes) =

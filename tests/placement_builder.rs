@@ -44,6 +44,7 @@ fn config() -> PipelineConfig {
         recompute: Recompute::Never,
         seed: 11,
         core_slots: Default::default(),
+        precision: Default::default(),
     }
 }
 

@@ -147,7 +147,9 @@ fn unknown_keys_and_bad_values_name_the_key() {
     assert!(matches!(spec.validate(), Err(SpecError::MicrobatchesOverBatch { microbatches: 64, batch: 32 })));
     spec.pipeline.microbatches = 8;
     spec.training.precision = "bf16".parse().unwrap();
-    assert!(spec.validate().unwrap_err().to_string().contains("mixed precision is not supported yet"));
+    spec.validate().unwrap();
+    spec.pipeline.tensor_parallel = 2;
+    assert!(matches!(spec.validate(), Err(SpecError::MixedPrecision { tensor_parallel: 2, .. })));
 }
 
 #[test]
@@ -166,7 +168,7 @@ fn a_bad_config_file_exits_2_naming_the_path() {
     let inconsistent = dir.join("inconsistent.toml");
     std::fs::write(&inconsistent, "[pipeline]\nchunks = 2\n").unwrap();
     assert_usage_error(&["train", "--config", arg(&inconsistent)], "--chunks 2 needs --schedule interleaved");
-    assert_usage_error(&["train", "--precision", "bf16"], "mixed precision");
+    assert_usage_error(&["train", "--precision", "f64"], "use f32, bf16 or f16");
 }
 
 /// A small run: 40 rows in batches of 16 (2 steps an epoch, so 5 steps cross two epoch

@@ -58,6 +58,7 @@ fn config(kind: ScheduleKind) -> PipelineConfig {
         recompute: Recompute::Never,
         seed: 11,
         core_slots: Default::default(),
+        precision: Default::default(),
     }
 }
 

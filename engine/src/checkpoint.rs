@@ -69,8 +69,17 @@ pub const STEP_KEY: &str = "conveyor.step";
 /// derive from the seed and the step index).
 pub const SEED_KEY: &str = "conveyor.seed";
 
+/// The metadata key under which a training checkpoint of an f16 run records the loss scale of its
+/// next step ([`crate::LossScaler`]).
+pub const LOSS_SCALE_KEY: &str = "conveyor.loss_scale";
+
+/// The metadata key under which a training checkpoint of an f16 run records the committed steps in
+/// a row since its loss scale last changed.
+pub const LOSS_SCALE_GOOD_STEPS_KEY: &str = "conveyor.loss_scale_good_steps";
+
 /// The metadata keys the writers own: a caller's metadata may not set them.
-pub const RESERVED_METADATA_KEYS: [&str; 3] = [FORMAT_VERSION_KEY, STEP_KEY, SEED_KEY];
+pub const RESERVED_METADATA_KEYS: [&str; 5] =
+    [FORMAT_VERSION_KEY, STEP_KEY, SEED_KEY, LOSS_SCALE_KEY, LOSS_SCALE_GOOD_STEPS_KEY];
 
 /// Name, shape and dtype a strict load expects of one tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]

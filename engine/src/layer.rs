@@ -69,17 +69,25 @@ pub struct ForwardCtx {
     /// Seed for any randomness (dropout masks); the same seed reproduces the same mask, which is
     /// what makes activation recomputation exact.
     pub seed: u64,
+    /// The autocast policy: which dtype products compute and store in
+    /// ([`crate::Precision`]; f32 unless the trainer runs mixed precision).
+    pub precision: crate::Precision,
 }
 
 impl ForwardCtx {
     /// Training mode with the given seed.
     pub fn train(seed: u64) -> Self {
-        ForwardCtx { training: true, seed }
+        ForwardCtx { training: true, seed, precision: crate::Precision::F32 }
     }
 
     /// Evaluation mode.
     pub fn eval() -> Self {
-        ForwardCtx { training: false, seed: 0 }
+        ForwardCtx { training: false, seed: 0, precision: crate::Precision::F32 }
+    }
+
+    /// The same context under the autocast policy `precision`.
+    pub fn with_precision(self, precision: crate::Precision) -> Self {
+        ForwardCtx { precision, ..self }
     }
 }
 

@@ -35,7 +35,9 @@ use std::cell::{RefCell, RefMut};
 
 use conveyor_engine::cpu::attention::AttentionDims;
 use conveyor_engine::device::ops::Matrix;
-use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
+use conveyor_engine::{
+    Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Precision, Result, Saved, Shape, Tensor, init,
+};
 use rand::rngs::StdRng;
 
 use crate::tensor_io::{
@@ -225,10 +227,15 @@ impl MultiheadSelfAttention {
         let logsumexp = saved_tensor(KIND, saved, 2)?;
         let ctx = saved_tensor(KIND, saved, 3)?;
         let (rows, d) = (dims.rows(), dims.embed_dim);
+        // A half saved input: the forward ran in that type, and so do the backward's products.
+        let dtype = saved_tensor(KIND, saved, 0)?.dtype();
+        let grad = Precision::round_operand(grad_output, dtype)?;
         // dctx [rows, D] = dy [rows, D] · out_proj.weight [D, D]
-        let out_weight = Matrix::new(&self.params[2].value, d, d)?;
-        let grad_ctx = Tensor::matmul(Matrix::new(grad_output, rows, d)?, out_weight, None, [rows, d], qkv.device())?;
-        grad_ctx.attention_backward(qkv, ctx, logsumexp, dims.kernel(self.causal))
+        let out_weight = Precision::round_operand(&self.params[2].value, dtype)?;
+        let out_weight = Matrix::new(&out_weight, d, d)?;
+        let grad_ctx = Tensor::matmul(Matrix::new(&grad, rows, d)?, out_weight, None, [rows, d], qkv.device())?;
+        let grad_qkv = grad_ctx.attention_backward(qkv, ctx, logsumexp, dims.kernel(self.causal))?;
+        into_dtype(grad_qkv, dtype)
     }
 
     fn pending_slots(&self) -> RefMut<'_, Vec<PendingGrad>> {
@@ -269,8 +276,8 @@ impl MultiheadSelfAttention {
 
     /// `∂L/∂x` from `∂L/∂qkv`.
     fn input_grad(&self, dims: Dims, input: &Tensor, grad_qkv: &Tensor) -> Result<Tensor> {
-        let grad_input =
-            grad_qkv.attention_qkv_input_grad(&self.params[0].value, input.shape(), dims.kernel(self.causal))?;
+        let in_weight = Precision::round_operand(&self.params[0].value, input.dtype())?;
+        let grad_input = grad_qkv.attention_qkv_input_grad(&in_weight, input.shape(), dims.kernel(self.causal))?;
         into_dtype(grad_input, input.dtype())
     }
 
@@ -290,7 +297,12 @@ impl MultiheadSelfAttention {
         };
         let kernel = dims.kernel(self.causal);
         grad_qkv.attention_qkv_weight_grads(x, kernel, in_weight_grad, in_bias_grad)?;
-        grad_output.attention_out_grads(ctx, kernel, out_weight_grad, out_bias_grad)
+        Precision::round_operand(grad_output, x.dtype())?.attention_out_grads(
+            ctx,
+            kernel,
+            out_weight_grad,
+            out_bias_grad,
+        )
     }
 
     fn saved_dims(&self, saved: &Saved, grad_output: &Tensor) -> Result<Dims> {
@@ -338,29 +350,35 @@ impl Layer for MultiheadSelfAttention {
         &mut self.params
     }
 
-    fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
+    fn forward(&self, inputs: &[&Tensor], ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
         expect_inputs(KIND, inputs, 1)?;
-        let input = inputs[0];
-        let dims = self.dims(input.shape())?;
-        check_same_device(KIND, input, &self.params[0].value)?;
-        let device = input.device();
+        let dims = self.dims(inputs[0].shape())?;
+        check_same_device(KIND, inputs[0], &self.params[0].value)?;
+        let device = inputs[0].device();
         let (rows, d) = (dims.rows(), dims.embed_dim);
         let kernel = dims.kernel(self.causal);
+        // Autocast ([`Precision`]): the projections' operands rounded to the half type (f32 sums),
+        // q/k/v and the heads' output stored in it; the softmax and its logsumexp stay f32.
+        let dtype = ctx.precision.matmul_dtype(inputs[0].dtype());
+        let round = |t: &Tensor| Precision::round_operand(t, dtype);
+        let input = round(inputs[0])?;
         // q, k, v head-major, then ctx = concat_h(softmax(q_h k_hᵀ · scale + mask) v_h) and the
         // rows' logsumexp, fused.
-        let qkv = input.attention_qkv(&self.params[0].value, &self.params[1].value, kernel)?;
-        let (ctx, logsumexp) = qkv.attention(kernel)?;
+        let qkv = input.attention_qkv(&round(&self.params[0].value)?, &round(&self.params[1].value)?, kernel)?;
+        let qkv = into_dtype(qkv, dtype)?;
+        let (heads, logsumexp) = qkv.attention(kernel)?;
+        let heads = into_dtype(heads, dtype)?;
         // y = ctx · out_proj.weightᵀ + out_proj.bias
-        let out_weight = Matrix::new(&self.params[2].value, d, d)?.t();
+        let out_weight = round(&self.params[2].value)?;
         let output = Tensor::matmul(
-            Matrix::new(&ctx, rows, d)?,
-            out_weight,
-            Some(&self.params[3].value),
+            Matrix::new(&heads, rows, d)?,
+            Matrix::new(&out_weight, d, d)?.t(),
+            Some(&round(&self.params[3].value)?),
             input.shape().clone(),
             device,
         )?;
-        let saved = Saved { tensors: vec![input.share(), qkv, logsumexp, ctx] };
-        Ok((into_dtype(output, input.dtype())?, saved))
+        let saved = Saved { tensors: vec![input, qkv, logsumexp, heads] };
+        Ok((into_dtype(output, dtype)?, saved))
     }
 
     fn backward(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<Vec<Option<Tensor>>> {

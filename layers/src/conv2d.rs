@@ -4,7 +4,9 @@
 //! its input lives: the CPU kernels described below on a CPU device, batched im2col and cuBLAS
 //! products on a GPU.
 use conveyor_engine::cpu::Window2d;
-use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
+use conveyor_engine::{
+    Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Precision, Result, Saved, Shape, Tensor, init,
+};
 use rand::rngs::StdRng;
 
 use crate::tensor_io::{
@@ -189,14 +191,19 @@ impl Layer for Conv2d {
         &mut self.params
     }
 
-    fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
+    fn forward(&self, inputs: &[&Tensor], ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
         expect_inputs("Conv2d", inputs, 1)?;
-        let input = inputs[0];
-        let (_, window) = self.batch_window(input.shape())?;
-        check_same_device("Conv2d", input, self.weight())?;
-        let output = input.conv2d(self.weight(), self.bias(), &window, self.out_channels)?;
-        let saved = Saved { tensors: vec![input.share()] };
-        Ok((into_dtype(output, input.dtype())?, saved))
+        let (_, window) = self.batch_window(inputs[0].shape())?;
+        check_same_device("Conv2d", inputs[0], self.weight())?;
+        // Autocast ([`Precision`]): under a half precision, or given a half input, input, weight
+        // and bias are rounded to the half type, the sums run in f32, the output and the saved
+        // input are in the half type.
+        let dtype = ctx.precision.matmul_dtype(inputs[0].dtype());
+        let input = Precision::round_operand(inputs[0], dtype)?;
+        let weight = Precision::round_operand(self.weight(), dtype)?;
+        let bias = self.bias().map(|b| Precision::round_operand(b, dtype)).transpose()?;
+        let output = input.conv2d(&weight, bias.as_ref(), &window, self.out_channels)?;
+        Ok((into_dtype(output, dtype)?, Saved { tensors: vec![input] }))
     }
 
     fn backward_input_for(&self, saved: &Saved, grad_output: &Tensor, needed: &[bool]) -> Result<Vec<Option<Tensor>>> {
@@ -213,7 +220,10 @@ impl Layer for Conv2d {
         let input = saved_tensor("Conv2d", saved, 0)?;
         let (batch, window) = self.batch_window(input.shape())?;
         check_grad_shape("Conv2d", grad_output, &Shape::new(self.output_dims(batch, &window)))?;
-        let grad_input = grad_output.conv2d_input_grad(self.weight(), &window, self.out_channels, input.shape())?;
+        // The product runs in the saved input's type (rounded operands, f32 sums), as the forward.
+        let grad = Precision::round_operand(grad_output, input.dtype())?;
+        let weight = Precision::round_operand(self.weight(), input.dtype())?;
+        let grad_input = grad.conv2d_input_grad(&weight, &window, self.out_channels, input.shape())?;
         Ok(vec![Some(into_dtype(grad_input, input.dtype())?)])
     }
 
@@ -223,7 +233,8 @@ impl Layer for Conv2d {
         let (batch, window) = self.batch_window(input.shape())?;
         check_grad_shape("Conv2d", grad_output, &Shape::new(self.output_dims(batch, &window)))?;
         let (weight_grad, bias_grad) = param_grads.split_at_mut(1);
-        grad_output.conv2d_weight_grad_accumulate(input, &window, &mut weight_grad[0], bias_grad.first_mut())
+        let grad = Precision::round_operand(grad_output, input.dtype())?;
+        grad.conv2d_weight_grad_accumulate(input, &window, &mut weight_grad[0], bias_grad.first_mut())
     }
 
     fn weight_pass_scratch_bytes(&self) -> u64 {

@@ -95,14 +95,15 @@ impl Layer for LayerNorm {
         &mut self.params
     }
 
-    fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
+    fn forward(&self, inputs: &[&Tensor], ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
         expect_inputs("LayerNorm", inputs, 1)?;
         let input = inputs[0];
         self.check_input(input.shape())?;
         check_same_device("LayerNorm", input, &self.params[0].value)?;
         let (output, mean, rstd) = input.layer_norm(&self.params[0].value, &self.params[1].value, self.eps)?;
         let saved = Saved { tensors: vec![input.share(), mean, rstd] };
-        Ok((into_dtype(output, input.dtype())?, saved))
+        // On autocast's fp32 list: f32 out under a mixed precision ([`conveyor_engine::Precision`]).
+        Ok((into_dtype(output, ctx.precision.fp32_output_dtype(input.dtype()))?, saved))
     }
 
     fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {

@@ -8,7 +8,9 @@
 //! weights in host memory.
 use conveyor_engine::cpu::{MatRef, packed, uninit};
 use conveyor_engine::device::ops::Matrix;
-use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor, init};
+use conveyor_engine::{
+    DType, Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Precision, Result, Saved, Shape, Tensor, init,
+};
 use rand::rngs::StdRng;
 
 use crate::tensor_io::{
@@ -22,11 +24,13 @@ use crate::tensor_io::{
 /// Parameters (PyTorch's `nn.Linear`): `weight` `[out_features, in_features]`, then `bias`
 /// `[out_features]` when enabled. Both default to U(±1/sqrt(in_features)).
 ///
-/// f16 and bf16 inputs and parameters are accepted: the layer computes in f32 and returns the
-/// input's dtype, so the result differs from an f32 layer on the same (rounded) values only by the
-/// final rounding and the rounding of the inputs themselves; the test `half_precision_linear`
-/// bounds the relative error by `4 · u · sqrt(in_features)` with unit roundoff u = 2⁻¹¹ (f16) or
-/// 2⁻⁸ (bf16).
+/// Mixed precision ([`Precision`], autocast's rules): under `ctx.precision` bf16 or f16, or given
+/// an f16/bf16 input, the layer rounds input, weight and bias to that half type, multiplies with
+/// f32 accumulation and returns the half type; it saves the rounded input, and its backward
+/// rounds the output gradient and the weight the same way (the weight gradient stays f32). The
+/// result differs from an f32 layer by the roundings of the operands and of the output; the test
+/// `half_precision_linear` bounds the relative error by `4 · u · sqrt(in_features)` with unit
+/// roundoff u = 2⁻¹¹ (f16) or 2⁻⁸ (bf16).
 ///
 /// ```
 /// use conveyor_engine::{Device, ForwardCtx, Layer, Tensor, init};
@@ -214,13 +218,29 @@ impl Layer for Linear {
         Ok(())
     }
 
-    fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
+    fn forward(&self, inputs: &[&Tensor], ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
         expect_inputs("Linear", inputs, 1)?;
         let input = inputs[0];
         let rows = self.input_rows(input.shape())?;
         check_same_device("Linear", input, self.weight())?;
         let (k, n) = (self.in_features, self.out_features);
         let output_dims = self.output_dims(input.shape());
+        let dtype = ctx.precision.matmul_dtype(input.dtype());
+        if dtype != DType::F32 {
+            // Autocast: input, weight and bias rounded to the half type, f32 accumulation, the
+            // output stored in the half type; the rounded input is what backward reads.
+            let x = Precision::round_operand(input, dtype)?;
+            let weight = Precision::round_operand(self.weight(), dtype)?;
+            let bias = self.bias().map(|b| Precision::round_operand(b, dtype)).transpose()?;
+            let output = Tensor::matmul(
+                Matrix::new(&x, rows, k)?,
+                Matrix::new(&weight, n, k)?.t(),
+                bias.as_ref(),
+                output_dims,
+                input.device(),
+            )?;
+            return Ok((into_dtype(output, dtype)?, Saved { tensors: vec![x] }));
+        }
         let output = match self.packed.as_ref().filter(|_| self.packed_fresh) {
             // f32 weights in host memory, refreshed: the product reads the panels in place.
             Some(packed_weight) => {
@@ -269,6 +289,19 @@ impl Layer for Linear {
         check_grad_shape("Linear", grad_output, &Shape::new(self.output_dims(input.shape())))?;
         // dx [rows, in] = dy [rows, out] · weight [out, in]
         let (k, n) = (self.out_features, self.in_features);
+        if input.dtype() != DType::F32 {
+            // A half saved input: the forward ran in that type, and so does this product.
+            let grad = Precision::round_operand(grad_output, input.dtype())?;
+            let weight = Precision::round_operand(self.weight(), input.dtype())?;
+            let grad_input = Tensor::matmul(
+                Matrix::new(&grad, rows, k)?,
+                Matrix::new(&weight, k, n)?,
+                None,
+                input.shape().clone(),
+                input.device(),
+            )?;
+            return Ok(vec![Some(into_dtype(grad_input, input.dtype())?)]);
+        }
         let grad_input = match self.packed.as_ref().filter(|_| self.packed_fresh) {
             Some(packed_weight) => {
                 let grad = values(grad_output);
@@ -295,6 +328,15 @@ impl Layer for Linear {
         let rows = self.input_rows(input.shape())?;
         check_grad_shape("Linear", grad_output, &Shape::new(self.output_dims(input.shape())))?;
         let (weight_grad, bias_grad) = param_grads.split_at_mut(1);
+        // A half saved input: the output gradient is rounded to its type too (autocast's product
+        // operands), accumulated in f32 into the f32 gradient.
+        let rounded;
+        let grad_output = if input.dtype() != DType::F32 && grad_output.dtype() != input.dtype() {
+            rounded = Precision::round_operand(grad_output, input.dtype())?;
+            &rounded
+        } else {
+            grad_output
+        };
         // dweight [out, in] += dyᵀ [out, rows] · x [rows, in]
         let grad_t = Matrix::new(grad_output, rows, self.out_features)?.t();
         weight_grad[0].matmul_accumulate(grad_t, Matrix::new(input, rows, self.in_features)?)?;

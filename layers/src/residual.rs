@@ -1,9 +1,9 @@
 //! `Add`: the residual join `y = a + b` of two tensors of one shape (`n_inputs() == 2`),
 //! computed by the device op `Tensor::add`, so it runs on every device (CPU: in f32, rounded back
-//! to the first input's dtype; GPU: f32).
+//! to the inputs' dtype, or f32 when they differ, as PyTorch promotes; GPU: f32).
 use conveyor_engine::{Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 
-use crate::tensor_io::{expect_inputs, expect_shapes, f32_bytes};
+use crate::tensor_io::{expect_inputs, expect_shapes, f32_bytes, into_dtype};
 
 /// Elementwise sum of two inputs of the same shape; both get the output gradient unchanged (two
 /// shares of it, no copies). Saves nothing.
@@ -55,7 +55,10 @@ impl Layer for Add {
                 rhs: rhs.device().to_string(),
             });
         }
-        Ok((lhs.add(rhs)?, Saved::default()))
+        // Mixed dtypes promote to f32, as PyTorch adds a half tensor and an f32 one.
+        let sum = lhs.add(rhs)?;
+        let sum = if lhs.dtype() == rhs.dtype() { sum } else { into_dtype(sum, conveyor_engine::DType::F32)? };
+        Ok((sum, Saved::default()))
     }
 
     fn backward_input(&self, _saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {

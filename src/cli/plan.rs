@@ -34,6 +34,7 @@ pub struct PlanArgs {
     pub batch: usize,
     pub chunks: usize,
     pub recompute: Recompute,
+    pub precision: conveyor::spec::Precision,
     pub placement: String,
     pub data_parallel: usize,
     pub zero: u8,
@@ -131,6 +132,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         recompute: args.recompute,
         seed: 0,
         core_slots: Default::default(),
+        precision: args.precision,
     };
     if args.auto_schedule {
         return super::plan_auto::run(args, &graph, &devices, &config, budget);

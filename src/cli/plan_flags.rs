@@ -7,7 +7,7 @@ use clap::Args;
 use conveyor::RunSpec;
 use conveyor::engine::runtime::Recompute;
 use conveyor::schedules::ScheduleKind;
-use conveyor::spec::PlacementSpec;
+use conveyor::spec::{PlacementSpec, Precision};
 
 use super::plan::PlanArgs;
 use super::usage;
@@ -53,6 +53,10 @@ pub struct PlanFlags {
     /// forward and backward) [default: never].
     #[arg(long, value_name = "MODE")]
     pub recompute: Option<Recompute>,
+    /// Number format of activations, as `train --precision`: f32, bf16 or f16 (the memory plan
+    /// counts half-typed activations at 2 bytes) [default: f32].
+    #[arg(long, value_name = "NAME")]
+    pub precision: Option<String>,
     /// `auto` (minimise the slowest stage under the budgets), or a file with one line per stage
     /// listing node names or ranges `first..last` separated by spaces (`#` starts a comment)
     /// [default: auto].
@@ -147,6 +151,10 @@ impl PlanFlags {
             batch: self.batch.or(spec.as_ref().map(|s| s.training.batch)).unwrap_or(64),
             chunks,
             recompute: self.recompute.or(pipeline.map(|p| p.recompute)).unwrap_or(Recompute::Never),
+            precision: match &self.precision {
+                Some(text) => text.parse::<Precision>().map_err(|why| usage(format!("--precision {why}")))?,
+                None => spec.as_ref().map(|s| s.training.precision).unwrap_or_default(),
+            },
             placement,
             data_parallel: self.data_parallel.or(pipeline.map(|p| p.data_parallel)).unwrap_or(1),
             zero: self.zero.or(pipeline.map(|p| p.zero)).unwrap_or(0),

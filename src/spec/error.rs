@@ -5,7 +5,6 @@ use std::path::PathBuf;
 
 use conveyor_schedules::ScheduleKind;
 
-use super::Precision;
 use crate::cli_input::UsageError;
 
 /// A run spec that cannot be read, is inconsistent, or cannot be prepared.
@@ -318,13 +317,16 @@ pub enum SpecError {
         /// Why it is refused.
         reason: String,
     },
-    /// A precision not trained yet.
+    /// A mixed precision with split (tensor-parallel) layers, which compute in f32 only.
     #[error(
-        "--precision {precision}: mixed precision is not supported yet (a later issue); use f32 (training.precision)"
+        "--precision {precision} with --tensor-parallel {tensor_parallel}: the split layers compute in f32 only; \
+         use --precision f32 or --tensor-parallel 1 (training.precision, pipeline.tensor_parallel)"
     )]
     MixedPrecision {
         /// The precision given.
-        precision: Precision,
+        precision: conveyor_engine::Precision,
+        /// The tensor-parallel degree given.
+        tensor_parallel: usize,
     },
     /// A placement the planner refuses (unknown nodes, a stage that does not fit).
     #[error("--placement {placement}: {source} (pipeline.placement)")]

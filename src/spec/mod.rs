@@ -227,17 +227,9 @@ impl Default for PipelineSection {
     }
 }
 
-/// Number format of the parameters and arithmetic (`precision` in `[training]`, `--precision`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Precision {
-    /// 32-bit floats throughout (the only precision trained today).
-    #[default]
-    F32,
-    /// bfloat16 mixed precision: refused by [`RunSpec::validate`] (a later issue).
-    Bf16,
-    /// float16 mixed precision: refused by [`RunSpec::validate`] (a later issue).
-    F16,
-}
+/// Number format of the activations and products (`precision` in `[training]`, `--precision`):
+/// the engine's autocast policy, [`conveyor_engine::Precision`].
+pub use conveyor_engine::Precision;
 
 /// `[training]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -258,7 +250,8 @@ pub struct TrainingSection {
     pub seed: u64,
     /// `shuffle` (`--no-shuffle` sets false): shuffle each epoch's batches. Default true.
     pub shuffle: bool,
-    /// `precision` (`--precision`): f32 (bf16 and f16 are refused for now). Default f32.
+    /// `precision` (`--precision`): f32, bf16 or f16 (mixed precision with f32 master weights;
+    /// f16 with dynamic loss scaling). Default f32.
     #[serde(with = "toml::text")]
     pub precision: Precision,
     /// `on_nonfinite` (`--on-nonfinite`): error, skip or skip:N. Default error.
@@ -376,29 +369,6 @@ impl PlacementSpec {
             "auto" => PlacementSpec::Auto,
             "time" => PlacementSpec::Time,
             path => PlacementSpec::File(PathBuf::from(path)),
-        }
-    }
-}
-
-impl std::fmt::Display for Precision {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Precision::F32 => "f32",
-            Precision::Bf16 => "bf16",
-            Precision::F16 => "f16",
-        })
-    }
-}
-
-impl std::str::FromStr for Precision {
-    type Err = String;
-    /// `f32`, `bf16` or `f16`; the error says what would fix the text.
-    fn from_str(text: &str) -> Result<Self, String> {
-        match text {
-            "f32" => Ok(Precision::F32),
-            "bf16" => Ok(Precision::Bf16),
-            "f16" => Ok(Precision::F16),
-            other => Err(format!("`{other}`: use f32 (bf16 and f16 are names of mixed precision, a later issue)")),
         }
     }
 }

@@ -102,6 +102,7 @@ impl RunSpec {
             recompute: pipeline.recompute,
             seed: training.seed,
             core_slots: pipeline.core_slots,
+            precision: training.precision,
         };
         let replicas = pipeline.data_parallel;
         let data_parallel = DataParallel {

@@ -3,7 +3,7 @@
 //! ([`devices_used`], [`total_steps`]), with checked arithmetic against [`crate::limits`].
 use conveyor_engine::optim::{AdamConfig, OptimizerConfig, SgdConfig};
 
-use super::{OptimizerKind, OptimizerSection, PlacementSpec, Precision, RunSpec, SpecError, TrainingSection};
+use super::{OptimizerKind, OptimizerSection, PlacementSpec, RunSpec, SpecError, TrainingSection};
 use crate::limits::{MAX_CLASSES, MAX_DEVICES, MAX_STAGES, MAX_STEPS};
 use crate::zoo::ModelSpec;
 
@@ -102,8 +102,11 @@ impl RunSpec {
             return Err(SpecError::CheckpointEveryWithoutPath);
         }
         self.optimizer.config()?;
-        if training.precision != Precision::F32 {
-            return Err(SpecError::MixedPrecision { precision: training.precision });
+        if training.precision.is_mixed() && self.pipeline.tensor_parallel > 1 {
+            return Err(SpecError::MixedPrecision {
+                precision: training.precision,
+                tensor_parallel: self.pipeline.tensor_parallel,
+            });
         }
         Ok(())
     }
@@ -270,7 +273,13 @@ mod tests {
             (|s| s.pipeline.microbatches = 64, "more than the 32 rows"),
             (|s| s.pipeline.tensor_parallel = 0, "pipeline.tensor_parallel"),
             (|s| s.pipeline.stages = Some(0), "--stages 0"),
-            (|s| s.training.precision = Precision::Bf16, "mixed precision"),
+            (
+                |s| {
+                    s.training.precision = conveyor_engine::Precision::Bf16;
+                    s.pipeline.tensor_parallel = 2;
+                },
+                "the split layers compute in f32 only",
+            ),
             (|s| s.optimizer.lr = Some(-1.0), "--lr: Invalid learning rate"),
             (|s| s.optimizer.momentum = Some(0.5), "--momentum 0.5 applies only"),
             (|s| s.model.spec = Some("mlp".into()), "invalid model spec `mlp`"),

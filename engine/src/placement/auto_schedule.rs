@@ -17,7 +17,7 @@ use std::collections::HashMap;
 
 use conveyor_schedules::{CostModel, Instruction, OpKind, Schedule, ScheduleKind, StageCosts, simulate};
 
-use super::pipeline_plan::{CPU_FLOPS_PER_S, PipelineConfig, PlaceBy, node_costs, planner_inputs_for};
+use super::pipeline_plan::{CPU_FLOPS_PER_S, PipelineConfig, PlaceBy, node_costs_at, planner_inputs_for};
 use super::{NodeCosts, Plan, place_with_costs, profile_graph};
 use crate::graph::Graph;
 use crate::runtime::Recompute;
@@ -241,7 +241,7 @@ fn plan_candidate(
     let costs = match costs_by_rows.entry(rows) {
         std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
         std::collections::hash_map::Entry::Vacant(entry) => {
-            let costs = node_costs(graph, rows)?;
+            let costs = node_costs_at(graph, rows, config.precision)?;
             entry.insert(match by {
                 PlaceBy::Memory => costs,
                 PlaceBy::Time => {

@@ -9,7 +9,7 @@ use conveyor_schedules::{CostModel, Schedule, ScheduleKind, StageCosts, simulate
 
 use super::{
     DeviceSpec, Link, NodeCosts, OptimizerMemory, Plan, PlanConfig, format_bytes, measure_node_memory,
-    place_manually_with_costs, place_with_costs, profile_graph, read_placement_file,
+    measure_node_memory_at, place_manually_with_costs, place_with_costs, profile_graph, read_placement_file,
 };
 use crate::graph::{Graph, NodeId};
 use crate::optim::OptimizerConfig;
@@ -41,6 +41,9 @@ pub struct PipelineConfig {
     pub seed: u64,
     /// Core slots for CPU workers ([`CoreSlotPolicy`]).
     pub core_slots: CoreSlotPolicy,
+    /// The autocast policy ([`crate::Precision`]): the memory plan measures each layer under it,
+    /// so half-typed activations count at their bytes.
+    pub precision: crate::Precision,
 }
 
 /// What automatic placement balances.
@@ -175,11 +178,17 @@ pub fn node_costs(graph: &Graph, micro_batch_rows: usize) -> Result<NodeCosts> {
     NodeCosts::of_graph(graph)?.with_measured_memory(&measure_node_memory(graph, micro_batch_rows)?)
 }
 
+/// [`node_costs`] under an autocast policy ([`measure_node_memory_at`]): activations in a half
+/// type count at 2 bytes per element.
+pub fn node_costs_at(graph: &Graph, micro_batch_rows: usize, precision: crate::Precision) -> Result<NodeCosts> {
+    NodeCosts::of_graph(graph)?.with_measured_memory(&measure_node_memory_at(graph, micro_batch_rows, precision)?)
+}
+
 /// Plans `graph` on `devices` (one stage per device and chunk) under their budgets, from FLOP
 /// estimates ([`PlaceBy::Memory`]).
 pub fn plan(graph: &Graph, devices: &[Device], config: &PipelineConfig) -> Result<Plan> {
     let (specs, plan_config) = planner_inputs_for(devices, config)?;
-    place_with_costs(&node_costs(graph, plan_config.micro_batch_rows)?, &specs, &plan_config)
+    place_with_costs(&node_costs_at(graph, plan_config.micro_batch_rows, config.precision)?, &specs, &plan_config)
 }
 
 /// Plans `graph` with the layers of each stage named in `stages` (as a placement file gives
@@ -191,7 +200,7 @@ pub fn plan_manually(
     config: &PipelineConfig,
 ) -> Result<Plan> {
     let (specs, plan_config) = planner_inputs_for(devices, config)?;
-    let costs = node_costs(graph, plan_config.micro_batch_rows)?;
+    let costs = node_costs_at(graph, plan_config.micro_batch_rows, config.precision)?;
     place_manually_with_costs(graph, &costs, stages, &specs, &plan_config)
 }
 
@@ -201,7 +210,8 @@ pub fn plan_manually(
 pub fn plan_by_time(graph: &Graph, devices: &[Device], config: &PipelineConfig) -> Result<Plan> {
     let (specs, plan_config) = planner_inputs_for(devices, config)?;
     let times = profile_graph(graph, plan_config.micro_batch_rows, PROFILE_REPEATS)?;
-    let costs = node_costs(graph, plan_config.micro_batch_rows)?.with_measured_times(&times, CPU_FLOPS_PER_S)?;
+    let costs = node_costs_at(graph, plan_config.micro_batch_rows, config.precision)?
+        .with_measured_times(&times, CPU_FLOPS_PER_S)?;
     place_with_costs(&costs, &specs, &plan_config)
 }
 

@@ -271,6 +271,8 @@ impl StepReport {
             op_cpu_times: Vec::new(),
             core_slots: None,
             core_wake_latency_s: None,
+            loss_scale: None,
+            skipped: false,
         }
     }
 }

@@ -40,6 +40,11 @@ impl TrainerBuilder {
                 ),
             ));
         }
+        if let Some(gpu) =
+            self.devices.iter().find(|d| matches!(d, Device::Cuda(_))).filter(|_| self.precision.is_mixed())
+        {
+            return Err(Error::PrecisionUnsupported { precision: self.precision.to_string(), device: gpu.to_string() });
+        }
         let replicas = self.replicas;
         if self.zero > 1 {
             return Err(Error::invalid(
@@ -434,6 +439,8 @@ impl TrainerBuilder {
             plan,
             loss: self.loss,
             metadata: Default::default(),
+            precision: self.precision,
+            loss_scaler: self.precision.scales_loss().then(|| crate::LossScaler::new(self.loss_scale)),
         })
     }
 }

@@ -278,9 +278,25 @@ impl Trainer {
             if self.replicas > 1 || !self.ties.is_empty() {
                 self.renew_gradient_groups()?;
             }
+            // Under f16 loss scaling a gradient that overflowed is GradScaler's skipped step: not
+            // committed (as any non-finite step), not an error; the scale is lowered.
+            if self.loss_scaler.is_some()
+                && let Error::NonFiniteStep { what: crate::NonFinite::Gradient, .. } = error
+            {
+                let mut outcome = self.report(finishes, all_losses, f64::INFINITY, started, slots_this_step, training);
+                outcome.report.skipped = true;
+                if let Some(scaler) = self.loss_scaler.as_mut() {
+                    scaler.overflowed();
+                }
+                return Ok(outcome);
+            }
             return Err(error);
         }
-        Ok(self.report(finishes, all_losses, global_norm, started, slots_this_step))
+        let outcome = self.report(finishes, all_losses, global_norm, started, slots_this_step, training);
+        if let (true, Some(scaler)) = (training, self.loss_scaler.as_mut()) {
+            scaler.committed();
+        }
+        Ok(outcome)
     }
 
     /// The commit decision every rank takes from the same votes: the global gradient norm, or why
@@ -331,6 +347,7 @@ impl Trainer {
         global_norm: f64,
         started: Instant,
         slots_this_step: Option<usize>,
+        training: bool,
     ) -> StepOutcome {
         let origin = finishes.iter().map(|f| f.started_s).fold(f64::INFINITY, f64::min);
         let mut events = Vec::new();
@@ -383,6 +400,8 @@ impl Trainer {
                     let latencies = slots.take_wake_latencies();
                     latencies.iter().sum::<f64>() / latencies.len().max(1) as f64
                 }),
+                loss_scale: self.loss_scaler.map(|scaler| scaler.scale()).filter(|_| training),
+                skipped: false,
             },
             outputs: outputs.into_iter().map(|(_, t)| t).collect(),
         }

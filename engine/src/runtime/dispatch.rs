@@ -210,6 +210,11 @@ impl Trainer {
                 use_core_slots: slots_this_step.is_some(),
                 micro_batch_offset: replica * n_micro_batches,
                 bucket_bytes: self.bucket_bytes,
+                precision: self.precision,
+                loss_scale: match (&self.loss_scaler, training) {
+                    (Some(scaler), true) => scaler.scale(),
+                    _ => 1.0,
+                },
             };
             let worker = self.workers[worker_idx].as_ref().expect("a local worker");
             worker

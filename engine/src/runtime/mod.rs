@@ -211,6 +211,13 @@ pub struct StepReport {
     /// With core slots: the mean time the operating system took to run a sleeping worker once a
     /// slot was handed to it (for `simulate_with_core_slots`); `None` without slots.
     pub core_wake_latency_s: Option<f64>,
+    /// The loss scale this step ran with (f16 training, [`TrainerBuilder::precision`]); `None`
+    /// for f32 and bf16.
+    pub loss_scale: Option<f32>,
+    /// True when the step was skipped, not committed: under f16 loss scaling a gradient was not
+    /// finite, so no parameter changed and the scale was lowered for the next step (as
+    /// `GradScaler` skips `optimizer.step()`). `grad_norm` is then infinite or NaN.
+    pub skipped: bool,
 }
 
 /// The CPU time one op took on its worker thread.

@@ -213,6 +213,7 @@ impl TrainerBuilder {
             recompute: planning_recompute(&self.recompute),
             seed: self.seed,
             core_slots: self.core_slots,
+            precision: self.precision,
         };
         plan_placement(&self.graph, &self.devices, &config, placement)
     }

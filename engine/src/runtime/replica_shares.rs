@@ -311,6 +311,8 @@ mod tests {
             op_cpu_times: vec![],
             core_slots: None,
             core_wake_latency_s: None,
+            loss_scale: None,
+            skipped: false,
         };
         let mut auto = ShareState::new(ReplicaShares::Auto, 2);
         assert_eq!(auto.rows(64, 1).unwrap(), vec![32, 32]);

@@ -101,6 +101,10 @@ pub(crate) struct StepCtx<'a> {
     /// This replica's first micro-batch in the whole batch (data parallelism): dropout draws by
     /// the batch-wide index, so replicas draw what one device draws for the same rows.
     pub micro_batch_offset: usize,
+    /// The autocast policy every layer's forward gets ([`crate::ForwardCtx::precision`]).
+    pub precision: crate::Precision,
+    /// The loss scale (f16 training; 1 otherwise): the loss gradient is multiplied by it.
+    pub loss_scale: f32,
 }
 
 impl StepCtx<'_> {
@@ -231,7 +235,11 @@ impl Stage {
                     )
                 })?);
             }
-            let fctx = ForwardCtx { training: ctx.training, seed: ctx.node_seed(micro_batch_idx, node.id) };
+            let fctx = ForwardCtx {
+                training: ctx.training,
+                seed: ctx.node_seed(micro_batch_idx, node.id),
+                precision: ctx.precision,
+            };
             let (out, node_saved) = node.layer.forward(&args, &fctx)?;
             values.push(Some(out));
             saved.push(node_saved);
@@ -272,8 +280,12 @@ impl Stage {
                 let targets = targets
                     .ok_or_else(|| Error::invalid("targets", "a training step's output stage was given no targets"))?
                     .move_to_device(&self.device)?;
-                let (loss, grad) = ctx.loss.loss_and_grad(&output, &targets, ctx.normalizer)?;
-                loss_value = Some(loss);
+                // A loss divides by its normalizer, so dividing that by the loss scale multiplies
+                // the gradient by it; the scale is a power of two, so the reported loss is the
+                // unscaled one to the bit (barring overflow, which the vote catches).
+                let normalizer = ctx.normalizer / ctx.loss_scale;
+                let (loss, grad) = ctx.loss.loss_and_grad(&output, &targets, normalizer)?;
+                loss_value = Some(loss / f64::from(ctx.loss_scale));
                 grad_out[self.local_index(output_id).expect("output node is local")] = Some(grad);
             } else {
                 eval_output = Some(output);
@@ -369,7 +381,7 @@ impl Stage {
                 } else if let Some(r) = self.recv_from.iter().position(|r| r.nodes.contains(&input)) {
                     let payload = &mut outgoing[r].1;
                     match payload.iter_mut().find(|(id, _)| *id == input) {
-                        Some((_, existing)) => existing.add_assign(&input_grad)?,
+                        Some((_, existing)) => add_gradient(existing, &input_grad)?,
                         None => payload.push((input, input_grad)),
                     }
                 }
@@ -463,9 +475,15 @@ impl Stage {
     /// parameters and state private elements, and, when the stage keeps an undo snapshot, reserves
     /// its spare buffers (allocated once, kept from step to step), so that the apply phase
     /// allocates nothing. Changes no parameter and no state value.
-    pub fn prepare_commit(&mut self) -> Result<StageVote> {
+    ///
+    /// With a `loss_scale` other than 1 (f16 training) every gradient is first divided by it, so
+    /// the norm, the clipping and the optimizer see the unscaled gradients.
+    pub fn prepare_commit(&mut self, loss_scale: f32) -> Result<StageVote> {
         for node in &mut self.nodes {
             node.grads.iter_mut().try_for_each(Tensor::make_unique)?;
+            if loss_scale != 1.0 {
+                node.grads.iter_mut().try_for_each(|grad| grad.scale_in_place(1.0 / loss_scale))?;
+            }
         }
         let sum_of_squares = self.grad_sum_of_squares()?;
         if !sum_of_squares.is_finite() {
@@ -690,10 +708,23 @@ impl UndoSnapshot {
 
 fn accumulate(slot: &mut Option<Tensor>, grad: Tensor) -> Result<()> {
     match slot {
-        Some(existing) => existing.add_assign(&grad),
+        Some(existing) => add_gradient(existing, &grad),
         None => {
             *slot = Some(grad);
             Ok(())
         }
     }
+}
+
+/// `existing += grad`. Under a mixed precision two consumers of one output may hand back
+/// gradients of different dtypes (a product's half type, an fp32-list op's f32): both are then
+/// summed in f32, and so is a pair of half gradients (f32 sums, as every op here).
+fn add_gradient(existing: &mut Tensor, grad: &Tensor) -> Result<()> {
+    if existing.dtype() == crate::DType::F32 && grad.dtype() == crate::DType::F32 {
+        return existing.add_assign(grad);
+    }
+    let mut sum = existing.to_dtype(crate::DType::F32)?;
+    sum.add_assign(&grad.to_dtype(crate::DType::F32)?)?;
+    *existing = if existing.dtype() == grad.dtype() { sum.into_dtype(grad.dtype())? } else { sum };
+    Ok(())
 }

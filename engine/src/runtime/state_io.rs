@@ -32,7 +32,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use super::{Trainer, TrainerBuilder};
-use crate::checkpoint::{self, Checkpoint, LoadOptions, LoadReport, RESERVED_METADATA_KEYS, SEED_KEY, STEP_KEY};
+use crate::checkpoint::{
+    self, Checkpoint, LOSS_SCALE_GOOD_STEPS_KEY, LOSS_SCALE_KEY, LoadOptions, LoadReport, RESERVED_METADATA_KEYS,
+    SEED_KEY, STEP_KEY,
+};
 use crate::optim::{OPTIMIZER_STATE_PREFIX, STEP, optimizer_state_name};
 use crate::{DType, Device, Error, Result, Shape, Tensor};
 
@@ -351,6 +354,10 @@ impl Trainer {
         let mut metadata = self.metadata.clone();
         metadata.insert(STEP_KEY.to_string(), self.step_idx.to_string());
         metadata.insert(SEED_KEY.to_string(), self.seed.to_string());
+        if let Some(scaler) = &self.loss_scaler {
+            metadata.insert(LOSS_SCALE_KEY.to_string(), scaler.scale().to_string());
+            metadata.insert(LOSS_SCALE_GOOD_STEPS_KEY.to_string(), scaler.good_steps().to_string());
+        }
         if !self.writes_files() {
             return Ok(());
         }
@@ -413,6 +420,21 @@ impl Trainer {
         }
         refuse_non_finite(&file)?;
         check_optimizer_state(&file, &parameters)?;
+        // An f16 run's loss scale, when the file has one (a file of another precision starts the
+        // scale afresh, as a new GradScaler).
+        let loss_scale: Option<(f32, u32)> = match (&self.loss_scaler, file.metadata().contains_key(LOSS_SCALE_KEY)) {
+            (Some(_), true) => {
+                let scale: f32 = file.metadata_value(LOSS_SCALE_KEY)?;
+                if !(scale.is_finite() && scale > 0.0) {
+                    return Err(Error::Checkpoint {
+                        path: path.display().to_string(),
+                        reason: format!("metadata `{LOSS_SCALE_KEY}` = {scale}: a loss scale is positive and finite"),
+                    });
+                }
+                Some((scale, file.metadata_value(LOSS_SCALE_GOOD_STEPS_KEY)?))
+            }
+            _ => None,
+        };
         let (step_idx, seed): (u64, u64) = match fallback {
             Some((step_idx, seed)) if !file.metadata().contains_key(STEP_KEY) => {
                 let seed = if file.metadata().contains_key(SEED_KEY) { file.metadata_value(SEED_KEY)? } else { seed };
@@ -427,6 +449,9 @@ impl Trainer {
         self.load_optimizer_state(file)?;
         self.step_idx = step_idx;
         self.seed = seed;
+        if let (Some(scaler), Some((scale, good_steps))) = (self.loss_scaler.as_mut(), loss_scale) {
+            scaler.restore(scale, good_steps);
+        }
         for (key, value) in metadata {
             if !RESERVED_METADATA_KEYS.contains(&key.as_str()) {
                 self.metadata.entry(key).or_insert(value);

@@ -61,6 +61,8 @@ pub struct TrainerBuilder {
     replica_shares: super::ReplicaShares,
     bucket_bytes: Option<usize>,
     tied: Vec<Vec<String>>,
+    precision: crate::Precision,
+    loss_scale: crate::LossScaleConfig,
 }
 
 /// Builds replica `r`'s graph on its devices ([`TrainerBuilder::data_parallel`]).
@@ -217,6 +219,27 @@ impl TrainerBuilder {
         self
     }
 
+    /// Mixed precision, as `torch.autocast` (default f32): under [`crate::Precision::Bf16`] or
+    /// [`crate::Precision::F16`] the products (Linear, Conv2d, attention) compute on half-rounded operands
+    /// with f32 sums and keep their outputs and saved inputs in the half type, the fp32-list ops
+    /// (losses, softmax, layer norm) compute in f32; parameters, gradients and optimizer state
+    /// stay f32 (`crate::Precision` has the rules). F16 also scales the loss
+    /// ([`TrainerBuilder::loss_scale`]). CPU devices only for now: [`TrainerBuilder::build`]
+    /// refuses a mixed precision on a GPU ([`Error::PrecisionUnsupported`]).
+    pub fn precision(mut self, precision: crate::Precision) -> Self {
+        self.precision = precision;
+        self
+    }
+
+    /// The dynamic loss scaling of f16 training (default: `GradScaler`'s, 2^16 halved on a
+    /// non-finite gradient, doubled after 2000 committed steps in a row); ignored for f32 and
+    /// bf16. A step whose gradients are not finite is then not committed and not an error: it
+    /// returns its report with [`super::StepReport::skipped`] set and the scale lowered.
+    pub fn loss_scale(mut self, config: crate::LossScaleConfig) -> Self {
+        self.loss_scale = config;
+        self
+    }
+
     /// Clip gradients to this global L2 norm (torch's `clip_grad_norm_`), across all stages.
     pub fn max_grad_norm(mut self, max_norm: Option<f64>) -> Self {
         self.max_grad_norm = max_norm;
@@ -340,6 +363,10 @@ pub struct Trainer {
     pub(super) loss: Arc<dyn Loss>,
     /// Metadata saved with every file (`TrainerBuilder::metadata`).
     metadata: std::collections::BTreeMap<String, String>,
+    /// The autocast policy ([`TrainerBuilder::precision`]).
+    pub(super) precision: crate::Precision,
+    /// The dynamic loss scale under f16 ([`TrainerBuilder::loss_scale`]); `None` otherwise.
+    pub(super) loss_scaler: Option<crate::LossScaler>,
 }
 
 /// Under [`CoreSlotPolicy::Auto`], the smallest mean compute op (flops of one F, B or W of a
@@ -405,7 +432,20 @@ impl Trainer {
             replica_shares: Default::default(),
             bucket_bytes: Some(super::DEFAULT_BUCKET_BYTES),
             tied: Vec::new(),
+            precision: crate::Precision::F32,
+            loss_scale: Default::default(),
         }
+    }
+
+    /// The autocast policy the layers run under ([`TrainerBuilder::precision`]).
+    pub fn precision(&self) -> crate::Precision {
+        self.precision
+    }
+
+    /// The loss scale of the next step under f16 ([`TrainerBuilder::loss_scale`]); `None` for f32
+    /// and bf16, which need none.
+    pub fn loss_scale(&self) -> Option<f32> {
+        self.loss_scaler.map(|scaler| scaler.scale())
     }
 
     /// The number of core slots compute ops may share, if any ([`TrainerBuilder::core_slots`]).
@@ -578,7 +618,12 @@ impl Trainer {
     pub fn predict(&mut self, inputs: &Tensor) -> Result<Tensor> {
         let outcome = self.dispatch(inputs, None, false)?;
         let host = Device::host();
-        let parts = outcome.outputs.into_iter().map(|t| t.move_to_device(&host)).collect::<Result<Vec<_>>>()?;
+        // Under a mixed precision the output may be in a half type: handed out as f32.
+        let parts = outcome
+            .outputs
+            .into_iter()
+            .map(|t| t.move_to_device(&host)?.into_dtype(crate::DType::F32))
+            .collect::<Result<Vec<_>>>()?;
         Tensor::cat_rows(&parts.iter().collect::<Vec<_>>(), &host)
     }
 }

@@ -90,6 +90,11 @@ pub(crate) struct StepJob {
     /// With data-parallel replicas: the gradient buckets' size, or `None` to all-reduce every
     /// gradient at the optimizer step ([`super::TrainerBuilder::bucket_size`]).
     pub bucket_bytes: Option<usize>,
+    /// The autocast policy the layers run under ([`super::TrainerBuilder::precision`]).
+    pub precision: crate::Precision,
+    /// The loss scale of this step (f16 training; 1 otherwise): the loss gradient is multiplied
+    /// by it and every gradient divided by it in the prepare phase.
+    pub loss_scale: f32,
 }
 
 /// The coordinator's decision after every worker is ready.
@@ -364,6 +369,8 @@ fn execute(
         loss,
         training: job.training,
         micro_batch_offset: job.micro_batch_offset,
+        precision: job.precision,
+        loss_scale: job.loss_scale,
     };
     for stage in stages.iter_mut() {
         if job.fault.is_some_and(|f| f.panic && f.strikes(stage.stage_idx, FaultPoint::WorkerLoop, None)) {
@@ -460,7 +467,7 @@ fn execute(
                     for stage in stages.iter_mut() {
                         let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
                         let vote = guarded(stage_idx, &device, FaultPoint::Prepare, None, job.fault, || {
-                            Ok(stage.prepare_commit()?)
+                            Ok(stage.prepare_commit(job.loss_scale)?)
                         })?;
                         sum_of_squares += vote.sum_of_squares;
                         if let (None, Some(parameter)) = (&non_finite, vote.non_finite_parameter) {

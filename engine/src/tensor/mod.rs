@@ -441,6 +441,16 @@ impl Tensor {
         if dtype == self.dtype() {
             return self.try_clone();
         }
+        // Host f32 narrowed in one pass, without an f32 copy first (mixed precision rounds every
+        // product's operands and results this way).
+        if let Storage::Host(HostStorage::F32(values)) = self.storage() {
+            let narrowed = match dtype {
+                DType::F16 => HostStorage::F16(values.iter().map(|&x| f16::from_f32(x)).collect()),
+                DType::BF16 => HostStorage::BF16(values.iter().map(|&x| bf16::from_f32(x)).collect()),
+                DType::F32 => HostStorage::F32(values.clone()),
+            };
+            return Tensor::from_storage(narrowed, self.shape.clone(), &self.device);
+        }
         let values = self.try_to_vec_f32()?;
         Tensor::from_storage(HostStorage::from_f32(values, dtype), self.shape.clone(), &self.device)
     }

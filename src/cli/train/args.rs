@@ -163,8 +163,8 @@ pub struct TrainArgs {
     /// Take batches in data order from the first row instead of shuffling.
     #[arg(long)]
     pub no_shuffle: bool,
-    /// Number format of parameters and arithmetic: f32 (bf16 and f16 mixed precision are a later
-    /// issue and refused).
+    /// Number format of activations and products: f32, bf16 or f16 (mixed precision as
+    /// torch.autocast: f32 master weights and optimizer state; f16 with dynamic loss scaling).
     /// [default: f32]
     #[arg(long, value_name = "NAME")]
     pub precision: Option<String>,

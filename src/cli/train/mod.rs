@@ -210,7 +210,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let test = run.test.take();
     let first_step = state.step;
     outln!(
-        "conveyor train: {model_text} on {} ({} train rows{}), {n_devices} device(s){}, {schedule}{}, {} micro-batches of {} rows{}, {} lr {base_lr} ({lr_schedule})",
+        "conveyor train: {model_text} on {} ({} train rows{}), {n_devices} device(s){}, {schedule}{}, {} micro-batches of {} rows{}, {} lr {base_lr} ({lr_schedule}){}",
         spec.data.source,
         run.train.len(),
         test.as_ref().map(|t| format!(", {} test rows", t.len())).unwrap_or_default(),
@@ -220,6 +220,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         batch.div_ceil(replicas * microbatches),
         if replicas > 1 { " per replica" } else { "" },
         optimizer.name(),
+        match spec.training.precision {
+            conveyor::spec::Precision::F32 => String::new(),
+            precision => format!(", {precision} mixed precision"),
+        },
     );
     if replicas > 1 {
         for replica in 1..replicas {
@@ -299,6 +303,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         let report = match run.trainer.train_step(&x, &y) {
             Ok(report) => {
                 skipped_in_a_row = 0;
+                // An f16 step whose gradient overflowed the loss scale: not committed, the scale
+                // lowered (GradScaler's skip); the run goes on.
+                skipped_steps += u64::from(report.skipped);
                 report
             }
             Err(error @ conveyor::engine::Error::NonFiniteStep { .. }) => {
@@ -388,6 +395,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             });
             if let Some(accuracy) = eval_accuracy {
                 line["test_accuracy"] = accuracy.into();
+            }
+            if let Some(scale) = report.loss_scale {
+                line["loss_scale"] = scale.into();
+            }
+            if report.skipped {
+                line["skipped"] = true.into();
             }
             out.line(&line);
         }

@@ -22,7 +22,7 @@ mod probe;
 pub(crate) use footprint::{StageFootprint, StageInput, StageShape, footprint};
 pub use moments::ScheduleMemory;
 pub(crate) use moments::{Moment, Running};
-pub use probe::{measure_node_memory, measure_node_memory_on};
+pub use probe::{measure_node_memory, measure_node_memory_at, measure_node_memory_on};
 
 use crate::LayerCost;
 

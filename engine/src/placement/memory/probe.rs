@@ -24,7 +24,7 @@
 use super::{InputGradMemory, NodeMemory, OutputMemory, Rank, SavedMemory};
 use crate::device::ThreadTally;
 use crate::graph::{Graph, NodeId};
-use crate::{DType, Device, ForwardCtx, Layer, Result, Saved, Tensor, init};
+use crate::{DType, Device, ForwardCtx, Layer, Precision, Result, Saved, Tensor, init};
 
 /// Layers with more parameter bytes than this, or more bytes of inputs and output on one
 /// micro-batch, are not run to be measured (see [`measure_node_memory_on`]); their memory figures
@@ -38,6 +38,13 @@ pub fn measure_node_memory(graph: &Graph, rows: usize) -> Result<Vec<(NodeId, No
     measure_node_memory_on(graph, rows, |_| None)
 }
 
+/// [`measure_node_memory`] under an autocast policy: each layer runs with `precision` in its
+/// forward context, on inputs of the dtype its producers' outputs have (graph inputs f32), so a
+/// product's half-typed output and saved input are measured at their bytes.
+pub fn measure_node_memory_at(graph: &Graph, rows: usize, precision: Precision) -> Result<Vec<(NodeId, NodeMemory)>> {
+    measure(graph, rows, precision, |_| None)
+}
+
 /// [`measure_node_memory`] for a graph whose tensor-parallel layers are already built on their
 /// devices: `group_of(node)` gives the devices of the node's stage (the first one is where its
 /// inputs arrive). Layers with parameters off the host are measured on those devices' ledgers,
@@ -47,6 +54,17 @@ pub fn measure_node_memory_on(
     rows: usize,
     group_of: impl Fn(NodeId) -> Option<Vec<Device>>,
 ) -> Result<Vec<(NodeId, NodeMemory)>> {
+    measure(graph, rows, Precision::F32, group_of)
+}
+
+fn measure(
+    graph: &Graph,
+    rows: usize,
+    precision: Precision,
+    group_of: impl Fn(NodeId) -> Option<Vec<Device>>,
+) -> Result<Vec<(NodeId, NodeMemory)>> {
+    // The dtype of each probed node's output, for its consumers' inputs.
+    let mut output_dtypes: std::collections::HashMap<NodeId, DType> = std::collections::HashMap::new();
     let rows = rows.max(1);
     let host = Device::host();
     let inputs = graph.inputs();
@@ -83,10 +101,11 @@ pub fn measure_node_memory_on(
         let mut values = Vec::with_capacity(predecessors.len());
         for pred in &predecessors {
             let shape = graph.node(*pred)?.output_shape.with_leading_dim(rows);
+            let dtype = output_dtypes.get(pred).copied().unwrap_or(DType::F32);
             values.push(if layer.takes_indices() {
                 Tensor::zeros(shape, DType::F32, &group[0])?
             } else {
-                init::uniform(shape, -1.0, 1.0, &mut rng, &group[0])?
+                init::uniform(shape, -1.0, 1.0, &mut rng, &group[0])?.into_dtype(dtype)?
             });
         }
         let needed: Vec<bool> = predecessors.iter().map(|p| !inputs.contains(p)).collect();
@@ -94,7 +113,8 @@ pub fn measure_node_memory_on(
         // the host it is neither returned nor saved, and the host's ledger cannot be read for
         // one call.
         let held = cost.backward_held_bytes_per_sample.saturating_mul(rows as u64);
-        let memory = probe(layer, &values, &needed, &group, !on_host, rows, held)?;
+        let (memory, output_dtype) = probe(layer, &values, &needed, &group, !on_host, rows, held, precision)?;
+        output_dtypes.insert(id, output_dtype);
         out.push((id, memory));
     }
     Ok(out)
@@ -120,6 +140,7 @@ fn rank_of(group: &[Device], tensor: &Tensor) -> Rank {
     group.iter().position(|d| d.same_device(tensor.device())).unwrap_or(0)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn probe(
     layer: &dyn Layer,
     inputs: &[Tensor],
@@ -128,17 +149,27 @@ fn probe(
     ledger: bool,
     rows: usize,
     held: u64,
-) -> Result<NodeMemory> {
+    precision: Precision,
+) -> Result<(NodeMemory, DType)> {
     let k = group.len();
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let mut params = vec![0u64; k];
     for p in layer.parameters() {
         params[rank_of(group, &p.value)] += p.value.size_in_bytes() as u64;
     }
+    // Under a mixed precision a product rounds its parameters to the half type for the call (a
+    // copy on the device's ledger, freed when it returns), in its forward and its input-gradient
+    // call, and computes an f32 result it then rounds; the host's ledger cannot show either, so
+    // every parameter's half copy and the f32 form of each half result are counted.
+    let rounded_parameters = match (precision.half_dtype(), ledger) {
+        (Some(half), false) => layer.parameters().iter().map(|p| (p.value.numel() * half.size_in_bytes()) as u64).sum(),
+        _ => 0,
+    };
     // Forward.
     let in_use_before: Vec<u64> = group.iter().map(Device::memory_in_use).collect();
     let tallies = start(group, ledger)?;
-    let (output, saved) = layer.forward(&refs, &ForwardCtx::train(1))?;
+    let (output, saved) = layer.forward(&refs, &ForwardCtx::train(1).with_precision(precision))?;
+    let output_dtype = output.dtype();
     let output_memory = match inputs.iter().position(|x| x.shares_storage_with(&output)) {
         Some(i) => OutputMemory::ShareOfInput(i),
         None => OutputMemory::New(output.size_in_bytes() as u64),
@@ -163,7 +194,11 @@ fn probe(
         }
         peaks.iter().zip(&new_bytes).map(|(p, n)| (*p).max(*n)).collect()
     } else {
-        new_bytes.clone()
+        // The product's f32 result before it is rounded to a half output, too.
+        let f32_result = if output.dtype() == DType::F32 { 0 } else { (output.numel() * 4) as u64 };
+        let mut peak = new_bytes.clone();
+        peak[0] += rounded_parameters + f32_result;
+        peak
     };
     // Input gradient.
     let grad_output = Tensor::full(1.0, output.shape().clone(), output.dtype(), output.device())?;
@@ -182,7 +217,12 @@ fn probe(
         })
         .collect();
     let mut floor = grad_bytes.clone();
-    floor[0] += held;
+    // Half input gradients come from f32 results rounded after the product (host layers).
+    let f32_results: u64 = match ledger {
+        false => input_grads.iter().flatten().filter(|g| g.dtype() != DType::F32).map(|g| (g.numel() * 4) as u64).sum(),
+        true => 0,
+    };
+    floor[0] += held + rounded_parameters + f32_results;
     let backward_input_peak = peaks_or(tallies, &floor);
     let mut backward_held = vec![0u64; k];
     backward_held[0] = held;
@@ -199,7 +239,7 @@ fn probe(
     let mut floor = vec![0; k];
     floor[0] = layer.weight_pass_scratch_bytes();
     let backward_weight_peak = peaks_or(tallies, &floor);
-    Ok(NodeMemory {
+    let memory = NodeMemory {
         rows,
         output: output_memory,
         output_bytes,
@@ -210,7 +250,8 @@ fn probe(
         backward_weight_peak,
         backward_held,
         params,
-    })
+    };
+    Ok((memory, output_dtype))
 }
 
 /// Each saved tensor as a share of an input, of the output, or bytes of its own (counted once
