@@ -195,7 +195,11 @@ fn on_host<'a>(shards: impl Iterator<Item = &'a Tensor>) -> Result<Vec<Tensor>> 
 
 /// Concatenates shards along their first dimension into an unsplit host tensor of `dims`.
 fn unsplit_rows<'a>(shards: impl Iterator<Item = &'a Parameter>, dims: impl Into<Shape>) -> Result<Tensor> {
-    let copies = on_host(shards.map(|shard| &shard.value))?;
+    cat_flat(on_host(shards.map(|shard| &shard.value))?, dims)
+}
+
+/// Host tensors flattened and concatenated, in order, into one host tensor of `dims`.
+fn cat_flat(copies: Vec<Tensor>, dims: impl Into<Shape>) -> Result<Tensor> {
     let flat: Vec<Tensor> = copies
         .into_iter()
         .map(|c| {
@@ -217,15 +221,7 @@ fn gather_rows(
     dims: impl Into<Shape>,
 ) -> Result<Tensor> {
     if group.n_local() == group.k() {
-        let copies = on_host(local.iter().copied())?;
-        let flat: Vec<Tensor> = copies
-            .into_iter()
-            .map(|c| {
-                let n = c.numel();
-                c.reshape([n])
-            })
-            .collect::<Result<_>>()?;
-        return Tensor::cat_rows(&flat.iter().collect::<Vec<_>>(), &Device::host())?.reshape(dims);
+        return cat_flat(on_host(local.iter().copied())?, dims);
     }
     let host = Device::host();
     let mut gathered = group.run(vec![(); group.n_local()], |rank, comm, ()| {
