@@ -431,13 +431,10 @@ fn print_replicas(plan: &Plan, replicas: &ReplicaPlan, report: &SimulationReport
     );
     let all_reduce_s: f64 =
         report.timeline.events.iter().filter(|e| e.op == OpKind::AllReduce).map(|e| e.duration_s()).fold(0.0, f64::max);
-    let when = match buckets.bytes() {
-        Some(_) => format!("in {buckets} buckets beside each device's final weight pass, "),
-        None => "at each device's optimizer step, ".to_string(),
-    };
     outln!(
-        "the predicted step above includes the gradient all-reduce ({when}before the commit; the longest device's: \
+        "the predicted step above includes the gradient all-reduce ({}, before the commit; the longest device's: \
          {}); each replica takes 1/{} of every batch",
+        buckets.when(),
         format_seconds(all_reduce_s),
         replicas.replicas
     );

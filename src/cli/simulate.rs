@@ -198,14 +198,11 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     if args.data_parallel > 1 {
         outln!(
             "data parallel: {} replicas; each stage all-reduces {} bytes of gradients in {} s (ring on the link), \
-             A on the chart, {} before the commit",
+             A on the chart, {}, before the commit",
             args.data_parallel,
             args.gradient_bytes,
             stage_all_reduce_s,
-            match buckets.bytes() {
-                Some(_) => format!("in {buckets} buckets beside the device's final weight pass,"),
-                None => "at the optimizer step,".to_string(),
-            }
+            buckets.when()
         );
     }
     if schedule.n_chunks() > 1 {

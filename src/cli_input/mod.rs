@@ -12,7 +12,7 @@ mod values;
 
 pub use placement::{parse_placement, read_placement_file};
 pub use run_state::{RUN_STATE_KEY_PREFIX, RunState, SPEC_KEY, data_fingerprint};
-pub use values::{BucketSize, LrSchedule, OnNonFinite, parse_devices, parse_size};
+pub use values::{BucketSize, LrSchedule, OnNonFinite, exact_size, parse_devices, parse_size};
 
 /// A problem with what the user gave: the message says what was wrong and how to fix it.
 #[derive(Debug, Clone, PartialEq, Eq)]

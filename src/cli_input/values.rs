@@ -79,16 +79,32 @@ impl BucketSize {
     }
 }
 
+impl BucketSize {
+    /// When the all-reduce runs, in words (`plan` and `simulate` say it).
+    pub fn when(self) -> String {
+        match self {
+            BucketSize::Bytes(_) => format!("in {self} buckets beside each device's final weight pass"),
+            BucketSize::Off => "at each device's optimizer step".to_string(),
+        }
+    }
+}
+
 impl std::fmt::Display for BucketSize {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let BucketSize::Bytes(bytes) = *self else { return f.write_str("off") };
-        for (unit, size) in [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)] {
-            if bytes % size == 0 {
-                return write!(f, "{}{unit}", bytes / size);
-            }
+        match *self {
+            BucketSize::Bytes(bytes) => f.write_str(&exact_size(bytes).unwrap_or_else(|| bytes.to_string())),
+            BucketSize::Off => f.write_str("off"),
         }
-        write!(f, "{bytes}")
     }
+}
+
+/// `bytes` as a whole number of the largest unit that divides it (`"2GiB"`, `"512MiB"`,
+/// `"4KiB"`), or `None` when no unit does: how sizes are written back (`--print-config`).
+pub fn exact_size(bytes: u64) -> Option<String> {
+    [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)]
+        .into_iter()
+        .find(|&(_, size)| bytes.is_multiple_of(size))
+        .map(|(unit, size)| format!("{}{unit}", bytes / size))
 }
 
 impl std::str::FromStr for BucketSize {

@@ -389,12 +389,10 @@ pub(super) mod size_opt {
 
     pub fn serialize<S: Serializer>(value: &Option<u64>, serializer: S) -> Result<S::Ok, S::Error> {
         let Some(bytes) = *value else { return serializer.serialize_none() };
-        for (unit, size) in [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)] {
-            if bytes % size == 0 {
-                return serializer.serialize_str(&format!("{}{unit}", bytes / size));
-            }
+        match crate::cli_input::exact_size(bytes) {
+            Some(text) => serializer.serialize_str(&text),
+            None => wide::serialize(&bytes, serializer),
         }
-        wide::serialize(&bytes, serializer)
     }
 
     struct Size;

@@ -27,7 +27,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::thread::{Scope, ScopedJoinHandle};
 use std::time::Instant;
 
-use conveyor_schedules::OpKind;
+use conveyor_schedules::{OpKind, TimelineEvent};
 use crossbeam::channel::{self, Receiver, Sender};
 
 use super::gradient_groups::GroupComm;
@@ -56,20 +56,12 @@ struct Bucket {
     bytes: usize,
 }
 
-/// One bucket's all-reduce as it ran: its first node's stage, start and end (seconds since the
-/// step started).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct BucketSpan {
-    pub stage_idx: usize,
-    pub start_s: f64,
-    pub end_s: f64,
-}
-
-/// What the communication thread gives back: every tensor it got, the buckets' spans, and the
+/// What the communication thread gives back: every tensor it got, each bucket's all-reduce as a
+/// timeline event of its worker, and the
 /// first failure (after which it only returns what it gets).
 struct Returned {
     items: Vec<NodeGrads>,
-    spans: Vec<BucketSpan>,
+    events: Vec<TimelineEvent>,
     error: Option<Error>,
 }
 
@@ -147,15 +139,15 @@ impl<'scope> BucketReducer<'scope> {
     }
 
     /// Launches the last bucket, waits for every all-reduce, and puts every gradient back into
-    /// its node; the buckets' spans, or the first failure.
-    pub(crate) fn finish(mut self, stages: &mut [Stage]) -> Result<Vec<BucketSpan>> {
+    /// its node; each bucket's all-reduce as a timeline event, or the first failure.
+    pub(crate) fn finish(mut self, stages: &mut [Stage]) -> Result<Vec<TimelineEvent>> {
         self.queue.launch();
         self.queue.sender = None;
         let returned = join(self.thread);
         put_back(stages, returned.items)?;
         match returned.error {
             Some(error) => Err(error),
-            None => Ok(returned.spans),
+            None => Ok(returned.events),
         }
     }
 
@@ -177,7 +169,7 @@ impl<'scope> BucketReducer<'scope> {
 fn join(thread: ScopedJoinHandle<'_, Returned>) -> Returned {
     thread.join().unwrap_or_else(|_| Returned {
         items: Vec::new(),
-        spans: Vec::new(),
+        events: Vec::new(),
         error: Some(Error::invalid("gradient buckets", "the all-reduce thread panicked")),
     })
 }
@@ -203,7 +195,7 @@ fn put_back(stages: &mut [Stage], items: Vec<NodeGrads>) -> Result<()> {
 /// closes; after a failure it only collects what it gets, to give it back. Each bucket is an
 /// op span of worker `device_idx` (the trace and `conveyor train --svg` draw it).
 fn reduce_buckets(queue: &Receiver<Bucket>, comm: &GroupComm, started: Instant, device_idx: usize) -> Returned {
-    let mut returned = Returned { items: Vec::new(), spans: Vec::new(), error: None };
+    let mut returned = Returned { items: Vec::new(), events: Vec::new(), error: None };
     while let Ok(mut bucket) = queue.recv() {
         if returned.error.is_none() {
             let stage_idx = bucket.items[0].stage_idx;
@@ -219,7 +211,14 @@ fn reduce_buckets(queue: &Receiver<Bucket>, comm: &GroupComm, started: Instant, 
             drop(span);
             match outcome {
                 Ok(Ok(())) => {
-                    returned.spans.push(BucketSpan { stage_idx, start_s, end_s });
+                    returned.events.push(TimelineEvent {
+                        device_idx,
+                        stage_idx: Some(stage_idx),
+                        op: OpKind::AllReduce,
+                        micro_batch_idx: None,
+                        start_s,
+                        end_s,
+                    });
                 }
                 Ok(Err(error)) => returned.error = Some(error),
                 Err(payload) => {

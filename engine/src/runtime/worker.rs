@@ -422,21 +422,14 @@ fn execute(
                             stages.first().map(|s| (s.stage_idx, s.device.clone())).expect("a worker holds a stage");
                         // Every gradient comes back, whatever happens next.
                         let finished = reducer.finish(stages);
-                        let spans = guarded(first.0, &first.1, FaultPoint::Prepare, None, job.fault, || {
+                        let events = guarded(first.0, &first.1, FaultPoint::Prepare, None, job.fault, || {
                             finished.map_err(|error| match error {
                                 // Another worker failed and abandoned the step; its report says why.
                                 Error::CollectiveAborted { .. } => OpFailure::Aborted,
                                 error => OpFailure::Failed(error),
                             })
                         })?;
-                        rec.events.extend(spans.into_iter().map(|span| TimelineEvent {
-                            device_idx,
-                            stage_idx: Some(span.stage_idx),
-                            op: OpKind::AllReduce,
-                            micro_batch_idx: None,
-                            start_s: span.start_s,
-                            end_s: span.end_s,
-                        }));
+                        rec.events.extend(events);
                     } else if let Some(replica) = replica {
                         for stage in stages.iter_mut() {
                             let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
