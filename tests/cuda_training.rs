@@ -24,9 +24,10 @@
 //!
 //! The pooling layers, Dropout and Add compute without products: their forward passes and the
 //! gradients of non-overlapping windows round as on the CPU (bit for bit); the gradients of
-//! overlapping windows (3x3 stride 1 here) sum at most 9 terms in another order, within
-//! `2·9·u·Σ|terms| < 1e-5` of the CPU's for the values of these inputs (|x| ≤ 1), checked as
-//! `max_rel_diff ≤ 1e-5`.
+//! overlapping windows (3x3 stride 1 here) sum at most 9 terms (each |g| ≤ 0.5) in another
+//! order, so each differs from the CPU's by at most `2·9·u·Σ|terms| ≈ 4.8e-6` (u = 2^-24),
+//! checked as an absolute difference ≤ 1e-5. (Relative to `max(|x|, 1e-3)`, as `max_rel_diff`
+//! measures, a sum that cancels differs by 3e-5 on an H200: that measure cannot hold them.)
 mod common;
 #[path = "../engine/tests/common/device_cases.rs"]
 mod device_cases;
@@ -155,6 +156,12 @@ fn forward_and_backward(
     Ok(results)
 }
 
+/// `‖gpu − cpu‖ / ‖cpu‖`, in f64.
+fn norm_rel_diff(gpu: &[f32], cpu: &[f32]) -> f64 {
+    let norm = |v: &mut dyn Iterator<Item = f32>| v.map(|x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+    norm(&mut gpu.iter().zip(cpu).map(|(a, b)| a - b)) / norm(&mut cpu.iter().copied()).max(1e-30)
+}
+
 fn pooling_dropout_and_add_on_a_gpu_match_the_cpu(device: &Device) -> anyhow::Result<()> {
     let host = Device::host();
     let image = Tensor::from_vec(
@@ -177,12 +184,14 @@ fn pooling_dropout_and_add_on_a_gpu_match_the_cpu(device: &Device) -> anyhow::Re
     for (name, make, inputs) in layers {
         let on_gpu = forward_and_backward(make().as_mut(), &inputs, device)?;
         let on_cpu = forward_and_backward(make().as_mut(), &inputs, &host)?;
-        let diff = max_rel_diff(&on_gpu, &on_cpu);
-        anyhow::ensure!(diff <= 1e-5, "{name} on {device}: max relative difference {diff:e} from the CPU");
-        // Everything but the overlapping windows' gradients rounds as on the CPU.
+        // Everything but the overlapping windows' gradients rounds as on the CPU. Those sum up to
+        // nine contributions in another order, within an absolute bound (module docs); a sum
+        // that cancels can differ by far more relatively (3e-5 of max(|x|, 1e-3) on an H200).
         let overlapping = name.contains("3x3/1");
         for ((what, gpu), (_, cpu)) in on_gpu.iter().zip(&on_cpu) {
             if overlapping && what != "output" {
+                let diff = gpu.iter().zip(cpu).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+                anyhow::ensure!(diff <= 1e-5, "{name} on {device}: the {what} differs from the CPU's by {diff:e}");
                 continue;
             }
             let same = gpu.iter().map(|v| v.to_bits()).eq(cpu.iter().map(|v| v.to_bits()));
@@ -241,8 +250,7 @@ fn conv_and_attention_on_a_gpu_match_the_cpu(device: &Device) -> anyhow::Result<
         let on_gpu = forward_and_backward(make().as_mut(), &inputs, device)?;
         let on_cpu = forward_and_backward(make().as_mut(), &inputs, &host)?;
         for ((what, gpu), (_, cpu)) in on_gpu.iter().zip(&on_cpu) {
-            let norm = |v: &mut dyn Iterator<Item = f32>| v.map(|x| f64::from(x).powi(2)).sum::<f64>().sqrt();
-            let diff = norm(&mut gpu.iter().zip(cpu).map(|(a, b)| a - b)) / norm(&mut cpu.iter().copied()).max(1e-30);
+            let diff = norm_rel_diff(gpu, cpu);
             anyhow::ensure!(
                 diff <= 1e-5,
                 "{name} on {device}: the {what} differs from the CPU's by {diff:e} (norm-wise)"
