@@ -11,6 +11,7 @@
 use std::sync::Arc;
 
 use conveyor_engine::collective::TransportGroup;
+use conveyor_engine::device::DeviceKind;
 use conveyor_engine::graph::Graph;
 pub use conveyor_engine::placement::pipeline_plan::{
     CPU_FLOPS_PER_S, PipelineConfig, memory_notes, node_costs, optimizer_memory, plan, plan_by_time, plan_manually,
@@ -87,6 +88,7 @@ pub fn planner_inputs_tensor_parallel(
                     name: device.to_string(),
                     flops_per_s: CPU_FLOPS_PER_S,
                     budget_bytes: device.memory_budget().map(|b| b / n_chunks as u64),
+                    kind: device.kind(),
                 })
                 .collect();
             DeviceSpec::group(&members)
@@ -194,6 +196,7 @@ pub fn plan_tensor_parallel(
                 name: group[0].to_string(),
                 flops_per_s: CPU_FLOPS_PER_S * group.len() as f64,
                 budget_bytes: group.iter().filter_map(Device::memory_budget).min().map(|b| b / n_chunks),
+                kind: group.iter().map(Device::kind).max().unwrap_or(DeviceKind::Cpu),
             }
         })
         .collect();

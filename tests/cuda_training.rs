@@ -38,7 +38,9 @@ use std::sync::Arc;
 use device_cases::Case;
 
 use common::{data, even_stages, max_rel_diff, weights};
+use conveyor::engine::device::DeviceKind;
 use conveyor::engine::optim::{OptimizerConfig, SgdConfig};
+use conveyor::engine::placement::{SavedMemory, measure_node_memory, measure_node_memory_on_device};
 use conveyor::engine::runtime::Trainer;
 use conveyor::engine::{Device, ForwardCtx, Layer, Tensor, init};
 use conveyor::layers::{
@@ -46,7 +48,7 @@ use conveyor::layers::{
     MultiheadSelfAttention,
 };
 use conveyor::schedules::ScheduleKind;
-use conveyor::zoo::mlp;
+use conveyor::zoo::{ModelSpec, mlp};
 
 const STEPS: u64 = 3;
 const DIMS: [usize; 4] = [12, 32, 32, 10];
@@ -260,14 +262,78 @@ fn conv_and_attention_on_a_gpu_match_the_cpu(device: &Device) -> anyhow::Result<
     Ok(())
 }
 
+/// Every zoo layer's memory on `device`, measured on its ledger call by call, stays within what
+/// the memory plan counts for it there: the figures measured on the host (new output, saved
+/// tensors, each call's peak), plus on a GPU the scratch its cost declares for the GPU ops
+/// (`LayerCost::gpu_scratch_bytes_per_sample`). This is what makes the plan a bound on a GPU
+/// (`examples/gpu_check.rs` holds whole runs to it); on the CPU, whose kernels keep scratch off
+/// the ledger, the two measurements agree.
+fn zoo_layers_stay_within_their_planned_memory(device: &Device) -> anyhow::Result<()> {
+    const ROWS: usize = 16;
+    let mut problems = Vec::new();
+    for model in ["mlp:64,128,128,10", "cnn", "resnet", "transformer"] {
+        let spec: ModelSpec = model.parse()?;
+        let mut graph = spec.build(7)?;
+        let on_host = measure_node_memory(&graph, ROWS)?;
+        for (id, _) in &on_host {
+            graph
+                .layer_mut(*id)
+                .ok_or_else(|| anyhow::anyhow!("node {} is not a layer", id.index()))?
+                .to_device(device)?;
+        }
+        let on_device = measure_node_memory_on_device(&graph, ROWS, device)?;
+        anyhow::ensure!(
+            on_device.len() == on_host.len(),
+            "{model}: {} layers measured on {device}, {} on the host",
+            on_device.len(),
+            on_host.len()
+        );
+        for ((id, host), (_, measured)) in on_host.iter().zip(&on_device) {
+            let mut planned = host.clone();
+            if device.kind() == DeviceKind::Cuda {
+                planned.add_call_scratch(graph.cost(*id)?.gpu_scratch_bytes_per_sample.times(ROWS as u64));
+            }
+            let node = &graph.node(*id)?.name;
+            let calls = [
+                ("forward", &measured.forward_peak, &planned.forward_peak),
+                ("input-gradient", &measured.backward_input_peak, &planned.backward_input_peak),
+                ("weight-gradient", &measured.backward_weight_peak, &planned.backward_weight_peak),
+            ];
+            for (call, measured, planned) in calls {
+                let (measured, planned) =
+                    (measured.first().copied().unwrap_or(0), planned.first().copied().unwrap_or(0));
+                if measured > planned {
+                    problems
+                        .push(format!("{model} {node}: {call} call {measured} bytes on {device}, planned {planned}"));
+                }
+            }
+            let own = |m: &conveyor::engine::placement::NodeMemory| -> u64 {
+                m.saved.iter().map(|s| if let SavedMemory::Own { bytes, .. } = s { *bytes } else { 0 }).sum()
+            };
+            if own(measured) > own(host) || measured.output_bytes != host.output_bytes {
+                problems.push(format!(
+                    "{model} {node}: saves {} and outputs {} bytes on {device}, {} and {} on the host",
+                    own(measured),
+                    measured.output_bytes,
+                    own(host),
+                    host.output_bytes
+                ));
+            }
+        }
+    }
+    anyhow::ensure!(problems.is_empty(), "memory beyond the plan's figures:\n{}", problems.join("\n"));
+    Ok(())
+}
+
 fn main() -> ExitCode {
-    let cases: [Case<Device>; 3] = [
+    let cases: [Case<Device>; 4] = [
         Case::every_device(
             "an_mlp_trained_on_every_device_matches_one_cpu",
             an_mlp_trained_on_every_device_matches_one_cpu,
         ),
         Case::gpus("pooling_dropout_and_add_on_a_gpu_match_the_cpu", pooling_dropout_and_add_on_a_gpu_match_the_cpu),
         Case::gpus("conv_and_attention_on_a_gpu_match_the_cpu", conv_and_attention_on_a_gpu_match_the_cpu),
+        Case::every_device("zoo_layers_stay_within_their_planned_memory", zoo_layers_stay_within_their_planned_memory),
     ];
     device_cases::run(&[], &cases, device_cases::devices())
 }

@@ -229,17 +229,6 @@ pub enum Error {
         /// The first parameter (graph order) whose gradient was not finite, if any.
         parameter: Option<String>,
     },
-    /// A mixed precision asked of a device that does not run it yet.
-    #[error(
-        "precision {precision} on {device}: mixed precision runs on CPU devices only for now (the GPU ops take f32 \
-         operands); train on GPUs in f32, or on CPU devices"
-    )]
-    PrecisionUnsupported {
-        /// The precision asked for (`bf16`, `f16`).
-        precision: String,
-        /// The first device that cannot run it.
-        device: String,
-    },
     /// A worker thread panicked outside any layer op (its loop, a channel, a callback); the step
     /// was abandoned and nothing was committed.
     #[error(

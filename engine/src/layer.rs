@@ -114,6 +114,46 @@ pub struct LayerCost {
     /// gradient both calls need, computed once). The memory plan holds them from the
     /// input-gradient call to the end of the micro-batch's weight pass. Usually 0.
     pub backward_held_bytes_per_sample: u64,
+    /// Bytes per sample of the temporary buffers the layer's ops take on a GPU during each call
+    /// ([`CallScratch`]); the memory plan adds them to the calls' peaks on GPU devices. 0 for
+    /// layers whose GPU ops allocate only what they return.
+    pub gpu_scratch_bytes_per_sample: CallScratch,
+}
+
+/// Temporary device memory of one layer's three calls (forward, input gradient, weight gradient):
+/// buffers an op reserves on the device's ledger and frees before it returns, such as a GPU
+/// convolution's batched im2col columns or the per-sample partial gradients it sums
+/// deterministically. The CPU kernels keep their scratch in plain host memory, off the ledger,
+/// so only GPU ops declare it (`Tensor::conv2d_gpu_scratch` and its neighbours compute it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CallScratch {
+    /// During the forward call.
+    pub forward: u64,
+    /// During the input-gradient call.
+    pub backward_input: u64,
+    /// During the weight-gradient call.
+    pub backward_weight: u64,
+}
+
+impl CallScratch {
+    /// The same scratch times `n` (per sample to per micro-batch), saturating.
+    pub fn times(self, n: u64) -> CallScratch {
+        CallScratch {
+            forward: self.forward.saturating_mul(n),
+            backward_input: self.backward_input.saturating_mul(n),
+            backward_weight: self.backward_weight.saturating_mul(n),
+        }
+    }
+
+    /// Each call's larger scratch of `self` and `other` (layers whose calls run one after the
+    /// other, so their scratch is never held at once).
+    pub fn max(self, other: CallScratch) -> CallScratch {
+        CallScratch {
+            forward: self.forward.max(other.forward),
+            backward_input: self.backward_input.max(other.backward_input),
+            backward_weight: self.backward_weight.max(other.backward_weight),
+        }
+    }
 }
 
 /// A differentiable layer. Shapes passed to [`Layer::output_shape`] and [`Layer::cost`] are per
@@ -246,6 +286,7 @@ pub trait Layer: Send + std::fmt::Debug {
             output_bytes_per_sample: output * f32_bytes,
             workspace_bytes: 0,
             backward_held_bytes_per_sample: 0,
+            gpu_scratch_bytes_per_sample: Default::default(),
         })
     }
 

@@ -30,7 +30,7 @@ pub mod transport;
 pub use device::{CpuDevice, CudaDevice, Device};
 pub use dtype::DType;
 pub use error::{Error, NonFinite, Result};
-pub use layer::{ForwardCtx, Layer, LayerCost, Parameter, Saved};
+pub use layer::{CallScratch, ForwardCtx, Layer, LayerCost, Parameter, Saved};
 pub use loss::{Loss, TargetKind, Targets};
 pub use precision::{LossScaleConfig, LossScaler, Precision};
 pub use shape::Shape;

@@ -154,9 +154,13 @@ fn host_access_to_a_gpu_tensor_is_a_structured_error(device: &Device) -> Result<
     // A GPU op with a host operand is a device mismatch.
     let mismatch = Tensor::matmul(Matrix::new(&on_host, 2, 1)?, Matrix::new(&t, 1, 2)?, None, [2, 2], device);
     ensure!(matches!(mismatch, Err(Error::DeviceMismatch { .. })), "{mismatch:?}");
-    // GPU compute is f32: a bf16 operand is refused by dtype.
+    // GPU kernels compute in f32: a bf16 operand is read through an exact f32 copy and the result
+    // rounded back to bf16, as on the CPU; accumulating into a bf16 tensor is refused by dtype.
     let half = t.to_dtype(DType::BF16)?;
-    ensure!(matches!(half.activation(Activation::Relu), Err(Error::UnsupportedDType { .. })));
+    let relu = half.activation(Activation::Relu)?;
+    ensure!(relu.dtype() == DType::BF16 && relu.to_vec_f32() == [1.0, 2.0], "{relu:?}");
+    let mut half_target = half.try_clone()?;
+    ensure!(matches!(half_target.add_assign(&t), Err(Error::UnsupportedDType { .. })));
     ensure!(t.to_vec_f32() == [1.0, 2.0]);
     Ok(())
 }

@@ -39,7 +39,7 @@ use anyhow::{Result, bail, ensure};
 use conveyor_engine::cpu::{self, MatRef, Window2d};
 use conveyor_engine::device::{CudaBuffer, CudaStream, DeviceMatRef};
 use conveyor_engine::optim::{AdamConfig, Optimizer, OptimizerConfig, SgdConfig};
-use conveyor_engine::{Device, Error, Tensor};
+use conveyor_engine::{DType, Device, Error, Tensor};
 use half::{bf16, f16};
 
 /// Unit roundoff of f32.
@@ -402,7 +402,8 @@ fn elementwise_ops_and_activations(backend: &Backend) -> Result<()> {
     match backend {
         Backend::Cpu => {}
         Backend::Cuda(stream) => {
-            let (xb, mb, dyb) = (stream.upload(&x)?, stream.upload(&mask)?, stream.upload(&dy)?);
+            let mask_f16: Vec<half::f16> = mask.iter().map(|&m| half::f16::from_f32(m)).collect();
+            let (xb, mb, dyb) = (stream.upload(&x)?, stream.upload(&mask_f16)?, stream.upload(&dy)?);
             let mut y = stream.alloc_zeros::<f32>(n)?;
             stream.dropout_apply(&xb, &mb, scale, &mut y)?;
             assert_close("dropout_apply", backend, &stream.download(&y)?, &dropout, EXACT)?;
@@ -412,7 +413,7 @@ fn elementwise_ops_and_activations(backend: &Backend) -> Result<()> {
             let mut scaled_buffer = stream.upload(&x)?;
             stream.scale(&mut scaled_buffer, 0.37)?;
             assert_close("scale", backend, &stream.download(&scaled_buffer)?, &scaled, EXACT)?;
-            ensure!(matches!(stream.add(&xb, &mb, &mut stream.alloc_zeros(n - 1)?), Err(Error::ShapeMismatch { .. })));
+            ensure!(matches!(stream.add(&xb, &dyb, &mut stream.alloc_zeros(n - 1)?), Err(Error::ShapeMismatch { .. })));
         }
     }
     Ok(())
@@ -802,9 +803,69 @@ fn cuda_buffers_count_on_the_ledger_and_copy_between_devices(backend: &Backend) 
     Ok(())
 }
 
+/// `Tensor::to_dtype` between f32 and f16/bf16 on this backend's device gives the `half` crate's
+/// bits (what the CPU uses): round to nearest even at every exponent, ties, subnormals, overflow
+/// to infinity, infinities, signed zeros; NaN stays NaN. Each half value converts back to f32
+/// exactly, and f16 to bf16 goes through f32.
+fn half_conversions_match_the_half_crate(backend: &Backend) -> Result<()> {
+    let device = tensor_device(backend)?;
+    let mut inputs: Vec<f32> = vec![
+        0.0,
+        -0.0,
+        1.0,
+        -1.5,
+        65504.0,
+        65519.99,
+        65520.0,
+        -65520.0,
+        1e-8,
+        5.96e-8,
+        2.9802322e-8,
+        2.9802326e-8,
+        6.1e-5,
+        6.0e-5,
+        1e-45,
+        f32::MIN_POSITIVE,
+        f32::MAX,
+        -f32::MAX,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        3.0e38,
+        1.0 + 1.0 / 256.0,
+        1.0 + 3.0 / 256.0,
+        1.0 + 1.0 / 2048.0,
+        1.0 + 3.0 / 2048.0,
+        1.0 + 1.0 / 4096.0,
+    ];
+    inputs.extend(values(97, 2000).iter().enumerate().map(|(i, v)| v * 10f32.powi((i % 17) as i32 - 8)));
+    let n = inputs.len();
+    let x = Tensor::from_slice(&inputs, [n], &device)?;
+    let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+    for dtype in [DType::F16, DType::BF16] {
+        let half = x.to_dtype(dtype)?;
+        ensure!(half.dtype() == dtype && half.device().same_device(&device), "{dtype:?} on {}", backend.name());
+        let expected: Vec<f32> = match dtype {
+            DType::F16 => inputs.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
+            _ => inputs.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect(),
+        };
+        let back = half.to_dtype(DType::F32)?.try_to_vec_f32()?;
+        for ((&input, &got), &want) in inputs.iter().zip(&back).zip(&expected) {
+            ensure!(same(got, want), "{dtype:?} of {input:e} on {}: {got:e}, the half crate {want:e}", backend.name());
+        }
+    }
+    // f16 -> bf16 through f32, as on the CPU.
+    let via = x.to_dtype(DType::F16)?.to_dtype(DType::BF16)?.try_to_vec_f32()?;
+    for (&input, &got) in inputs.iter().zip(&via) {
+        let want = half::bf16::from_f32(half::f16::from_f32(input).to_f32()).to_f32();
+        ensure!(same(got, want), "f16 -> bf16 of {input:e} on {}: {got:e}, expected {want:e}", backend.name());
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let every = |name, body| Case::every_device(name, body);
-    let cases: [Case<Backend>; 10] = [
+    let cases: [Case<Backend>; 11] = [
         every(
             "matmul_in_all_four_layouts_with_and_without_accumulate",
             matmul_in_all_four_layouts_with_and_without_accumulate,
@@ -817,6 +878,7 @@ fn main() -> ExitCode {
         every("max_and_average_pooling", max_and_average_pooling),
         every("pool_dropout_and_add_tensor_ops", pool_dropout_and_add_tensor_ops),
         every("optimizer_updates_follow_the_cpu_bit_for_bit", optimizer_updates_follow_the_cpu_bit_for_bit),
+        every("half_conversions_match_the_half_crate", half_conversions_match_the_half_crate),
         Case::gpus(
             "cuda_buffers_count_on_the_ledger_and_copy_between_devices",
             cuda_buffers_count_on_the_ledger_and_copy_between_devices,

@@ -1,10 +1,11 @@
 //! Graph building and stage placement: shape inference errors, manual placement checks, automatic
 //! placement against brute force, and memory budgets.
+use conveyor_engine::device::DeviceKind;
 use conveyor_engine::graph::Graph;
 use conveyor_engine::placement::{
     DeviceSpec, FitHint, Link, OptimizerMemory, PlacedBy, PlanConfig, place_automatically, place_manually,
 };
-use conveyor_engine::{Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
+use conveyor_engine::{CallScratch, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 
 /// A layer that only has costs: `flops` per sample for each pass, `params` f32 parameters,
 /// width-preserving shapes. Enough for the planner, which never runs a layer.
@@ -15,6 +16,8 @@ struct CostLayer {
     params: u64,
     n_inputs: usize,
     workspace: u64,
+    /// Per sample, the input-gradient call's scratch on a GPU.
+    gpu_scratch: u64,
 }
 
 impl Layer for CostLayer {
@@ -57,12 +60,13 @@ impl Layer for CostLayer {
             activation_bytes_per_sample: self.width as u64 * 4,
             output_bytes_per_sample: self.width as u64 * 4,
             backward_held_bytes_per_sample: 0,
+            gpu_scratch_bytes_per_sample: CallScratch { backward_input: self.gpu_scratch, ..CallScratch::default() },
         })
     }
 }
 
 fn cost_layer(flops: u64, params: u64) -> CostLayer {
-    CostLayer { width: 8, flops, params, n_inputs: 1, workspace: 0 }
+    CostLayer { width: 8, flops, params, n_inputs: 1, workspace: 0, gpu_scratch: 0 }
 }
 
 fn chain(flops: &[u64], params: &[u64]) -> Graph {
@@ -76,7 +80,9 @@ fn chain(flops: &[u64], params: &[u64]) -> Graph {
 }
 
 fn devices(n: usize, budget: Option<u64>) -> Vec<DeviceSpec> {
-    (0..n).map(|i| DeviceSpec { name: format!("cpu:{i}"), flops_per_s: 1e9, budget_bytes: budget }).collect()
+    (0..n)
+        .map(|i| DeviceSpec { name: format!("cpu:{i}"), flops_per_s: 1e9, budget_bytes: budget, kind: DeviceKind::Cpu })
+        .collect()
 }
 
 /// 1F1B in-flight counts: stage s of p holds min(m, p - s) micro-batches.
@@ -266,14 +272,17 @@ fn graph_builder_infers_shapes_and_rejects_bad_graphs() {
     let a = g.add("a", cost_layer(1, 0), &[x]).unwrap();
     let b = g.add("b", cost_layer(1, 0), &[a]).unwrap();
     // A residual join: one output (a) feeds two nodes.
-    let sum = g.add("sum", CostLayer { width: 8, flops: 1, params: 0, n_inputs: 2, workspace: 0 }, &[a, b]).unwrap();
+    let sum = g
+        .add("sum", CostLayer { width: 8, flops: 1, params: 0, n_inputs: 2, workspace: 0, gpu_scratch: 0 }, &[a, b])
+        .unwrap();
     assert_eq!(g.predecessors(sum), vec![a, b]);
     assert_eq!(g.successors(a), vec![b, sum]);
     g.set_output(sum).unwrap();
     g.validate().unwrap();
 
-    let err =
-        g.add("wide", CostLayer { width: 16, flops: 1, params: 0, n_inputs: 1, workspace: 0 }, &[sum]).unwrap_err();
+    let err = g
+        .add("wide", CostLayer { width: 16, flops: 1, params: 0, n_inputs: 1, workspace: 0, gpu_scratch: 0 }, &[sum])
+        .unwrap_err();
     assert!(err.to_string().contains("node `wide`") && err.to_string().contains("expected [16], got [8]"), "{err}");
     // `wide` was refused, so the graph is still valid; a dangling node is not.
     g.add("dangling", cost_layer(1, 0), &[x]).unwrap();
@@ -291,7 +300,9 @@ fn skip_edges_go_straight_to_their_consumer_stage() {
     let a = g.add("a", cost_layer(10, 0), &[x]).unwrap();
     let b = g.add("b", cost_layer(10, 0), &[a]).unwrap();
     let c = g.add("c", cost_layer(10, 0), &[b]).unwrap();
-    let out = g.add("add", CostLayer { width: 8, flops: 10, params: 0, n_inputs: 2, workspace: 0 }, &[a, c]).unwrap();
+    let out = g
+        .add("add", CostLayer { width: 8, flops: 10, params: 0, n_inputs: 2, workspace: 0, gpu_scratch: 0 }, &[a, c])
+        .unwrap();
     g.set_output(out).unwrap();
     let plan = place_automatically(&g, &devices(3, None), &config(4, OptimizerMemory::Sgd)).unwrap();
     let stage_of = plan.stage_of_nodes();
@@ -313,7 +324,7 @@ fn the_plan_keeps_the_snapshot_then_the_caches_that_fit_and_says_what_it_dropped
     let mut x = g.input("x", [8]).unwrap();
     // 1 MiB of parameters each; the second layer does the most work; each cache is 2 MiB.
     for (i, flops) in [1000u64, 5000, 2000].into_iter().enumerate() {
-        let layer = CostLayer { width: 8, flops, params: 1 << 18, n_inputs: 1, workspace: 2 << 20 };
+        let layer = CostLayer { width: 8, flops, params: 1 << 18, n_inputs: 1, workspace: 2 << 20, gpu_scratch: 0 };
         x = g.add(&format!("l{i}"), layer, &[x]).unwrap();
     }
     g.set_output(x).unwrap();
@@ -342,4 +353,30 @@ fn the_plan_keeps_the_snapshot_then_the_caches_that_fit_and_says_what_it_dropped
     assert_eq!(plan.commit_snapshots(), [false]);
     // Below what is required, the model does not fit.
     assert!(place_automatically(&g, &devices(1, Some(required - 1)), &cfg).is_err());
+}
+
+/// The scratch a layer's GPU ops take (`LayerCost::gpu_scratch_bytes_per_sample`) is in a GPU
+/// stage's peak, a call's worth at once, and not in a CPU stage's (CPU kernels keep it off the
+/// ledger).
+#[test]
+fn gpu_scratch_counts_on_gpu_stages_only() {
+    const SCRATCH: u64 = 1 << 20;
+    let mut g = Graph::new();
+    let mut x = g.input("x", [8]).unwrap();
+    for i in 0..3 {
+        let layer = CostLayer { width: 8, flops: 10, params: 64, n_inputs: 1, workspace: 0, gpu_scratch: SCRATCH };
+        x = g.add(&format!("l{i}"), layer, &[x]).unwrap();
+    }
+    g.set_output(x).unwrap();
+    let cfg = config(2, OptimizerMemory::Sgd);
+    let stages = vec![vec!["l0".to_string(), "l1".to_string(), "l2".to_string()]];
+    let total = |kind: DeviceKind| {
+        let device = DeviceSpec { name: "d".into(), flops_per_s: 1e9, budget_bytes: None, kind };
+        place_manually(&g, &stages, &[device], &cfg).unwrap().stages[0].memory.total()
+    };
+    let (cpu, gpu) = (total(DeviceKind::Cpu), total(DeviceKind::Cuda));
+    let rows = 4; // `config`'s micro-batch rows
+    assert!(cpu < SCRATCH, "a CPU stage counts no GPU scratch: {cpu} bytes");
+    // One call runs at a time: one layer's scratch on top, never three.
+    assert!(gpu >= rows * SCRATCH && gpu <= cpu + rows * SCRATCH, "GPU stage {gpu} bytes against CPU {cpu}");
 }

@@ -54,6 +54,7 @@ fn elementwise_cost(kind: &str, input_shapes: &[Shape], flops_per_element: u64) 
         activation_bytes_per_sample: f32_bytes(numel),
         output_bytes_per_sample: f32_bytes(numel),
         backward_held_bytes_per_sample: 0,
+        gpu_scratch_bytes_per_sample: Default::default(),
     })
 }
 

@@ -34,9 +34,9 @@
 use std::cell::{RefCell, RefMut};
 
 use conveyor_engine::cpu::attention::AttentionDims;
-use conveyor_engine::device::ops::Matrix;
+use conveyor_engine::device::ops::{Matrix, attention_gpu_scratch};
 use conveyor_engine::{
-    Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Precision, Result, Saved, Shape, Tensor, init,
+    CallScratch, Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Precision, Result, Saved, Shape, Tensor, init,
 };
 use rand::rngs::StdRng;
 
@@ -432,6 +432,12 @@ impl Layer for MultiheadSelfAttention {
             output_bytes_per_sample: f32_bytes(numel),
             // ∂L/∂qkv [3, T, D], left in the pending slot by backward_input for backward_weight.
             backward_held_bytes_per_sample: f32_bytes(3 * numel),
+            // The ops' own scratch, and ∂L/∂ctx ([T, D], a tensor on the GPU's ledger from the
+            // out-projection's product until the chain has used it) in the input-gradient call.
+            gpu_scratch_bytes_per_sample: {
+                let ops = attention_gpu_scratch(t as usize, self.embed_dim, self.n_heads);
+                CallScratch { backward_input: ops.backward_input + f32_bytes(numel), ..ops }
+            },
         })
     }
 }

@@ -4,6 +4,7 @@
 //! its input lives: the CPU kernels described below on a CPU device, batched im2col and cuBLAS
 //! products on a GPU.
 use conveyor_engine::cpu::Window2d;
+use conveyor_engine::device::ops::conv2d_gpu_scratch;
 use conveyor_engine::{
     Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Precision, Result, Saved, Shape, Tensor, init,
 };
@@ -258,6 +259,7 @@ impl Layer for Conv2d {
             activation_bytes_per_sample: f32_bytes(input_shapes[0].numel()),
             output_bytes_per_sample: f32_bytes(output.numel()),
             backward_held_bytes_per_sample: 0,
+            gpu_scratch_bytes_per_sample: conv2d_gpu_scratch(&window, self.out_channels, self.bias().is_some()),
         })
     }
 }

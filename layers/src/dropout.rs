@@ -102,6 +102,7 @@ impl Layer for Dropout {
             activation_bytes_per_sample: 2 * numel,
             output_bytes_per_sample: 4 * numel,
             backward_held_bytes_per_sample: 0,
+            gpu_scratch_bytes_per_sample: Default::default(),
         })
     }
 }

@@ -131,6 +131,7 @@ impl Layer for Embedding {
             activation_bytes_per_sample: f32_bytes(input_shapes[0].numel()),
             output_bytes_per_sample: f32_bytes(output.numel()),
             backward_held_bytes_per_sample: 0,
+            gpu_scratch_bytes_per_sample: Default::default(),
         })
     }
 }

@@ -141,6 +141,7 @@ impl Layer for LayerNorm {
             activation_bytes_per_sample: f32_bytes(output.numel() + 2 * rows),
             output_bytes_per_sample: f32_bytes(output.numel()),
             backward_held_bytes_per_sample: 0,
+            gpu_scratch_bytes_per_sample: Default::default(),
         })
     }
 }

@@ -366,6 +366,7 @@ impl Layer for Linear {
             activation_bytes_per_sample: f32_bytes(input_shapes[0].numel()),
             output_bytes_per_sample: f32_bytes(output.numel()),
             backward_held_bytes_per_sample: 0,
+            gpu_scratch_bytes_per_sample: Default::default(),
         })
     }
 }

@@ -142,6 +142,7 @@ impl Layer for MaxPool2d {
             activation_bytes_per_sample: f32_bytes(output.numel()),
             output_bytes_per_sample: f32_bytes(output.numel()),
             backward_held_bytes_per_sample: 0,
+            gpu_scratch_bytes_per_sample: Default::default(),
         })
     }
 }
@@ -214,6 +215,7 @@ impl Layer for AvgPool2d {
             activation_bytes_per_sample: 0,
             output_bytes_per_sample: f32_bytes(output.numel()),
             backward_held_bytes_per_sample: 0,
+            gpu_scratch_bytes_per_sample: Default::default(),
         })
     }
 }
@@ -286,6 +288,7 @@ impl Layer for GlobalAvgPool2d {
             activation_bytes_per_sample: 0,
             output_bytes_per_sample: f32_bytes(output.numel()),
             backward_held_bytes_per_sample: 0,
+            gpu_scratch_bytes_per_sample: Default::default(),
         })
     }
 }

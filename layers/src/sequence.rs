@@ -132,6 +132,7 @@ impl Layer for PositionalEmbedding {
             activation_bytes_per_sample: 0,
             output_bytes_per_sample: f32_bytes(numel),
             backward_held_bytes_per_sample: 0,
+            gpu_scratch_bytes_per_sample: Default::default(),
         })
     }
 }
@@ -212,6 +213,7 @@ impl Layer for MeanOverTokens {
             activation_bytes_per_sample: 0,
             output_bytes_per_sample: f32_bytes(output.numel()),
             backward_held_bytes_per_sample: 0,
+            gpu_scratch_bytes_per_sample: Default::default(),
         })
     }
 }

@@ -147,6 +147,18 @@ impl CudaStorage {
     pub(crate) fn f32_mut(&mut self, _op: &str) -> Result<&mut CudaBuffer<f32>> {
         match self.never {}
     }
+    pub(crate) fn f16(&self, _op: &str) -> Result<&CudaBuffer<half::f16>> {
+        match self.never {}
+    }
+    pub(crate) fn bf16(&self, _op: &str) -> Result<&CudaBuffer<half::bf16>> {
+        match self.never {}
+    }
+    pub(crate) fn to_dtype(&self, _dtype: DType) -> Result<CudaStorage> {
+        match self.never {}
+    }
+    pub(crate) fn upcast_f32(&self) -> Result<Option<CudaBuffer<f32>>> {
+        match self.never {}
+    }
     pub(crate) fn zeros(device: &CudaDevice, _dtype: DType, _len: usize) -> Result<CudaStorage> {
         match device.never {}
     }
@@ -417,7 +429,7 @@ impl CudaStream {
     pub fn dropout_apply(
         &self,
         _input: &Buf<f32>,
-        _mask: &Buf<f32>,
+        _mask: &Buf<half::f16>,
         _scale: f32,
         _output: &mut Buf<f32>,
     ) -> Result<()> {

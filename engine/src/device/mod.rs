@@ -54,6 +54,14 @@ pub enum Device {
 }
 
 impl Device {
+    /// Whether this is a CPU core or a GPU.
+    pub fn kind(&self) -> DeviceKind {
+        match self {
+            Device::Cpu(_) => DeviceKind::Cpu,
+            Device::Cuda(_) => DeviceKind::Cuda,
+        }
+    }
+
     /// CPU device `ordinal` with no memory budget.
     pub fn cpu(ordinal: usize) -> Device {
         Device::cpu_with_budget(ordinal, None)

@@ -17,9 +17,14 @@
 //! tensor accumulated into. On a CPU device the operands are read from host memory (f16/bf16
 //! converted to f32, as the layers always did; an operand on a GPU is [`Error::NotOnHost`]) and
 //! the CPU kernels of [`crate::cpu`] run exactly as the layers ran them before, so CPU results are
-//! unchanged bit for bit. On a CUDA device every operand must be an f32 tensor on that same device
-//! (`DeviceMismatch` or `UnsupportedDType` otherwise) and the op is queued on this thread's stream
-//! (cuBLAS for products, the kernels of `device/kernels/*.cu` for the rest). Layers therefore
+//! unchanged bit for bit. On a CUDA device every operand must be on that same device
+//! (`DeviceMismatch` otherwise) and the op is queued on this thread's stream (cuBLAS for
+//! products, the kernels of `device/kernels/*.cu` for the rest). The kernels compute in f32: an
+//! f16/bf16 operand is read through an exact f32 copy made for the op (as the CPU arms read it
+//! through `host_f32`), except that a product of two half operands of one type goes to cuBLAS
+//! with half inputs and f32 accumulation (the tensor cores); a result is rounded to the half type
+//! on the GPU wherever the CPU arm rounds it, with the CPU's bits (`Tensor::to_dtype`), and
+//! accumulated-into gradients are f32. Layers therefore
 //! never ask where a tensor lives; only Linear's packed-weight CPU fast path is chosen by the
 //! layer, because it is a layout of the CPU GEMM.
 //!
@@ -33,11 +38,14 @@ mod norm;
 mod pool;
 mod squared_error;
 
+pub use attention::attention_gpu_scratch;
+pub use conv::conv2d_gpu_scratch;
+
 use crate::cpu::activation::{self, relu, relu_grad, tanh_grad};
 use crate::cpu::softmax::log_softmax_rows;
 use crate::cpu::{MatRef, elementwise, matmul, matmul_uninit, uninit};
-use crate::device::{CudaBuffer, DeviceMatRef};
-use crate::tensor::{F32Mut, F32Ref};
+use crate::device::{CudaBuffer, CudaStream, DeviceMatRef, GemmElement};
+use crate::tensor::{CudaF32, F32Mut};
 use crate::{DType, Device, Error, Result, Shape, Tensor};
 
 /// An elementwise activation with a kernel on every device.
@@ -101,23 +109,69 @@ impl<'a> Matrix<'a> {
     }
 
     /// The cuBLAS view over `buffer` (this matrix's elements on a GPU).
-    fn gpu<'b>(&self, buffer: &'b CudaBuffer<f32>) -> Result<DeviceMatRef<'b, f32>> {
+    fn gpu<'b, T: GemmElement>(&self, buffer: &'b CudaBuffer<T>) -> Result<DeviceMatRef<'b, T>> {
         let view = DeviceMatRef::row_major(buffer, self.stored_rows, self.stored_cols)?;
         Ok(if self.transposed { view.t() } else { view })
     }
 }
 
-/// `tensor`'s f32 buffer, which must live on `device` (a GPU).
-fn gpu_f32<'a>(op: &str, tensor: &'a Tensor, device: &Device) -> Result<&'a CudaBuffer<f32>> {
+/// `tensor`'s elements as an f32 operand on `device` (a GPU): its own buffer, or an exact f32
+/// copy of an f16/bf16 tensor for this op ([`CudaF32`]).
+fn gpu_f32<'a>(op: &str, tensor: &'a Tensor, device: &Device) -> Result<CudaF32<'a>> {
     let mismatch =
         || Error::DeviceMismatch { op: op.to_string(), lhs: device.to_string(), rhs: tensor.device().to_string() };
     if !tensor.device().same_device(device) {
         return Err(mismatch());
     }
-    match tensor.f32_ref(op)? {
-        F32Ref::Cuda(buffer) => Ok(buffer),
-        F32Ref::Host(_) => Err(mismatch()),
+    tensor.cuda_f32_operand()?.ok_or_else(mismatch)
+}
+
+/// When `lhs` and `rhs` are both f16 or both bf16 on the GPU `device`: `dst (+)= lhs · rhs`
+/// straight from their buffers, cuBLAS multiplying the half operands with f32 accumulation (the
+/// tensor cores; the same products as the f32 path on their exact f32 values, summed in another
+/// order), and `true`. `false`, with nothing done, for other dtypes (the f32 path).
+fn half_product_on_gpu(
+    op: &str,
+    stream: &CudaStream,
+    dst: &mut CudaBuffer<f32>,
+    lhs: &Matrix<'_>,
+    rhs: &Matrix<'_>,
+    accumulate: bool,
+    device: &Device,
+) -> Result<bool> {
+    match (lhs.tensor.dtype(), rhs.tensor.dtype()) {
+        (DType::F16, DType::F16) => {
+            let (a, b) = (gpu_f16(op, lhs.tensor, device)?, gpu_f16(op, rhs.tensor, device)?);
+            stream.matmul(dst, lhs.gpu(a)?, rhs.gpu(b)?, accumulate)?;
+            Ok(true)
+        }
+        (DType::BF16, DType::BF16) => {
+            let mismatch = || Error::DeviceMismatch {
+                op: op.to_string(),
+                lhs: device.to_string(),
+                rhs: format!("{} and {}", lhs.tensor.device(), rhs.tensor.device()),
+            };
+            if !lhs.tensor.device().same_device(device) || !rhs.tensor.device().same_device(device) {
+                return Err(mismatch());
+            }
+            let a = lhs.tensor.cuda_bf16(op)?.ok_or_else(mismatch)?;
+            let b = rhs.tensor.cuda_bf16(op)?.ok_or_else(mismatch)?;
+            stream.matmul(dst, lhs.gpu(a)?, rhs.gpu(b)?, accumulate)?;
+            Ok(true)
+        }
+        _ => Ok(false),
     }
+}
+
+/// `tensor`'s f16 buffer on the GPU `device` (`DeviceMismatch` elsewhere, `UnsupportedDType` for
+/// another dtype).
+fn gpu_f16<'a>(op: &str, tensor: &'a Tensor, device: &Device) -> Result<&'a CudaBuffer<half::f16>> {
+    let mismatch =
+        || Error::DeviceMismatch { op: op.to_string(), lhs: device.to_string(), rhs: tensor.device().to_string() };
+    if !tensor.device().same_device(device) {
+        return Err(mismatch());
+    }
+    tensor.cuda_f16(op)?.ok_or_else(mismatch)
 }
 
 /// Runs `add` on `dst`'s elements as f32 in host memory: in place for f32, through an f32 copy
@@ -185,7 +239,8 @@ fn check_product(op: &str, lhs: &Matrix<'_>, rhs: &Matrix<'_>, numel: usize) -> 
 impl Tensor {
     /// `lhs · rhs`, plus `bias` (one element per column) in every row when given: a new f32
     /// tensor of `shape` (of `lhs.rows() · rhs.cols()` elements) on `device`. On a CPU device
-    /// operands of any dtype are read as f32; on a GPU they must be f32 tensors on `device`.
+    /// operands of any dtype are read as f32; on a GPU two f16 (or two bf16) operands multiply on
+    /// cuBLAS's half path with f32 accumulation, other dtypes through f32 copies.
     ///
     /// ```
     /// use conveyor_engine::device::ops::Matrix;
@@ -230,17 +285,19 @@ impl Tensor {
                 })
             }
             Device::Cuda(cuda) => {
-                let (lhs_buffer, rhs_buffer) = (gpu_f32(op, lhs.tensor, device)?, gpu_f32(op, rhs.tensor, device)?);
                 let stream = cuda.thread_stream()?;
                 let mut out = cuda.alloc_zeros::<f32>(shape.numel())?;
                 let accumulate = match bias {
                     Some(bias) => {
-                        stream.broadcast_rows(gpu_f32(op, bias, device)?, &mut out)?;
+                        stream.broadcast_rows(&*gpu_f32(op, bias, device)?, &mut out)?;
                         true
                     }
                     None => false,
                 };
-                stream.matmul(&mut out, lhs.gpu(lhs_buffer)?, rhs.gpu(rhs_buffer)?, accumulate)?;
+                if !half_product_on_gpu(op, &stream, &mut out, &lhs, &rhs, accumulate, device)? {
+                    let (lhs_buffer, rhs_buffer) = (gpu_f32(op, lhs.tensor, device)?, gpu_f32(op, rhs.tensor, device)?);
+                    stream.matmul(&mut out, lhs.gpu(&lhs_buffer)?, rhs.gpu(&rhs_buffer)?, accumulate)?;
+                }
                 Tensor::from_cuda_f32(out, shape, device)
             }
         }
@@ -248,7 +305,7 @@ impl Tensor {
 
     /// `self += lhs · rhs` (`self` holds `lhs.rows() · rhs.cols()` elements), on `self`'s device:
     /// a weight gradient. On a CPU device an f16/bf16 `self` accumulates through an f32 copy; on a
-    /// GPU every tensor must be f32 on `self`'s device.
+    /// GPU `self` must be f32 (operands as in [`Tensor::matmul`]).
     pub fn matmul_accumulate(&mut self, lhs: Matrix<'_>, rhs: Matrix<'_>) -> Result<()> {
         let op = "matmul_accumulate";
         check_product(op, &lhs, &rhs, self.numel())?;
@@ -257,12 +314,14 @@ impl Tensor {
             let (lhs, rhs) = (lhs.host(&lhs_values)?, rhs.host(&rhs_values)?);
             return accumulate_on_host(self, |dst| matmul(dst, lhs, rhs, true));
         }
-        let (lhs_buffer, rhs_buffer) =
-            (gpu_f32(op, lhs.tensor, self.device())?, gpu_f32(op, rhs.tensor, self.device())?);
-        let (lhs, rhs) = (lhs.gpu(lhs_buffer)?, rhs.gpu(rhs_buffer)?);
+        let device = self.device().clone();
         let dst = gpu_f32_mut(op, self)?;
         let stream = dst.device().thread_stream()?;
-        stream.matmul(dst, lhs, rhs, true)
+        if half_product_on_gpu(op, &stream, dst, &lhs, &rhs, true, &device)? {
+            return Ok(());
+        }
+        let (lhs_buffer, rhs_buffer) = (gpu_f32(op, lhs.tensor, &device)?, gpu_f32(op, rhs.tensor, &device)?);
+        stream.matmul(dst, lhs.gpu(&lhs_buffer)?, rhs.gpu(&rhs_buffer)?, true)
     }
 
     /// `self[j] += Σ_r matrix[r, j]` for a row-major `matrix` with `self.numel()` columns (a
@@ -276,11 +335,11 @@ impl Tensor {
         let matrix = gpu_f32(op, matrix, self.device())?;
         let dst = gpu_f32_mut(op, self)?;
         let stream = dst.device().thread_stream()?;
-        stream.accumulate_column_sums(matrix, dst)
+        stream.accumulate_column_sums(&matrix, dst)
     }
 
     /// `activation` of every element: a new tensor of this shape and dtype on this device (on a
-    /// CPU device computed in f32 and rounded back to the dtype; on a GPU f32 only).
+    /// every device computed in f32 and rounded back to the dtype).
     pub fn activation(&self, activation: Activation) -> Result<Tensor> {
         let op = "activation";
         match self.device() {
@@ -300,12 +359,12 @@ impl Tensor {
                 let stream = cuda.thread_stream()?;
                 let mut out = cuda.alloc_zeros::<f32>(x.len())?;
                 match activation {
-                    Activation::Relu => stream.relu_forward(x, &mut out)?,
-                    Activation::Gelu => stream.gelu_forward(x, &mut out)?,
-                    Activation::GeluTanh => stream.gelu_tanh_forward(x, &mut out)?,
-                    Activation::Tanh => stream.tanh_forward(x, &mut out)?,
+                    Activation::Relu => stream.relu_forward(&x, &mut out)?,
+                    Activation::Gelu => stream.gelu_forward(&x, &mut out)?,
+                    Activation::GeluTanh => stream.gelu_tanh_forward(&x, &mut out)?,
+                    Activation::Tanh => stream.tanh_forward(&x, &mut out)?,
                 }
-                Tensor::from_cuda_f32(out, self.shape().clone(), self.device())
+                Tensor::from_cuda_f32(out, self.shape().clone(), self.device())?.into_dtype(self.dtype())
             }
         }
     }
@@ -332,12 +391,12 @@ impl Tensor {
                 let stream = cuda.thread_stream()?;
                 let mut out = cuda.alloc_zeros::<f32>(kept_buffer.len())?;
                 match activation {
-                    Activation::Relu => stream.relu_backward(kept_buffer, grad, &mut out)?,
-                    Activation::Gelu => stream.gelu_backward(kept_buffer, grad, &mut out)?,
-                    Activation::GeluTanh => stream.gelu_tanh_backward(kept_buffer, grad, &mut out)?,
-                    Activation::Tanh => stream.tanh_backward(kept_buffer, grad, &mut out)?,
+                    Activation::Relu => stream.relu_backward(&kept_buffer, &grad, &mut out)?,
+                    Activation::Gelu => stream.gelu_backward(&kept_buffer, &grad, &mut out)?,
+                    Activation::GeluTanh => stream.gelu_tanh_backward(&kept_buffer, &grad, &mut out)?,
+                    Activation::Tanh => stream.tanh_backward(&kept_buffer, &grad, &mut out)?,
                 }
-                Tensor::from_cuda_f32(out, kept.shape().clone(), device)
+                Tensor::from_cuda_f32(out, kept.shape().clone(), device)?.into_dtype(kept.dtype())
             }
         }
     }
@@ -389,15 +448,18 @@ impl Tensor {
                 let labels = cuda.upload(&labels)?;
                 let mut loss = cuda.alloc_zeros::<f32>(rows)?;
                 let mut grad = cuda.alloc_zeros::<f32>(self.numel())?;
-                stream.cross_entropy(logits, &labels, n_classes, normalizer, &mut loss, &mut grad)?;
+                stream.cross_entropy(&logits, &labels, n_classes, normalizer, &mut loss, &mut grad)?;
                 let loss_sum = stream.download(&loss)?.iter().map(|&loss| f64::from(loss)).sum();
-                Ok((loss_sum, Tensor::from_cuda_f32(grad, self.shape().clone(), self.device())?))
+                Ok((
+                    loss_sum,
+                    Tensor::from_cuda_f32(grad, self.shape().clone(), self.device())?.into_dtype(self.dtype())?,
+                ))
             }
         }
     }
 
     /// `self * other` elementwise (equal shapes): a new tensor on `self`'s device (on a CPU device
-    /// computed in f32 and rounded back to `self`'s dtype; on a GPU f32 only).
+    /// computed in f32 and rounded back to `self`'s dtype, on every device).
     ///
     /// ```
     /// use conveyor_engine::{Device, Tensor};
@@ -425,8 +487,8 @@ impl Tensor {
                 let (lhs, rhs) = (gpu_f32(op, self, self.device())?, gpu_f32(op, other, self.device())?);
                 let stream = cuda.thread_stream()?;
                 let mut out = cuda.alloc_zeros::<f32>(lhs.len())?;
-                stream.mul(lhs, rhs, &mut out)?;
-                Tensor::from_cuda_f32(out, self.shape().clone(), self.device())
+                stream.mul(&lhs, &rhs, &mut out)?;
+                Tensor::from_cuda_f32(out, self.shape().clone(), self.device())?.into_dtype(self.dtype())
             }
         }
     }
@@ -468,10 +530,10 @@ impl Tensor {
                 let (x, row) = (gpu_f32(op, self, self.device())?, gpu_f32(op, row, self.device())?);
                 let stream = cuda.thread_stream()?;
                 let mut rows = cuda.alloc_zeros::<f32>(x.len())?;
-                stream.broadcast_rows(row, &mut rows)?;
+                stream.broadcast_rows(&row, &mut rows)?;
                 let mut out = cuda.alloc_zeros::<f32>(x.len())?;
-                stream.mul(x, &rows, &mut out)?;
-                Tensor::from_cuda_f32(out, self.shape().clone(), self.device())
+                stream.mul(&x, &rows, &mut out)?;
+                Tensor::from_cuda_f32(out, self.shape().clone(), self.device())?.into_dtype(self.dtype())
             }
         }
     }

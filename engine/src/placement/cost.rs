@@ -9,9 +9,10 @@ use conveyor_schedules::Schedule;
 use super::memory::{
     Moment, NodeMemory, Running, ScheduleMemory, StageFootprint, StageInput, StageShape, at, footprint,
 };
+use crate::device::DeviceKind;
 use crate::graph::{Graph, NodeId};
 use crate::runtime::Recompute;
-use crate::{Error, Result};
+use crate::{CallScratch, Error, Result};
 
 /// A device as the planner sees it.
 #[derive(Clone, Debug, PartialEq)]
@@ -22,6 +23,9 @@ pub struct DeviceSpec {
     pub flops_per_s: f64,
     /// Memory budget in bytes (none: unlimited).
     pub budget_bytes: Option<u64>,
+    /// CPU or GPU: on a GPU the layers' ops reserve their scratch on the device's ledger
+    /// ([`crate::LayerCost::gpu_scratch_bytes_per_sample`]), so the plan counts it in each call.
+    pub kind: DeviceKind,
 }
 
 impl DeviceSpec {
@@ -39,6 +43,7 @@ impl DeviceSpec {
             name: members.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join("+"),
             flops_per_s: members.iter().map(|m| m.flops_per_s).sum(),
             budget_bytes: members.iter().map(|m| m.budget_bytes).sum(),
+            kind: members.iter().map(|m| m.kind).max().unwrap_or(DeviceKind::Cpu),
         }
     }
 }
@@ -252,6 +257,10 @@ pub struct NodeCosts {
     workspace_bytes: Vec<u64>,
     /// Output bytes per sample of each node in `order`.
     output_bytes: Vec<u64>,
+    /// Per sample, each node's ops' scratch on a GPU (`LayerCost::gpu_scratch_bytes_per_sample`).
+    gpu_scratch: Vec<CallScratch>,
+    /// Gradients of one output are summed through f32 copies (a mixed precision).
+    half_gradient_sums: bool,
     /// For each node in `order`, the positions (in `order`) of layer nodes it feeds.
     consumers: Vec<Vec<usize>>,
     /// For each node in `order`, positions of the layer nodes feeding it.
@@ -283,6 +292,8 @@ impl NodeCosts {
             prefix_param_bytes: vec![0],
             workspace_bytes: Vec::new(),
             output_bytes: Vec::new(),
+            gpu_scratch: Vec::new(),
+            half_gradient_sums: false,
             consumers: Vec::new(),
             producers: Vec::new(),
             inputs: Vec::new(),
@@ -299,6 +310,7 @@ impl NodeCosts {
             costs.prefix_param_bytes.push(costs.prefix_param_bytes.last().unwrap() + c.param_bytes);
             costs.workspace_bytes.push(c.workspace_bytes);
             costs.output_bytes.push(c.output_bytes_per_sample);
+            costs.gpu_scratch.push(c.gpu_scratch_bytes_per_sample);
             costs.names.push(graph.node(id)?.name.clone());
             costs.consumers.push(graph.successors(id).into_iter().filter_map(position).collect());
             costs.producers.push(graph.predecessors(id).into_iter().filter_map(position).collect());
@@ -332,6 +344,32 @@ impl NodeCosts {
             }
         }
         Ok(self)
+    }
+
+    /// The costs of a mixed-precision run. The runtime sums two gradients of one output through
+    /// f32 copies rather than in place. And a GPU op reads each f16/bf16 operand through an exact
+    /// f32 copy and computes its result in f32 before rounding it, so on a GPU each call also
+    /// takes, per sample, f32 bytes of the node's inputs and output (forward: inputs and result;
+    /// input gradient: the output gradient, the saved inputs and the result; weight gradient: the
+    /// output gradient and the saved inputs), on top of the scratch its layer declares. A bound:
+    /// f32 operands and the half products' cuBLAS path take no copies.
+    pub fn under_mixed_precision(mut self) -> NodeCosts {
+        self.half_gradient_sums = true;
+        for node in 0..self.order.len() {
+            let inputs: u64 = self.inputs[node]
+                .iter()
+                .map(|input| match *input {
+                    NodeInput::Node(p) => self.output_bytes[p],
+                    NodeInput::Data { bytes_per_sample, .. } => bytes_per_sample,
+                })
+                .sum();
+            let output = self.output_bytes[node];
+            let scratch = &mut self.gpu_scratch[node];
+            scratch.forward = scratch.forward.saturating_add(inputs + output);
+            scratch.backward_input = scratch.backward_input.saturating_add(output + 2 * inputs);
+            scratch.backward_weight = scratch.backward_weight.saturating_add(output + inputs);
+        }
+        self
     }
 
     /// Number of layer nodes.
@@ -378,6 +416,8 @@ impl NodeCosts {
             prefix_param_bytes: diff_u(&self.prefix_param_bytes),
             workspace_bytes: pick(&self.workspace_bytes),
             output_bytes: pick(&self.output_bytes),
+            gpu_scratch: new_order.iter().map(|&o| self.gpu_scratch[o]).collect(),
+            half_gradient_sums: self.half_gradient_sums,
             consumers: remap(&self.consumers),
             producers: remap(&self.producers),
             inputs: new_order
@@ -522,7 +562,7 @@ impl NodeCosts {
     ) -> Result<StageEstimate> {
         let rows = config.micro_batch_rows as f64;
         let (incoming, outgoing) = self.boundary_bytes(start, end);
-        let memory = self.stage_memory(config, device.budget_bytes, n_stages, stage_idx, (start, end), stage_of)?;
+        let memory = self.stage_memory(config, device, n_stages, stage_idx, (start, end), stage_of)?;
         let rows_u = config.micro_batch_rows as u64;
         // A forward receives the incoming activations; a backward receives the outgoing gradients.
         let forward_in = config.link.transfer_s(incoming * rows_u);
@@ -537,21 +577,37 @@ impl NodeCosts {
         })
     }
 
-    /// [`NodeCosts::stage`]'s memory part, under `budget`.
+    /// [`NodeCosts::stage`]'s memory part, under `device`'s budget; on a GPU each call's peak
+    /// includes its ops' scratch.
     fn stage_memory(
         &self,
         config: &PlanConfig,
-        budget: Option<u64>,
+        device: &DeviceSpec,
         n_stages: usize,
         stage_idx: usize,
         (start, end): (usize, usize),
         stage_of: Option<&[usize]>,
     ) -> Result<StageEstimate> {
-        let StageParts { nodes, inputs, routes, received, data, waiting } =
+        let budget = device.budget_bytes;
+        let StageParts { mut nodes, inputs, routes, received, data, waiting } =
             self.stage_shape(config.micro_batch_rows, n_stages, stage_idx, (start, end), stage_of);
+        if device.kind == DeviceKind::Cuda {
+            for (node, scratch) in nodes.iter_mut().zip(&self.gpu_scratch[start..end]) {
+                node.add_call_scratch(scratch.times(config.micro_batch_rows as u64));
+            }
+        }
         let n_ranks = nodes.iter().map(NodeMemory::n_ranks).max().unwrap_or(1);
         let output_node = self.output_position.filter(|p| (start..end).contains(p)).map(|p| p - start);
-        let shape = StageShape { nodes: nodes.iter().collect(), inputs, routes, output_node, received, data, n_ranks };
+        let shape = StageShape {
+            nodes: nodes.iter().collect(),
+            inputs,
+            routes,
+            output_node,
+            received,
+            data,
+            n_ranks,
+            half_gradient_sums: self.half_gradient_sums,
+        };
         let print = footprint(&shape);
         let moments = config.moments(n_stages, stage_idx)?;
         let n_micro_batches = config.n_micro_batches(n_stages);

@@ -38,7 +38,7 @@ pub use fit::{FitHint, MemoryBreakdown, PlacedBy, StageFit};
 pub use manual::{place_manually, place_manually_with_costs};
 pub use memory::{
     InputGradMemory, NodeMemory, OutputMemory, Rank, SavedMemory, ScheduleMemory, measure_node_memory,
-    measure_node_memory_at, measure_node_memory_on,
+    measure_node_memory_at, measure_node_memory_on, measure_node_memory_on_device,
 };
 pub use pipeline_plan::{CPU_FLOPS_PER_S, PipelineConfig, PlaceBy, Placement, plan_placement};
 pub use profile::{NodeTimes, profile_graph};

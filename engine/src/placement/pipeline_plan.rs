@@ -150,7 +150,12 @@ pub fn planner_inputs(
         .map(|s| {
             let device = &devices[built.device_of_stage(s)];
             let budget = device.memory_budget().map(|b| b / n_chunks as u64);
-            DeviceSpec { name: device.to_string(), flops_per_s: CPU_FLOPS_PER_S, budget_bytes: budget }
+            DeviceSpec {
+                name: device.to_string(),
+                flops_per_s: CPU_FLOPS_PER_S,
+                budget_bytes: budget,
+                kind: device.kind(),
+            }
         })
         .collect();
     Ok((specs, plan_config))
@@ -179,9 +184,15 @@ pub fn node_costs(graph: &Graph, micro_batch_rows: usize) -> Result<NodeCosts> {
 }
 
 /// [`node_costs`] under an autocast policy ([`measure_node_memory_at`]): activations in a half
-/// type count at 2 bytes per element.
+/// type count at 2 bytes per element, gradient sums go through f32 copies, and GPU stages count
+/// the f32 copies their ops read half operands through ([`NodeCosts::under_mixed_precision`]).
 pub fn node_costs_at(graph: &Graph, micro_batch_rows: usize, precision: crate::Precision) -> Result<NodeCosts> {
-    NodeCosts::of_graph(graph)?.with_measured_memory(&measure_node_memory_at(graph, micro_batch_rows, precision)?)
+    let costs = NodeCosts::of_graph(graph)?.with_measured_memory(&measure_node_memory_at(
+        graph,
+        micro_batch_rows,
+        precision,
+    )?)?;
+    Ok(if precision.is_mixed() { costs.under_mixed_precision() } else { costs })
 }
 
 /// Plans `graph` on `devices` (one stage per device and chunk) under their budgets, from FLOP

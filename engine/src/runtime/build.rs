@@ -40,11 +40,6 @@ impl TrainerBuilder {
                 ),
             ));
         }
-        if let Some(gpu) =
-            self.devices.iter().find(|d| matches!(d, Device::Cuda(_))).filter(|_| self.precision.is_mixed())
-        {
-            return Err(Error::PrecisionUnsupported { precision: self.precision.to_string(), device: gpu.to_string() });
-        }
         let replicas = self.replicas;
         if self.zero > 1 {
             return Err(Error::invalid(

@@ -224,8 +224,8 @@ impl TrainerBuilder {
     /// with f32 sums and keep their outputs and saved inputs in the half type, the fp32-list ops
     /// (losses, softmax, layer norm) compute in f32; parameters, gradients and optimizer state
     /// stay f32 (`crate::Precision` has the rules). F16 also scales the loss
-    /// ([`TrainerBuilder::loss_scale`]). CPU devices only for now: [`TrainerBuilder::build`]
-    /// refuses a mixed precision on a GPU ([`Error::PrecisionUnsupported`]).
+    /// ([`TrainerBuilder::loss_scale`]). On a GPU the half products run on cuBLAS with half
+    /// inputs and f32 accumulation (the tensor cores), the other ops in f32 on exact upcasts.
     pub fn precision(mut self, precision: crate::Precision) -> Self {
         self.precision = precision;
         self

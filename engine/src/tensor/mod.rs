@@ -75,6 +75,24 @@ pub(crate) enum F32Ref<'a> {
     Cuda(&'a CudaBuffer<f32>),
 }
 
+/// A GPU tensor's elements as an f32 operand: its own buffer, or for f16/bf16 an exact f32 copy
+/// made for the op and freed after it (the GPU side of reading half tensors through
+/// `host_f32`, as the CPU arms do).
+pub(crate) enum CudaF32<'a> {
+    Own(&'a CudaBuffer<f32>),
+    Upcast(CudaBuffer<f32>),
+}
+
+impl std::ops::Deref for CudaF32<'_> {
+    type Target = CudaBuffer<f32>;
+    fn deref(&self) -> &CudaBuffer<f32> {
+        match self {
+            CudaF32::Own(buffer) => buffer,
+            CudaF32::Upcast(buffer) => buffer,
+        }
+    }
+}
+
 /// A tensor's f32 elements wherever they live, writable (a shared tensor was copied first).
 pub(crate) enum F32Mut<'a> {
     Host(&'a mut [f32]),
@@ -383,6 +401,36 @@ impl Tensor {
         }
     }
 
+    /// The elements of a tensor on a GPU as an f32 operand ([`CudaF32`]: f16/bf16 upcast
+    /// exactly); `None` on the host.
+    pub(crate) fn cuda_f32_operand(&self) -> Result<Option<CudaF32<'_>>> {
+        match self.storage() {
+            Storage::Host(_) => Ok(None),
+            Storage::Cuda(cuda) => Ok(Some(match cuda.upcast_f32()? {
+                Some(upcast) => CudaF32::Upcast(upcast),
+                None => CudaF32::Own(cuda.f32("cuda_f32_operand")?),
+            })),
+        }
+    }
+
+    /// The bf16 buffer of a tensor on a GPU; `None` on the host, `UnsupportedDType` for another
+    /// dtype on a GPU.
+    pub(crate) fn cuda_bf16(&self, op: &str) -> Result<Option<&crate::device::CudaBuffer<half::bf16>>> {
+        match self.storage() {
+            Storage::Host(_) => Ok(None),
+            Storage::Cuda(cuda) => cuda.bf16(op).map(Some),
+        }
+    }
+
+    /// The f16 buffer of a tensor on a GPU; `None` on the host, `UnsupportedDType` for another
+    /// dtype on a GPU.
+    pub(crate) fn cuda_f16(&self, op: &str) -> Result<Option<&crate::device::CudaBuffer<half::f16>>> {
+        match self.storage() {
+            Storage::Host(_) => Ok(None),
+            Storage::Cuda(cuda) => cuda.f16(op).map(Some),
+        }
+    }
+
     /// The f32 elements wherever they live, writable (a shared tensor first gets a private copy).
     pub(crate) fn f32_mut(&mut self, op: &str) -> Result<F32Mut<'_>> {
         if self.dtype() != DType::F32 {
@@ -440,6 +488,11 @@ impl Tensor {
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         if dtype == self.dtype() {
             return self.try_clone();
+        }
+        // On a GPU, converted there (the same bits as on the CPU).
+        if let Storage::Cuda(cuda) = self.storage() {
+            let storage = Storage::Cuda(cuda.to_dtype(dtype)?);
+            return Ok(Tensor::assemble(self.shape.clone(), storage, &self.device, None));
         }
         // Host f32 narrowed in one pass, without an f32 copy first (mixed precision rounds every
         // product's operands and results this way).
@@ -600,7 +653,8 @@ impl Tensor {
         Ok(())
     }
 
-    /// [`Tensor::add_assign`] on a GPU: `other` must be f32 on the same device. A shared `self`
+    /// [`Tensor::add_assign`] on a GPU: `other` must be f32 on the same device (the runtime sums
+    /// half gradients through f32 copies). A shared `self`
     /// takes the sum as fresh elements (one pass, no copy first).
     fn add_assign_on_gpu(&mut self, other: &Tensor) -> Result<()> {
         let op = "add_assign";

@@ -323,6 +323,7 @@ impl Layer for ChannelParallelConv2d {
             output_bytes_per_sample: f32_bytes(output.numel()),
             workspace_bytes: 0,
             backward_held_bytes_per_sample: 0,
+            gpu_scratch_bytes_per_sample: Default::default(),
         })
     }
 

@@ -373,6 +373,7 @@ impl Layer for ParallelMlp {
             output_bytes_per_sample: fc2.output_bytes_per_sample,
             workspace_bytes: 0,
             backward_held_bytes_per_sample: 0,
+            gpu_scratch_bytes_per_sample: Default::default(),
         })
     }
 

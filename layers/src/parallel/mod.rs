@@ -262,5 +262,6 @@ fn linear_cost(
         output_bytes_per_sample: f32_bytes(output.numel()),
         workspace_bytes: 0,
         backward_held_bytes_per_sample: 0,
+        gpu_scratch_bytes_per_sample: Default::default(),
     }
 }

@@ -3,7 +3,9 @@
 //! configuration from the sizes, and queues the kernel on the stream.
 use cudarc::driver::PushKernelArg;
 
-use super::buffer::CudaBuffer;
+use half::{bf16, f16};
+
+use super::buffer::{CudaBuffer, CudaElement};
 use super::compile::Kernel;
 use super::stream::{BLOCK_THREADS, CudaStream};
 use crate::{Error, Result};
@@ -28,6 +30,49 @@ impl CudaStream {
         // SAFETY: the kernel reads n floats of x and writes n floats of y (both checked to hold n
         // elements on this GPU); size_t is usize.
         unsafe { launch.launch(self.grid_stride(n)) }.map(drop).map_err(|err| self.launch_error(kernel, err))
+    }
+
+    /// Launches a conversion kernel with signature `(const A* x, B* y, size_t n)`.
+    fn convert<A: CudaElement, B: CudaElement>(
+        &self,
+        kernel: Kernel,
+        input: &CudaBuffer<A>,
+        output: &mut CudaBuffer<B>,
+    ) -> Result<()> {
+        let op = kernel.name();
+        self.check_len(op, "output", input.len(), output.len())?;
+        self.check_on_device(op, input)?;
+        self.check_on_device(op, output)?;
+        let n = input.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let function = self.kernels()?.get(kernel);
+        let mut launch = self.raw.launch_builder(function);
+        launch.arg(&input.slice).arg(&mut output.slice).arg(&n);
+        // SAFETY: the kernel reads n elements of x and writes n of y (both checked to hold n
+        // elements on this GPU; f16 and bf16 are 16-bit, as the kernels' unsigned short).
+        unsafe { launch.launch(self.grid_stride(n)) }.map(drop).map_err(|err| self.launch_error(kernel, err))
+    }
+
+    /// `output = input` rounded to f16, bit for bit `half::f16::from_f32` (round to nearest even).
+    pub fn f32_to_f16(&self, input: &CudaBuffer<f32>, output: &mut CudaBuffer<f16>) -> Result<()> {
+        self.convert(Kernel::F32ToF16, input, output)
+    }
+
+    /// `output = input` rounded to bf16, bit for bit `half::bf16::from_f32`.
+    pub fn f32_to_bf16(&self, input: &CudaBuffer<f32>, output: &mut CudaBuffer<bf16>) -> Result<()> {
+        self.convert(Kernel::F32ToBf16, input, output)
+    }
+
+    /// `output = input` as f32 (exact).
+    pub fn f16_to_f32(&self, input: &CudaBuffer<f16>, output: &mut CudaBuffer<f32>) -> Result<()> {
+        self.convert(Kernel::F16ToF32, input, output)
+    }
+
+    /// `output = input` as f32 (exact).
+    pub fn bf16_to_f32(&self, input: &CudaBuffer<bf16>, output: &mut CudaBuffer<f32>) -> Result<()> {
+        self.convert(Kernel::Bf16ToF32, input, output)
     }
 
     /// Launches a kernel with signature `(const float* a, const float* b, float* out, size_t n)`.
@@ -163,7 +208,7 @@ impl CudaStream {
     pub fn dropout_apply(
         &self,
         input: &CudaBuffer<f32>,
-        mask: &CudaBuffer<f32>,
+        mask: &CudaBuffer<f16>,
         scale: f32,
         output: &mut CudaBuffer<f32>,
     ) -> Result<()> {
@@ -171,9 +216,8 @@ impl CudaStream {
         let op = kernel.name();
         self.check_len(op, "mask", input.len(), mask.len())?;
         self.check_len(op, "output", input.len(), output.len())?;
-        for buffer in [input, mask] {
-            self.check_on_device(op, buffer)?;
-        }
+        self.check_on_device(op, input)?;
+        self.check_on_device(op, mask)?;
         self.check_on_device(op, output)?;
         let n = input.len();
         if n == 0 {
@@ -182,7 +226,7 @@ impl CudaStream {
         let function = self.kernels()?.get(kernel);
         let mut launch = self.raw.launch_builder(function);
         launch.arg(&input.slice).arg(&mask.slice).arg(&scale).arg(&mut output.slice).arg(&n);
-        // SAFETY: reads n floats of x and mask, writes n floats of y.
+        // SAFETY: reads n floats of x and n halves of mask, writes n floats of y.
         unsafe { launch.launch(self.grid_stride(n)) }.map(drop).map_err(|err| self.launch_error(kernel, err))
     }
 

@@ -80,6 +80,22 @@ impl CudaStorage {
         }
     }
 
+    /// The bf16 buffer; `UnsupportedDType` for f32/f16 storage.
+    pub(crate) fn bf16(&self, op: &str) -> Result<&CudaBuffer<bf16>> {
+        match self {
+            CudaStorage::BF16(buffer) => Ok(buffer),
+            other => Err(Error::UnsupportedDType { op: op.to_string(), dtype: other.dtype() }),
+        }
+    }
+
+    /// The f16 buffer; `UnsupportedDType` for f32/bf16 storage.
+    pub(crate) fn f16(&self, op: &str) -> Result<&CudaBuffer<half::f16>> {
+        match self {
+            CudaStorage::F16(buffer) => Ok(buffer),
+            other => Err(Error::UnsupportedDType { op: op.to_string(), dtype: other.dtype() }),
+        }
+    }
+
     /// The f32 buffer, writable; `UnsupportedDType` for f16/bf16 storage.
     pub(crate) fn f32_mut(&mut self, op: &str) -> Result<&mut CudaBuffer<f32>> {
         match self {
@@ -153,6 +169,49 @@ impl CudaStorage {
     /// A copy on the same device and ledger (copy-on-write), ordered on this thread's stream.
     pub(crate) fn duplicate(&self) -> Result<CudaStorage> {
         Ok(map!(self, buffer => copy_range(buffer, 0, buffer.len())?))
+    }
+
+    /// The elements as `dtype` on the same GPU and ledger, converted on this thread's stream: f32
+    /// to a half type rounds bit for bit as the `half` crate does on the CPU, a half type to f32
+    /// is exact, and f16 to bf16 (or back) goes through f32 as on the CPU.
+    pub(crate) fn to_dtype(&self, dtype: DType) -> Result<CudaStorage> {
+        if self.dtype() == dtype {
+            return self.duplicate();
+        }
+        let device = self.device();
+        let stream = device.thread_stream()?;
+        Ok(match (self, dtype) {
+            (CudaStorage::F32(x), DType::F16) => {
+                let mut y = device.alloc_zeros(x.len())?;
+                stream.f32_to_f16(x, &mut y)?;
+                CudaStorage::F16(y)
+            }
+            (CudaStorage::F32(x), DType::BF16) => {
+                let mut y = device.alloc_zeros(x.len())?;
+                stream.f32_to_bf16(x, &mut y)?;
+                CudaStorage::BF16(y)
+            }
+            (half, DType::F32) => CudaStorage::F32(half.upcast_f32()?.expect("a half type's storage upcasts")),
+            (half, target) => half.to_dtype(DType::F32)?.to_dtype(target)?,
+        })
+    }
+
+    /// For f16 or bf16 storage, an f32 copy (exact) on the same GPU and ledger; `None` for f32.
+    pub(crate) fn upcast_f32(&self) -> Result<Option<CudaBuffer<f32>>> {
+        let device = self.device();
+        Ok(match self {
+            CudaStorage::F32(_) => None,
+            CudaStorage::F16(x) => {
+                let mut y = device.alloc_zeros(x.len())?;
+                device.thread_stream()?.f16_to_f32(x, &mut y)?;
+                Some(y)
+            }
+            CudaStorage::BF16(x) => {
+                let mut y = device.alloc_zeros(x.len())?;
+                device.thread_stream()?.bf16_to_f32(x, &mut y)?;
+                Some(y)
+            }
+        })
     }
 
     /// Elements `start..start + len` as new storage on the same device and ledger.

@@ -16,7 +16,18 @@ use crate::cpu::attention::{AttentionDims, attention_backward, attention_forward
 use crate::cpu::elementwise::accumulate_column_sums;
 use crate::cpu::{MatRef, matmul, matmul_uninit, uninit};
 use crate::device::DeviceMatRef;
-use crate::{DType, Device, Error, Result, Shape, Tensor};
+use crate::{CallScratch, DType, Device, Error, Result, Shape, Tensor};
+
+/// Per sample, the scratch the GPU arms of the attention ops reserve on the device's ledger
+/// while they run (f32), for a layer that computes through them (`MultiheadSelfAttention`): the
+/// bias spreads' ones-vectors (`tokens` per sample, forward and weight pass) and the input
+/// gradient's `[3H, rows, D]` per-block products. The CPU arms keep their scratch off the ledger.
+pub fn attention_gpu_scratch(tokens: usize, embed_dim: usize, n_heads: usize) -> CallScratch {
+    let f32_bytes = DType::F32.size_in_bytes() as u64;
+    let ones = tokens as u64;
+    let partial = (3 * n_heads * tokens * embed_dim) as u64;
+    CallScratch { forward: ones * f32_bytes, backward_input: partial * f32_bytes, backward_weight: ones * f32_bytes }
+}
 
 /// Rows of the flattened input, `batch · tokens`.
 fn rows(dims: &AttentionDims) -> usize {
@@ -67,15 +78,15 @@ impl Tensor {
                 // Block b [rows, dh] = 1 [rows, 1] · b_b [1, dh], then += x · W_bᵀ.
                 stream.matmul_batched(
                     &mut qkv,
-                    DeviceMatRef::row_major(gpu_f32(op, &ones, device)?, rows, 1)?,
-                    DeviceMatRef::row_major(b, 1, dh)?.with_batch_stride(dh),
+                    DeviceMatRef::row_major(&*gpu_f32(op, &ones, device)?, rows, 1)?,
+                    DeviceMatRef::row_major(&b, 1, dh)?.with_batch_stride(dh),
                     blocks,
                     false,
                 )?;
                 stream.matmul_batched(
                     &mut qkv,
-                    DeviceMatRef::row_major(x, rows, d)?,
-                    DeviceMatRef::row_major(w, dh, d)?.with_batch_stride(dh * d).t(),
+                    DeviceMatRef::row_major(&x, rows, d)?,
+                    DeviceMatRef::row_major(&w, dh, d)?.with_batch_stride(dh * d).t(),
                     blocks,
                     true,
                 )?;
@@ -103,7 +114,7 @@ impl Tensor {
             Device::Cuda(cuda) => {
                 let qkv = gpu_f32(op, self, device)?;
                 let stream = cuda.thread_stream()?;
-                stream.attention_forward(&dims, qkv, gpu_f32_mut(op, &mut ctx)?, gpu_f32_mut(op, &mut logsumexp)?)?;
+                stream.attention_forward(&dims, &qkv, gpu_f32_mut(op, &mut ctx)?, gpu_f32_mut(op, &mut logsumexp)?)?;
             }
         }
         Ok((ctx, logsumexp))
@@ -139,7 +150,7 @@ impl Tensor {
                     gpu_f32(op, logsumexp, device)?,
                 );
                 let stream = cuda.thread_stream()?;
-                stream.attention_backward(&dims, qkv, ctx, lse, grad_ctx, gpu_f32_mut(op, &mut grad_qkv)?)?;
+                stream.attention_backward(&dims, &qkv, &ctx, &lse, &grad_ctx, gpu_f32_mut(op, &mut grad_qkv)?)?;
             }
         }
         Ok(grad_qkv)
@@ -189,8 +200,8 @@ impl Tensor {
                 let mut partial = cuda.alloc_zeros::<f32>(blocks * rows * d)?;
                 stream.matmul_batched(
                     &mut partial,
-                    DeviceMatRef::row_major(grad_qkv, rows, dh)?.with_batch_stride(rows * dh),
-                    DeviceMatRef::row_major(w, dh, d)?.with_batch_stride(dh * d),
+                    DeviceMatRef::row_major(&grad_qkv, rows, dh)?.with_batch_stride(rows * dh),
+                    DeviceMatRef::row_major(&w, dh, d)?.with_batch_stride(dh * d),
                     blocks,
                     false,
                 )?;
@@ -242,12 +253,12 @@ impl Tensor {
         let (grad_qkv, x) = (gpu_f32(op, self, &device)?, gpu_f32(op, x, &device)?);
         let Device::Cuda(cuda) = &device else { unreachable!("a CPU device returned above") };
         let stream = cuda.thread_stream()?;
-        let grad_blocks = DeviceMatRef::row_major(grad_qkv, rows, dh)?.with_batch_stride(rows * dh);
+        let grad_blocks = DeviceMatRef::row_major(&grad_qkv, rows, dh)?.with_batch_stride(rows * dh);
         // dW_b [dh, D] += dqkv_bᵀ · x: the blocks of dW are the batch's contiguous outputs.
         stream.matmul_batched(
             gpu_f32_mut(op, in_weight_grad)?,
             grad_blocks.t(),
-            DeviceMatRef::row_major(x, rows, d)?,
+            DeviceMatRef::row_major(&x, rows, d)?,
             blocks,
             true,
         )?;
@@ -255,7 +266,7 @@ impl Tensor {
         let ones = ones(&device, rows)?;
         stream.matmul_batched(
             gpu_f32_mut(op, in_bias_grad)?,
-            DeviceMatRef::row_major(gpu_f32(op, &ones, &device)?, 1, rows)?,
+            DeviceMatRef::row_major(&*gpu_f32(op, &ones, &device)?, 1, rows)?,
             grad_blocks,
             blocks,
             true,
@@ -289,10 +300,10 @@ impl Tensor {
         let stream = cuda.thread_stream()?;
         stream.matmul(
             gpu_f32_mut(op, out_weight_grad)?,
-            DeviceMatRef::row_major(grad, rows, d)?.t(),
-            DeviceMatRef::row_major(ctx, rows, d)?,
+            DeviceMatRef::row_major(&grad, rows, d)?.t(),
+            DeviceMatRef::row_major(&ctx, rows, d)?,
             true,
         )?;
-        stream.accumulate_column_sums(grad, gpu_f32_mut(op, out_bias_grad)?)
+        stream.accumulate_column_sums(&grad, gpu_f32_mut(op, out_bias_grad)?)
     }
 }

@@ -14,7 +14,26 @@ use crate::cpu::conv_weight::conv2d_weight_grad;
 use crate::cpu::elementwise::accumulate_row_sums;
 use crate::cpu::{MatRef, Window2d, matmul, matmul_uninit, uninit};
 use crate::device::{CudaBuffer, DeviceMatRef};
-use crate::{DType, Device, Error, Result, Shape, Tensor};
+use crate::{CallScratch, DType, Device, Error, Result, Shape, Tensor};
+
+/// Per sample, the scratch the GPU arms of [`Tensor::conv2d`] and its two gradients reserve on
+/// the device's ledger while they run (f32): the batched im2col columns (none for a pointwise
+/// window) in every call, the bias spread's ones-vector in the forward (per micro-batch, counted
+/// per sample: a bound), and in the weight pass the per-sample partial gradients and, with a bias,
+/// the per-plane sums. The CPU arms keep their scratch off the ledger. Layers put this in
+/// [`crate::LayerCost::gpu_scratch_bytes_per_sample`].
+pub fn conv2d_gpu_scratch(window: &Window2d, out_channels: usize, bias: bool) -> CallScratch {
+    let f32_bytes = DType::F32.size_in_bytes() as u64;
+    let cols = if window.is_pointwise() { 0 } else { (window.col_rows() * window.out_plane_len()) as u64 };
+    let ones = if bias { window.out_plane_len() as u64 } else { 0 };
+    let partial = (out_channels * window.col_rows()) as u64;
+    let plane_sums = if bias { out_channels as u64 } else { 0 };
+    CallScratch {
+        forward: (cols + ones) * f32_bytes,
+        backward_input: cols * f32_bytes,
+        backward_weight: (cols + partial + plane_sums) * f32_bytes,
+    }
+}
 
 /// The batch of `input` (whole samples of `window.input_len()` elements) and a check that
 /// `weight` holds `out_channels x window.col_rows()` elements.
@@ -106,8 +125,8 @@ impl Tensor {
                         let (bias, ones_buffer) = (gpu_f32(op, bias, device)?, gpu_f32(op, &ones, device)?);
                         stream.matmul_batched(
                             &mut out,
-                            DeviceMatRef::row_major(bias, out_channels, 1)?,
-                            DeviceMatRef::row_major(ones_buffer, 1, out_plane)?,
+                            DeviceMatRef::row_major(&bias, out_channels, 1)?,
+                            DeviceMatRef::row_major(&ones_buffer, 1, out_plane)?,
                             batch,
                             false,
                         )?;
@@ -115,12 +134,12 @@ impl Tensor {
                     }
                     None => false,
                 };
-                let cols = gpu_cols(x, batch, window, cuda)?;
-                let cols_view = DeviceMatRef::row_major(cols.as_ref().unwrap_or(x), col_rows, out_plane)?
+                let cols = gpu_cols(&x, batch, window, cuda)?;
+                let cols_view = DeviceMatRef::row_major(cols.as_ref().unwrap_or(&x), col_rows, out_plane)?
                     .with_batch_stride(col_rows * out_plane);
                 stream.matmul_batched(
                     &mut out,
-                    DeviceMatRef::row_major(w, out_channels, col_rows)?,
+                    DeviceMatRef::row_major(&w, out_channels, col_rows)?,
                     cols_view,
                     batch,
                     accumulate,
@@ -233,9 +252,9 @@ impl Tensor {
                 let device = self.device();
                 let (dy, w) = (gpu_f32(op, self, device)?, gpu_f32(op, weight, device)?);
                 let stream = cuda.thread_stream()?;
-                let weight_t = DeviceMatRef::row_major(w, out_channels, col_rows)?.t();
+                let weight_t = DeviceMatRef::row_major(&w, out_channels, col_rows)?.t();
                 let dy_view =
-                    DeviceMatRef::row_major(dy, out_channels, out_plane)?.with_batch_stride(out_channels * out_plane);
+                    DeviceMatRef::row_major(&dy, out_channels, out_plane)?.with_batch_stride(out_channels * out_plane);
                 let mut dx = cuda.alloc_zeros::<f32>(input_shape.numel())?;
                 if window.is_pointwise() {
                     stream.matmul_batched(&mut dx, weight_t, dy_view, batch, false)?;
@@ -303,11 +322,12 @@ impl Tensor {
         let (dy, x) = (gpu_f32(op, self, &device)?, gpu_f32(op, input, &device)?);
         let Device::Cuda(cuda) = &device else { unreachable!("a CPU device returned above") };
         let stream = cuda.thread_stream()?;
-        let cols = gpu_cols(x, batch, window, cuda)?;
-        let cols_view = DeviceMatRef::row_major(cols.as_ref().unwrap_or(x), col_rows, out_plane)?
+        let cols = gpu_cols(&x, batch, window, cuda)?;
+        let cols_view = DeviceMatRef::row_major(cols.as_ref().unwrap_or(&x), col_rows, out_plane)?
             .with_batch_stride(col_rows * out_plane)
             .t();
-        let dy_view = DeviceMatRef::row_major(dy, out_channels, out_plane)?.with_batch_stride(out_channels * out_plane);
+        let dy_view =
+            DeviceMatRef::row_major(&dy, out_channels, out_plane)?.with_batch_stride(out_channels * out_plane);
         // Per-sample partial gradients [batch, out·in·kh·kw], then their sum over the batch.
         let mut partial = cuda.alloc_zeros::<f32>(batch * out_channels * col_rows)?;
         stream.matmul_batched(&mut partial, dy_view, cols_view, batch, false)?;
@@ -315,7 +335,7 @@ impl Tensor {
         if let Some(bias_grad) = bias_grad {
             // Σ over each plane ([batch·out] sums), then over the batch.
             let mut plane_sums = cuda.alloc_zeros::<f32>(batch * out_channels)?;
-            stream.accumulate_row_sums(dy, &mut plane_sums)?;
+            stream.accumulate_row_sums(&dy, &mut plane_sums)?;
             stream.accumulate_column_sums(&plane_sums, gpu_f32_mut(op, bias_grad)?)?;
         }
         Ok(())

@@ -149,7 +149,7 @@ impl Tensor {
                 let mut output = cuda.alloc_zeros::<f32>(x.len())?;
                 let mut mean = cuda.alloc_zeros::<f32>(rows)?;
                 let mut rstd = cuda.alloc_zeros::<f32>(rows)?;
-                stream.layer_norm_forward(x, weight, bias, eps, &mut output, &mut mean, &mut rstd)?;
+                stream.layer_norm_forward(&x, &weight, &bias, eps, &mut output, &mut mean, &mut rstd)?;
                 Ok((
                     Tensor::from_cuda_f32(output, self.shape().clone(), device)?,
                     Tensor::from_cuda_f32(mean, Shape::new([rows]), device)?,
@@ -195,7 +195,7 @@ impl Tensor {
                 let (mean, rstd) = (gpu_f32(op, mean, device)?, gpu_f32(op, rstd, device)?);
                 let stream = cuda.thread_stream()?;
                 let mut grad_input = cuda.alloc_zeros::<f32>(x.len())?;
-                stream.layer_norm_backward_input(x, dy, weight, mean, rstd, &mut grad_input)?;
+                stream.layer_norm_backward_input(&x, &dy, &weight, &mean, &rstd, &mut grad_input)?;
                 Tensor::from_cuda_f32(grad_input, input.shape().clone(), device)
             }
         }
@@ -240,7 +240,7 @@ impl Tensor {
         }
         let dw = gpu_f32_mut(op, weight_grad)?;
         let stream = dw.device().thread_stream()?;
-        stream.layer_norm_backward_weight(x, dy, mean, rstd, dw, gpu_f32_mut(op, bias_grad)?)
+        stream.layer_norm_backward_weight(&x, &dy, &mean, &rstd, dw, gpu_f32_mut(op, bias_grad)?)
     }
 
     /// The rows of this table (`[n_rows, dim]`) picked by `ids` (integer values held in an f32
@@ -271,7 +271,7 @@ impl Tensor {
                 embedding_indices(&ids.try_to_vec_f32()?, n_rows)?;
                 let stream = cuda.thread_stream()?;
                 let mut output = cuda.alloc_zeros::<f32>(ids.numel() * dim)?;
-                stream.embedding_gather(id_values, table, n_rows, &mut output)?;
+                stream.embedding_gather(&id_values, &table, n_rows, &mut output)?;
                 Tensor::from_cuda_f32(output, Shape::new(dims), device)
             }
         }
@@ -341,7 +341,7 @@ impl Tensor {
             (cuda.upload(&distinct)?, cuda.upload(&offsets)?, cuda.upload(&positions)?);
         let dst = gpu_f32_mut(op, grad)?;
         let stream = cuda.thread_stream()?;
-        stream.embedding_scatter_add(dy, &distinct, &offsets, &positions, dst, dim)
+        stream.embedding_scatter_add(&dy, &distinct, &offsets, &positions, dst, dim)
     }
 
     /// `y[b, t, :] = x[b, t, :] + table[t, :]` for this `[batch, tokens, dim]` input and the first
@@ -369,7 +369,7 @@ impl Tensor {
                 let (x, table) = (gpu_f32(op, self, device)?, gpu_f32(op, table, device)?);
                 let stream = cuda.thread_stream()?;
                 let mut output = cuda.alloc_zeros::<f32>(x.len())?;
-                stream.add_positions(x, table, len, &mut output)?;
+                stream.add_positions(&x, &table, len, &mut output)?;
                 Tensor::from_cuda_f32(output, self.shape().clone(), device)
             }
         }
@@ -397,7 +397,7 @@ impl Tensor {
         let dy = gpu_f32(op, self, grad.device())?;
         let dst = gpu_f32_mut(op, grad)?;
         let stream = dst.device().thread_stream()?;
-        stream.positions_grad_accumulate(dy, len, dst)
+        stream.positions_grad_accumulate(&dy, len, dst)
     }
 
     /// `y[b, :] = (Σ_t x[b, t, :]) · (1 / tokens)` for this `[batch, tokens, features]` input: a
@@ -426,7 +426,7 @@ impl Tensor {
                 let x = gpu_f32(op, self, device)?;
                 let stream = cuda.thread_stream()?;
                 let mut output = cuda.alloc_zeros::<f32>(batch * features)?;
-                stream.mean_over_tokens(x, [batch, tokens, features], &mut output)?;
+                stream.mean_over_tokens(&x, [batch, tokens, features], &mut output)?;
                 Tensor::from_cuda_f32(output, Shape::new([batch, features]), device)
             }
         }
@@ -464,7 +464,7 @@ impl Tensor {
                 let dy = gpu_f32(op, self, device)?;
                 let stream = cuda.thread_stream()?;
                 let mut grad_input = cuda.alloc_zeros::<f32>(shape.numel())?;
-                stream.mean_over_tokens_backward(dy, [batch, tokens, features], &mut grad_input)?;
+                stream.mean_over_tokens_backward(&dy, [batch, tokens, features], &mut grad_input)?;
                 Tensor::from_cuda_f32(grad_input, shape, device)
             }
         }

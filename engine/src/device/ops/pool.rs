@@ -17,7 +17,7 @@
 //! planes of at most 2^24 positions ([`crate::cpu::pool::MAX_POOL_PLANE_LIMIT`]; larger planes are
 //! an error on both devices). Global average pooling on a GPU is average pooling with one window
 //! covering the whole plane, which sums in the CPU kernel's order.
-use super::gpu_f32;
+use super::{gpu_f16, gpu_f32};
 use crate::cpu::pool::{
     avg_pool2d_backward, avg_pool2d_forward, global_avg_pool_backward, global_avg_pool_forward, max_pool2d_forward,
     max_pool2d_input_grad,
@@ -75,7 +75,7 @@ fn whole_plane(op: &str, shape: &Shape) -> Result<(usize, Window2d)> {
 impl Tensor {
     /// Max pooling of this NCHW tensor (`[batch, window.channels, window.in_height,
     /// window.in_width]`), padding acting as -inf: the output `[batch, channels, out_height,
-    /// out_width]` in this tensor's dtype (f32 only on a GPU) and the argmax, an f32 tensor of the
+    /// out_width]` in this tensor's dtype and the argmax, an f32 tensor of the
     /// same shape holding each output's winning position within its input plane
     /// (`row * in_width + col`; the layout of [`crate::cpu::pool::max_pool2d_forward`], bit for
     /// bit on every device), for [`Tensor::max_pool2d_input_grad`].
@@ -107,9 +107,9 @@ impl Tensor {
                 let stream = cuda.thread_stream()?;
                 let mut output = cuda.alloc_zeros::<f32>(out_shape.numel())?;
                 let mut argmax = cuda.alloc_zeros::<f32>(out_shape.numel())?;
-                stream.max_pool_forward(input, n_planes, window, &mut output, &mut argmax)?;
+                stream.max_pool_forward(&input, n_planes, window, &mut output, &mut argmax)?;
                 Ok((
-                    Tensor::from_cuda_f32(output, out_shape.clone(), self.device())?,
+                    Tensor::from_cuda_f32(output, out_shape.clone(), self.device())?.into_dtype(self.dtype())?,
                     Tensor::from_cuda_f32(argmax, out_shape, self.device())?,
                 ))
             }
@@ -118,7 +118,7 @@ impl Tensor {
 
     /// Max pooling's input gradient: each element of `grad_output` added onto the input position
     /// `argmax` (from [`Tensor::max_pool2d`]) recorded for it, zeros elsewhere. A new tensor of
-    /// `input_shape` in `grad_output`'s dtype on its device (f32 only on a GPU, where overlapping
+    /// `input_shape` in `grad_output`'s dtype on its device (on a GPU overlapping
     /// windows' gradients are summed by atomic adds, in no fixed order).
     pub fn max_pool2d_input_grad(
         grad_output: &Tensor,
@@ -151,8 +151,8 @@ impl Tensor {
                 let (grad, argmax) = (gpu_f32(op, grad_output, device)?, gpu_f32(op, argmax, device)?);
                 let stream = cuda.thread_stream()?;
                 let mut grad_input = cuda.alloc_zeros::<f32>(input_shape.numel())?;
-                stream.max_pool_backward(grad, argmax, n_planes, window, &mut grad_input)?;
-                Tensor::from_cuda_f32(grad_input, input_shape.clone(), device)
+                stream.max_pool_backward(&grad, &argmax, n_planes, window, &mut grad_input)?;
+                Tensor::from_cuda_f32(grad_input, input_shape.clone(), device)?.into_dtype(grad_output.dtype())
             }
         }
     }
@@ -160,7 +160,7 @@ impl Tensor {
     /// Average pooling of this NCHW tensor (`[batch, window.channels, window.in_height,
     /// window.in_width]`): each output its window's sum divided by `kernel_height · kernel_width`
     /// (zero padding counted, PyTorch's `count_include_pad=True`). A new tensor `[batch, channels,
-    /// out_height, out_width]` in this tensor's dtype (f32 only on a GPU), bit for bit the same on
+    /// out_height, out_width]` in this tensor's dtype, bit for bit the same on
     /// every device.
     pub fn avg_pool2d(&self, window: &Window2d) -> Result<Tensor> {
         let op = "avg_pool2d";
@@ -178,15 +178,15 @@ impl Tensor {
                 let input = gpu_f32(op, self, self.device())?;
                 let stream = cuda.thread_stream()?;
                 let mut output = cuda.alloc_zeros::<f32>(out_shape.numel())?;
-                stream.avg_pool_forward(input, n_planes, window, &mut output)?;
-                Tensor::from_cuda_f32(output, out_shape, self.device())
+                stream.avg_pool_forward(&input, n_planes, window, &mut output)?;
+                Tensor::from_cuda_f32(output, out_shape, self.device())?.into_dtype(self.dtype())
             }
         }
     }
 
     /// Average pooling's input gradient: each output gradient divided by `kernel_height ·
     /// kernel_width` and added onto every input of its window. A new tensor of `input_shape` in
-    /// `grad_output`'s dtype on its device (f32 only on a GPU, where each input sums its windows'
+    /// `grad_output`'s dtype on its device (on a GPU each input sums its windows'
     /// shares in another order than the CPU).
     pub fn avg_pool2d_input_grad(grad_output: &Tensor, window: &Window2d, input_shape: &Shape) -> Result<Tensor> {
         let op = "avg_pool2d_input_grad";
@@ -205,15 +205,15 @@ impl Tensor {
                 let grad = gpu_f32(op, grad_output, device)?;
                 let stream = cuda.thread_stream()?;
                 let mut grad_input = cuda.alloc_zeros::<f32>(input_shape.numel())?;
-                stream.avg_pool_backward(grad, n_planes, window, &mut grad_input)?;
-                Tensor::from_cuda_f32(grad_input, input_shape.clone(), device)
+                stream.avg_pool_backward(&grad, n_planes, window, &mut grad_input)?;
+                Tensor::from_cuda_f32(grad_input, input_shape.clone(), device)?.into_dtype(grad_output.dtype())
             }
         }
     }
 
     /// Global average pooling of this NCHW tensor: `[batch, channels, height, width] ->
     /// [batch, channels]`, each output the mean of its plane (summed from +0.0 in row-major
-    /// order), in this tensor's dtype (f32 only on a GPU), bit for bit the same on every device.
+    /// order), in this tensor's dtype, bit for bit the same on every device.
     pub fn global_avg_pool2d(&self) -> Result<Tensor> {
         let op = "global_avg_pool2d";
         let (batch, window) = whole_plane(op, self.shape())?;
@@ -234,7 +234,7 @@ impl Tensor {
 
     /// Global average pooling's input gradient: each `grad_output[b, c]` divided by the plane's
     /// length and spread over its plane. A new tensor of `input_shape` (`[batch, channels, height,
-    /// width]`) in `grad_output`'s dtype on its device (f32 only on a GPU), bit for bit the same on
+    /// width]`) in `grad_output`'s dtype on its device, bit for bit the same on
     /// every device.
     pub fn global_avg_pool2d_input_grad(grad_output: &Tensor, input_shape: &Shape) -> Result<Tensor> {
         let op = "global_avg_pool2d_input_grad";
@@ -265,8 +265,7 @@ impl Tensor {
     /// Inverted dropout with a keep mask drawn on the host (`keep`: one 1.0 or 0.0 per element):
     /// the output `x · keep · scale` (in that order, on every device) in this tensor's dtype (f32
     /// only on a GPU), and the mask on this tensor's device for [`Tensor::dropout_apply`] in the
-    /// backward pass: f16 on a CPU (2 bytes per element, exact for 0 and 1), f32 on a GPU (the
-    /// kernel's operand type).
+    /// backward pass: f16 on every device (2 bytes per element, exact for 0 and 1).
     pub fn dropout_forward(&self, keep: &[f32], scale: f32) -> Result<(Tensor, Tensor)> {
         let op = "dropout_forward";
         if keep.len() != self.numel() {
@@ -289,12 +288,14 @@ impl Tensor {
             Device::Cuda(cuda) => {
                 let x = gpu_f32(op, self, self.device())?;
                 let stream = cuda.thread_stream()?;
-                let mask = cuda.upload(keep)?;
+                // Saved as f16, as on the CPU: half the bytes of f32, and the plan counts them.
+                let half: Vec<f16> = keep.iter().map(|&keep| f16::from_f32(keep)).collect();
+                let mask = Tensor::from_f16_vec(half, self.shape().clone(), self.device())?;
                 let mut output = cuda.alloc_zeros::<f32>(x.len())?;
-                stream.dropout_apply(x, &mask, scale, &mut output)?;
+                stream.dropout_apply(&x, gpu_f16(op, &mask, self.device())?, scale, &mut output)?;
                 Ok((
-                    Tensor::from_cuda_f32(output, self.shape().clone(), self.device())?,
-                    Tensor::from_cuda_f32(mask, self.shape().clone(), self.device())?,
+                    Tensor::from_cuda_f32(output, self.shape().clone(), self.device())?.into_dtype(self.dtype())?,
+                    mask,
                 ))
             }
         }
@@ -302,7 +303,8 @@ impl Tensor {
 
     /// `self · mask · scale` elementwise (in that order; equal shapes), the dropout product with
     /// a saved mask (dropout's input gradient): a new tensor in `self`'s dtype on its device (on a
-    /// CPU the mask may be of any dtype; on a GPU both are f32).
+    /// CPU the mask may be of any dtype; on a GPU `self` is f32 and the mask f16, as
+    /// [`Tensor::dropout_forward`] saves it).
     pub fn dropout_apply(&self, mask: &Tensor, scale: f32) -> Result<Tensor> {
         let op = "dropout_apply";
         if self.shape() != mask.shape() {
@@ -317,17 +319,17 @@ impl Tensor {
                 output.into_dtype(self.dtype())
             }
             Device::Cuda(cuda) => {
-                let (x, keep) = (gpu_f32(op, self, self.device())?, gpu_f32(op, mask, self.device())?);
+                let (x, keep) = (gpu_f32(op, self, self.device())?, gpu_f16(op, mask, self.device())?);
                 let stream = cuda.thread_stream()?;
                 let mut output = cuda.alloc_zeros::<f32>(x.len())?;
-                stream.dropout_apply(x, keep, scale, &mut output)?;
-                Tensor::from_cuda_f32(output, self.shape().clone(), self.device())
+                stream.dropout_apply(&x, keep, scale, &mut output)?;
+                Tensor::from_cuda_f32(output, self.shape().clone(), self.device())?.into_dtype(self.dtype())
             }
         }
     }
 
     /// `self + other` elementwise (equal shapes, the same device): a new tensor in `self`'s dtype
-    /// on its device (on a CPU computed in f32 and rounded back; on a GPU f32 only), bit for bit
+    /// on its device (computed in f32 and rounded back), bit for bit
     /// the same on every device.
     ///
     /// ```
@@ -356,8 +358,8 @@ impl Tensor {
                 let (lhs, rhs) = (gpu_f32(op, self, self.device())?, gpu_f32(op, other, self.device())?);
                 let stream = cuda.thread_stream()?;
                 let mut out = cuda.alloc_zeros::<f32>(lhs.len())?;
-                stream.add(lhs, rhs, &mut out)?;
-                Tensor::from_cuda_f32(out, self.shape().clone(), self.device())
+                stream.add(&lhs, &rhs, &mut out)?;
+                Tensor::from_cuda_f32(out, self.shape().clone(), self.device())?.into_dtype(self.dtype())
             }
         }
     }

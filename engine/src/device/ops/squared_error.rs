@@ -53,13 +53,13 @@ impl Tensor {
                 let device = self.device();
                 let (output, targets) = (gpu_f32(op, self, device)?, gpu_f32(op, targets, device)?);
                 let stream = cuda.thread_stream()?;
-                let mut negated = stream.copy_from(targets)?;
+                let mut negated = stream.copy_from(&targets)?;
                 stream.scale(&mut negated, -1.0)?;
                 let mut diff = cuda.alloc_zeros::<f32>(output.len())?;
-                stream.add(output, &negated, &mut diff)?;
+                stream.add(&output, &negated, &mut diff)?;
                 let sum = stream.sum_of_squares(&diff)?;
                 stream.scale(&mut diff, grad_scale)?;
-                Ok((mean(sum), Tensor::from_cuda_f32(diff, self.shape().clone(), device)?))
+                Ok((mean(sum), Tensor::from_cuda_f32(diff, self.shape().clone(), device)?.into_dtype(self.dtype())?))
             }
         }
     }

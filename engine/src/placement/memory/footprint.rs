@@ -40,6 +40,9 @@ pub(crate) struct StageShape<'a> {
     pub data: Vec<u64>,
     /// Devices of the stage's group (1 without tensor parallelism).
     pub n_ranks: usize,
+    /// Under a mixed precision the runtime sums two gradients of one output through f32 copies
+    /// (`runtime/stage.rs`, `add_gradient`) instead of in place.
+    pub half_gradient_sums: bool,
 }
 
 /// What one micro-batch holds on a stage, per rank (all byte counts per micro-batch).
@@ -86,11 +89,13 @@ struct Arena {
     storages: Vec<(Rank, u64, u32)>,
     live: Vec<u64>,
     peak: Vec<u64>,
+    /// [`StageShape::half_gradient_sums`].
+    half_sums: bool,
 }
 
 impl Arena {
-    fn new(n_ranks: usize) -> Self {
-        Arena { storages: Vec::new(), live: vec![0; n_ranks], peak: vec![0; n_ranks] }
+    fn new(n_ranks: usize, half_sums: bool) -> Self {
+        Arena { storages: Vec::new(), live: vec![0; n_ranks], peak: vec![0; n_ranks], half_sums }
     }
 
     fn alloc(&mut self, rank: Rank, bytes: u64) -> Sid {
@@ -136,10 +141,22 @@ impl Arena {
     }
 
     /// `slot += grad` as `runtime/stage.rs` accumulates: the first gradient is moved in; a later
-    /// one is added in place, after copying the slot's bytes if they are shared.
+    /// one is added in place, after copying the slot's bytes if they are shared. Under a mixed
+    /// precision both are copied to f32 (at most twice their bytes each), summed there and the
+    /// sum rounded back into a new tensor (the slot's dtype when both share it, else f32).
     fn accumulate(&mut self, slot: &mut Option<Sid>, grad: Sid) {
         match *slot {
             None => *slot = Some(grad),
+            Some(existing) if self.half_sums => {
+                let (rank, e, g) = (self.storages[existing].0, self.bytes(existing), self.bytes(grad));
+                let mut extra = vec![0; self.live.len()];
+                extra[rank] = 2 * e + 2 * g + 2 * e.max(g);
+                self.note_call(&extra);
+                let sum = if e == g { e } else { 2 * e.max(g) };
+                self.release(existing);
+                self.release(grad);
+                *slot = Some(self.alloc(rank, sum));
+            }
             Some(existing) => {
                 if self.storages[existing].2 > 1 {
                     let copy = self.alloc(self.storages[existing].0, self.bytes(existing));
@@ -345,7 +362,7 @@ fn backward_weight(arena: &mut Arena, shape: &StageShape<'_>, state: MicroBatch)
 pub(crate) fn footprint(shape: &StageShape<'_>) -> StageFootprint {
     let k = shape.n_ranks.max(1);
     // Kept activations: forward, input-gradient pass, weight pass.
-    let mut arena = Arena::new(k);
+    let mut arena = Arena::new(k, shape.half_gradient_sums);
     let mut state = forward(&mut arena, shape, false);
     let peak_forward = arena.peak.clone();
     let stash_forward = arena.live.clone();
@@ -360,7 +377,7 @@ pub(crate) fn footprint(shape: &StageShape<'_>) -> StageFootprint {
     backward_weight(&mut arena, shape, state);
     let peak_backward_weight = arena.peak.clone();
     // Recomputation.
-    let mut arena = Arena::new(k);
+    let mut arena = Arena::new(k, shape.half_gradient_sums);
     let mut state = forward(&mut arena, shape, true);
     let stash_kept = arena.live.clone();
     arena.reset_peak();
@@ -425,6 +442,7 @@ mod tests {
             received: vec![100],
             data: Vec::new(),
             n_ranks: 1,
+            half_gradient_sums: false,
         };
         let f = footprint(&shape);
         assert_eq!(f.stash_forward, vec![110]);
@@ -459,6 +477,7 @@ mod tests {
             received: vec![100],
             data: Vec::new(),
             n_ranks: 1,
+            half_gradient_sums: false,
         };
         let (with, without) = (footprint(&shape_of(&l)), footprint(&shape_of(&plain)));
         assert_eq!(with.stash_forward, without.stash_forward);

@@ -22,9 +22,9 @@ mod probe;
 pub(crate) use footprint::{StageFootprint, StageInput, StageShape, footprint};
 pub use moments::ScheduleMemory;
 pub(crate) use moments::{Moment, Running};
-pub use probe::{measure_node_memory, measure_node_memory_at, measure_node_memory_on};
+pub use probe::{measure_node_memory, measure_node_memory_at, measure_node_memory_on, measure_node_memory_on_device};
 
-use crate::LayerCost;
+use crate::{CallScratch, LayerCost};
 
 /// The device of a tensor in a layer call, as an index into the stage's device group: 0 is the
 /// stage's device (inputs, outputs, gradients, unsplit layers); `r > 0` is the `r`-th device of a
@@ -192,6 +192,20 @@ impl NodeMemory {
             backward_held: scale_all(&self.backward_held),
             params: self.params.clone(),
         }
+    }
+
+    /// Adds `scratch` (bytes a call reserves and frees before it returns) to every rank's peak of
+    /// each call: a bound, as the figures were measured without it.
+    pub fn add_call_scratch(&mut self, scratch: CallScratch) {
+        let add = |peaks: &mut Vec<u64>, bytes: u64| {
+            if peaks.is_empty() {
+                peaks.push(0);
+            }
+            peaks.iter_mut().for_each(|p| *p = p.saturating_add(bytes));
+        };
+        add(&mut self.forward_peak, scratch.forward);
+        add(&mut self.backward_input_peak, scratch.backward_input);
+        add(&mut self.backward_weight_peak, scratch.backward_weight);
     }
 
     /// Parameter bytes on all ranks together.

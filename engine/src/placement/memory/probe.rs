@@ -42,7 +42,16 @@ pub fn measure_node_memory(graph: &Graph, rows: usize) -> Result<Vec<(NodeId, No
 /// forward context, on inputs of the dtype its producers' outputs have (graph inputs f32), so a
 /// product's half-typed output and saved input are measured at their bytes.
 pub fn measure_node_memory_at(graph: &Graph, rows: usize, precision: Precision) -> Result<Vec<(NodeId, NodeMemory)>> {
-    measure(graph, rows, precision, |_| None)
+    measure(graph, rows, precision, None, |_| None)
+}
+
+/// [`measure_node_memory`] for a graph whose layers are all on `device` (moved there by the
+/// caller): every layer runs there on inputs made there, measured on its ledger as split layers
+/// are. On a GPU this shows what the ops reserve while they run, scratch included (what
+/// [`crate::LayerCost::gpu_scratch_bytes_per_sample`] declares); `device`'s ledger must not be
+/// in use by anything else meanwhile.
+pub fn measure_node_memory_on_device(graph: &Graph, rows: usize, device: &Device) -> Result<Vec<(NodeId, NodeMemory)>> {
+    measure(graph, rows, Precision::F32, Some(device), |_| None)
 }
 
 /// [`measure_node_memory`] for a graph whose tensor-parallel layers are already built on their
@@ -54,13 +63,14 @@ pub fn measure_node_memory_on(
     rows: usize,
     group_of: impl Fn(NodeId) -> Option<Vec<Device>>,
 ) -> Result<Vec<(NodeId, NodeMemory)>> {
-    measure(graph, rows, Precision::F32, group_of)
+    measure(graph, rows, Precision::F32, None, group_of)
 }
 
 fn measure(
     graph: &Graph,
     rows: usize,
     precision: Precision,
+    every_layer_on: Option<&Device>,
     group_of: impl Fn(NodeId) -> Option<Vec<Device>>,
 ) -> Result<Vec<(NodeId, NodeMemory)>> {
     // The dtype of each probed node's output, for its consumers' inputs.
@@ -85,8 +95,11 @@ fn measure(
         if param_bytes as u64 > MAX_PROBED_PARAMETER_BYTES || data_bytes > MAX_PROBED_PARAMETER_BYTES {
             continue;
         }
-        let on_host = layer.parameters().iter().all(|p| p.value.device().same_device(&host));
-        let group = if on_host {
+        let on_host =
+            every_layer_on.is_none() && layer.parameters().iter().all(|p| p.value.device().same_device(&host));
+        let group = if let Some(device) = every_layer_on {
+            vec![device.clone()]
+        } else if on_host {
             vec![host.clone()]
         } else {
             let name = &graph.node(id)?.name;
