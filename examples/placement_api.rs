@@ -9,7 +9,6 @@
 use std::sync::Arc;
 
 use anyhow::Result;
-use conveyor::engine::device::DeviceKind;
 use conveyor::engine::graph::Graph;
 use conveyor::engine::optim::{AdamConfig, OptimizerConfig};
 use conveyor::engine::placement::{
@@ -157,14 +156,7 @@ fn build_graph() -> Result<Graph> {
 
 /// `n` CPU devices as the planner sees them: a name, a speed and a memory budget.
 fn devices(n: usize, budget_bytes: Option<u64>) -> Vec<DeviceSpec> {
-    (0..n)
-        .map(|i| DeviceSpec {
-            name: format!("cpu:{i}"),
-            flops_per_s: CPU_FLOPS_PER_S,
-            budget_bytes,
-            kind: DeviceKind::Cpu,
-        })
-        .collect()
+    (0..n).map(|i| DeviceSpec::cpu(i, CPU_FLOPS_PER_S, budget_bytes)).collect()
 }
 
 /// The per-stage table: layers, memory (parameters, gradients, optimizer state, activations of

@@ -3,7 +3,6 @@
 //! every contiguous cut of the topological order, with and without memory budgets.
 use anyhow::Result;
 use conveyor::engine::Error;
-use conveyor::engine::device::DeviceKind;
 use conveyor::engine::graph::Graph;
 use conveyor::engine::placement::{
     DeviceSpec, Link, NodeCosts, OptimizerMemory, Plan, PlanConfig, place_automatically, place_manually,
@@ -33,14 +32,7 @@ fn config() -> PlanConfig {
 }
 
 fn devices(n_stages: usize, budget_bytes: Option<u64>) -> Vec<DeviceSpec> {
-    (0..n_stages)
-        .map(|i| DeviceSpec {
-            name: format!("cpu:{i}"),
-            flops_per_s: CPU_FLOPS_PER_S,
-            budget_bytes,
-            kind: DeviceKind::Cpu,
-        })
-        .collect()
+    (0..n_stages).map(|i| DeviceSpec::cpu(i, CPU_FLOPS_PER_S, budget_bytes)).collect()
 }
 
 /// Every way of cutting `n` nodes into `p` non-empty contiguous stages, as cut points `0 = c0 < c1 < ... < cp = n`.

@@ -1,6 +1,5 @@
 //! The profiling pass (torchgpipe's balance_by_time): measured per-layer times are positive,
 //! ordered like the work, and drive automatic placement.
-use conveyor::engine::device::DeviceKind;
 use conveyor::engine::placement::{
     DeviceSpec, Link, NodeCosts, OptimizerMemory, PlanConfig, place_with_costs, profile_graph,
 };
@@ -21,9 +20,7 @@ fn measured_times_follow_the_work_and_drive_placement() {
 
     let flops = 50e9;
     let costs = NodeCosts::of_graph(&graph).unwrap().with_measured_times(&times, flops).unwrap();
-    let devices: Vec<DeviceSpec> = (0..2)
-        .map(|i| DeviceSpec { name: format!("cpu:{i}"), flops_per_s: flops, budget_bytes: None, kind: DeviceKind::Cpu })
-        .collect();
+    let devices: Vec<DeviceSpec> = (0..2).map(|i| DeviceSpec::cpu(i, flops, None)).collect();
     let config = PlanConfig::new(8, 2, |p| vec![1; p], OptimizerMemory::Sgd, Link::default());
     let plan = place_with_costs(&costs, &devices, &config).unwrap();
     let placed: usize = plan.stages.iter().map(|s| s.nodes.len()).sum();

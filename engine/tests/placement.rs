@@ -80,9 +80,7 @@ fn chain(flops: &[u64], params: &[u64]) -> Graph {
 }
 
 fn devices(n: usize, budget: Option<u64>) -> Vec<DeviceSpec> {
-    (0..n)
-        .map(|i| DeviceSpec { name: format!("cpu:{i}"), flops_per_s: 1e9, budget_bytes: budget, kind: DeviceKind::Cpu })
-        .collect()
+    (0..n).map(|i| DeviceSpec::cpu(i, 1e9, budget)).collect()
 }
 
 /// 1F1B in-flight counts: stage s of p holds min(m, p - s) micro-batches.

@@ -29,6 +29,11 @@ pub struct DeviceSpec {
 }
 
 impl DeviceSpec {
+    /// CPU core `index` (named `cpu:INDEX`) at `flops_per_s` under `budget_bytes`.
+    pub fn cpu(index: usize, flops_per_s: f64, budget_bytes: Option<u64>) -> DeviceSpec {
+        DeviceSpec { name: format!("cpu:{index}"), flops_per_s, budget_bytes, kind: DeviceKind::Cpu }
+    }
+
     /// A tensor-parallel group of devices as one planner device: `name` joins the members' names
     /// with `+`, the speed is their sum and the budget the sum of theirs (unlimited when any is).
     ///

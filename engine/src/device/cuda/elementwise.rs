@@ -16,20 +16,7 @@ const SUM_OF_SQUARES_MAX_BLOCKS: usize = 1024;
 impl CudaStream {
     /// Launches a kernel with signature `(const float* x, float* y, size_t n)` over `n` elements.
     fn unary(&self, kernel: Kernel, input: &CudaBuffer<f32>, output: &mut CudaBuffer<f32>) -> Result<()> {
-        let op = kernel.name();
-        self.check_len(op, "output", input.len(), output.len())?;
-        self.check_on_device(op, input)?;
-        self.check_on_device(op, output)?;
-        let n = input.len();
-        if n == 0 {
-            return Ok(());
-        }
-        let function = self.kernels()?.get(kernel);
-        let mut launch = self.raw.launch_builder(function);
-        launch.arg(&input.slice).arg(&mut output.slice).arg(&n);
-        // SAFETY: the kernel reads n floats of x and writes n floats of y (both checked to hold n
-        // elements on this GPU); size_t is usize.
-        unsafe { launch.launch(self.grid_stride(n)) }.map(drop).map_err(|err| self.launch_error(kernel, err))
+        self.convert(kernel, input, output)
     }
 
     /// Launches a conversion kernel with signature `(const A* x, B* y, size_t n)`.
