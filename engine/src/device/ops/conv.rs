@@ -10,8 +10,7 @@
 use super::{accumulate_part, gpu_f32, gpu_f32_mut, ones};
 use crate::cpu::conv::{Im2col, col2im, flip_kernels};
 use crate::cpu::conv_lanes::{conv2d_lanes, conv2d_lanes_fits};
-use crate::cpu::conv_weight::conv2d_weight_grad;
-use crate::cpu::elementwise::accumulate_row_sums;
+use crate::cpu::conv_weight::{conv2d_bias_grad, conv2d_weight_grad};
 use crate::cpu::{MatRef, Window2d, matmul, matmul_uninit, uninit};
 use crate::device::{CudaBuffer, DeviceMatRef};
 use crate::{CallScratch, DType, Device, Error, Result, Shape, Tensor};
@@ -273,8 +272,8 @@ impl Tensor {
     /// from `input` (the forward input `x`) and `self` (the output gradient), on the gradients'
     /// device.
     ///
-    /// On a CPU device the small-output weight kernel over the whole batch and per-sample row
-    /// sums (the `Conv2d` layer's kernels). On a GPU one batched im2col, one strided-batched
+    /// On a CPU device the small-output weight kernel over the whole batch and the bias
+    /// gradient's lane sums (`cpu::conv_weight`). On a GPU one batched im2col, one strided-batched
     /// product into per-sample partial gradients and their column sums (deterministic, no atomics).
     pub fn conv2d_weight_grad_accumulate(
         &self,
@@ -309,12 +308,7 @@ impl Tensor {
             // small-output kernel over the whole batch.
             accumulate_part(weight_grad, |dst| conv2d_weight_grad(&x, &grad, window, out_channels, dst))?;
             if let Some(bias_grad) = bias_grad {
-                accumulate_part(bias_grad, |dst| {
-                    for dy_sample in grad.chunks_exact(out_channels * out_plane) {
-                        accumulate_row_sums(dy_sample, dst)?;
-                    }
-                    Ok(())
-                })?;
+                accumulate_part(bias_grad, |dst| conv2d_bias_grad(&grad, out_plane, dst))?;
             }
             return Ok(());
         }
