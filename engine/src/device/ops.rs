@@ -146,16 +146,7 @@ fn half_product_on_gpu(
             Ok(true)
         }
         (DType::BF16, DType::BF16) => {
-            let mismatch = || Error::DeviceMismatch {
-                op: op.to_string(),
-                lhs: device.to_string(),
-                rhs: format!("{} and {}", lhs.tensor.device(), rhs.tensor.device()),
-            };
-            if !lhs.tensor.device().same_device(device) || !rhs.tensor.device().same_device(device) {
-                return Err(mismatch());
-            }
-            let a = lhs.tensor.cuda_bf16(op)?.ok_or_else(mismatch)?;
-            let b = rhs.tensor.cuda_bf16(op)?.ok_or_else(mismatch)?;
+            let (a, b) = (gpu_bf16(op, lhs.tensor, device)?, gpu_bf16(op, rhs.tensor, device)?);
             stream.matmul(dst, lhs.gpu(a)?, rhs.gpu(b)?, accumulate)?;
             Ok(true)
         }
@@ -166,12 +157,27 @@ fn half_product_on_gpu(
 /// `tensor`'s f16 buffer on the GPU `device` (`DeviceMismatch` elsewhere, `UnsupportedDType` for
 /// another dtype).
 fn gpu_f16<'a>(op: &str, tensor: &'a Tensor, device: &Device) -> Result<&'a CudaBuffer<half::f16>> {
+    on_gpu(op, tensor, device, Tensor::cuda_f16)
+}
+
+/// `tensor`'s bf16 buffer on the GPU `device`, as [`gpu_f16`].
+fn gpu_bf16<'a>(op: &str, tensor: &'a Tensor, device: &Device) -> Result<&'a CudaBuffer<half::bf16>> {
+    on_gpu(op, tensor, device, Tensor::cuda_bf16)
+}
+
+/// `buffer(tensor)` when `tensor` lives on the GPU `device`, else `DeviceMismatch`.
+fn on_gpu<'a, T>(
+    op: &str,
+    tensor: &'a Tensor,
+    device: &Device,
+    buffer: impl FnOnce(&'a Tensor, &str) -> Result<Option<&'a CudaBuffer<T>>>,
+) -> Result<&'a CudaBuffer<T>> {
     let mismatch =
         || Error::DeviceMismatch { op: op.to_string(), lhs: device.to_string(), rhs: tensor.device().to_string() };
     if !tensor.device().same_device(device) {
         return Err(mismatch());
     }
-    tensor.cuda_f16(op)?.ok_or_else(mismatch)
+    buffer(tensor, op)?.ok_or_else(mismatch)
 }
 
 /// Runs `add` on `dst`'s elements as f32 in host memory: in place for f32, through an f32 copy
