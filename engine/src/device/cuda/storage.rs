@@ -191,7 +191,10 @@ impl CudaStorage {
                 stream.f32_to_bf16(x, &mut y)?;
                 CudaStorage::BF16(y)
             }
-            (half, DType::F32) => CudaStorage::F32(half.upcast_f32()?.expect("a half type's storage upcasts")),
+            (half, DType::F32) => match half.upcast_f32()? {
+                Some(upcast) => CudaStorage::F32(upcast),
+                None => half.duplicate()?,
+            },
             (half, target) => half.to_dtype(DType::F32)?.to_dtype(target)?,
         })
     }
