@@ -23,7 +23,8 @@
 //!
 //! Run: `cargo run --release --features cuda --example gpu_check -- [--steps N] [--batch N]
 //! [--torch FILE] [MODEL ...]`; exit status 1 when any GPU row fails its tolerance or cannot train, unless
-//! `--allow-missing-layers` (the script passes it while layers are not device-generic).
+//! `--allow-missing-layers` (which reports a row whose layer has no GPU path instead of failing
+//! on it; every zoo layer has one now, and the script still passes it).
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;

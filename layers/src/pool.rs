@@ -5,7 +5,7 @@
 //! They compute through the engine's device ops (`Tensor::max_pool2d`, `Tensor::avg_pool2d`,
 //! `Tensor::global_avg_pool2d` and their input gradients), so they run on every device: on a CPU
 //! the kernels of `conveyor_engine::cpu::pool`, in the input's dtype; on a GPU the CUDA kernels,
-//! f32 only. The layers check shapes and geometry and never ask where a tensor lives.
+//! which compute in f32 and return the input's dtype too. The layers check shapes and geometry and never ask where a tensor lives.
 use conveyor_engine::cpu::Window2d;
 use conveyor_engine::{Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 

@@ -8,7 +8,8 @@
 //! On a CPU device each op runs the kernels of [`crate::cpu::pool`] (or the elementwise map) the
 //! layers ran before, in the same order, so CPU results are unchanged bit for bit; results are
 //! computed in f32 and rounded back to the input's dtype. On a GPU the kernels of `conv.cu` and
-//! `elementwise.cu` run on this thread's stream, f32 only. Forward passes and the elementwise
+//! `elementwise.cu` run on this thread's stream in f32 (a half input read through an exact f32
+//! copy, the result rounded back as on the CPU). Forward passes and the elementwise
 //! products round exactly as the CPU does; the pooling gradients of overlapping windows sum in
 //! another order (max pooling's scatter by atomics), so they may differ by rounding there.
 //!

@@ -11,9 +11,9 @@ impl Tensor {
     /// `MseLoss`; a `scale` of 0 gives a loss of 0).
     ///
     /// On a CPU device each difference is squared and summed in f64 and the gradient is
-    /// `(2 / scale) as f32 · (o - t)` in f32, element by element. On a GPU (f32 tensors on one
-    /// device) the difference is `o + (-t)` (the same f32 value), the gradient the same f32
-    /// product, and the sum of squares the reduction kernel's (f32 squares, f64 partial sums), so
+    /// `(2 / scale) as f32 · (o - t)` in f32, element by element. On a GPU (tensors on one
+    /// device, a half output read through an exact f32 copy) the difference is `o + (-t)` (the
+    /// same f32 value), the gradient the same f32 product, and the sum of squares the reduction kernel's (f32 squares, f64 partial sums), so
     /// the loss agrees with the CPU's to f32 rounding and the gradient bit for bit.
     ///
     /// ```
