@@ -11,16 +11,17 @@
 //! Tensor parallelism: [`ModelSpec::build_split`] builds the same graph (same nodes, same names,
 //! the same initial values drawn in the same order) with chosen Linear and Conv2d nodes split
 //! over groups of devices: Linears alternate column- and row-parallel along the model (Megatron's
-//! column-then-row pairs), convolutions split their output channels (AlexNet). Checkpoints of a
-//! split graph carry the unsplit tensors under the unsplit names.
+//! column-then-row pairs), convolutions split their output channels (AlexNet), a transformer's
+//! attention splits by heads and its MLP block column-then-row. Checkpoints of a split graph
+//! carry the unsplit tensors under the unsplit names.
 use std::collections::HashMap;
 
 use conveyor_engine::graph::Graph;
 use conveyor_engine::{Device, Error, Layer, Result, init};
 use conveyor_layers::{
     Add, ChannelParallelConv2d, ColumnParallelLinear, Conv2d, Conv2dOptions, Dropout, Embedding, Flatten, Gelu,
-    LayerNorm, Linear, MaxPool2d, MeanOverTokens, MultiheadSelfAttention, PositionalEmbedding, RankShard, Relu,
-    RowParallelLinear, Shards,
+    LayerNorm, Linear, MaxPool2d, MeanOverTokens, MultiheadSelfAttention, ParallelSelfAttention, PositionalEmbedding,
+    RankShard, Relu, RowParallelLinear, Shards,
 };
 use rand::rngs::StdRng;
 
@@ -197,11 +198,7 @@ impl ModelSpec {
             ModelSpec::Mlp(dims) => mlp_with(dims, seed, &mut splitter),
             ModelSpec::Cnn => cnn_with(seed, &mut splitter),
             ModelSpec::Resnet => resnet_with(seed, &mut splitter),
-            ModelSpec::Transformer(config) if splits.values().all(|g| g.len() <= 1) => transformer(config, seed),
-            ModelSpec::Transformer(_) => Err(Error::invalid(
-                "tensor parallelism",
-                "the transformer spec cannot be split yet; use mlp:..., cnn or resnet, or tensor-parallel degree 1",
-            )),
+            ModelSpec::Transformer(config) => transformer_with(config, seed, &mut splitter),
         }
     }
 
@@ -263,6 +260,33 @@ impl<'a> Splitter<'a> {
             Ok(Box::new(RowParallelLinear::from_linear_on(&linear, &self.shards(group))?))
         } else {
             Ok(Box::new(linear))
+        }
+    }
+
+    /// Megatron's MLP block `fc1 → act → fc2` of a transformer: when split, `fc1` column-parallel
+    /// (output gathered) and `fc2` row-parallel, whatever the alternation stood at.
+    fn mlp_pair(
+        &mut self,
+        names: [&str; 2],
+        dim: usize,
+        hidden: usize,
+        rng: &mut StdRng,
+    ) -> Result<(Box<dyn Layer>, Box<dyn Layer>)> {
+        self.column_next = true;
+        let fc1 = self.linear(names[0], dim, hidden, rng)?;
+        self.column_next = false;
+        let fc2 = self.linear(names[1], hidden, dim, rng)?;
+        self.column_next = true;
+        Ok((fc1, fc2))
+    }
+
+    /// `MultiheadSelfAttention(dim, heads)`; split by heads when `name` is split (the head count
+    /// must be a multiple of the group's size).
+    fn attention(&mut self, name: &str, dim: usize, n_heads: usize, rng: &mut StdRng) -> Result<Box<dyn Layer>> {
+        let attention = MultiheadSelfAttention::new(dim, n_heads, false, rng)?;
+        match self.group(name) {
+            Some(group) => Ok(Box::new(ParallelSelfAttention::from_attention_on(&attention, &self.shards(group))?)),
+            None => Ok(Box::new(attention)),
         }
     }
 
@@ -391,6 +415,14 @@ fn resnet_with(seed: u64, split: &mut Splitter<'_>) -> Result<Graph> {
 /// `head.bias`. The positional table is there because attention and mean pooling are otherwise
 /// blind to token order. Parameters are drawn from `seed` in node order with PyTorch's defaults.
 pub fn transformer(config: &TransformerConfig, seed: u64) -> Result<Graph> {
+    transformer_with(config, seed, &mut Splitter::new(&TensorParallelSplits::new()))
+}
+
+/// [`transformer`] with its split nodes built split (see [`ModelSpec::build_split`]): each
+/// block's attention by heads, its `fc1` column- and `fc2` row-parallel, and `head`
+/// column-parallel unless it is tied to the embedding. The embeddings, the LayerNorms and the GELU
+/// stay whole on the stage's first device.
+fn transformer_with(config: &TransformerConfig, seed: u64, split: &mut Splitter<'_>) -> Result<Graph> {
     let &TransformerConfig { vocab, tokens, dim, n_heads, n_layers, classes, tied } = config;
     if tied && classes != vocab {
         return Err(Error::invalid(
@@ -406,17 +438,23 @@ pub fn transformer(config: &TransformerConfig, seed: u64) -> Result<Graph> {
     for block in 0..n_layers {
         let name = |part: &str| format!("blocks.{block}.{part}");
         let h = g.add(&name("ln1"), LayerNorm::new(dim)?, &[x])?;
-        let h = g.add(&name("attn"), MultiheadSelfAttention::new(dim, n_heads, false, &mut rng)?, &[h])?;
+        let h = g.add_boxed(&name("attn"), split.attention(&name("attn"), dim, n_heads, &mut rng)?, &[h])?;
         let sum = g.add(&name("add1"), Add::new(), &[x, h])?;
         let h = g.add(&name("ln2"), LayerNorm::new(dim)?, &[sum])?;
-        let h = g.add(&name("fc1"), Linear::new(dim, 4 * dim, true, &mut rng)?, &[h])?;
+        let (fc1, fc2) = split.mlp_pair([&name("fc1"), &name("fc2")], dim, 4 * dim, &mut rng)?;
+        let h = g.add_boxed(&name("fc1"), fc1, &[h])?;
         let h = g.add(&name("act"), Gelu::new(), &[h])?;
-        let h = g.add(&name("fc2"), Linear::new(4 * dim, dim, true, &mut rng)?, &[h])?;
+        let h = g.add_boxed(&name("fc2"), fc2, &[h])?;
         x = g.add(&name("add2"), Add::new(), &[sum, h])?;
     }
     let x = g.add("ln_f", LayerNorm::new(dim)?, &[x])?;
     let x = g.add("pool", MeanOverTokens::new(), &[x])?;
-    let x = g.add("head", Linear::new(dim, classes, true, &mut rng)?, &[x])?;
+    // A tied head stays whole: its weight is the embedding's, which is not split.
+    let head = match tied {
+        true => Box::new(Linear::new(dim, classes, true, &mut rng)?),
+        false => split.linear("head", dim, classes, &mut rng)?,
+    };
+    let x = g.add_boxed("head", head, &[x])?;
     g.set_output(x)?;
     if tied {
         g.tie(&["embed.weight", "head.weight"]);

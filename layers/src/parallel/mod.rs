@@ -14,6 +14,9 @@
 //!
 //! * [`ColumnParallelLinear`]: weight split by output features; output all-gathered.
 //! * [`RowParallelLinear`]: weight split by input features; partial outputs all-reduced.
+//! * [`ParallelSelfAttention`]: multi-head self-attention split by heads (Megatron's attention
+//!   block): q/k/v column-parallel, attention local, the output projection row-parallel, one
+//!   all-reduce forward and one in `backward_input`.
 //! * [`ParallelMlp`]: Megatron's pairing, column then activation then row inside one layer, so
 //!   the hidden activation stays split: one all-reduce forward and one in `backward_input`.
 //! * [`ChannelParallelConv2d`]: AlexNet's split, each device computing its share of the output
@@ -57,6 +60,7 @@
 //! The threads are spawned per call (`std::thread::scope`); the alternative, a persistent pool of
 //! `k - 1` threads per layer, saves the spawns (tens of microseconds per call, see the test
 //! `thread_overhead_on_a_small_layer`) at the price of parked threads per layer.
+mod attention;
 mod column;
 mod conv;
 mod conv_shard;
@@ -68,6 +72,7 @@ mod linear_shard;
 mod mlp;
 mod row;
 
+pub use attention::ParallelSelfAttention;
 pub use column::ColumnParallelLinear;
 pub use conv::ChannelParallelConv2d;
 pub use conv_stack::{ChannelParallelConvStack, ConvStackLayer};

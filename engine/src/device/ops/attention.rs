@@ -34,6 +34,21 @@ fn rows(dims: &AttentionDims) -> usize {
     dims.batch * dims.tokens
 }
 
+/// The input width `D_in` of a projection whose weight `weight` has `groups · width` rows of
+/// `D_in` columns (`width = H · dh` the heads' width): a layer holding every head has
+/// `D_in = width`, one shard of a head-split layer (`ParallelSelfAttention`) `D_in > width`.
+fn input_width(op: &str, what: &str, weight: &Tensor, groups: usize, width: usize) -> Result<usize> {
+    let rows = groups * width;
+    if rows == 0 || weight.numel() == 0 || !weight.numel().is_multiple_of(rows) {
+        return Err(Error::shape(
+            op,
+            format!("{what} of {rows} rows of D_in >= 1 columns"),
+            weight.shape().to_string(),
+        ));
+    }
+    Ok(weight.numel() / rows)
+}
+
 /// Checks that `tensor` holds `expected` elements.
 fn check_numel(op: &str, what: &str, tensor: &Tensor, expected: usize) -> Result<()> {
     if tensor.numel() != expected {
@@ -43,15 +58,16 @@ fn check_numel(op: &str, what: &str, tensor: &Tensor, expected: usize) -> Result
 }
 
 impl Tensor {
-    /// q, k and v of `self` (`[batch, tokens, D]`), head-major `[3, H, batch, tokens, dh]`: block
-    /// `(w, h)` is `x · W[w·D + h·dh ..]ᵀ + b[w·D + h·dh ..]` for `in_weight` `[3D, D]` and
-    /// `in_bias` `[3D]`; a new f32 tensor on `self`'s device.
+    /// q, k and v of `self` (`[batch, tokens, D_in]`), head-major `[3, H, batch, tokens, dh]`:
+    /// block `(w, h)` is `x · W[w·D + h·dh ..]ᵀ + b[w·D + h·dh ..]` for `in_weight` `[3D, D_in]`
+    /// and `in_bias` `[3D]` (`D = H · dh`; `D_in = D` but for a shard of a head-split layer); a
+    /// new f32 tensor on `self`'s device.
     pub fn attention_qkv(&self, in_weight: &Tensor, in_bias: &Tensor, dims: AttentionDims) -> Result<Tensor> {
         let op = "attention_qkv";
-        let (rows, d, dh, blocks) = (rows(&dims), dims.embed_dim(), dims.head_dim, 3 * dims.n_heads);
+        let (rows, width, dh, blocks) = (rows(&dims), dims.embed_dim(), dims.head_dim, 3 * dims.n_heads);
+        let d = input_width(op, "in_proj_weight", in_weight, 3, width)?;
         check_numel(op, "an input", self, rows * d)?;
-        check_numel(op, "in_proj_weight", in_weight, 3 * d * d)?;
-        check_numel(op, "in_proj_bias", in_bias, 3 * d)?;
+        check_numel(op, "in_proj_bias", in_bias, 3 * width)?;
         let shape = Shape::new([3, dims.n_heads, dims.batch, dims.tokens, dh]);
         match self.device() {
             Device::Cpu(_) => {
@@ -156,8 +172,9 @@ impl Tensor {
         Ok(grad_qkv)
     }
 
-    /// `∂L/∂x` (`input_shape`, `[batch, tokens, D]`) from `self` (`∂L/∂[q, k, v]`, head-major):
-    /// `Σ_(w, h) dqkv_(w, h) · W[w·D + h·dh ..]`; a new f32 tensor on `self`'s device.
+    /// `∂L/∂x` (`input_shape`, `[batch, tokens, D_in]`) from `self` (`∂L/∂[q, k, v]`, head-major):
+    /// `Σ_(w, h) dqkv_(w, h) · W[w·D + h·dh ..]` for `in_weight` `[3D, D_in]`; a new f32 tensor on
+    /// `self`'s device.
     pub fn attention_qkv_input_grad(
         &self,
         in_weight: &Tensor,
@@ -165,9 +182,9 @@ impl Tensor {
         dims: AttentionDims,
     ) -> Result<Tensor> {
         let op = "attention_qkv_input_grad";
-        let (rows, d, dh, blocks) = (rows(&dims), dims.embed_dim(), dims.head_dim, 3 * dims.n_heads);
+        let (rows, width, dh, blocks) = (rows(&dims), dims.embed_dim(), dims.head_dim, 3 * dims.n_heads);
         check_numel(op, "∂L/∂qkv", self, dims.qkv_len())?;
-        check_numel(op, "in_proj_weight", in_weight, 3 * d * d)?;
+        let d = input_width(op, "in_proj_weight", in_weight, 3, width)?;
         if input_shape.numel() != rows * d {
             return Err(Error::shape(op, format!("an input of {} elements", rows * d), input_shape.to_string()));
         }
@@ -213,8 +230,8 @@ impl Tensor {
     }
 
     /// Accumulates `in_proj_weight`'s and `in_proj_bias`'s gradients from `self` (`∂L/∂[q, k, v]`,
-    /// head-major) and the forward input `x`: `dW[w·D + h·dh ..] += dqkv_(w, h)ᵀ · x` and
-    /// `db[w·D + h·dh ..] += Σ_rows dqkv_(w, h)`, on the gradients' device.
+    /// head-major) and the forward input `x` (`[batch, tokens, D_in]`): `dW[w·D + h·dh ..] +=
+    /// dqkv_(w, h)ᵀ · x` and `db[w·D + h·dh ..] += Σ_rows dqkv_(w, h)`, on the gradients' device.
     pub fn attention_qkv_weight_grads(
         &self,
         x: &Tensor,
@@ -223,11 +240,11 @@ impl Tensor {
         in_bias_grad: &mut Tensor,
     ) -> Result<()> {
         let op = "attention_qkv_weight_grads";
-        let (rows, d, dh, blocks) = (rows(&dims), dims.embed_dim(), dims.head_dim, 3 * dims.n_heads);
+        let (rows, width, dh, blocks) = (rows(&dims), dims.embed_dim(), dims.head_dim, 3 * dims.n_heads);
         check_numel(op, "∂L/∂qkv", self, dims.qkv_len())?;
+        let d = input_width(op, "an in_proj_weight gradient", in_weight_grad, 3, width)?;
         check_numel(op, "an input", x, rows * d)?;
-        check_numel(op, "an in_proj_weight gradient", in_weight_grad, 3 * d * d)?;
-        check_numel(op, "an in_proj_bias gradient", in_bias_grad, 3 * d)?;
+        check_numel(op, "an in_proj_bias gradient", in_bias_grad, 3 * width)?;
         if let Device::Cpu(_) = in_weight_grad.device() {
             let (grad_qkv, x) = (self.host_f32(op)?, x.host_f32(op)?);
             let x_view = MatRef::row_major(&x, rows, d)?;
@@ -273,8 +290,10 @@ impl Tensor {
         )
     }
 
-    /// Accumulates the output projection's gradients from `self` (`∂L/∂y`, `[batch, tokens, D]`)
-    /// and the context: `dW_out += dyᵀ · ctx`, `db_out += Σ_rows dy`, on the gradients' device.
+    /// Accumulates the output projection's gradients from `self` (`∂L/∂y`, `[batch, tokens,
+    /// D_out]`) and the context (`[batch, tokens, D]`): `dW_out` `[D_out, D]` `+= dyᵀ · ctx`,
+    /// `db_out` `[D_out]` `+= Σ_rows dy`, on the gradients' device. `D_out = D` but for a shard of a
+    /// head-split layer.
     pub fn attention_out_grads(
         &self,
         ctx: &Tensor,
@@ -283,15 +302,15 @@ impl Tensor {
         out_bias_grad: &mut Tensor,
     ) -> Result<()> {
         let op = "attention_out_grads";
-        let (rows, d) = (rows(&dims), dims.embed_dim());
+        let (rows, width) = (rows(&dims), dims.embed_dim());
+        let d = input_width(op, "an out_proj.weight gradient", out_weight_grad, 1, width)?;
         check_numel(op, "∂L/∂y", self, rows * d)?;
-        check_numel(op, "a context", ctx, rows * d)?;
-        check_numel(op, "an out_proj.weight gradient", out_weight_grad, d * d)?;
+        check_numel(op, "a context", ctx, rows * width)?;
         check_numel(op, "an out_proj.bias gradient", out_bias_grad, d)?;
         if let Device::Cpu(_) = out_weight_grad.device() {
             let (grad, ctx) = (self.host_f32(op)?, ctx.host_f32(op)?);
             let grad_t = MatRef::row_major(&grad, rows, d)?.t();
-            accumulate_part(out_weight_grad, |dst| matmul(dst, grad_t, MatRef::row_major(&ctx, rows, d)?, true))?;
+            accumulate_part(out_weight_grad, |dst| matmul(dst, grad_t, MatRef::row_major(&ctx, rows, width)?, true))?;
             return accumulate_part(out_bias_grad, |dst| accumulate_column_sums(&grad, dst));
         }
         let device = out_weight_grad.device().clone();
@@ -301,7 +320,7 @@ impl Tensor {
         stream.matmul(
             gpu_f32_mut(op, out_weight_grad)?,
             DeviceMatRef::row_major(&grad, rows, d)?.t(),
-            DeviceMatRef::row_major(&ctx, rows, d)?,
+            DeviceMatRef::row_major(&ctx, rows, width)?,
             true,
         )?;
         stream.accumulate_column_sums(&grad, gpu_f32_mut(op, out_bias_grad)?)
