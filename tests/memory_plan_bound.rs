@@ -242,6 +242,12 @@ fn measured_peaks_are_within_the_plan_and_close_to_it() {
                             for (device, (measured, planned)) in
                                 run(&spec, &config, k, seed, budget).into_iter().enumerate()
                             {
+                                // A group member the placement gave no split layer (the V layout
+                                // can leave a small model's whole stage unsplit) holds nothing,
+                                // as planned.
+                                if measured == 0 && planned == 0 {
+                                    continue;
+                                }
                                 let ratio = measured as f64 / planned as f64;
                                 let label = format!(
                                     "{name} seed {seed} device {device}: measured {measured}, planned {planned}, budget {budget}"

@@ -130,6 +130,7 @@ fn drive() -> Result<()> {
         ("cnn", 4, 2, "zb-h2"),
         ("resnet", 2, 2, "gpipe"),
         ("mlp:64,96,96,96,10", 4, 4, "gpipe"),
+        ("transformer", 4, 2, "1f1b"),
     ] {
         let result = h.equivalence_rank_per_shard(model, devices, k, schedule);
         h.record(
@@ -433,6 +434,11 @@ impl Harness {
             "--batch",
             "64",
         ]);
+        // A transformer reads token ids: 256 sequences of its 16 tokens from a vocabulary of 32.
+        let args = match model.starts_with("transformer") {
+            true => [args, strings(&["--data", "tokens:256,16,32,4"])].concat(),
+            false => args,
+        };
         let name = model.split(':').next().unwrap_or(model);
         let mpi = self.path(&format!("eq-ranks-{name}-{k}-{schedule}-mpi.safetensors"));
         let local = self.path(&format!("eq-ranks-{name}-{k}-{schedule}-in-process.safetensors"));

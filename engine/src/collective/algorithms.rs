@@ -26,14 +26,14 @@ pub(super) trait Exchange {
     fn failed(&self, reason: String) -> Error;
 }
 
-fn check_root(x: &impl Exchange, root: usize) -> Result<()> {
+pub(super) fn check_root(x: &impl Exchange, root: usize) -> Result<()> {
     if root >= x.n_ranks() {
         return Err(x.failed(format!("root {root} is not a rank of a group of {}", x.n_ranks())));
     }
     Ok(())
 }
 
-fn check_len(x: &impl Exchange, what: &str, expected: usize, got: usize) -> Result<()> {
+pub(super) fn check_len(x: &impl Exchange, what: &str, expected: usize, got: usize) -> Result<()> {
     if expected != got {
         return Err(x.failed(format!("{what} has {got} elements, expected {expected}")));
     }

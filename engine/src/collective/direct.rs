@@ -1,6 +1,7 @@
-//! The in-process all-reduce and broadcast without messages: the ranks are threads of one
-//! process, so each reads the others' buffers in place ([`all_reduce`], [`broadcast`]; a
-//! broadcast is phase 1, every rank but the root copying the root's buffer, and phase 3). It adds every element in the ring's
+//! The in-process all-reduce, broadcast, all-gather and scatter without messages: the ranks are
+//! threads of one process, so each reads the others' buffers in place ([`all_reduce`],
+//! [`broadcast`], [`all_gather`], [`scatter`]; the last three are phase 1, every rank copying
+//! what it needs from the published buffers into its own, and phase 3). It adds every element in the ring's
 //! order, so its results are the ring all-reduce's bit for bit (the transport group, across
 //! ranks, runs the ring), with no copies, no allocations and no bytes on any ledger.
 //!
@@ -246,4 +247,76 @@ pub(super) fn all_reduce(ctx: &Ctx<'_>, buf: &mut [f32]) -> Result<Option<usize>
     // What the ring would have sent: chunks r-1-s (reduce-scatter) and r-s (all-gather).
     let sent = (0..n.saturating_sub(1)).map(|s| parts.len((rank + 2 * n - 1 - s) % n) + parts.len((rank + n - s) % n));
     Ok(Some(sent.sum()))
+}
+
+/// The all-gather without messages: every rank publishes its block `send` (read only during the
+/// call), copies every rank's block into its own `recv` at the block's place (its own too), then
+/// waits for every rank before it returns. Each rank writes only its own `recv`, which nobody
+/// else touches. Returns the elements the ring all-gather would have sent from this rank (every
+/// block but the next rank's).
+pub(super) fn all_gather(ctx: &Ctx<'_>, send: &[f32], recv: &mut [f32], parts: &Partition) -> Result<Option<usize>> {
+    let rank = ctx.rank;
+    let slots = ctx.arrive_and_wait(1, Some((send.as_ptr() as usize, send.len())), true).map_err(|e| ctx.leave(e))?;
+    let n = slots.len();
+    let reading = Reading(ctx.board);
+    // Every rank sees the same published lengths, so every rank fails here alike, before any read
+    // (each checked its own block and `recv` against `parts` before publishing).
+    if let Some(other) = (0..n).find(|&r| slots[r].len != parts.len(r)) {
+        drop(reading);
+        let error = (ctx.failed)(format!(
+            "rank {other} gave {} elements for its block of {}",
+            slots[other].len,
+            parts.len(other)
+        ));
+        return Err(ctx.leave(error));
+    }
+    {
+        let _reading = reading;
+        for (owner, slot) in slots.iter().enumerate() {
+            // SAFETY: every published `send` is read only during the call (its owner returns only
+            // after the barrier below); this rank alone writes its own `recv`.
+            let src = unsafe { std::slice::from_raw_parts(slot.ptr as *const f32, slot.len) };
+            recv[parts.range(owner)].copy_from_slice(src);
+        }
+    }
+    ctx.arrive_and_wait(3, None, false).map_err(|e| ctx.leave(e))?;
+    Ok(Some(parts.total() - parts.len((rank + 1) % n)))
+}
+
+/// The scatter without messages: the root publishes `send` (read only during the call), every
+/// rank copies its block of it into its own `recv`, then waits for every rank before it returns.
+/// Returns the elements the root would have sent (every block but its own), `None` elsewhere.
+pub(super) fn scatter(
+    ctx: &Ctx<'_>,
+    send: &[f32],
+    recv: &mut [f32],
+    root: usize,
+    parts: &Partition,
+) -> Result<Option<usize>> {
+    let rank = ctx.rank;
+    let published = (rank == root).then(|| (send.as_ptr() as usize, send.len()));
+    let slots = ctx.arrive_and_wait(1, published, true).map_err(|e| ctx.leave(e))?;
+    let n = slots.len();
+    let reading = Reading(ctx.board);
+    // The root checked its `send` against `parts` before publishing; a rank that passed another
+    // `parts` sees the mismatch here.
+    if slots[root].len != parts.total() {
+        drop(reading);
+        let error = (ctx.failed)(format!(
+            "the root gave {} elements where this rank's partition has {}",
+            slots[root].len,
+            parts.total()
+        ));
+        return Err(ctx.leave(error));
+    }
+    {
+        let _reading = reading;
+        let range = parts.range(rank);
+        // SAFETY: the root's `send` is read only during the call (the root returns only after the
+        // barrier below); this rank alone writes its own `recv`.
+        let src = unsafe { std::slice::from_raw_parts((slots[root].ptr as *const f32).add(range.start), range.len()) };
+        recv.copy_from_slice(src);
+    }
+    ctx.arrive_and_wait(3, None, false).map_err(|e| ctx.leave(e))?;
+    Ok((rank == root).then(|| parts.total() - parts.len(root)))
 }

@@ -405,16 +405,31 @@ impl Communicator for RankHandle {
         })
     }
 
+    /// In place across the threads (`direct.rs`), counted as the root's sends.
     fn scatter(&self, send: &[f32], recv: &mut [f32], root: usize, parts: &Partition) -> Result<()> {
-        self.run(CollectiveOp::Scatter, |call| algorithms::scatter(call, send, recv, root, parts))
+        self.run(CollectiveOp::Scatter, |call| {
+            algorithms::check_root(call, root)?;
+            parts.check_ranks("scatter", self.shared.n_ranks)?;
+            algorithms::check_len(call, "recv", parts.len(self.rank), recv.len())?;
+            if self.rank == root {
+                algorithms::check_len(call, "the root's send", parts.total(), send.len())?;
+            }
+            self.direct(call, |ctx| super::direct::scatter(ctx, send, recv, root, parts), |n| n.saturating_sub(1))
+        })
     }
 
     fn gather(&self, send: &[f32], recv: &mut [f32], root: usize, parts: &Partition) -> Result<()> {
         self.run(CollectiveOp::Gather, |call| algorithms::gather(call, send, recv, root, parts))
     }
 
+    /// In place across the threads (`direct.rs`), counted as the ring's traffic.
     fn all_gather(&self, send: &[f32], recv: &mut [f32], parts: &Partition) -> Result<()> {
-        self.run(CollectiveOp::AllGather, |call| algorithms::all_gather(call, send, recv, parts))
+        self.run(CollectiveOp::AllGather, |call| {
+            parts.check_ranks("all_gather", self.shared.n_ranks)?;
+            algorithms::check_len(call, "send", parts.len(self.rank), send.len())?;
+            algorithms::check_len(call, "recv", parts.total(), recv.len())?;
+            self.direct(call, |ctx| super::direct::all_gather(ctx, send, recv, parts), |n| n.saturating_sub(1))
+        })
     }
 
     fn reduce_scatter(&self, send: &[f32], recv: &mut [f32], parts: &Partition) -> Result<()> {

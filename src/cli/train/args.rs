@@ -59,9 +59,9 @@ pub struct TrainArgs {
     /// devices). Uses the first P (x K) devices.
     #[arg(long)]
     pub stages: Option<usize>,
-    /// Split every Linear and Conv2d of each stage across a group of K devices (Megatron
-    /// column/row pairs, channel-split convolutions); stages x K must not exceed the devices.
-    /// [default: 1]
+    /// Split every Linear, Conv2d and attention of each stage across a group of K devices
+    /// (Megatron column/row pairs, channel-split convolutions, attention by heads: K must divide a
+    /// transformer's heads); stages x K must not exceed the devices. [default: 1]
     #[arg(long, value_name = "K")]
     pub tensor_parallel: Option<usize>,
     /// Data parallelism: R replicas of the pipeline, each on its own devices (devices = R x stages

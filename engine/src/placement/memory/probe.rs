@@ -216,6 +216,7 @@ fn probe(
     // Input gradient.
     let grad_output = Tensor::full(1.0, output.shape().clone(), output.dtype(), output.device())?;
     drop(output);
+    let in_use_before: Vec<u64> = group.iter().map(Device::memory_in_use).collect();
     let tallies = start(group, ledger)?;
     let input_grads = layer.backward_input_for(&saved, &grad_output, needed)?;
     let mut grad_bytes = vec![0u64; k];
@@ -237,8 +238,16 @@ fn probe(
     };
     floor[0] += held + rounded_parameters + f32_results;
     let backward_input_peak = peaks_or(tallies, &floor);
+    // With ledgers, what each device still holds after the call beyond the gradients it returned
+    // is held for the weight call too (a split layer's shards each keep their part); on the first
+    // device at least what the layer declares.
     let mut backward_held = vec![0u64; k];
-    backward_held[0] = held;
+    if ledger {
+        for (rank, (d, before)) in group.iter().zip(&in_use_before).enumerate() {
+            backward_held[rank] = d.memory_in_use().saturating_sub(*before).saturating_sub(grad_bytes[rank]);
+        }
+    }
+    backward_held[0] = backward_held[0].max(held);
     drop(input_grads);
     // Weight gradient, into gradients allocated beside the parameters.
     let mut grads = layer
