@@ -36,9 +36,18 @@ pub fn machine_info(gpus: &[String], gpu_note: &str) -> Value {
         "os": os,
         "kernel": kernel,
         "arch": std::env::consts::ARCH,
+        "load_average_at_start": load_average(),
         "gpus": gpus,
         "gpu_note": gpu_note,
     })
+}
+
+/// The 1, 5 and 15-minute load averages (`/proc/loadavg`): other work on the machine slows
+/// whatever runs beside it, so the report keeps the load the figures were taken under.
+pub fn load_average() -> Option<[f64; 3]> {
+    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+    let mut fields = text.split_whitespace().map(|f| f.parse::<f64>().ok());
+    Some([fields.next()??, fields.next()??, fields.next()??])
 }
 
 /// Online logical cores (1 when the system does not say).

@@ -205,6 +205,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         sections.push(section);
     }
     report["elapsed_s"] = bench.started.elapsed().as_secs_f64().into();
+    report["machine"]["load_average_at_end"] = json!(machine::load_average());
 
     let meta = meta_tables(&report);
     let title = format!("Conveyor bench: {}", args.suite);
@@ -243,6 +244,14 @@ fn meta_tables(report: &Value) -> Vec<Table> {
                 vec!["CPU".into(), text(&machine["cpu_model"])],
                 vec!["SIMD".into(), text(&machine["cpu_simd"])],
                 vec!["logical cores online".into(), text(&machine["logical_cores_online"])],
+                vec![
+                    "load average (1, 5, 15 min)".into(),
+                    format!(
+                        "{} at start, {} at end",
+                        text(&machine["load_average_at_start"]),
+                        text(&machine["load_average_at_end"])
+                    ),
+                ],
                 vec!["OS".into(), format!("{} (kernel {})", text(&machine["os"]), text(&machine["kernel"]))],
                 vec!["GPUs".into(), text(&machine["gpu_note"])],
             ],

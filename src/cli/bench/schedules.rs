@@ -15,9 +15,10 @@ use super::Bench;
 use super::html::{Chart, ChartBody, Section, Table, figure};
 
 /// Rows per step: big enough that an op outweighs a message's latency.
-const BATCH_ROWS: usize = 128;
-/// The model: an MLP of 512-wide layers, enough layers for 4 devices of 2 chunks each.
-const DIMS: [usize; 10] = [256, 512, 512, 512, 512, 512, 512, 512, 512, 10];
+const BATCH_ROWS: usize = 256;
+/// The model: an MLP of 1024-wide layers (the `bubbles` example's), enough layers for 4 devices
+/// of 2 chunks each.
+const DIMS: [usize; 10] = [256, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 10];
 
 /// What one (schedule, devices, micro-batches) run measured, or why it did not run.
 struct Run {

@@ -21,17 +21,13 @@ use super::html::{Chart, ChartBody, Section, Table, figure};
 use crate::cli::train::summary::accuracy;
 
 /// The product measured per device: `[n, n] · [n, n]`.
-fn gemm_size(quick: bool) -> usize {
-    if quick { 256 } else { 512 }
-}
+const GEMM_N: usize = 512;
 
 /// The convolution measured per device: 3x3, padding 1, 32 -> 32 channels on 16x16 images.
 const CONV: (usize, usize, usize) = (32, 32, 16);
 
 /// Batch of the convolution.
-fn conv_batch(quick: bool) -> usize {
-    if quick { 4 } else { 16 }
-}
+const CONV_BATCH: usize = 16;
 
 /// The zoo models, as the run spec names them, with the data each trains on.
 const MODELS: [(&str, &str, &str); 4] = [
@@ -65,7 +61,7 @@ fn seconds_per_call(
 
 /// The product and the convolution on `device`: (GEMM GFLOP/s, convolution GFLOP/s).
 fn ops_on(device: &Device, quick: bool) -> anyhow::Result<(f64, f64)> {
-    let n = gemm_size(quick);
+    let n = GEMM_N;
     let repeats = if quick { 5 } else { 11 };
     let a = Tensor::from_vec(values(1, n * n), [n, n], device)?;
     let b = Tensor::from_vec(values(2, n * n), [n, n], device)?;
@@ -73,7 +69,7 @@ fn ops_on(device: &Device, quick: bool) -> anyhow::Result<(f64, f64)> {
         Ok(Tensor::matmul(Matrix::new(&a, n, n)?, Matrix::new(&b, n, n)?, None, [n, n], device)?)
     })?;
     let (channels, out_channels, side) = CONV;
-    let batch = conv_batch(quick);
+    let batch = CONV_BATCH;
     let window = Window2d::new(channels, (side, side), (3, 3), (1, 1), (1, 1))?;
     let x = Tensor::from_vec(values(3, batch * channels * side * side), [batch, channels, side, side], device)?;
     let w = Tensor::from_vec(values(4, out_channels * channels * 9), [out_channels, channels, 3, 3], device)?;
@@ -101,7 +97,7 @@ fn step_on(device: &Device, model: &str, data: &str, precision: Precision, quick
         Device::Cpu(_) => "cpu:1".to_string(),
         other => other.to_string(),
     };
-    let (warmup, measured) = if quick { (1u64, 3u64) } else { (2, 7) };
+    let (warmup, measured) = if quick { (2u64, 5u64) } else { (3, 15) };
     let mut run = spec(model, data, &devices, precision, Some(warmup + measured)).prepare()?;
     let mut times = Vec::new();
     for step in 0..warmup + measured {
@@ -275,14 +271,14 @@ pub fn run(bench: &mut Bench) -> anyhow::Result<(Value, Section)> {
         step_series.push((label.clone(), values));
         device_rows.push(json!({
             "device": label,
-            "gemm": { "n": gemm_size(quick), "gflops": gemm_gflops },
-            "conv": { "batch": conv_batch(quick), "in_channels": CONV.0, "out_channels": CONV.1, "image": CONV.2, "kernel": 3, "gflops": conv_gflops },
+            "gemm": { "n": GEMM_N, "gflops": gemm_gflops },
+            "conv": { "batch": CONV_BATCH, "in_channels": CONV.0, "out_channels": CONV.1, "image": CONV.2, "kernel": 3, "gflops": conv_gflops },
             "train_steps": steps_json,
         }));
     }
 
     // Part 2: the ResNet on the digits, three ways.
-    let epochs = if quick { 2 } else { 6 };
+    let epochs = if quick { 15 } else { 40 };
     let mut lines = Vec::new();
     let mut phase_rows = Vec::new();
     let mut configs_json = Vec::new();
@@ -321,8 +317,8 @@ pub fn run(bench: &mut Bench) -> anyhow::Result<(Value, Section)> {
              sums in f32). The products and convolutions are f32 only; bf16 shows in the training steps.",
             CONV.0,
             CONV.1,
-            conv_batch(quick),
-            n = gemm_size(quick),
+            CONV_BATCH,
+            n = GEMM_N,
             s = CONV.2
         ),
         "Phases per step come from device 0's own timeline of each step: forward, backward and optimizer are its \
