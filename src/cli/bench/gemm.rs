@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use conveyor::engine::cpu::{self, MatRef};
+use conveyor::engine::{Device, Tensor};
 use serde_json::{Value, json};
 
 use super::Bench;
@@ -43,15 +44,9 @@ fn repeats(quick: bool) -> usize {
     if quick { 5 } else { 11 }
 }
 
-/// Seeded values in `[-1, 1)`.
-pub fn values(seed: u64, len: usize) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..len)
-        .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+/// `shape`'s seeded values in `[-1, 1)` on `device` (the engine's initialiser).
+pub fn values(seed: u64, shape: &[usize], device: &Device) -> anyhow::Result<Tensor> {
+    Ok(conveyor::engine::init::uniform(shape.to_vec(), -1.0, 1.0, &mut conveyor::engine::init::rng(seed), device)?)
 }
 
 /// The median of `samples` (sorted in place); `NaN` for none.
@@ -78,8 +73,10 @@ pub fn median_seconds(repeats: usize, mut run: impl FnMut() -> anyhow::Result<()
 
 /// Conveyor's median seconds for one product of `shape`.
 fn conveyor_seconds(shape: Shape, repeats: usize) -> anyhow::Result<f64> {
-    let (a, b) = (values(1, shape.m * shape.k), values(2, shape.k * shape.n));
+    let host = Device::host();
+    let (a, b) = (values(1, &[shape.m, shape.k], &host)?, values(2, &[shape.k, shape.n], &host)?);
     let mut c = vec![0.0f32; shape.m * shape.n];
+    let (a, b) = (a.to_vec_f32(), b.to_vec_f32());
     let (lhs, rhs) = (MatRef::row_major(&a, shape.m, shape.k)?, MatRef::row_major(&b, shape.k, shape.n)?);
     median_seconds(repeats, || Ok(cpu::matmul(&mut c, lhs, rhs, false)?))
 }

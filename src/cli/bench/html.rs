@@ -70,6 +70,13 @@ pub fn figure(value: f64) -> String {
     }
 }
 
+/// A tick's label: at most 3 decimals, trailing zeros dropped (`0.25`, `2`, `1000`).
+fn tick_label(value: f64) -> String {
+    let text = format!("{value:.3}");
+    let text = text.trim_end_matches('0').trim_end_matches('.');
+    if text == "-0" { "0".into() } else { text.to_string() }
+}
+
 /// Tick values from 0 (or `low`) to at least `high`: about five round steps.
 fn ticks(low: f64, high: f64) -> Vec<f64> {
     let span = (high - low).max(1e-12);
@@ -106,7 +113,7 @@ fn axes(out: &mut String, chart: &Chart, y_ticks: &[f64], y_max: f64, y_min: f64
             x2 = WIDTH - RIGHT,
             tx = LEFT - 6.0,
             ty = y + 4.0,
-            label = figure(tick)
+            label = tick_label(tick)
         );
     }
     let _ = write!(
@@ -192,7 +199,7 @@ pub fn svg(chart: &Chart) -> String {
                 let _ = write!(
                     out,
                     r#"<text x="{x:.1}" y="{y}" text-anchor="middle" class="tick">{}</text>"#,
-                    figure(tick),
+                    tick_label(tick),
                     y = HEIGHT - BOTTOM + 18.0
                 );
             }
@@ -237,23 +244,36 @@ pub fn chart_table(chart: &Chart) -> Table {
                 })
                 .collect(),
         },
-        ChartBody::Lines { series } => Table {
-            caption: chart.title.clone(),
-            header: vec!["series".into(), chart.x_label.clone(), chart.y_label.clone()],
-            rows: series
-                .iter()
-                .flat_map(|(name, points)| points.iter().map(move |&(x, y)| vec![name.clone(), figure(x), figure(y)]))
-                .collect(),
-        },
+        ChartBody::Lines { series } => {
+            // One row per point index, one column per series: "y at x".
+            let n_points = series.iter().map(|(_, points)| points.len()).max().unwrap_or(0);
+            Table {
+                caption: format!("{}: {} at {}", chart.title, chart.y_label, chart.x_label),
+                header: std::iter::once("point".to_string()).chain(series.iter().map(|(n, _)| n.clone())).collect(),
+                rows: (0..n_points)
+                    .map(|i| {
+                        std::iter::once(i.to_string())
+                            .chain(series.iter().map(|(_, points)| {
+                                points.get(i).map_or("–".into(), |&(x, y)| format!("{} at {}", figure(y), figure(x)))
+                            }))
+                            .collect()
+                    })
+                    .collect(),
+            }
+        }
     }
 }
 
 fn table_html(out: &mut String, table: &Table) {
-    let _ = write!(out, "<table><caption>{}</caption><thead><tr>", escape(&table.caption));
-    for cell in &table.header {
-        let _ = write!(out, "<th>{}</th>", escape(cell));
+    let _ = write!(out, "<table><caption>{}</caption>", escape(&table.caption));
+    if table.header.iter().any(|cell| !cell.is_empty()) {
+        out.push_str("<thead><tr>");
+        for cell in &table.header {
+            let _ = write!(out, "<th>{}</th>", escape(cell));
+        }
+        out.push_str("</tr></thead>");
     }
-    out.push_str("</tr></thead><tbody>");
+    out.push_str("<tbody>");
     for row in &table.rows {
         out.push_str("<tr>");
         for cell in row {
@@ -267,7 +287,8 @@ fn table_html(out: &mut String, table: &Table) {
 const STYLE: &str = "body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:24px;color:#222;background:#fafafa;max-width:1400px}\
 h1{font-size:1.6em;margin-bottom:4px}h2{border-bottom:2px solid #0072B2;padding-bottom:4px;margin-top:36px}\
 .meta{color:#444;font-size:.9em}.note{background:#fff;border-left:4px solid #E69F00;padding:6px 12px;margin:8px 0}\
-.pair{display:flex;flex-wrap:wrap;gap:20px;align-items:flex-start;margin:16px 0}\
+.pair{display:flex;flex-wrap:nowrap;gap:20px;align-items:flex-start;margin:16px 0;overflow-x:auto}\
+.meta{flex-wrap:wrap}.meta td{text-align:left}\
 svg{background:#fff;border:1px solid #ccc;flex:none}svg .title{font-size:15px;font-weight:600;fill:#222}\
 svg .axis{font-size:13px;fill:#222}svg .tick{font-size:11px;fill:#333}\
 table{border-collapse:collapse;background:#fff;font-size:.85em;margin:8px 0}caption{text-align:left;font-weight:600;padding:4px 0}\
@@ -308,6 +329,14 @@ pub fn page(title: &str, meta: &[Table], sections: &[Section]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tick_labels_drop_trailing_zeros() {
+        assert_eq!(
+            [tick_label(0.0), tick_label(2.0), tick_label(0.25), tick_label(1000.0)],
+            ["0", "2", "0.25", "1000"]
+        );
+    }
 
     #[test]
     fn ticks_cover_the_range_in_round_steps() {

@@ -63,16 +63,15 @@ fn seconds_per_call(
 fn ops_on(device: &Device, quick: bool) -> anyhow::Result<(f64, f64)> {
     let n = GEMM_N;
     let repeats = if quick { 5 } else { 11 };
-    let a = Tensor::from_vec(values(1, n * n), [n, n], device)?;
-    let b = Tensor::from_vec(values(2, n * n), [n, n], device)?;
+    let (a, b) = (values(1, &[n, n], device)?, values(2, &[n, n], device)?);
     let gemm_s = seconds_per_call(device, repeats, || {
         Ok(Tensor::matmul(Matrix::new(&a, n, n)?, Matrix::new(&b, n, n)?, None, [n, n], device)?)
     })?;
     let (channels, out_channels, side) = CONV;
     let batch = CONV_BATCH;
     let window = Window2d::new(channels, (side, side), (3, 3), (1, 1), (1, 1))?;
-    let x = Tensor::from_vec(values(3, batch * channels * side * side), [batch, channels, side, side], device)?;
-    let w = Tensor::from_vec(values(4, out_channels * channels * 9), [out_channels, channels, 3, 3], device)?;
+    let x = values(3, &[batch, channels, side, side], device)?;
+    let w = values(4, &[out_channels, channels, 3, 3], device)?;
     let conv_s = seconds_per_call(device, repeats, || Ok(x.conv2d(&w, None, &window, out_channels)?))?;
     let conv_flops = 2.0 * (batch * out_channels * window.col_rows() * window.out_plane_len()) as f64;
     Ok((2.0 * (n * n * n) as f64 / gemm_s / 1e9, conv_flops / conv_s / 1e9))
