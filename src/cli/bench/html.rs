@@ -42,11 +42,11 @@ pub enum ChartBody {
 const COLOURS: [&str; 7] = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#000000"];
 
 const WIDTH: f64 = 640.0;
-const HEIGHT: f64 = 380.0;
+const HEIGHT: f64 = 400.0;
 const LEFT: f64 = 70.0;
 const RIGHT: f64 = 20.0;
 const TOP: f64 = 40.0;
-const BOTTOM: f64 = 90.0;
+const BOTTOM: f64 = 105.0;
 
 /// Escapes text for HTML and SVG.
 pub fn escape(text: &str) -> String {
@@ -123,7 +123,7 @@ fn axes(out: &mut String, chart: &Chart, y_ticks: &[f64], y_max: f64, y_min: f64
         xr = WIDTH - RIGHT,
         my = TOP + plot_h / 2.0,
         mx = LEFT + (WIDTH - LEFT - RIGHT) / 2.0,
-        xy = HEIGHT - BOTTOM + 58.0,
+        xy = HEIGHT - BOTTOM + 72.0,
         yl = escape(&chart.y_label),
         xl = escape(&chart.x_label)
     );
@@ -131,7 +131,7 @@ fn axes(out: &mut String, chart: &Chart, y_ticks: &[f64], y_max: f64, y_min: f64
 
 fn legend(out: &mut String, names: &[&str]) {
     let mut x = LEFT;
-    let y = HEIGHT - 14.0;
+    let y = HEIGHT - 10.0;
     for (i, name) in names.iter().enumerate() {
         let _ = write!(
             out,

@@ -280,6 +280,7 @@ pub fn run(bench: &mut Bench) -> anyhow::Result<(Value, Section)> {
     let epochs = if quick { 15 } else { 40 };
     let mut lines = Vec::new();
     let mut phase_rows = Vec::new();
+    let mut phase_series: Vec<(String, Vec<Option<f64>>)> = Vec::new();
     let mut configs_json = Vec::new();
     let mut energy_rows = Vec::new();
     for config in &CONFIGS {
@@ -290,6 +291,7 @@ pub fn run(bench: &mut Bench) -> anyhow::Result<(Value, Section)> {
         row.extend(trained.phase_means.iter().map(|s| figure(1e3 * s)));
         row.push(if trained.within_2_percent { "yes".into() } else { "no".into() });
         phase_rows.push(row);
+        phase_series.push((config.label.to_string(), trained.phase_means.iter().map(|s| Some(1e3 * s)).collect()));
         if !trained.energy.is_null() {
             energy_rows.push(vec![
                 config.label.to_string(),
@@ -355,6 +357,12 @@ pub fn run(bench: &mut Bench) -> anyhow::Result<(Value, Section)> {
             x_label: "training time (s, evaluation excluded)".into(),
             y_label: "test accuracy (%)".into(),
             body: ChartBody::Lines { series: lines },
+        },
+        Chart {
+            title: "ResNet step time by phase (mean per step, device 0)".into(),
+            x_label: "phase".into(),
+            y_label: "time per step (ms)".into(),
+            body: ChartBody::Bars { categories: PHASES.iter().map(|p| p.to_string()).collect(), series: phase_series },
         },
     ];
     let mut header = vec!["configuration".to_string(), "step ms".to_string()];
