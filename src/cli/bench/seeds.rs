@@ -241,35 +241,54 @@ pub fn run(bench: &mut Bench) -> anyhow::Result<(Value, Section)> {
     let mut op_series: Vec<(String, Vec<Option<f64>>)> = Vec::new();
     let mut step_categories = Vec::new();
     let mut step_series: Vec<(String, Vec<Option<f64>>)> = Vec::new();
+    let mut failures: Vec<String> = Vec::new();
     for device in &targets {
         let label = match device {
             Device::Cpu(_) => "cpu (1 core)".to_string(),
             other => other.to_string(),
         };
         bench.progress(&format!("seeds: GEMM and convolution on {label}"));
-        let (gemm_gflops, conv_gflops) = ops_on(device, quick)?;
-        op_series.push((label.clone(), vec![Some(gemm_gflops), Some(conv_gflops)]));
+        // A device that fails an item is reported with the error; the other items still run.
+        let ops = ops_on(device, quick).map_err(|e| format!("{e:#}"));
+        let (gemm_gflops, conv_gflops) = match &ops {
+            Ok((gemm, conv)) => (Some(*gemm), Some(*conv)),
+            Err(_) => (None, None),
+        };
+        if let Err(e) = &ops {
+            failures.push(format!("GEMM and convolution on {label}: {e}"));
+        }
+        op_series.push((label.clone(), vec![gemm_gflops, conv_gflops]));
         let mut steps_json = Vec::new();
         let mut values = Vec::new();
         for (name, model, data) in MODELS {
             for precision in [Precision::F32, Precision::Bf16] {
                 bench.progress(&format!("seeds: one {name} training step on {label}, {precision}"));
                 let energy = bench.energy.start();
-                let seconds = step_on(device, model, data, precision, quick)?;
+                let seconds = step_on(device, model, data, precision, quick);
                 let joules = bench.energy.joules_since(&energy);
                 if step_categories.len() < MODELS.len() * 2 {
                     step_categories.push(format!("{name} {precision}"));
                 }
-                values.push(Some(1e3 * seconds));
-                steps_json.push(json!({
-                    "model": model, "data": data, "precision": precision.to_string(), "batch": 64,
-                    "median_step_s": seconds, "energy_of_all_steps": super::machine::energy_json(&joules),
-                }));
+                let mut row = json!({ "model": model, "data": data, "precision": precision.to_string(), "batch": 64 });
+                match seconds {
+                    Ok(seconds) => {
+                        values.push(Some(1e3 * seconds));
+                        row["median_step_s"] = seconds.into();
+                        row["energy_of_all_steps"] = super::machine::energy_json(&joules);
+                    }
+                    Err(e) => {
+                        values.push(None);
+                        failures.push(format!("{name} {precision} on {label}: {e:#}"));
+                        row["error"] = format!("{e:#}").into();
+                    }
+                }
+                steps_json.push(row);
             }
         }
         step_series.push((label.clone(), values));
         device_rows.push(json!({
             "device": label,
+            "ops_error": ops.as_ref().err(),
             "gemm": { "n": GEMM_N, "gflops": gemm_gflops },
             "conv": { "batch": CONV_BATCH, "in_channels": CONV.0, "out_channels": CONV.1, "image": CONV.2, "kernel": 3, "gflops": conv_gflops },
             "train_steps": steps_json,
@@ -329,6 +348,9 @@ pub fn run(bench: &mut Bench) -> anyhow::Result<(Value, Section)> {
          commit)."
             .to_string(),
     ];
+    if !failures.is_empty() {
+        notes.push(format!("Failed (no figure): {}", failures.join(" | ")));
+    }
     if !targets.iter().any(|d| matches!(d, Device::Cuda(_))) {
         notes.push(format!("No GPU measured: {}.", super::gpus().1));
     }
