@@ -106,12 +106,13 @@ fn gpus() -> (Vec<String>, String) {
 
 /// `--devices`: parsed with the one device grammar and opened, so a device that is not here is
 /// refused now; duplicates dropped.
-fn parse_devices(text: &str, gpu_note: &str) -> anyhow::Result<Vec<Device>> {
+fn parse_devices(text: &str, gpu_names: &[String]) -> anyhow::Result<Vec<Device>> {
+    let gpus = if gpu_names.is_empty() { "no GPU".to_string() } else { gpu_names.join(", ") };
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let devices = conveyor::engine::Device::parse_list(text).map_err(|e| {
         usage(format!(
             "--devices `{text}`: {e}; this machine offers cpu devices (cpu:1 for one, cpu:0-0,cuda:0 for a list; \
-             {cores} core(s)) and {gpu_note}"
+             {cores} core(s)) and {gpus}"
         ))
     })?;
     let mut unique: Vec<Device> = Vec::new();
@@ -168,7 +169,7 @@ impl Bench {
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let suites = parse_suites(&args.suite)?;
     let (gpu_names, gpu_note) = gpus();
-    let devices = parse_devices(&args.devices, &gpu_note)?;
+    let devices = parse_devices(&args.devices, &gpu_names)?;
     let (json_path, html_path) = prepare_out(&args.out)?;
 
     let mut bench =
