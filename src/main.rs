@@ -27,6 +27,9 @@ enum Command {
     /// Place a model on devices under memory budgets and print each stage's layers, memory and
     /// predicted times, with the predicted step time and bubble fraction.
     Plan(cli::plan_flags::PlanFlags),
+    /// Run the benchmark suites (seeds, gemm, schedules, all) and write report.json and a
+    /// self-contained report.html.
+    Bench(cli::bench::BenchArgs),
 }
 
 fn main() {
@@ -35,6 +38,7 @@ fn main() {
         Command::Simulate(args) => cli::simulate::run(args),
         Command::Train(args) => cli::train::run(*args),
         Command::Plan(flags) => flags.resolve().and_then(cli::plan::run),
+        Command::Bench(args) => cli::bench::run(args),
     }))
     // A panic (already printed by the panic hook) under MPI ends the job rather than leaving the
     // other ranks waiting for this one; otherwise it exits as an unwinding panic does.

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use conveyor::engine::output_file;
 
+pub mod bench;
 pub mod console;
 pub mod interrupt;
 pub mod messages;

@@ -29,7 +29,7 @@ mod args;
 mod checkpointing;
 mod outputs;
 mod progress;
-mod summary;
+pub(crate) mod summary;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
