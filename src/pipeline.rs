@@ -10,7 +10,7 @@
 //! builder, and adds what needs the zoo's [`ModelSpec`]: tensor-parallel planning.
 use std::sync::Arc;
 
-use conveyor_engine::collective::TransportGroup;
+use conveyor_engine::collective::{Traffic, TransportGroup};
 use conveyor_engine::device::DeviceKind;
 use conveyor_engine::graph::Graph;
 pub use conveyor_engine::placement::pipeline_plan::{
@@ -18,7 +18,7 @@ pub use conveyor_engine::placement::pipeline_plan::{
     planner_inputs, planner_inputs_for, simulated_inflight,
 };
 use conveyor_engine::placement::{
-    DeviceSpec, NodeCosts, OptimizerMemory, Placement, Plan, PlanConfig, measure_node_memory_on,
+    DeviceSpec, Link, NodeCosts, OptimizerMemory, Placement, Plan, PlanConfig, measure_node_memory_on,
     place_manually_with_costs, place_with_costs,
 };
 use conveyor_engine::runtime::{ReplicaShares, Trainer, TrainerBuilder};
@@ -342,4 +342,81 @@ pub fn with_replicas(
             .replica_shares(data_parallel.shares.clone())
             .bucket_size(data_parallel.bucket_bytes),
     }
+}
+
+/// The collectives one micro-batch makes in a tensor-parallel stage, per call kind, through the
+/// busiest device of its group (what bounds the call's time), and their predicted seconds on a link.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StageCollectives {
+    /// In the forward calls.
+    pub forward: Traffic,
+    /// In the input-gradient calls.
+    pub backward_input: Traffic,
+    /// In the weight-gradient calls.
+    pub backward_weight: Traffic,
+}
+
+impl StageCollectives {
+    /// Predicted seconds of (forward, input-gradient, weight-gradient) collectives on `link`:
+    /// `messages · latency + bytes / bandwidth` each.
+    pub fn seconds(&self, link: &Link) -> (f64, f64, f64) {
+        let time = |t: &Traffic| t.messages as f64 * link.latency_s + t.bytes / link.bandwidth_bytes_per_s;
+        (time(&self.forward), time(&self.backward_input), time(&self.backward_weight))
+    }
+}
+
+/// What each stage of `plan` over the split `graph` (from [`plan_tensor_parallel`]) exchanges per
+/// micro-batch of `plan`'s rows: every split layer run once per call kind on seeded inputs of a
+/// micro-batch, its collectives' traffic counted (split layers report it per device), summed over
+/// the stage's split layers through each layer's busiest device.
+pub fn tensor_parallel_collectives(graph: &Graph, plan: &Plan) -> Result<Vec<StageCollectives>> {
+    let rows = plan.config.micro_batch_rows.max(1);
+    let mut rng = conveyor_engine::init::rng(0xC011);
+    let busiest = |before: &[Traffic], after: &[Traffic]| -> Traffic {
+        let sent = after
+            .iter()
+            .zip(before)
+            .map(|(a, b)| Traffic { messages: a.messages - b.messages, bytes: a.bytes - b.bytes });
+        sent.fold(Traffic::default(), |m, t| if t.bytes > m.bytes { t } else { m })
+    };
+    let add = |a: Traffic, b: Traffic| Traffic { messages: a.messages + b.messages, bytes: a.bytes + b.bytes };
+    let mut out = Vec::with_capacity(plan.stages.len());
+    for stage in &plan.stages {
+        let mut stage_total = StageCollectives::default();
+        for &id in &stage.nodes {
+            let Some(layer) = graph.layer(id) else { continue };
+            if !layer.is_split() || layer.takes_indices() {
+                continue;
+            }
+            let device = layer.parameters()[0].value.device().clone();
+            let inputs = graph
+                .predecessors(id)
+                .iter()
+                .map(|&pred| {
+                    let shape = graph.node(pred)?.output_shape.with_leading_dim(rows);
+                    conveyor_engine::init::uniform(shape, -1.0, 1.0, &mut rng, &device)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let refs: Vec<&conveyor_engine::Tensor> = inputs.iter().collect();
+            let t0 = layer.collective_traffic();
+            let (output, saved) = layer.forward(&refs, &conveyor_engine::ForwardCtx::train(1))?;
+            let t1 = layer.collective_traffic();
+            let grad = conveyor_engine::Tensor::full(1.0, output.shape().clone(), output.dtype(), output.device())?;
+            drop(output);
+            drop(layer.backward_input(&saved, &grad)?);
+            let t2 = layer.collective_traffic();
+            let mut grads = layer
+                .parameters()
+                .iter()
+                .map(|p| conveyor_engine::Tensor::zeros(p.value.shape().clone(), p.value.dtype(), p.value.device()))
+                .collect::<Result<Vec<_>>>()?;
+            layer.backward_weight(&saved, &grad, &mut grads)?;
+            let t3 = layer.collective_traffic();
+            stage_total.forward = add(stage_total.forward, busiest(&t0, &t1));
+            stage_total.backward_input = add(stage_total.backward_input, busiest(&t1, &t2));
+            stage_total.backward_weight = add(stage_total.backward_weight, busiest(&t2, &t3));
+        }
+        out.push(stage_total);
+    }
+    Ok(out)
 }

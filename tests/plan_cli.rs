@@ -352,3 +352,46 @@ fn data_parallel_plans_show_each_replicas_memory_and_the_all_reduce_on_the_step(
     assert_usage_error(&bad, &["--data-parallel 2", "do not split into 2 replicas"])?;
     Ok(())
 }
+
+/// `--tensor-parallel 2`: every device of each group has its memory, the split transformer's
+/// collectives are counted per call kind and priced into the stage times, and a degree that does
+/// not divide the heads, or devices that do not form groups, exit 2.
+#[test]
+fn tensor_parallel_plans_show_each_device_and_the_collectives() -> Result<()> {
+    let model = "transformer:16,8,32,4,2,10";
+    let common = ["--model", model, "--batch", "16", "--microbatches", "2"];
+    let whole = plan_json(&[&common[..], &["--devices", "cpu:2"]].concat())?;
+    let split = plan_json(&[&common[..], &["--devices", "cpu:4", "--tensor-parallel", "2"]].concat())?;
+    let tp = &split["tensor_parallel"];
+    ensure!(tp["degree"] == 2, "{tp}");
+    let stages = tp["stages"].as_array().context("tensor_parallel.stages")?;
+    ensure!(stages.len() == 2, "two stages of two devices: {tp}");
+    for stage in stages {
+        let memory = stage["memory_bytes"].as_array().context("memory_bytes")?;
+        ensure!(memory.len() == 2 && memory.iter().all(|m| m.as_u64() > Some(0)), "each member holds shards: {stage}");
+        for phase in ["forward", "backward_input", "backward_weight"] {
+            let bytes = stage[phase]["bytes"].as_f64().context("bytes")?;
+            let seconds = stage[phase]["predicted_s"].as_f64().context("predicted_s")?;
+            ensure!(bytes > 0.0 && seconds > 0.0, "every call of a split block exchanges: {phase} {stage}");
+        }
+    }
+    // The stage times include the collectives: each split stage's forward is at least its
+    // collectives' time, and the plan predicts a step.
+    let forward = split["stages"][0]["forward_s"].as_f64().context("forward_s")?;
+    ensure!(forward >= stages[0]["forward"]["predicted_s"].as_f64().unwrap_or(f64::INFINITY), "{split}");
+    ensure!(split["predicted_step_s"].as_f64() > Some(0.0) && whole["predicted_step_s"].as_f64() > Some(0.0));
+
+    let table = conveyor(&["plan", "--model", model, "--devices", "cpu:4", "--tensor-parallel", "2"])?;
+    let stdout = String::from_utf8_lossy(&table.stdout);
+    ensure!(table.status.success() && stdout.contains("tensor parallelism: 2 devices per stage"), "{stdout}");
+    ensure!(stdout.contains("cpu:1") && stdout.contains("cpu:3"), "every member's memory is listed: {stdout}");
+
+    assert_usage_error(
+        &["plan", "--model", model, "--devices", "cpu:3", "--tensor-parallel", "3"],
+        &["4 heads cannot be split over 3 devices", "1, 2, 4"],
+    )?;
+    assert_usage_error(
+        &["plan", "--model", model, "--devices", "cpu:3", "--tensor-parallel", "2"],
+        &["do not split into groups of 2"],
+    )
+}

@@ -13,6 +13,7 @@ pub mod placement_file;
 pub mod plan;
 pub mod plan_auto;
 pub mod plan_flags;
+mod plan_tp;
 pub mod ranks;
 pub mod simulate;
 pub mod train;

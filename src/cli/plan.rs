@@ -37,6 +37,7 @@ pub struct PlanArgs {
     pub precision: conveyor::spec::Precision,
     pub placement: String,
     pub data_parallel: usize,
+    pub tensor_parallel: usize,
     pub zero: u8,
     pub bucket_size: conveyor::spec::BucketSize,
     pub json: bool,
@@ -134,6 +135,9 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         core_slots: Default::default(),
         precision: args.precision,
     };
+    if args.tensor_parallel > 1 {
+        return super::plan_tp::run(&args, &spec, &devices, &config, budget);
+    }
     if args.auto_schedule {
         return super::plan_auto::run(args, &graph, &devices, &config, budget);
     }

@@ -19,8 +19,8 @@ pub struct PlanFlags {
     /// run it describes; flags given here override its fields.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Model: `mlp:D0,D1,...,Dn` (Linear/ReLU stack), `cnn` (LeNet-like, 1x8x8 inputs) or `resnet`.
-    /// Required unless --config names one.
+    /// Model: `mlp:D0,D1,...,Dn` (Linear/ReLU stack), `cnn` (LeNet-like, 1x8x8 inputs), `resnet`
+    /// or `transformer[:VOCAB,T,D,H,L,C]`. Required unless --config names one.
     #[arg(long)]
     pub model: Option<String>,
     /// Devices: `cpu:N` for N CPU devices, or `cuda:0,1` for GPUs. Required unless --config is given.
@@ -67,6 +67,11 @@ pub struct PlanFlags {
     /// all-reduce on the predicted step and each replica's optimizer state [default: 1].
     #[arg(long, value_name = "R")]
     pub data_parallel: Option<usize>,
+    /// Tensor parallelism: each stage holds a group of K devices with its layers split over them
+    /// (as `train --tensor-parallel K`); the plan shows every device's memory and prices the split
+    /// layers' collectives [default: 1].
+    #[arg(long, value_name = "K")]
+    pub tensor_parallel: Option<usize>,
     /// ZeRO stage with --data-parallel: 1 shards the optimizer state across the replicas; the
     /// plan shows each device's share [default: 0].
     #[arg(long, value_name = "STAGE")]
@@ -157,6 +162,7 @@ impl PlanFlags {
             },
             placement,
             data_parallel: self.data_parallel.or(pipeline.map(|p| p.data_parallel)).unwrap_or(1),
+            tensor_parallel: self.tensor_parallel.or(pipeline.map(|p| p.tensor_parallel)).unwrap_or(1),
             zero: self.zero.or(pipeline.map(|p| p.zero)).unwrap_or(0),
             bucket_size: match &self.bucket_size {
                 Some(text) => text.parse()?,

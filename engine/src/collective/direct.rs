@@ -296,7 +296,6 @@ pub(super) fn scatter(
     let rank = ctx.rank;
     let published = (rank == root).then(|| (send.as_ptr() as usize, send.len()));
     let slots = ctx.arrive_and_wait(1, published, true).map_err(|e| ctx.leave(e))?;
-    let n = slots.len();
     let reading = Reading(ctx.board);
     // The root checked its `send` against `parts` before publishing; a rank that passed another
     // `parts` sees the mismatch here.
