@@ -39,18 +39,39 @@ fn spec() -> ModelSpec {
     ModelSpec::Transformer(CONFIG)
 }
 
+/// [`CONFIG`] with its classifier's weight tied to the token embedding (classes = vocab).
+fn tied() -> TransformerConfig {
+    TransformerConfig { classes: CONFIG.vocab, tied: true, ..CONFIG }
+}
+
 /// Seeded token ids in `0..vocab` and labels in `0..classes`.
 fn tokens(step: usize) -> (Tensor, Vec<usize>) {
-    let ids = (0..ROWS * CONFIG.tokens).map(|i| ((i * 7 + step * 5 + i / 3) % CONFIG.vocab) as f32).collect();
-    let labels = (0..ROWS).map(|r| (r * 3 + step) % CONFIG.classes).collect();
-    (Tensor::from_vec(ids, [ROWS, CONFIG.tokens], &Device::host()).unwrap(), labels)
+    tokens_for(CONFIG, step)
+}
+
+fn tokens_for(config: TransformerConfig, step: usize) -> (Tensor, Vec<usize>) {
+    let ids = (0..ROWS * config.tokens).map(|i| ((i * 7 + step * 5 + i / 3) % config.vocab) as f32).collect();
+    let labels = (0..ROWS).map(|r| (r * 3 + step) % config.classes).collect();
+    (Tensor::from_vec(ids, [ROWS, config.tokens], &Device::host()).unwrap(), labels)
 }
 
 /// `groups` groups of `k` CPU devices, the model cut into `groups x chunks` even stages placed as
 /// `kind` lays them out, every node split over its stage's group.
 fn split_trainer(groups: usize, k: usize, kind: ScheduleKind, chunks: usize, recompute: Recompute) -> Trainer {
+    split_trainer_for(CONFIG, groups, k, kind, chunks, recompute)
+}
+
+fn split_trainer_for(
+    config: TransformerConfig,
+    groups: usize,
+    k: usize,
+    kind: ScheduleKind,
+    chunks: usize,
+    recompute: Recompute,
+) -> Trainer {
+    let spec = ModelSpec::Transformer(config);
     let devices: Vec<Device> = (0..groups * k).map(Device::cpu).collect();
-    let whole = spec().build(3).unwrap();
+    let whole = spec.build(3).unwrap();
     let stages = even_stages(&whole, groups * chunks);
     let mut splits = TensorParallelSplits::new();
     for (stage_idx, nodes) in stages.iter().enumerate() {
@@ -59,7 +80,7 @@ fn split_trainer(groups: usize, k: usize, kind: ScheduleKind, chunks: usize, rec
             splits.insert(whole.node(id).unwrap().name.clone(), devices[group * k..(group + 1) * k].to_vec());
         }
     }
-    let graph = spec().build_split(3, &splits).unwrap();
+    let graph = spec.build_split(3, &splits).unwrap();
     Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
         .devices(devices)
         .tensor_parallel(k)
@@ -96,8 +117,12 @@ fn differs_by(split: &[(String, Vec<f32>)], reference: &[(String, Vec<f32>)]) ->
 }
 
 fn train(trainer: &mut Trainer) -> Vec<(String, Vec<f32>)> {
+    train_for(CONFIG, trainer)
+}
+
+fn train_for(config: TransformerConfig, trainer: &mut Trainer) -> Vec<(String, Vec<f32>)> {
     for step in 0..STEPS {
-        let (x, y) = tokens(step);
+        let (x, y) = tokens_for(config, step);
         trainer.train_step(&x, &y).unwrap();
     }
     weights(trainer)
@@ -185,4 +210,16 @@ fn a_head_count_the_degree_does_not_divide_is_refused() {
     let message = spec().build_split(3, &splits).unwrap_err().to_string();
     assert!(message.contains("4 heads cannot be split over 3 devices"), "{message}");
     assert!(message.contains("1, 2, 4"), "{message}");
+}
+
+/// Tied embeddings (Megatron's embedding group): the head's weight is the embedding's, so the
+/// head stays whole while the blocks split; across two stages its copies' gradients are summed
+/// before every step, and the split trains what one device trains.
+#[test]
+fn a_tied_transformer_split_inside_two_stages_trains_like_one_device() {
+    let config = tied();
+    let reference = train_for(config, &mut split_trainer_for(config, 1, 1, ScheduleKind::GPipe, 1, Recompute::Never));
+    let mut split = split_trainer_for(config, 2, 2, ScheduleKind::OneFOneB, 1, Recompute::Never);
+    let rel = differs_by(&train_for(config, &mut split), &reference);
+    assert!(rel <= RELATIVE, "tied, 2 stages x 2: weights differ from one device by {rel}");
 }
