@@ -385,7 +385,7 @@ pub fn tensor_parallel_collectives(graph: &Graph, plan: &Plan) -> Result<Vec<Sta
         let mut stage_total = StageCollectives::default();
         for &id in &stage.nodes {
             let Some(layer) = graph.layer(id) else { continue };
-            if !layer.is_split() || layer.takes_indices() {
+            if !layer.is_split() {
                 continue;
             }
             let device = layer.parameters()[0].value.device().clone();
@@ -394,7 +394,11 @@ pub fn tensor_parallel_collectives(graph: &Graph, plan: &Plan) -> Result<Vec<Sta
                 .iter()
                 .map(|&pred| {
                     let shape = graph.node(pred)?.output_shape.with_leading_dim(rows);
-                    conveyor_engine::init::uniform(shape, -1.0, 1.0, &mut rng, &device)
+                    match layer.takes_indices() {
+                        // Id 0, a valid index for any table.
+                        true => conveyor_engine::Tensor::zeros(shape, conveyor_engine::DType::F32, &device),
+                        false => conveyor_engine::init::uniform(shape, -1.0, 1.0, &mut rng, &device),
+                    }
                 })
                 .collect::<Result<Vec<_>>>()?;
             let refs: Vec<&conveyor_engine::Tensor> = inputs.iter().collect();

@@ -21,7 +21,7 @@ use conveyor_engine::{Device, Error, Layer, Result, init};
 use conveyor_layers::{
     Add, ChannelParallelConv2d, ColumnParallelLinear, Conv2d, Conv2dOptions, Dropout, Embedding, Flatten, Gelu,
     LayerNorm, Linear, MaxPool2d, MeanOverTokens, MultiheadSelfAttention, ParallelSelfAttention, PositionalEmbedding,
-    RankShard, Relu, RowParallelLinear, Shards,
+    RankShard, Relu, RowParallelLinear, Shards, VocabParallelEmbedding,
 };
 use rand::rngs::StdRng;
 
@@ -280,6 +280,17 @@ impl<'a> Splitter<'a> {
         Ok((fc1, fc2))
     }
 
+    /// `embedding`, split by vocabulary rows when `name` is split (and the vocabulary has a row
+    /// for every device).
+    fn embedding(&mut self, name: &str, embedding: Embedding) -> Result<Box<dyn Layer>> {
+        match self.group(name) {
+            Some(group) if embedding.num_embeddings() >= group.len() => {
+                Ok(Box::new(VocabParallelEmbedding::from_embedding_on(&embedding, &self.shards(group))?))
+            }
+            _ => Ok(Box::new(embedding)),
+        }
+    }
+
     /// `MultiheadSelfAttention(dim, heads)`; split by heads when `name` is split (the head count
     /// must be a multiple of the group's size).
     fn attention(&mut self, name: &str, dim: usize, n_heads: usize, rng: &mut StdRng) -> Result<Box<dyn Layer>> {
@@ -418,10 +429,10 @@ pub fn transformer(config: &TransformerConfig, seed: u64) -> Result<Graph> {
     transformer_with(config, seed, &mut Splitter::new(&TensorParallelSplits::new()))
 }
 
-/// [`transformer`] with its split nodes built split (see [`ModelSpec::build_split`]): each
-/// block's attention by heads, its `fc1` column- and `fc2` row-parallel, and `head`
-/// column-parallel unless it is tied to the embedding. The embeddings, the LayerNorms and the GELU
-/// stay whole on the stage's first device.
+/// [`transformer`] with its split nodes built split (see [`ModelSpec::build_split`]): the token
+/// embedding by vocabulary rows, each block's attention by heads, its `fc1` column- and `fc2`
+/// row-parallel, and `head` column-parallel (the embedding and the head stay whole when tied). The
+/// positional table, the LayerNorms and the GELU stay whole on the stage's first device.
 fn transformer_with(config: &TransformerConfig, seed: u64, split: &mut Splitter<'_>) -> Result<Graph> {
     let &TransformerConfig { vocab, tokens, dim, n_heads, n_layers, classes, tied } = config;
     if tied && classes != vocab {
@@ -433,7 +444,13 @@ fn transformer_with(config: &TransformerConfig, seed: u64, split: &mut Splitter<
     let mut rng = init::rng(seed);
     let mut g = Graph::new();
     let ids = g.input("input", [tokens])?;
-    let x = g.add("embed", Embedding::new(vocab, dim, &mut rng)?, &[ids])?;
+    // A tied embedding stays whole: the head that shares its weight is whole.
+    let embed = Embedding::new(vocab, dim, &mut rng)?;
+    let embed = match tied {
+        true => Box::new(embed),
+        false => split.embedding("embed", embed)?,
+    };
+    let x = g.add_boxed("embed", embed, &[ids])?;
     let mut x = g.add("pos", PositionalEmbedding::new(tokens, dim, &mut rng)?, &[x])?;
     for block in 0..n_layers {
         let name = |part: &str| format!("blocks.{block}.{part}");

@@ -17,6 +17,8 @@
 //! * [`ParallelSelfAttention`]: multi-head self-attention split by heads (Megatron's attention
 //!   block): q/k/v column-parallel, attention local, the output projection row-parallel, one
 //!   all-reduce forward and one in `backward_input`.
+//! * [`VocabParallelEmbedding`]: an embedding table split by vocabulary rows (Megatron's), the
+//!   shards' outputs (rows of zeros for other shards' ids) all-reduced.
 //! * [`ParallelMlp`]: Megatron's pairing, column then activation then row inside one layer, so
 //!   the hidden activation stays split: one all-reduce forward and one in `backward_input`.
 //! * [`ChannelParallelConv2d`]: AlexNet's split, each device computing its share of the output
@@ -65,6 +67,7 @@ mod column;
 mod conv;
 mod conv_shard;
 mod conv_stack;
+mod embedding;
 mod exchange;
 mod group;
 mod layout;
@@ -76,6 +79,7 @@ pub use attention::ParallelSelfAttention;
 pub use column::ColumnParallelLinear;
 pub use conv::ChannelParallelConv2d;
 pub use conv_stack::{ChannelParallelConvStack, ConvStackLayer};
+pub use embedding::VocabParallelEmbedding;
 pub use group::{RankShard, Shards};
 pub use mlp::{MlpActivation, ParallelMlp};
 pub use row::RowParallelLinear;

@@ -70,16 +70,26 @@ fn ids_on_host(op: &str, ids: &Tensor) -> Result<Vec<f32>> {
     }
 }
 
-/// Each distinct index in order of first appearance, and each position's slot in that list.
-fn slots_of(indices: &[usize]) -> (Vec<usize>, Vec<usize>) {
+/// Each id's row in a table holding ids `first..first + n_rows` of a vocabulary of `vocab`
+/// (`None`: another shard's row). Every id must be an integer in `0..vocab`.
+fn shard_indices(ids: &[f32], first: usize, n_rows: usize, vocab: usize) -> Result<Vec<Option<usize>>> {
+    let rows = first..first + n_rows;
+    Ok(embedding_indices(ids, vocab)?.into_iter().map(|id| rows.contains(&id).then(|| id - first)).collect())
+}
+
+/// Each distinct index in order of first appearance, and each position's slot in that list
+/// (`None` for a position without an index here).
+fn slots_of(indices: &[Option<usize>]) -> (Vec<usize>, Vec<Option<usize>>) {
     let mut slot_of: HashMap<usize, usize> = HashMap::new();
     let mut distinct = Vec::new();
     let slots = indices
         .iter()
-        .map(|&index| {
-            *slot_of.entry(index).or_insert_with(|| {
-                distinct.push(index);
-                distinct.len() - 1
+        .map(|index| {
+            index.map(|index| {
+                *slot_of.entry(index).or_insert_with(|| {
+                    distinct.push(index);
+                    distinct.len() - 1
+                })
             })
         })
         .collect();
@@ -249,26 +259,54 @@ impl Tensor {
     /// Every id must be an integer in `0..n_rows` (`Error::Invalid` names the first that is not;
     /// on a GPU the ids are downloaded to be checked).
     pub fn embedding(&self, ids: &Tensor) -> Result<Tensor> {
+        let n_rows = self.dims().first().copied().unwrap_or(0);
+        self.embedding_shard(ids, 0, n_rows)
+    }
+
+    /// [`Tensor::embedding`] for one shard of a vocabulary-parallel table: this table holds the
+    /// rows of ids `first..first + n_rows` of a vocabulary of `vocab`; the ids of other rows give
+    /// rows of zeros (summed over the shards, the rows of the whole table). Every id must be an
+    /// integer in `0..vocab`.
+    pub fn embedding_shard(&self, ids: &Tensor, first: usize, vocab: usize) -> Result<Tensor> {
         let op = "embedding";
         let &[n_rows, dim] = self.dims() else {
             return Err(Error::shape(op, "a table [n_rows, dim]", self.shape().to_string()));
         };
+        if first + n_rows > vocab {
+            return Err(Error::invalid(
+                op,
+                format!("rows {first}..{} outside a vocabulary of {vocab}", first + n_rows),
+            ));
+        }
         let mut dims = ids.dims().to_vec();
         dims.push(dim);
         let device = ids.device();
         match device {
             Device::Cpu(_) => {
-                let indices = embedding_indices(&ids.host_f32(op)?, n_rows)?;
+                let indices = shard_indices(&ids.host_f32(op)?, first, n_rows, vocab)?;
                 let table = self.host_f32(op)?;
                 let mut output = Vec::with_capacity(indices.len() * dim);
-                for &index in &indices {
-                    output.extend_from_slice(&table[index * dim..(index + 1) * dim]);
+                for index in &indices {
+                    match index {
+                        Some(index) => output.extend_from_slice(&table[index * dim..(index + 1) * dim]),
+                        None => output.resize(output.len() + dim, 0.0),
+                    }
                 }
                 Tensor::from_vec(output, dims, device)
             }
             Device::Cuda(cuda) => {
-                let (table, id_values) = (gpu_f32(op, self, device)?, gpu_f32(op, ids, device)?);
-                embedding_indices(&ids.try_to_vec_f32()?, n_rows)?;
+                let table = gpu_f32(op, self, device)?;
+                let indices = shard_indices(&ids.try_to_vec_f32()?, first, n_rows, vocab)?;
+                // The kernel gives a row of zeros for an id outside the table: this shard's ids
+                // are uploaded shifted, other shards' as -1 (the whole table's as they are).
+                let local = match (first, n_rows == vocab) {
+                    (0, true) => ids.share(),
+                    _ => {
+                        let shifted = indices.iter().map(|i| i.map_or(-1.0, |i| i as f32)).collect();
+                        Tensor::from_vec(shifted, ids.shape().clone(), device)?
+                    }
+                };
+                let id_values = gpu_f32(op, &local, device)?;
                 let stream = cuda.thread_stream()?;
                 let mut output = cuda.alloc_zeros::<f32>(ids.numel() * dim)?;
                 stream.embedding_gather(&id_values, &table, n_rows, &mut output)?;
@@ -282,6 +320,20 @@ impl Tensor {
     /// are summed apart, in order, and then added onto that id's row (ids in order of first
     /// appearance); rows of absent ids are untouched.
     pub fn embedding_grad_accumulate(&self, ids: &Tensor, grad: &mut Tensor) -> Result<()> {
+        let n_rows = grad.dims().first().copied().unwrap_or(0);
+        self.embedding_shard_grad_accumulate(ids, 0, n_rows, grad)
+    }
+
+    /// [`Tensor::embedding_grad_accumulate`] for one shard of a vocabulary-parallel table
+    /// ([`Tensor::embedding_shard`]): the rows of this shard's ids are added, in the same order as
+    /// for the whole table, and the others skipped, so each row's sum has the whole table's bits.
+    pub fn embedding_shard_grad_accumulate(
+        &self,
+        ids: &Tensor,
+        first: usize,
+        vocab: usize,
+        grad: &mut Tensor,
+    ) -> Result<()> {
         let op = "embedding_grad_accumulate";
         let &[n_rows, dim] = grad.dims() else {
             return Err(Error::shape(op, "a gradient [n_rows, dim]", grad.shape().to_string()));
@@ -296,8 +348,17 @@ impl Tensor {
                 self.shape().to_string(),
             ));
         }
-        let indices = embedding_indices(&ids_on_host(op, ids)?, n_rows)?;
+        if first + n_rows > vocab {
+            return Err(Error::invalid(
+                op,
+                format!("rows {first}..{} outside a vocabulary of {vocab}", first + n_rows),
+            ));
+        }
+        let indices = shard_indices(&ids_on_host(op, ids)?, first, n_rows, vocab)?;
         let (distinct, slots) = slots_of(&indices);
+        if distinct.is_empty() {
+            return Ok(()); // none of this shard's rows was picked
+        }
         if let Device::Cpu(_) = grad.device() {
             let dy = self.host_f32(op)?;
             // This call's rows summed per id on their own, then added: the same bits however the
@@ -305,8 +366,10 @@ impl Tensor {
             // rather than the whole table.
             let mut part = Tensor::zeros([distinct.len(), dim], DType::F32, self.device())?;
             let sums = part.as_f32_mut()?;
-            for (&slot, row) in slots.iter().zip(dy.chunks_exact(dim)) {
-                sums[slot * dim..(slot + 1) * dim].iter_mut().zip(row).for_each(|(d, &g)| *d += g);
+            for (slot, row) in slots.iter().zip(dy.chunks_exact(dim)) {
+                if let Some(slot) = slot {
+                    sums[slot * dim..(slot + 1) * dim].iter_mut().zip(row).for_each(|(d, &g)| *d += g);
+                }
             }
             let sums = part.as_f32()?;
             return add_on_host(grad, |dst| {
@@ -321,17 +384,19 @@ impl Tensor {
         }
         // The positions of each distinct id, grouped in order (offsets into `positions`).
         let mut offsets = vec![0i64; distinct.len() + 1];
-        for &slot in &slots {
+        for &slot in slots.iter().flatten() {
             offsets[slot + 1] += 1;
         }
         for slot in 0..distinct.len() {
             offsets[slot + 1] += offsets[slot];
         }
         let mut next: Vec<i64> = offsets[..distinct.len()].to_vec();
-        let mut positions = vec![0i64; slots.len()];
-        for (position, &slot) in slots.iter().enumerate() {
-            positions[next[slot] as usize] = position as i64;
-            next[slot] += 1;
+        let mut positions = vec![0i64; slots.iter().flatten().count()];
+        for (position, slot) in slots.iter().enumerate() {
+            if let &Some(slot) = slot {
+                positions[next[slot] as usize] = position as i64;
+                next[slot] += 1;
+            }
         }
         let distinct: Vec<i64> = distinct.iter().map(|&index| index as i64).collect();
         let device = grad.device().clone();
