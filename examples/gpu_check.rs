@@ -96,7 +96,7 @@ fn batch(spec: &ModelSpec, rows: usize, seed: u64) -> Result<(Tensor, Vec<usize>
         ModelSpec::Mlp(dims) => {
             ((0..rows * per_row).map(|_| (next() % 10_000) as f32 / 5_000.0 - 1.0).collect(), dims[dims.len() - 1])
         }
-        ModelSpec::Cnn | ModelSpec::Resnet => {
+        ModelSpec::Cnn | ModelSpec::Resnet | ModelSpec::ResnetImages(_) => {
             ((0..rows * per_row).map(|_| (next() % 10_000) as f32 / 5_000.0 - 1.0).collect(), 10)
         }
     };

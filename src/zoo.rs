@@ -43,6 +43,9 @@ pub enum ModelSpec {
     Cnn,
     /// A small residual CNN for 1x8x8 images and 10 classes.
     Resnet,
+    /// The same residual CNN for 1 x SIDE x SIDE images (`resnet:SIDE`, SIDE even, 4 to 256;
+    /// MNIST-like data: `resnet:28`); `resnet:8` is [`ModelSpec::Resnet`].
+    ResnetImages(usize),
     /// A pre-norm transformer encoder classifier over token ids (see [`transformer`]).
     Transformer(TransformerConfig),
 }
@@ -152,8 +155,17 @@ impl std::str::FromStr for ModelSpec {
             }
             None if spec == "cnn" => Ok(ModelSpec::Cnn),
             None if spec == "resnet" => Ok(ModelSpec::Resnet),
+            Some(("resnet", side)) => match side.parse::<usize>() {
+                Ok(8) => Ok(ModelSpec::Resnet),
+                Ok(side) if (4..=256).contains(&side) && side.is_multiple_of(2) => Ok(ModelSpec::ResnetImages(side)),
+                _ => Err(bad(format!(
+                    "resnet:{side}: the image side must be an even integer from 4 to 256, e.g. resnet:28 for 28x28 images"
+                ))),
+            },
             None if spec == "transformer" => Ok(ModelSpec::Transformer(TransformerConfig::default())),
-            _ => Err(bad("unknown model; use mlp:D0,D1,...,Dn, cnn, resnet or transformer[:VOCAB,T,D,H,L,C]".into())),
+            _ => Err(bad(
+                "unknown model; use mlp:D0,D1,...,Dn, cnn, resnet[:SIDE] or transformer[:VOCAB,T,D,H,L,C]".into()
+            )),
         }
     }
 }
@@ -177,6 +189,7 @@ impl ModelSpec {
             ModelSpec::Mlp(dims) => mlp(dims, seed),
             ModelSpec::Cnn => cnn(seed),
             ModelSpec::Resnet => resnet(seed),
+            ModelSpec::ResnetImages(side) => resnet_with(seed, *side, &mut Splitter::new(&TensorParallelSplits::new())),
             ModelSpec::Transformer(config) => transformer(config, seed),
         }
     }
@@ -197,7 +210,8 @@ impl ModelSpec {
         match self {
             ModelSpec::Mlp(dims) => mlp_with(dims, seed, &mut splitter),
             ModelSpec::Cnn => cnn_with(seed, &mut splitter),
-            ModelSpec::Resnet => resnet_with(seed, &mut splitter),
+            ModelSpec::Resnet => resnet_with(seed, 8, &mut splitter),
+            ModelSpec::ResnetImages(side) => resnet_with(seed, *side, &mut splitter),
             ModelSpec::Transformer(config) => transformer_with(config, seed, &mut splitter),
         }
     }
@@ -207,6 +221,7 @@ impl ModelSpec {
         match self {
             ModelSpec::Mlp(dims) => vec![dims[0]],
             ModelSpec::Cnn | ModelSpec::Resnet => vec![1, 8, 8],
+            ModelSpec::ResnetImages(side) => vec![1, *side, *side],
             ModelSpec::Transformer(config) => vec![config.tokens],
         }
     }
@@ -376,13 +391,14 @@ fn cnn_with(seed: u64, split: &mut Splitter<'_>) -> Result<Graph> {
 /// A small residual network: a stem conv, two residual blocks (conv relu conv + skip), pooling
 /// and a classifier. The skip connections are graph edges that may cross stages.
 pub fn resnet(seed: u64) -> Result<Graph> {
-    resnet_with(seed, &mut Splitter::new(&TensorParallelSplits::new()))
+    resnet_with(seed, 8, &mut Splitter::new(&TensorParallelSplits::new()))
 }
 
-fn resnet_with(seed: u64, split: &mut Splitter<'_>) -> Result<Graph> {
+/// [`resnet`] for `1 x side x side` images (`side` even): the classifier takes `8 x (side/2)²`.
+fn resnet_with(seed: u64, side: usize, split: &mut Splitter<'_>) -> Result<Graph> {
     let mut rng = init::rng(seed);
     let mut g = Graph::new();
-    let x = g.input("input", [1, 8, 8])?;
+    let x = g.input("input", [1, side, side])?;
     let stem = g.add_boxed("stem", split.conv3x3("stem", 1, 8, &mut rng)?, &[x])?;
     let mut x = g.add("stem_relu", Relu::new(), &[stem])?;
     for block in 1..=2 {
@@ -396,7 +412,8 @@ fn resnet_with(seed: u64, split: &mut Splitter<'_>) -> Result<Graph> {
     }
     let x = g.add("pool", MaxPool2d::new((2, 2), (2, 2))?, &[x])?;
     let x = g.add("flatten", Flatten::new(), &[x])?;
-    let x = g.add_boxed("fc", split.linear("fc", 8 * 4 * 4, 10, &mut rng)?, &[x])?;
+    let pooled = side / 2;
+    let x = g.add_boxed("fc", split.linear("fc", 8 * pooled * pooled, 10, &mut rng)?, &[x])?;
     g.set_output(x)?;
     Ok(g)
 }

@@ -20,7 +20,7 @@ pub struct PlanFlags {
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// Model: `mlp:D0,D1,...,Dn` (Linear/ReLU stack), `cnn` (LeNet-like, 1x8x8 inputs), `resnet`
-    /// or `transformer[:VOCAB,T,D,H,L,C]`. Required unless --config names one.
+    /// (`resnet:SIDE` for SIDE x SIDE images) or `transformer[:VOCAB,T,D,H,L,C]`. Required unless --config names one.
     #[arg(long)]
     pub model: Option<String>,
     /// Devices: `cpu:N` for N CPU devices, or `cuda:0,1` for GPUs. Required unless --config is given.

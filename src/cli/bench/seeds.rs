@@ -1,8 +1,10 @@
 //! The `seeds` suite, the figures the studies behind Conveyor started from:
 //! 1. per device (the CPU always; each GPU of `--devices` when present): a matrix product, a
 //!    convolution, and one training step of every zoo model in f32 and bf16;
-//! 2. the zoo's ResNet trained on the shipped digits for a few epochs on 1 device, a 2-stage
-//!    pipeline and 2 data-parallel replicas: test accuracy against training time, one line each,
+//! 2. the zoo's ResNet trained on a real image set on 1 device, a 2-stage pipeline and 2
+//!    data-parallel replicas: Fashion-MNIST (28x28, 60,000 training images, `resnet:28`) when
+//!    Debian's `dataset-fashion-mnist` is installed (read from its IDX files by the MNIST reader),
+//!    else the shipped 8x8 digits; test accuracy against training time, one line each,
 //!    and each step's time split into phases (data, forward, backward, optimizer, communication,
 //!    idle) from the step's own timeline;
 //! 3. energy per step and per sample where the CPU's RAPL counters can be read.
@@ -144,6 +146,39 @@ fn covered(mut spans: Vec<(f64, f64)>) -> f64 {
     total
 }
 
+/// Where Debian's `dataset-fashion-mnist` puts the IDX files.
+const FASHION_MNIST: &str = "/usr/share/datasets/fashion-mnist";
+
+/// The image set of part 2: the model, the data source, its name, and how long to train
+/// (epochs, or steps when set) and evaluate (test-set evaluations along the run).
+struct ImageSet {
+    model: &'static str,
+    data: String,
+    name: &'static str,
+    epochs: u64,
+    steps: Option<u64>,
+    evaluations: u64,
+}
+
+/// Fashion-MNIST when installed (quick: 400 steps of 64 images; else one epoch), else the digits
+/// (quick: 15 epochs; else 40).
+fn image_set(quick: bool) -> ImageSet {
+    let fashion = std::path::Path::new(FASHION_MNIST).join("train-images-idx3-ubyte.gz");
+    if fashion.is_file() {
+        let steps = quick.then_some(400);
+        return ImageSet {
+            model: "resnet:28",
+            data: FASHION_MNIST.into(),
+            name: "Fashion-MNIST",
+            epochs: 1,
+            steps,
+            evaluations: 5,
+        };
+    }
+    let epochs = if quick { 15 } else { 40 };
+    ImageSet { model: "resnet", data: "digits".into(), name: "the digits", epochs, steps: None, evaluations: epochs }
+}
+
 /// One training configuration of part 2.
 struct Config {
     label: &'static str,
@@ -171,14 +206,15 @@ struct Trained {
     within_2_percent: bool,
 }
 
-/// Trains the ResNet on the digits under `config` for `epochs`, evaluating after each epoch.
-fn train(bench: &mut Bench, config: &Config, epochs: u64) -> anyhow::Result<Trained> {
-    let mut spec = spec("resnet", "digits", config.devices, Precision::F32, None);
-    spec.training.epochs = epochs;
+/// Trains the ResNet on `set` under `config`, evaluating on the test split `set.evaluations`
+/// times along the run.
+fn train(bench: &mut Bench, config: &Config, set: &ImageSet) -> anyhow::Result<Trained> {
+    let mut spec = spec(set.model, &set.data, config.devices, Precision::F32, set.steps);
+    spec.training.epochs = set.epochs;
     spec.pipeline.data_parallel = config.data_parallel;
     spec.pipeline.microbatches = config.microbatches;
     let mut run = spec.prepare()?;
-    let test = run.test.clone().ok_or_else(|| anyhow::anyhow!("the digits came without a test split"))?;
+    let test = run.test.clone().ok_or_else(|| anyhow::anyhow!("{} came without a test split", set.name))?;
     let batch = run.spec.training.batch;
     let chunk_micro_batches = config.data_parallel * config.microbatches;
     let mut trained_s = 0.0;
@@ -201,9 +237,9 @@ fn train(bench: &mut Bench, config: &Config, epochs: u64) -> anyhow::Result<Trai
             *sum += value;
         }
         step_sum += wall_s;
-        if (step + 1) % run.steps_per_epoch == 0 || step + 1 == run.total_steps {
-            let epoch = run.epoch(step) + 1;
-            bench.progress(&format!("seeds: ResNet, {}, epoch {epoch}/{epochs}", config.label));
+        let every = run.total_steps.div_ceil(set.evaluations.max(1)).max(1);
+        if (step + 1) % every == 0 || step + 1 == run.total_steps {
+            bench.progress(&format!("seeds: ResNet, {}, step {}/{}", config.label, step + 1, run.total_steps));
             let acc = accuracy(&mut run.trainer, &test, batch, chunk_micro_batches, || Ok(false))?.unwrap_or(f64::NAN);
             curve.push((trained_s, 100.0 * acc));
         }
@@ -295,16 +331,20 @@ pub fn run(bench: &mut Bench) -> anyhow::Result<(Value, Section)> {
         }));
     }
 
-    // Part 2: the ResNet on the digits, three ways.
-    let epochs = if quick { 15 } else { 40 };
+    // Part 2: the ResNet on a real image set, three ways.
+    let set = image_set(quick);
+    let length = match set.steps {
+        Some(steps) => format!("{steps} steps"),
+        None => format!("{} epochs", set.epochs),
+    };
     let mut lines = Vec::new();
     let mut phase_rows = Vec::new();
     let mut phase_series: Vec<(String, Vec<Option<f64>>)> = Vec::new();
     let mut configs_json = Vec::new();
     let mut energy_rows = Vec::new();
     for config in &CONFIGS {
-        bench.progress(&format!("seeds: ResNet on the digits, {}, {epochs} epochs", config.label));
-        let trained = train(bench, config, epochs)?;
+        bench.progress(&format!("seeds: ResNet on {}, {}, {length}", set.name, config.label));
+        let trained = train(bench, config, &set)?;
         lines.push((config.label.to_string(), trained.curve.clone()));
         let mut row = vec![config.label.to_string(), figure(1e3 * trained.step_mean_s)];
         row.extend(trained.phase_means.iter().map(|s| figure(1e3 * s)));
@@ -322,7 +362,7 @@ pub fn run(bench: &mut Bench) -> anyhow::Result<(Value, Section)> {
             PHASES.iter().zip(trained.phase_means).map(|(name, s)| (format!("{name}_s"), s.into())).collect();
         configs_json.push(json!({
             "config": config.label, "devices": config.devices, "data_parallel": config.data_parallel,
-            "micro_batches": config.microbatches, "epochs": epochs, "steps": trained.steps, "samples": trained.samples,
+            "micro_batches": config.microbatches, "model": set.model, "data": set.data, "steps": trained.steps, "samples": trained.samples,
             "accuracy_curve": trained.curve.iter().map(|(t, a)| json!({"train_s": t, "test_accuracy_percent": a})).collect::<Vec<_>>(),
             "mean_step_s": trained.step_mean_s, "phases_per_step": phases,
             "named_phases_within_2_percent_of_step": trained.within_2_percent,
@@ -375,7 +415,7 @@ pub fn run(bench: &mut Bench) -> anyhow::Result<(Value, Section)> {
             body: ChartBody::Bars { categories: step_categories, series: step_series },
         },
         Chart {
-            title: format!("ResNet on the digits: test accuracy over training time ({epochs} epochs)"),
+            title: format!("ResNet on {}: test accuracy over training time ({length})", set.name),
             x_label: "training time (s, evaluation excluded)".into(),
             y_label: "test accuracy (%)".into(),
             body: ChartBody::Lines { series: lines },
@@ -399,6 +439,6 @@ pub fn run(bench: &mut Bench) -> anyhow::Result<(Value, Section)> {
             rows: energy_rows,
         });
     }
-    let json = json!({ "devices": device_rows, "resnet_digits": configs_json });
+    let json = json!({ "devices": device_rows, "resnet": { "data_set": set.name, "runs": configs_json } });
     Ok((json, Section { title: "seeds: devices, zoo models, ResNet training, energy".into(), notes, charts, tables }))
 }

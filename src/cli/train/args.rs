@@ -24,8 +24,8 @@ pub struct TrainArgs {
     /// validated) and exit without training; `--config` reads it back.
     #[arg(long)]
     pub print_config: bool,
-    /// Model: `mlp:D0,D1,...,Dn` (Linear/ReLU stack), `cnn` (LeNet-like, 1x8x8 inputs), `resnet` or
-    /// `transformer[:VOCAB,T,D,H,L,C]`. Default: the checkpoint's model with --resume, `cnn` for
+    /// Model: `mlp:D0,D1,...,Dn` (Linear/ReLU stack), `cnn` (LeNet-like, 1x8x8 inputs), `resnet`
+    /// (1x8x8; `resnet:28` for 28x28 images such as MNIST) or `transformer[:VOCAB,T,D,H,L,C]`. Default: the checkpoint's model with --resume, `cnn` for
     /// 1x8x8 images, else `mlp:D,128,128,C` over the flattened inputs.
     #[arg(long)]
     pub model: Option<String>,
