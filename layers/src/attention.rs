@@ -313,6 +313,34 @@ impl MultiheadSelfAttention {
     }
 }
 
+/// The per-sample output shape of self-attention of width `embed_dim`: its input's, `[tokens,
+/// embed_dim]` (shared with the head-split layer, `kind` naming the caller in errors).
+pub(crate) fn self_attention_output_shape(kind: &str, input_shapes: &[Shape], embed_dim: usize) -> Result<Shape> {
+    let shape = &expect_shapes(kind, input_shapes, 1)?[0];
+    match shape.dims() {
+        &[tokens, d] if d == embed_dim && tokens > 0 => Ok(shape.clone()),
+        _ => Err(Error::shape(
+            kind,
+            format!("a per-sample shape [tokens, {embed_dim}] with tokens >= 1"),
+            shape.to_string(),
+        )),
+    }
+}
+
+/// FLOPs per sample of self-attention over `t` tokens of width `d` with `h` heads, all heads
+/// together: (forward, input-gradient call, weight-gradient call).
+pub(crate) fn self_attention_flops(t: u64, d: u64, h: u64) -> (u64, u64, u64) {
+    // Projections: in_proj 2·T·D·3D (+ 3TD bias), out_proj 2·T·D·D (+ TD bias).
+    // Attention: q kᵀ and P v are 2·T²·D each over all heads; scale, mask and softmax ≈ 5 per score.
+    let projections = 8 * t * d * d + 4 * t * d;
+    let attention = 4 * t * t * d + 5 * h * t * t;
+    // The backward chain, run once by whichever backward call comes first (the runtime's order
+    // puts it in backward_input): dctx (2TD²); S recomputed, dP, dV, dQ, dK (2T²D each); exp and
+    // dS ≈ 8 per score.
+    let chain = 2 * t * d * d + 10 * t * t * d + 8 * h * t * t;
+    (projections + attention, chain + 6 * t * d * d, 8 * t * d * d + 4 * t * d)
+}
+
 fn check_heads(embed_dim: usize, n_heads: usize) -> Result<()> {
     if embed_dim == 0 || n_heads == 0 || !embed_dim.is_multiple_of(n_heads) {
         return Err(Error::invalid(
@@ -331,15 +359,7 @@ impl Layer for MultiheadSelfAttention {
     }
 
     fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape> {
-        let shape = &expect_shapes(KIND, input_shapes, 1)?[0];
-        match shape.dims() {
-            &[tokens, embed_dim] if embed_dim == self.embed_dim && tokens > 0 => Ok(shape.clone()),
-            _ => Err(Error::shape(
-                KIND,
-                format!("a per-sample shape [tokens, {}] with tokens >= 1", self.embed_dim),
-                shape.to_string(),
-            )),
-        }
+        self_attention_output_shape(KIND, input_shapes, self.embed_dim)
     }
 
     fn parameters(&self) -> &[Parameter] {
@@ -410,22 +430,15 @@ impl Layer for MultiheadSelfAttention {
 
     fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {
         let output = self.output_shape(input_shapes)?;
-        let (t, d, h) = (output.dims()[0] as u64, self.embed_dim as u64, self.n_heads as u64);
-        // Projections: in_proj 2·T·D·3D (+ 3TD bias), out_proj 2·T·D·D (+ TD bias).
-        // Attention: q kᵀ and P v are 2·T²·D each over all heads; scale, mask and softmax ≈ 5 per score.
-        let projections = 8 * t * d * d + 4 * t * d;
-        let attention = 4 * t * t * d + 5 * h * t * t;
-        // The backward chain, run once by whichever backward call comes first (the runtime's
-        // order puts it in backward_input): dctx (2TD²); S recomputed, dP, dV, dQ, dK (2T²D
-        // each); exp and dS ≈ 8 per score.
-        let chain = 2 * t * d * d + 10 * t * t * d + 8 * h * t * t;
+        let (t, h) = (output.dims()[0] as u64, self.n_heads as u64);
+        let (forward, backward_input, backward_weight) = self_attention_flops(t, self.embed_dim as u64, h);
         let param_count: usize = self.params.iter().map(|p| p.value.numel()).sum();
         let numel = output.numel();
         Ok(LayerCost {
             workspace_bytes: 0,
-            forward_flops_per_sample: projections + attention,
-            backward_input_flops_per_sample: chain + 6 * t * d * d,
-            backward_weight_flops_per_sample: 8 * t * d * d + 4 * t * d,
+            forward_flops_per_sample: forward,
+            backward_input_flops_per_sample: backward_input,
+            backward_weight_flops_per_sample: backward_weight,
             param_bytes: f32_bytes(param_count),
             // input, q/k/v, the logsumexp [H, T] and the concatenated heads.
             activation_bytes_per_sample: f32_bytes(5 * numel + (h * t) as usize),

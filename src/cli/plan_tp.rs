@@ -41,7 +41,7 @@ pub(super) fn run(
             args.data_parallel
         )));
     }
-    if devices.len() % k != 0 {
+    if !devices.len().is_multiple_of(k) {
         return Err(usage(format!(
             "--tensor-parallel {k}: the {} devices of --devices {} do not split into groups of {k}; give stages x {k} \
              devices",

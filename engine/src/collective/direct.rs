@@ -294,7 +294,7 @@ pub(super) fn scatter(
     parts: &Partition,
 ) -> Result<Option<usize>> {
     let rank = ctx.rank;
-    let published = (rank == root).then(|| (send.as_ptr() as usize, send.len()));
+    let published = (rank == root).then_some((send.as_ptr() as usize, send.len()));
     let slots = ctx.arrive_and_wait(1, published, true).map_err(|e| ctx.leave(e))?;
     let reading = Reading(ctx.board);
     // The root checked its `send` against `parts` before publishing; a rank that passed another

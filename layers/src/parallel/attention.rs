@@ -33,7 +33,8 @@ use super::group::{ShardGroup, Shards};
 use super::layout::column_block;
 use super::{gather_rows, linear_shard, load_shard, shard_rows, unsplit_columns};
 use crate::MultiheadSelfAttention;
-use crate::tensor_io::{check_grad_shape, check_param_grads, expect_inputs, expect_shapes, f32_bytes, into_dtype};
+use crate::attention::{self_attention_flops, self_attention_output_shape};
+use crate::tensor_io::{check_grad_shape, check_param_grads, expect_inputs, f32_bytes, into_dtype};
 
 const KIND: &str = "ParallelSelfAttention";
 
@@ -399,15 +400,7 @@ impl Layer for ParallelSelfAttention {
     }
 
     fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape> {
-        let shape = &expect_shapes(KIND, input_shapes, 1)?[0];
-        match shape.dims() {
-            &[tokens, d] if d == self.embed_dim && tokens > 0 => Ok(shape.clone()),
-            _ => Err(Error::shape(
-                KIND,
-                format!("a per-sample shape [tokens, {}] with tokens >= 1", self.embed_dim),
-                shape.to_string(),
-            )),
-        }
+        self_attention_output_shape(KIND, input_shapes, self.embed_dim)
     }
 
     fn parameters(&self) -> &[Parameter] {
@@ -517,19 +510,17 @@ impl Layer for ParallelSelfAttention {
 
     fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {
         let output = self.output_shape(input_shapes)?;
-        let (t, d, h) = (output.dims()[0] as u64, self.embed_dim as u64, self.n_heads as u64);
+        let (t, h) = (output.dims()[0] as u64, self.n_heads as u64);
         let k = self.group.k();
-        // The unsplit layer's FLOPs (see `MultiheadSelfAttention::cost`), summed over the shards.
-        let projections = 8 * t * d * d + 4 * t * d;
-        let attention = 4 * t * t * d + 5 * h * t * t;
-        let chain = 2 * t * d * d + 10 * t * t * d + 8 * h * t * t;
+        // The unsplit layer's FLOPs, summed over the shards.
+        let (forward, backward_input, backward_weight) = self_attention_flops(t, self.embed_dim as u64, h);
         let param_count = 4 * self.embed_dim * self.embed_dim + 4 * self.embed_dim;
         let numel = output.numel();
         Ok(LayerCost {
             workspace_bytes: 0,
-            forward_flops_per_sample: projections + attention,
-            backward_input_flops_per_sample: chain + 6 * t * d * d,
-            backward_weight_flops_per_sample: 8 * t * d * d + 4 * t * d,
+            forward_flops_per_sample: forward,
+            backward_input_flops_per_sample: backward_input,
+            backward_weight_flops_per_sample: backward_weight,
             param_bytes: f32_bytes(param_count),
             // Every shard's input copy, and q/k/v, the logsumexp and the context over all shards.
             activation_bytes_per_sample: f32_bytes(k * numel + 4 * numel + (h * t) as usize),
