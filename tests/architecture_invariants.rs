@@ -346,7 +346,7 @@ struct LockSite {
     departure: bool,
 }
 
-const LOCKS: [LockSite; 17] = [
+const LOCKS: [LockSite; 18] = [
     LockSite {
         path: "engine/src/collective/direct.rs",
         item: "*",
@@ -433,6 +433,14 @@ const LOCKS: [LockSite; 17] = [
         path: "engine/src/device/memory.rs",
         item: "lock_threads",
         why: "takes the tally lock above (planning only)",
+        departure: false,
+    },
+    LockSite {
+        path: "layers/src/parallel/attention.rs",
+        item: "*",
+        why: "the head-split attention's slot for ∂L/∂qkv between its two backward calls, taken only on the \
+              calling pipeline worker's thread (a Mutex rather than MultiheadSelfAttention's RefCell because the \
+              layer is shared with its shard threads): never contended",
         departure: false,
     },
     LockSite {
