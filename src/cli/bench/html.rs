@@ -244,23 +244,15 @@ pub fn chart_table(chart: &Chart) -> Table {
                 })
                 .collect(),
         },
-        ChartBody::Lines { series } => {
-            // One row per point index, one column per series: "y at x".
-            let n_points = series.iter().map(|(_, points)| points.len()).max().unwrap_or(0);
-            Table {
-                caption: format!("{}: {} at {}", chart.title, chart.y_label, chart.x_label),
-                header: std::iter::once("point".to_string()).chain(series.iter().map(|(n, _)| n.clone())).collect(),
-                rows: (0..n_points)
-                    .map(|i| {
-                        std::iter::once(i.to_string())
-                            .chain(series.iter().map(|(_, points)| {
-                                points.get(i).map_or("–".into(), |&(x, y)| format!("{} at {}", figure(y), figure(x)))
-                            }))
-                            .collect()
-                    })
-                    .collect(),
-            }
-        }
+        ChartBody::Lines { series } => Table {
+            // One row per point: its series, then x and y with their units.
+            caption: chart.title.clone(),
+            header: vec!["series".to_string(), chart.x_label.clone(), chart.y_label.clone()],
+            rows: series
+                .iter()
+                .flat_map(|(name, points)| points.iter().map(move |&(x, y)| vec![name.clone(), figure(x), figure(y)]))
+                .collect(),
+        },
     }
 }
 
