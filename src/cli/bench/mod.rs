@@ -148,21 +148,41 @@ fn prepare_out(dir: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
     Ok((json_path, html_path))
 }
 
-/// What the suites share: the options, the energy meter, the devices and the progress line.
+/// What the suites share: the options, the energy meter, the devices and the progress display.
 pub struct Bench {
     pub quick: bool,
     pub energy: EnergyMeter,
     pub devices: Vec<Device>,
     started: Instant,
     items: usize,
+    /// A bar over the suites on stderr with the item being measured, drawn only when stderr is a
+    /// terminal; hidden otherwise (logs, CI), where each item gets a line instead.
+    bar: indicatif::ProgressBar,
 }
 
 impl Bench {
-    /// Prints a progress line on stderr for the item about to be measured.
+    /// Shows the item about to be measured: on the bar, or as a line on stderr when the bar is
+    /// hidden.
     pub fn progress(&mut self, item: &str) {
         self.items += 1;
-        errln!("bench [{:>3}] {:>6.1} s  {item}", self.items, self.started.elapsed().as_secs_f64());
+        if self.bar.is_hidden() {
+            errln!("bench [{:>3}] {:>6.1} s  {item}", self.items, self.started.elapsed().as_secs_f64());
+        } else {
+            self.bar.set_message(format!("[{}] {item}", self.items));
+        }
     }
+}
+
+/// The bar over `n_suites` suites on stderr (hidden unless stderr is a terminal).
+fn suite_bar(n_suites: usize) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::with_draw_target(Some(n_suites as u64), indicatif::ProgressDrawTarget::stderr());
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "bench {elapsed_precise} [{bar:24.cyan/dim}] {pos}/{len} suites  {wide_msg}",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    bar
 }
 
 /// Runs `conveyor bench`.
@@ -172,8 +192,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let devices = parse_devices(&args.devices, &gpu_names)?;
     let (json_path, html_path) = prepare_out(&args.out)?;
 
+    let bar = suite_bar(suites.len());
     let mut bench =
-        Bench { quick: args.quick, energy: EnergyMeter::open(), devices, started: Instant::now(), items: 0 };
+        Bench { quick: args.quick, energy: EnergyMeter::open(), devices, started: Instant::now(), items: 0, bar };
     let nvml = if gpu_names.is_empty() {
         "not read: no NVIDIA GPU found, and NVML is not loaded by this build".to_string()
     } else {
@@ -204,7 +225,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         };
         report["suites"][suite.name()] = json;
         sections.push(section);
+        bench.bar.inc(1);
     }
+    bench.bar.finish_and_clear();
     report["elapsed_s"] = bench.started.elapsed().as_secs_f64().into();
     report["machine"]["load_average_at_end"] = json!(machine::load_average());
 
