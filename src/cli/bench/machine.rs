@@ -197,6 +197,62 @@ impl EnergyMeter {
     }
 }
 
+/// NVIDIA GPUs' energy counters through NVML (`nvml-wrapper`, which loads `libnvidia-ml` at run
+/// time): millijoules since the driver loaded, per GPU, read before and after each item on a GPU.
+pub enum GpuEnergyMeter {
+    /// NVML loaded; the GPUs it sees by index, with their names.
+    Nvml(Box<nvml_wrapper::Nvml>, Vec<String>),
+    /// No reading possible, and why.
+    Unavailable(String),
+}
+
+impl GpuEnergyMeter {
+    /// Loads NVML and lists its GPUs; unavailable (with NVML's reason) when the library or a GPU
+    /// is missing.
+    pub fn open() -> GpuEnergyMeter {
+        let nvml = match nvml_wrapper::Nvml::init() {
+            Ok(nvml) => nvml,
+            Err(e) => {
+                return GpuEnergyMeter::Unavailable(format!("NVML could not be loaded ({e}): no NVIDIA driver here"));
+            }
+        };
+        let count = match nvml.device_count() {
+            Ok(0) => return GpuEnergyMeter::Unavailable("NVML loaded but sees no GPU".into()),
+            Ok(count) => count,
+            Err(e) => return GpuEnergyMeter::Unavailable(format!("NVML loaded but cannot count the GPUs ({e})")),
+        };
+        let names = (0..count)
+            .map(|i| nvml.device_by_index(i).and_then(|d| d.name()).unwrap_or_else(|e| format!("GPU {i} ({e})")))
+            .collect();
+        GpuEnergyMeter::Nvml(Box::new(nvml), names)
+    }
+
+    /// The meter as the report's `energy.gpu_nvml` object.
+    pub fn describe(&self) -> Value {
+        match self {
+            GpuEnergyMeter::Nvml(_, names) => json!({
+                "available": true,
+                "gpus": names,
+                "note": "nvmlDeviceGetTotalEnergyConsumption read before and after each item on a GPU",
+            }),
+            GpuEnergyMeter::Unavailable(reason) => json!({ "available": false, "reason": reason }),
+        }
+    }
+
+    /// GPU `index`'s counter in millijoules, if it can be read. NVML numbers GPUs by PCI bus, as
+    /// CUDA does under `CUDA_DEVICE_ORDER=PCI_BUS_ID`; with CUDA's default order (fastest first)
+    /// on a machine of mixed GPUs the indices may name different cards.
+    pub fn read_mj(&self, index: usize) -> Option<u64> {
+        let GpuEnergyMeter::Nvml(nvml, _) = self else { return None };
+        nvml.device_by_index(u32::try_from(index).ok()?).and_then(|d| d.total_energy_consumption()).ok()
+    }
+
+    /// Joules GPU `index` used since its counter read `start_mj`; `None` without a reading.
+    pub fn joules_since(&self, index: usize, start_mj: Option<u64>) -> Option<f64> {
+        Some(self.read_mj(index)?.checked_sub(start_mj?)? as f64 * 1e-3)
+    }
+}
+
 fn read_u64(path: &Path) -> Option<u64> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
@@ -220,6 +276,19 @@ pub fn energy_json(joules: &Option<Vec<(String, f64)>>) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn without_an_nvidia_driver_gpu_energy_is_unavailable_with_the_reason_and_no_figure() {
+        let meter = GpuEnergyMeter::open();
+        if let GpuEnergyMeter::Unavailable(reason) = &meter {
+            assert!(reason.contains("NVML"), "{reason}");
+            assert_eq!(meter.describe()["available"], false);
+            assert_eq!(meter.read_mj(0), None);
+            assert_eq!(meter.joules_since(0, Some(0)), None);
+        } else {
+            println!("NVML is here: {}", meter.describe());
+        }
+    }
 
     #[test]
     fn a_missing_powercap_is_unavailable_with_the_reason() {

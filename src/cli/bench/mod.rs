@@ -152,6 +152,8 @@ fn prepare_out(dir: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
 pub struct Bench {
     pub quick: bool,
     pub energy: EnergyMeter,
+    /// NVIDIA GPUs' energy (NVML).
+    pub gpu_energy: machine::GpuEnergyMeter,
     pub devices: Vec<Device>,
     started: Instant,
     items: usize,
@@ -193,12 +195,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let (json_path, html_path) = prepare_out(&args.out)?;
 
     let bar = suite_bar(suites.len());
-    let mut bench =
-        Bench { quick: args.quick, energy: EnergyMeter::open(), devices, started: Instant::now(), items: 0, bar };
-    let nvml = if gpu_names.is_empty() {
-        "not read: no NVIDIA GPU found, and NVML is not loaded by this build".to_string()
-    } else {
-        "not read: NVML support (nvml-wrapper) is not in this build yet".to_string()
+    let mut bench = Bench {
+        quick: args.quick,
+        energy: EnergyMeter::open(),
+        gpu_energy: machine::GpuEnergyMeter::open(),
+        devices,
+        started: Instant::now(),
+        items: 0,
+        bar,
     };
     let mut report = json!({
         "report": "conveyor bench",
@@ -207,7 +211,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         "devices": bench.devices.iter().map(ToString::to_string).collect::<Vec<_>>(),
         "build": machine::build_info(),
         "machine": machine::machine_info(&gpu_names, &gpu_note),
-        "energy": { "cpu_rapl": bench.energy.describe(), "gpu_nvml": { "available": false, "reason": nvml } },
+        "energy": { "cpu_rapl": bench.energy.describe(), "gpu_nvml": bench.gpu_energy.describe() },
         "started_unix_s": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
         "suites": {},
     });
@@ -255,6 +259,12 @@ fn meta_tables(report: &Value) -> Vec<Table> {
     let machine = &report["machine"];
     let build = &report["build"];
     let rapl = &report["energy"]["cpu_rapl"];
+    let nvml = &report["energy"]["gpu_nvml"];
+    let gpu_energy_text = if nvml["available"].as_bool() == Some(true) {
+        format!("NVML: {}", text(&nvml["gpus"]))
+    } else {
+        format!("unavailable: {}", text(&nvml["reason"]))
+    };
     let rapl_text = if rapl["available"].as_bool() == Some(true) {
         format!("RAPL zones {}", text(&rapl["zones"]))
     } else {
@@ -292,7 +302,7 @@ fn meta_tables(report: &Value) -> Vec<Table> {
                 ],
                 vec!["run time".into(), format!("{:.1} s", report["elapsed_s"].as_f64().unwrap_or(f64::NAN))],
                 vec!["CPU energy".into(), rapl_text],
-                vec!["GPU energy".into(), text(&report["energy"]["gpu_nvml"]["reason"])],
+                vec!["GPU energy".into(), gpu_energy_text],
             ],
         },
     ]

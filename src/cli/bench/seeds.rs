@@ -7,7 +7,8 @@
 //!    else the shipped 8x8 digits; test accuracy against training time, one line each,
 //!    and each step's time split into phases (data, forward, backward, optimizer, communication,
 //!    idle) from the step's own timeline;
-//! 3. energy per step and per sample where the CPU's RAPL counters can be read.
+//! 3. energy per step and per sample where the CPU's RAPL counters can be read, and each GPU
+//!    step's joules from NVML where a GPU is measured.
 use std::time::Instant;
 
 use conveyor::RunSpec;
@@ -300,8 +301,15 @@ pub fn run(bench: &mut Bench) -> anyhow::Result<(Value, Section)> {
             for precision in [Precision::F32, Precision::Bf16] {
                 bench.progress(&format!("seeds: one {name} training step on {label}, {precision}"));
                 let energy = bench.energy.start();
+                let gpu_index = match device {
+                    Device::Cuda(cuda) => Some(cuda.ordinal()),
+                    Device::Cpu(_) => None,
+                };
+                let gpu_start = gpu_index.map(|i| bench.gpu_energy.read_mj(i));
                 let seconds = step_on(device, model, data, precision, quick);
                 let joules = bench.energy.joules_since(&energy);
+                let gpu_joules =
+                    gpu_index.zip(gpu_start).and_then(|(i, start)| bench.gpu_energy.joules_since(i, start));
                 if step_categories.len() < MODELS.len() * 2 {
                     step_categories.push(format!("{name} {precision}"));
                 }
@@ -311,6 +319,9 @@ pub fn run(bench: &mut Bench) -> anyhow::Result<(Value, Section)> {
                         values.push(Some(1e3 * seconds));
                         row["median_step_s"] = seconds.into();
                         row["energy_of_all_steps"] = super::machine::energy_json(&joules);
+                        if let Some(gpu_joules) = gpu_joules {
+                            row["gpu_joules_of_all_steps"] = gpu_joules.into();
+                        }
                     }
                     Err(e) => {
                         values.push(None);
