@@ -359,7 +359,7 @@ pub fn run(bench: &mut Bench) -> anyhow::Result<(Value, Section)> {
     let set = image_set(quick);
     let length = match set.steps {
         Some(steps) => format!("{steps} steps"),
-        None => format!("{} epochs", set.epochs),
+        None => format!("{} epoch{}", set.epochs, if set.epochs == 1 { "" } else { "s" }),
     };
     let mut lines = Vec::new();
     let mut phase_rows = Vec::new();
