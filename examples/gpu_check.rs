@@ -21,6 +21,10 @@
 //! `scripts/gpu_check_torch.py` writes them) PyTorch's step time for the same model, batch and
 //! device is printed beside Conveyor's.
 //!
+//! Each model also trains tensor-parallel and in two data-parallel replicas (`cpu:0,cpu:1 tp2`,
+//! `cpu:0,cpu:1 dp2`; on the first GPU `cuda:0x2 tp2` and `dp2`: two logical devices, one stage,
+//! and `cuda:0x4 tp2`: two stages of two), held to the same f32 tolerance and plan.
+//!
 //! Run: `cargo run --release --features cuda --example gpu_check -- [--steps N] [--batch N]
 //! [--torch FILE] [MODEL ...]`; exit status 1 when any GPU row fails its tolerance or cannot train, unless
 //! `--allow-missing-layers` (which reports a row whose layer has no GPU path instead of failing
@@ -33,10 +37,11 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Parser;
 use conveyor::engine::optim::{OptimizerConfig, SgdConfig};
-use conveyor::engine::placement::Placement;
-use conveyor::engine::runtime::Trainer;
+use conveyor::engine::placement::{Placement, Plan};
+use conveyor::engine::runtime::{Recompute, Trainer};
 use conveyor::engine::{CudaDevice, Device, Precision, Tensor};
 use conveyor::layers::CrossEntropyLoss;
+use conveyor::pipeline::{DataParallel, PipelineConfig, build_trainer_replicated};
 use conveyor::schedules::ScheduleKind;
 use conveyor::zoo::ModelSpec;
 
@@ -125,16 +130,57 @@ fn train(spec: &ModelSpec, devices: Vec<Device>, args: &Args, precision: Precisi
     // Two micro-batches for every run, one device or two: Dropout draws one mask per
     // micro-batch, so runs compare only at the same micro-batch count.
     let micro_batches = 2;
-    let mut trainer = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
+    let trainer = Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
         .devices(devices)
         .schedule(ScheduleKind::OneFOneB, 1)
         .micro_batches(micro_batches)
         .batch_rows(args.batch)
         .placement(Placement::Manual(stages))
-        .optimizer(OptimizerConfig::Sgd(SgdConfig::new(0.05).with_momentum(0.9)))
+        .optimizer(optimizer())
         .precision(precision)
         .seed(11)
         .build()?;
+    steps(trainer, None, spec, args, n_devices)
+}
+
+/// The optimizer of every run.
+fn optimizer() -> OptimizerConfig {
+    OptimizerConfig::Sgd(SgdConfig::new(0.05).with_momentum(0.9))
+}
+
+/// Trains `spec` split Megatron-style over groups of `tensor_parallel` devices (a stage per
+/// group, planned as `conveyor train --tensor-parallel K` plans it) in `replicas` data-parallel
+/// replicas, with the schedule, batches, seeds and optimizer of [`train`]: each replica takes
+/// `2 / replicas` of the two micro-batches, so the weights compare with the unsplit CPU reference.
+fn train_split(
+    spec: &ModelSpec,
+    devices: Vec<Device>,
+    tensor_parallel: usize,
+    replicas: usize,
+    args: &Args,
+) -> Result<Run> {
+    let config = PipelineConfig {
+        schedule: ScheduleKind::OneFOneB,
+        n_chunks: 1,
+        n_micro_batches: 2 / replicas,
+        batch_rows: args.batch,
+        optimizer: optimizer(),
+        recompute: Recompute::Never,
+        seed: 11,
+        core_slots: Default::default(),
+        precision: Precision::F32,
+    };
+    let n_stages = devices.len() / (tensor_parallel * replicas);
+    let data_parallel = DataParallel::replicas(replicas);
+    let (plan, trainer) = build_trainer_replicated(spec, 7, devices, tensor_parallel, &data_parallel, &config)?;
+    steps(trainer, Some(plan), spec, args, n_stages)
+}
+
+/// Runs `args.steps` steps of `trainer` and collects what [`Run`] holds. Its memory plan (`plan`,
+/// or the one the trainer keeps) places the stages on `n_stages` pipeline devices, each a group
+/// of one or more devices.
+fn steps(mut trainer: Trainer, plan: Option<Plan>, spec: &ModelSpec, args: &Args, n_stages: usize) -> Result<Run> {
+    let n_devices = trainer.devices().len();
     let mut times = Vec::new();
     let mut measured = vec![0u64; n_devices];
     for step in 0..args.steps {
@@ -146,12 +192,22 @@ fn train(spec: &ModelSpec, devices: Vec<Device>, args: &Args, precision: Precisi
             *peak = (*peak).max(bytes);
         }
     }
-    let planned = trainer.plan().context("a planned placement keeps its plan")?.device_peaks(n_devices);
-    let peak_over_plan = measured
-        .iter()
-        .zip(&planned)
-        .map(|(&bytes, plan)| bytes as f64 / plan.first().copied().unwrap_or(1).max(1) as f64)
-        .fold(0.0, f64::max);
+    // One figure per device: each pipeline device's group members in order.
+    let plan = match plan {
+        Some(plan) => plan,
+        None => trainer.plan().context("a planned placement keeps its plan")?.clone(),
+    };
+    // One figure per device: each pipeline device's group members in order, for replica 0 (every
+    // replica has the same plan), repeated for each replica.
+    let per_replica: Vec<u64> = plan.device_peaks(n_stages).into_iter().flatten().collect();
+    anyhow::ensure!(
+        !per_replica.is_empty() && n_devices % per_replica.len() == 0,
+        "the plan has {} device figures for {n_devices} devices",
+        per_replica.len()
+    );
+    let planned: Vec<u64> = per_replica.iter().copied().cycle().take(n_devices).collect();
+    let peak_over_plan =
+        measured.iter().zip(&planned).map(|(&bytes, &plan)| bytes as f64 / plan.max(1) as f64).fold(0.0, f64::max);
     let mut timed = times.split_off(usize::from(times.len() > 1));
     timed.sort_by(f64::total_cmp);
     let weights = trainer.parameters()?.into_iter().map(|(name, t)| (name, t.to_vec_f32())).collect();
@@ -313,6 +369,53 @@ fn main() -> Result<()> {
                         println!(
                             "{model:<24} {label:<12} {name:<9} {:>10} {:>10} {:>12} {:>9}  FAIL: {why}",
                             "-", "-", "-", "-"
+                        );
+                    }
+                }
+            }
+        }
+        // Tensor parallelism (tp2) and data-parallel replicas (dp2) on two CPU devices (the
+        // split's own check), and on the first GPU: two logical devices holding a shard or a
+        // replica each (one stage), and tensor parallelism over four in two stages of two. The
+        // shards and replicas exchange through the host (two handles of one GPU are no NCCL
+        // group). Against the unsplit CPU reference.
+        let mut split_placements = vec![("cpu:0,cpu:1".to_string(), 2, 1), ("cpu:0,cpu:1".to_string(), 1, 2)];
+        if let Some(&first) = gpus.first() {
+            split_placements.extend([
+                (format!("cuda:{first}x2"), 2, 1),
+                (format!("cuda:{first}x4"), 2, 1),
+                (format!("cuda:{first}x2"), 1, 2),
+            ]);
+        }
+        {
+            for (label, tensor_parallel, replicas) in split_placements {
+                let row =
+                    if replicas > 1 { format!("{label} dp{replicas}") } else { format!("{label} tp{tensor_parallel}") };
+                let stages = Device::parse_list(&label).map_or(0, |d| d.len() / (tensor_parallel * replicas));
+                let run = Device::parse_list(&label)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|devices| train_split(&spec, devices, tensor_parallel, replicas, &args));
+                match run {
+                    Ok(run) => {
+                        let (diff, elementwise) = rel_diffs(&run.weights, &reference.weights);
+                        let pass = diff <= args.tolerance && run.peak_over_plan <= 1.0;
+                        failures += usize::from(!pass);
+                        println!(
+                            "{model:<24} {row:<12} {:<9} {:>10.3} {:>10} {diff:>12.2e} {:>9.3}  {} ({stages} stage(s); \
+                             element-wise {elementwise:.1e})",
+                            "f32",
+                            run.step_ms,
+                            "-",
+                            run.peak_over_plan,
+                            if pass { "PASS" } else { "FAIL" }
+                        );
+                    }
+                    Err(error) => {
+                        failures += 1;
+                        let why: String = format!("{error:#}").chars().take(110).collect();
+                        println!(
+                            "{model:<24} {row:<12} {:<9} {:>10} {:>10} {:>12} {:>9}  FAIL: {why}",
+                            "f32", "-", "-", "-", "-"
                         );
                     }
                 }

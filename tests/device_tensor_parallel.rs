@@ -1,4 +1,5 @@
-//! The tensor-parallel layers on every device: each split layer over two handles of the trial's
+//! The tensor-parallel layers on every device: each split layer (linears, the MLP pair, the
+//! channel-split convolution, head-split attention, the vocabulary-split embedding) over two handles of the trial's
 //! device (`cpu:0`,`cpu:1`, or two handles of one GPU, each with its own ledger and stream)
 //! against its unsplit counterpart on the host, forward, input gradient and weight gradients.
 //! On a GPU the shards compute with the device ops and exchange through the in-process group's
@@ -21,8 +22,8 @@ use std::process::ExitCode;
 use anyhow::{Result, ensure};
 use conveyor::engine::{Device, ForwardCtx, Layer, Saved, Tensor, init};
 use conveyor::layers::{
-    ChannelParallelConv2d, ColumnParallelLinear, Conv2d, Conv2dOptions, Linear, MlpActivation, ParallelMlp,
-    RowParallelLinear,
+    ChannelParallelConv2d, ColumnParallelLinear, Conv2d, Conv2dOptions, Embedding, Linear, MlpActivation,
+    MultiheadSelfAttention, ParallelMlp, ParallelSelfAttention, RowParallelLinear, VocabParallelEmbedding,
 };
 use device_cases::Case;
 use rand::RngExt;
@@ -165,13 +166,61 @@ fn a_channel_split_conv_matches_the_unsplit_conv(device: &Device) -> Result<()> 
     compare("channel-split conv", &split()?, &mut split()?, &conv, &x, &dy)
 }
 
+/// Attention split by heads (two of four per handle), causal and not, against the unsplit layer.
+fn head_split_attention_matches_the_unsplit_attention(device: &Device) -> Result<()> {
+    let devices = two_handles(device)?;
+    for causal in [false, true] {
+        let mut rng = init::rng(6);
+        let attention = MultiheadSelfAttention::new(8, 4, causal, &mut rng)?;
+        let x = random(&[2, 5, 8], &mut rng, device)?;
+        let dy = random(&[2, 5, 8], &mut rng, device)?;
+        let split = || ParallelSelfAttention::from_attention(&attention, &devices);
+        compare(&format!("head-split attention (causal {causal})"), &split()?, &mut split()?, &attention, &x, &dy)?;
+    }
+    Ok(())
+}
+
+/// The token table split by vocabulary rows (11 rows: shards of 6 and 5), ids in both shards and
+/// repeated: output and table gradient against the unsplit layer (ids take no gradient).
+fn a_vocabulary_split_embedding_matches_the_unsplit_embedding(device: &Device) -> Result<()> {
+    let devices = two_handles(device)?;
+    let mut rng = init::rng(7);
+    let embedding = Embedding::new(11, 6, &mut rng)?;
+    let tokens = [10.0f32, 0.0, 5.0, 5.0, 6.0, 2.0, 10.0, 1.0];
+    let ids = Tensor::from_vec(tokens.to_vec(), vec![2, 4], device)?;
+    let dy = random(&[2, 4, 6], &mut rng, device)?;
+    let split = VocabParallelEmbedding::from_embedding(&embedding, &devices)?;
+    let (y, saved) = split.forward(&[&ids], &ForwardCtx::train(0))?;
+    ensure!(y.device().same_device(device), "the output left the first shard's device");
+    ensure!(split.backward_input(&saved, &dy)?[0].is_none(), "ids take no gradient");
+    let mut grads = zero_grads(&split)?;
+    split.backward_weight(&saved, &dy, &mut grads)?;
+    let host = Device::host();
+    let (yr, saved_r) = embedding.forward(&[&ids.to_device(&host)?], &ForwardCtx::train(0))?;
+    let mut grads_r = zero_grads(&embedding)?;
+    embedding.backward_weight(&saved_r, &dy.to_device(&host)?, &mut grads_r)?;
+    check("vocabulary-split embedding output", &y, &yr)?;
+    let mut twin = VocabParallelEmbedding::from_embedding(&embedding, &devices)?;
+    let actual = unsplit(&mut twin, &grads)?;
+    let (_, got) = actual.iter().find(|(name, _)| name == "weight").ok_or_else(|| anyhow::anyhow!("no `weight`"))?;
+    check("vocabulary-split embedding gradient", got, &grads_r[0])
+}
+
 fn main() -> ExitCode {
-    let cases: [Case<Device>; 3] = [
+    let cases: [Case<Device>; 5] = [
         Case::every_device("split_linears_match_the_unsplit_linear", split_linears_match_the_unsplit_linear),
         Case::every_device("a_parallel_mlp_matches_linear_relu_linear", a_parallel_mlp_matches_linear_relu_linear),
         Case::every_device(
             "a_channel_split_conv_matches_the_unsplit_conv",
             a_channel_split_conv_matches_the_unsplit_conv,
+        ),
+        Case::every_device(
+            "head_split_attention_matches_the_unsplit_attention",
+            head_split_attention_matches_the_unsplit_attention,
+        ),
+        Case::every_device(
+            "a_vocabulary_split_embedding_matches_the_unsplit_embedding",
+            a_vocabulary_split_embedding_matches_the_unsplit_embedding,
         ),
     ];
     device_cases::run(&[], &cases, device_cases::devices())
