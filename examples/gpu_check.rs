@@ -201,7 +201,7 @@ fn steps(mut trainer: Trainer, plan: Option<Plan>, spec: &ModelSpec, args: &Args
     // replica has the same plan), repeated for each replica.
     let per_replica: Vec<u64> = plan.device_peaks(n_stages).into_iter().flatten().collect();
     anyhow::ensure!(
-        !per_replica.is_empty() && n_devices % per_replica.len() == 0,
+        !per_replica.is_empty() && n_devices.is_multiple_of(per_replica.len()),
         "the plan has {} device figures for {n_devices} devices",
         per_replica.len()
     );

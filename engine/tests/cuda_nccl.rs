@@ -3,6 +3,9 @@
 //! give what the in-process group of as many CPU devices gives. Elsewhere the test checks that
 //! asking for an NCCL group is a clear error and prints why the GPU cases were skipped.
 //!
+//! A second case aborts an NCCL group from outside and checks that its waits end and its ranks
+//! refuse later calls.
+//!
 //! Tolerance: data movement (broadcast, scatter, gather, all-gather, all-to-all) bit for bit; sums
 //! over `n` ranks of values in [-1, 1) within `2·n·2⁻²⁴·n` absolute (any order of `n` terms).
 use anyhow::{Result, bail, ensure};
@@ -113,13 +116,75 @@ fn nccl_collectives_match_the_in_process_group() -> Result<()> {
     Ok(())
 }
 
+/// An NCCL group aborted from outside (what a worker abandoning its step does to its replica
+/// group): with two or more GPUs, a rank waiting for peers that never call ends long before the
+/// group's timeout; on any number of GPUs, every rank then refuses calls with
+/// `CollectiveAborted`, and a new group works.
+#[test]
+fn an_aborted_nccl_group_ends_its_waits_and_refuses_later_calls() -> Result<()> {
+    let gpus = match CudaDevice::count() {
+        Ok(0) => return skip("the CUDA driver sees no GPU"),
+        Ok(count) => count,
+        Err(err) => return skip(&err.to_string()),
+    };
+    let devices = (0..gpus).map(|ordinal| Device::cuda(ordinal, None)).collect::<conveyor_engine::Result<Vec<_>>>()?;
+    let (group, abort) = match CudaDevice::nccl_group_abortable(&devices) {
+        Ok(group) => group,
+        Err(err) => return skip(&err.to_string()),
+    };
+    if gpus >= 2 {
+        // Rank 0 alone in an all-reduce: it waits for the others until the abort.
+        let started = std::time::Instant::now();
+        let outcome = std::thread::scope(|scope| {
+            let waiting = scope.spawn(|| group[0].all_reduce(&mut [1.0f32; 1000]));
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            abort.abort(0, "the step was abandoned");
+            waiting.join().map_err(|_| anyhow::anyhow!("rank 0 panicked"))
+        })?;
+        let waited = started.elapsed();
+        ensure!(
+            matches!(outcome, Err(conveyor_engine::Error::CollectiveAborted { .. })),
+            "the waiting rank should report the abort, got {outcome:?}"
+        );
+        ensure!(waited < std::time::Duration::from_secs(10), "the abort ended the wait only after {waited:?}");
+    } else {
+        abort.abort(0, "the step was abandoned");
+        println!("one GPU: the wait that an abort ends needs two; checking the refusal only");
+    }
+    for (rank, comm) in group.iter().enumerate() {
+        let refused = comm.all_reduce(&mut [1.0f32; 4]);
+        ensure!(
+            matches!(refused, Err(conveyor_engine::Error::CollectiveAborted { .. })),
+            "rank {rank} after the abort: {refused:?}"
+        );
+    }
+    let fresh = CudaDevice::nccl_group(&devices)?;
+    let sums = std::thread::scope(|scope| {
+        let threads: Vec<_> = fresh
+            .iter()
+            .map(|comm| {
+                scope.spawn(move || {
+                    let mut buf = [1.0f32; 4];
+                    comm.all_reduce(&mut buf).map(|()| buf)
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().expect("a rank panicked")).collect::<conveyor_engine::Result<Vec<_>>>()
+    })?;
+    ensure!(sums.iter().all(|s| s.iter().all(|&v| v == gpus as f32)), "a new group sums again: {sums:?}");
+    Ok(())
+}
+
 /// The in-process group of `n` CPU devices.
 fn in_process_group(n: usize) -> Result<Vec<Box<dyn Communicator>>> {
     let cpus: Vec<Device> = (0..n).map(Device::cpu).collect();
     Ok(ProcessGroup::new(&cpus)?.into_iter().map(|h| Box::new(h) as Box<dyn Communicator>).collect())
 }
 
+/// Without a GPU or NCCL the GPU half of a case is skipped, unless `CONVEYOR_REQUIRE_CUDA` is set
+/// (`scripts/gpu-check` sets it on a GPU machine), where a skip is a failure.
 fn skip(why: &str) -> Result<()> {
+    ensure!(std::env::var_os("CONVEYOR_REQUIRE_CUDA").is_none(), "CONVEYOR_REQUIRE_CUDA is set, but: {why}");
     println!("NCCL cases skipped: {why}");
     Ok(())
 }

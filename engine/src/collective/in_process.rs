@@ -260,30 +260,51 @@ impl Exchange for Call<'_> {
 
 /// Aborts an in-process group from outside it ([`RankHandle::abort_handle`]): every rank waiting
 /// in a collective ends within a few milliseconds with [`Error::CollectiveAborted`], and every
-/// later call is refused, until the group is recovered or replaced.
+/// later call is refused, until the group is recovered or replaced. An NCCL group's handle
+/// ([`GroupAbort::flag`], from `CudaDevice::nccl_group_abortable`) sets the flag its ranks poll
+/// while they wait; they then abort their communicators and refuse later calls, and the group is
+/// replaced.
 #[derive(Clone, Debug)]
 pub struct GroupAbort {
-    shared: Arc<Shared>,
+    target: AbortTarget,
+}
+
+#[derive(Clone, Debug)]
+enum AbortTarget {
+    InProcess(Arc<Shared>),
+    Flag(Arc<AtomicBool>),
 }
 
 impl GroupAbort {
+    /// A handle that sets `flag`, which the group's ranks poll (an NCCL group's).
+    pub fn flag(flag: Arc<AtomicBool>) -> GroupAbort {
+        GroupAbort { target: AbortTarget::Flag(flag) }
+    }
+
     /// Aborts the group (the first failure recorded wins), naming `rank` as the failed one.
     pub fn abort(&self, rank: usize, reason: &str) {
+        let shared = match &self.target {
+            AbortTarget::InProcess(shared) => shared,
+            AbortTarget::Flag(flag) => {
+                flag.store(true, Ordering::Release);
+                return;
+            }
+        };
         {
-            let mut failure = self.shared.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut failure = shared.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             if failure.is_none() {
                 *failure = Some((rank, reason.to_string()));
             }
         }
-        self.shared.aborted.store(true, Ordering::Release);
-        self.shared.board.wake();
+        shared.aborted.store(true, Ordering::Release);
+        shared.board.wake();
     }
 }
 
 impl RankHandle {
     /// A handle that aborts this rank's group from any thread ([`GroupAbort`]).
     pub fn abort_handle(&self) -> GroupAbort {
-        GroupAbort { shared: Arc::clone(&self.shared) }
+        GroupAbort { target: AbortTarget::InProcess(Arc::clone(&self.shared)) }
     }
 
     /// Runs one collective: refuses to start on an aborted group, tags its messages, and on

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use half::{bf16, f16};
 
 use super::{HostStorage, MemoryAccount};
-use crate::collective::Communicator;
+use crate::collective::{Communicator, GroupAbort};
 use crate::cpu::Window2d;
 use crate::optim::{AdamConfig, SgdConfig};
 use crate::{DType, Device, Error, Result};
@@ -72,6 +72,11 @@ impl CudaDevice {
 
     /// Always fails: this build has no CUDA support.
     pub fn nccl_group(devices: &[Device]) -> Result<Vec<Box<dyn Communicator>>> {
+        Err(not_compiled(&format!("an NCCL group of {} device(s)", devices.len())))
+    }
+
+    /// Always fails: this build has no CUDA support.
+    pub fn nccl_group_abortable(devices: &[Device]) -> Result<(Vec<Box<dyn Communicator>>, GroupAbort)> {
         Err(not_compiled(&format!("an NCCL group of {} device(s)", devices.len())))
     }
 

@@ -158,6 +158,7 @@ impl<'scope> BucketReducer<'scope> {
         self.queue.sender = None;
         match self.comm {
             GroupComm::InProcess(handle) => handle.abort_handle().abort(handle.rank(), "the step was abandoned"),
+            GroupComm::Nccl(rank, abort) => abort.abort(rank.rank(), "the step was abandoned"),
             GroupComm::Ranks(_) => crate::collective::interrupt_waits(),
         }
         let returned = join(self.thread);

@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use super::stage::Stage;
 use crate::collective::{Communicator, GroupAbort, ProcessGroup, RankHandle, TransportGroup};
+use crate::device::CudaDevice;
 use crate::graph::{Graph, NodeId};
 use crate::transport::Transport;
 use crate::{Device, Error, Result, Tensor};
@@ -24,6 +25,9 @@ use crate::{Device, Error, Result, Tensor};
 pub(crate) enum GroupComm {
     /// Workers on threads of this process.
     InProcess(RankHandle),
+    /// Workers on threads of this process, each on its own GPU, meeting in an NCCL group (the
+    /// gradients are summed on the GPUs, never through the host), and the handle that aborts it.
+    Nccl(Box<dyn Communicator>, GroupAbort),
     /// Workers on other ranks.
     Ranks(TransportGroup),
 }
@@ -32,9 +36,42 @@ impl GroupComm {
     pub(crate) fn comm(&self) -> &dyn Communicator {
         match self {
             GroupComm::InProcess(handle) => handle,
+            GroupComm::Nccl(rank, _) => rank.as_ref(),
             GroupComm::Ranks(group) => group,
         }
     }
+
+    /// What ends this worker's waits in the group when its step is abandoned (`None` across
+    /// ranks: `collective::interrupt_waits` does that there).
+    pub(crate) fn abort_handle(&self) -> Option<GroupAbort> {
+        match self {
+            GroupComm::InProcess(handle) => Some(handle.abort_handle()),
+            GroupComm::Nccl(_, abort) => Some(abort.clone()),
+            GroupComm::Ranks(_) => None,
+        }
+    }
+}
+
+/// One in-process group of workers on `devices` (worker `i` on `devices[i]`): an NCCL group when
+/// every device is a different GPU and NCCL is built and installed, else an in-process group
+/// (whose collectives take GPU tensors through the host). NCCL sums in its own order: two
+/// workers add `a + b`, the same bits as the in-process group; more may differ within rounding.
+fn in_process_group(devices: &[Device]) -> Result<Vec<GroupComm>> {
+    let distinct_gpus = devices.iter().enumerate().all(|(i, d)| {
+        matches!(d, Device::Cuda(_))
+            && !devices[..i]
+                .iter()
+                .any(|e| matches!((d, e), (Device::Cuda(a), Device::Cuda(b)) if a.ordinal() == b.ordinal()))
+    });
+    if distinct_gpus && devices.len() > 1 {
+        match CudaDevice::nccl_group_abortable(devices) {
+            Ok((ranks, abort)) => {
+                return Ok(ranks.into_iter().map(|rank| GroupComm::Nccl(rank, abort.clone())).collect());
+            }
+            Err(error) => tracing::debug!(%error, "gradient sums between GPUs go through the host"),
+        }
+    }
+    Ok(ProcessGroup::new(devices)?.into_iter().map(GroupComm::InProcess).collect())
 }
 
 /// One copy of a tied parameter: parameter `param_idx` of the node at `node_pos` of stage
@@ -103,14 +140,7 @@ impl GradientGroups {
     /// What ends the waits of this worker's in-process groups when a step is abandoned.
     pub(crate) fn aborts(&self) -> Vec<GroupAbort> {
         let ties = self.ties.iter().filter_map(|t| t.comm.as_ref());
-        self.replica
-            .iter()
-            .chain(ties)
-            .filter_map(|comm| match comm {
-                GroupComm::InProcess(handle) => Some(handle.abort_handle()),
-                GroupComm::Ranks(_) => None,
-            })
-            .collect()
+        self.replica.iter().chain(ties).filter_map(GroupComm::abort_handle).collect()
     }
 }
 
@@ -259,25 +289,23 @@ pub(crate) fn in_process_groups(
         for d in 0..layout.n_devices {
             let workers: Vec<usize> = (0..layout.replicas).map(|r| r * layout.n_devices + d).collect();
             let devices: Vec<Device> = workers.iter().map(|&w| device_of(w)).collect();
-            for (w, handle) in workers.into_iter().zip(ProcessGroup::new(&devices)?) {
-                groups[w].replica = Some(GroupComm::InProcess(handle));
+            for (w, comm) in workers.into_iter().zip(in_process_group(&devices)?) {
+                groups[w].replica = Some(comm);
             }
         }
     }
     for tie in ties {
         for replica in 0..layout.replicas {
             let workers = layout.tie_workers(replica, tie);
-            let mut handles: Vec<Option<RankHandle>> = match workers.len() {
+            let mut comms: Vec<Option<GroupComm>> = match workers.len() {
                 1 => vec![None],
                 _ => {
                     let devices: Vec<Device> = workers.iter().map(|&w| device_of(w)).collect();
-                    ProcessGroup::new(&devices)?.into_iter().map(Some).collect()
+                    in_process_group(&devices)?.into_iter().map(Some).collect()
                 }
             };
-            for (w, handle) in workers.into_iter().zip(handles.iter_mut()) {
-                groups[w]
-                    .ties
-                    .push(TieGroup { copies: layout.copies_on(w, tie), comm: handle.take().map(GroupComm::InProcess) });
+            for (w, comm) in workers.into_iter().zip(comms.iter_mut()) {
+                groups[w].ties.push(TieGroup { copies: layout.copies_on(w, tie), comm: comm.take() });
             }
         }
     }

@@ -7,6 +7,8 @@ use std::sync::{Arc, Mutex};
 use conveyor_engine::collective::{Communicator, ProcessGroup, RankHandle, Traffic, TransportGroup};
 use conveyor_engine::{CudaDevice, DType, Device, Error, Result, Tensor};
 
+use super::shard_threads::ShardThreads;
+
 /// Where the `k` shards of a split layer live.
 #[derive(Clone, Debug)]
 pub enum Shards {
@@ -79,6 +81,8 @@ pub(crate) struct ShardGroup {
     /// The devices of the shards held here, in shard order.
     devices: Vec<Device>,
     members: Members,
+    /// The threads of shards `1..` held here (none with one shard per rank).
+    threads: ShardThreads,
 }
 
 impl ShardGroup {
@@ -90,6 +94,7 @@ impl ShardGroup {
                 first_shard: shard.shard(),
                 devices: vec![shard.device.clone()],
                 members: Members::Rank(shard.clone()),
+                threads: ShardThreads::default(),
             }),
         }
     }
@@ -114,7 +119,8 @@ impl ShardGroup {
             Some(Ok(comms)) => Members::Nccl(Mutex::new(comms)),
             _ => Members::Local(Mutex::new(ProcessGroup::new(devices)?)),
         };
-        Ok(ShardGroup { k: devices.len(), first_shard: 0, devices: devices.to_vec(), members })
+        let threads = ShardThreads::new(devices.len());
+        Ok(ShardGroup { k: devices.len(), first_shard: 0, devices: devices.to_vec(), members, threads })
     }
 
     /// The number of shards, here and elsewhere.
@@ -239,7 +245,8 @@ impl ShardGroup {
         }
     }
 
-    /// Runs `f` for every shard on its own thread (the first on the caller's) with `comms[r]`;
+    /// Runs `f` for every shard on its own thread (the first on the caller's, the others on the
+    /// group's long-lived shard threads) with `comms[r]`;
     /// `abort(rank, reason)` ends the other shards' waits when one fails or panics outside a
     /// collective. On failure returns the root cause (a shard's own error rather than the aborts
     /// it caused on its peers); the caller recovers the group.
@@ -261,34 +268,31 @@ impl ShardGroup {
             }
             result
         };
-        let results: Vec<Result<T>> = std::thread::scope(|scope| {
-            let mut states = states.into_iter();
-            let first_state = states.next().expect("a group has at least one rank");
-            let guarded = &guarded;
-            let threads: Vec<_> = comms[1..]
-                .iter()
-                .zip(states)
-                .enumerate()
-                .map(|(i, (&comm, state))| scope.spawn(move || guarded(i + 1, comm, state)))
-                .collect();
-            let mut results = vec![guarded(0, comms[0], first_state)];
-            for (i, thread) in threads.into_iter().enumerate() {
-                results.push(thread.join().unwrap_or_else(|payload| {
-                    let message = payload
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| payload.downcast_ref::<String>().cloned())
-                        .unwrap_or_default();
+        let mut states = states.into_iter();
+        let first_state = states.next().expect("a group has at least one rank");
+        let guarded = &guarded;
+        let rest: Vec<_> = comms[1..]
+            .iter()
+            .zip(states)
+            .enumerate()
+            .map(|(i, (&comm, state))| move || guarded(i + 1, comm, state))
+            .collect();
+        let results: Vec<Result<T>> = self
+            .threads
+            .run(|| guarded(0, comms[0], first_state), rest)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, outcome)| {
+                outcome.unwrap_or_else(|message| {
                     Err(Error::CollectiveFailed {
                         op: "tensor-parallel shard".into(),
-                        rank: i + 1,
+                        rank,
                         n_ranks: self.devices.len(),
                         reason: format!("its thread panicked: {message}"),
                     })
-                }));
-            }
-            results
-        });
+                })
+            })
+            .collect();
         if results.iter().all(Result::is_ok) {
             return Ok(results.into_iter().map(|r| r.expect("checked ok")).collect());
         }

@@ -74,6 +74,7 @@ mod layout;
 mod linear_shard;
 mod mlp;
 mod row;
+mod shard_threads;
 
 pub use attention::ParallelSelfAttention;
 pub use column::ColumnParallelLinear;

@@ -126,6 +126,7 @@ fn kernels_for_process(device: &CudaDevice) -> Result<Arc<KernelSet>> {
         return Ok(Arc::clone(set));
     }
     let set = Arc::new(load(device)?);
+    super::thread_streams::exit_guard::register(super::thread_streams::exit_guard::Library::Nvrtc);
     cache.insert(device.ordinal(), Arc::clone(&set));
     Ok(set)
 }

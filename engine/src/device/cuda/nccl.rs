@@ -20,10 +20,15 @@
 //! wait is bounded by the group's timeout ([`DEFAULT_TIMEOUT`]), after which the rank aborts its
 //! NCCL communicator (`ncclCommAbort`, which ends its pending operations), reports
 //! `Error::CollectiveFailed`, and refuses later collectives: build a new group to recover.
+//! [`group_abortable`] also returns a [`GroupAbort`] that a thread outside the group (a worker
+//! abandoning its step) uses to end those waits early: every rank polls the group's flag while
+//! it waits, and a rank that sees it set aborts its communicator the same way and reports
+//! `Error::CollectiveAborted`; a rank that has not started its call refuses it.
 //!
 //! [`Communicator::traffic`] counts, per completed collective, the messages and bytes of the
 //! planner's model (`collective::traffic`), not NCCL's internal algorithm, which is not observable.
 use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -31,7 +36,9 @@ use cudarc::driver::CudaStream as RawStream;
 use cudarc::nccl::{Comm, ReduceOp, group_end, group_start, result::NcclError};
 
 use super::backend::{CudaBuffer, CudaDevice};
-use crate::collective::{CollectiveOp, Communicator, DEFAULT_TIMEOUT, DeviceCollectives, Partition, Traffic, traffic};
+use crate::collective::{
+    CollectiveOp, Communicator, DEFAULT_TIMEOUT, DeviceCollectives, GroupAbort, Partition, Traffic, traffic,
+};
 use crate::{Device, Error, Result};
 
 /// How often a waiting rank polls its stream for completion.
@@ -46,8 +53,9 @@ struct CommCell(Comm);
 // every call on one.
 unsafe impl Send for CommCell {}
 
-/// Builds one NCCL rank per device (`devices[r]` is rank `r`; every device a different GPU).
-pub(crate) fn group(devices: &[Device]) -> Result<Vec<Box<dyn Communicator>>> {
+/// Builds one NCCL rank per device (`devices[r]` is rank `r`; every device a different GPU), and
+/// the handle that aborts the group from outside (see the module docs).
+pub(crate) fn group_abortable(devices: &[Device]) -> Result<(Vec<Box<dyn Communicator>>, GroupAbort)> {
     if devices.is_empty() {
         return Err(Error::invalid("NCCL group devices", "empty: a group needs at least one device"));
     }
@@ -91,7 +99,8 @@ pub(crate) fn group(devices: &[Device]) -> Result<Vec<Box<dyn Communicator>>> {
         Error::CudaUnavailable(format!("ncclCommInitAll over {} GPUs failed: {:?}", devices.len(), err.0))
     })?;
     let n_ranks = devices.len();
-    Ok(comms
+    let aborted = Arc::new(AtomicBool::new(false));
+    let ranks = comms
         .into_iter()
         .zip(cuda_devices)
         .zip(streams)
@@ -106,9 +115,11 @@ pub(crate) fn group(devices: &[Device]) -> Result<Vec<Box<dyn Communicator>>> {
                 comm: Mutex::new(Some(CommCell(comm))),
                 traffic: Mutex::new(Traffic::default()),
                 timeout: DEFAULT_TIMEOUT,
+                aborted: Arc::clone(&aborted),
             }) as Box<dyn Communicator>
         })
-        .collect())
+        .collect();
+    Ok((ranks, GroupAbort::flag(aborted)))
 }
 
 /// One rank of an NCCL group.
@@ -122,6 +133,8 @@ struct NcclRank {
     comm: Mutex<Option<CommCell>>,
     traffic: Mutex<Traffic>,
     timeout: Duration,
+    /// Set from outside the group to end its waits ([`group_abortable`]).
+    aborted: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for NcclRank {
@@ -190,6 +203,9 @@ impl Call<'_> {
         let done = stream.record_event(None).map_err(|err| self.failed(format!("recording completion: {err}")))?;
         let deadline = Instant::now() + self.rank.timeout;
         loop {
+            if self.rank.aborted.load(Ordering::Acquire) {
+                return Err(self.rank.aborted_error(self.op));
+            }
             match done.try_is_complete() {
                 Ok(true) => return Ok(()),
                 Ok(false) if Instant::now() < deadline => std::thread::sleep(COMPLETION_POLL),
@@ -218,10 +234,25 @@ impl Call<'_> {
 }
 
 impl NcclRank {
+    /// The error of a call that the group's abort flag ended or refused.
+    fn aborted_error(&self, op: CollectiveOp) -> Error {
+        Error::CollectiveAborted {
+            op: op.name().to_string(),
+            rank: self.rank,
+            failed_rank: self.rank,
+            reason: "the NCCL group was aborted from outside (a step was abandoned); build a new group".into(),
+        }
+    }
+
     /// Runs one collective on `bytes` (as `collective::traffic` counts them): refuses on an aborted
     /// communicator, aborts it when the body fails after issuing NCCL work, counts the traffic.
     fn run(&self, op: CollectiveOp, bytes: usize, body: impl FnOnce(&Call<'_>) -> Result<()>) -> Result<()> {
         let mut guard = self.comm.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if self.aborted.load(Ordering::Acquire) {
+            // Whatever it had issued is ended with the communicator.
+            *guard = None;
+            return Err(self.aborted_error(op));
+        }
         let Some(CommCell(comm)) = guard.as_ref() else {
             return Err(Error::CollectiveFailed {
                 op: op.name().to_string(),

@@ -100,6 +100,7 @@ impl CudaStream {
         }
         let created = CudaBlas::new(Arc::clone(&self.raw))
             .map_err(|err| errors::cublas(self.device.ordinal(), "handle creation", err))?;
+        super::thread_streams::exit_guard::register(super::thread_streams::exit_guard::Library::Cublas);
         // Another thread may have won the race; its handle is kept and this one dropped.
         Ok(self.blas.get_or_init(|| created))
     }

@@ -33,6 +33,22 @@
 //!
 //! A stream (and its cuBLAS handle) is destroyed when its thread exits; buffers allocated on it
 //! keep the underlying CUDA stream alive and free themselves on it after their last use.
+//!
+//! # Threads that exit while the process exits
+//!
+//! A thread's streams are destroyed by its thread-local destructor, which runs after the thread's
+//! closure has returned. A scoped thread that is not joined explicitly counts as finished before
+//! its thread-local destructors have run (rust-lang/rust#116179, documented as intended in
+//! rust-lang/rust#149482), so `std::thread::scope` (libtest-mimic's test threads, for one) can
+//! return, and `main` can return and the process exit, while such a destructor is still calling
+//! `cublasDestroy` and `cuStreamDestroy`. The CUDA libraries tear themselves down at exit, and a
+//! call racing that teardown crashed test executables on an H200 (SIGSEGV after "test result:
+//! ok", 2 of 48 runs, a different executable each time). So the destructor and the exit agree:
+//! a handler registered with `atexit` after the CUDA libraries' own (it runs before them) marks
+//! the process as exiting and waits until no thread is inside a stream destructor; a destructor
+//! that starts after the mark leaves its streams to the process's end (the driver reclaims
+//! everything of a process that exits). [`exit_guard::register`] registers the handler after the
+//! driver, cuBLAS or NVRTC is first used, so it runs before each one's teardown.
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -46,7 +62,87 @@ use crate::{Error, Result};
 
 thread_local! {
     /// This thread's stream on each GPU it has used, by ordinal.
-    static STREAMS: RefCell<HashMap<usize, Rc<CudaStream>>> = RefCell::new(HashMap::new());
+    static STREAMS: RefCell<ThreadStreams> = RefCell::new(ThreadStreams(HashMap::new()));
+}
+
+/// A thread's streams by GPU ordinal, destroyed with the thread unless the process is exiting.
+struct ThreadStreams(HashMap<usize, Rc<CudaStream>>);
+
+impl Drop for ThreadStreams {
+    fn drop(&mut self) {
+        let streams = std::mem::take(&mut self.0);
+        if streams.is_empty() {
+            return;
+        }
+        match exit_guard::enter() {
+            Some(_inside) => drop(streams),
+            // The CUDA libraries may be tearing down: calling them now could crash the process.
+            None => std::mem::forget(streams),
+        }
+    }
+}
+
+/// The agreement between stream destructors and process exit (see the module docs).
+pub(crate) mod exit_guard {
+    use std::sync::Once;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::time::{Duration, Instant};
+
+    /// Set by the exit handler: no stream destructor may call CUDA from then on.
+    static EXITING: AtomicBool = AtomicBool::new(false);
+    /// Stream destructors calling CUDA right now.
+    static INSIDE: AtomicUsize = AtomicUsize::new(0);
+    /// How long the exit handler waits for destructors already inside (each destroys a few
+    /// streams and cuBLAS handles: microseconds to milliseconds).
+    const EXIT_WAIT: Duration = Duration::from_secs(2);
+
+    /// A destructor's permission to call CUDA, held while it does.
+    pub(crate) struct Inside(());
+
+    impl Drop for Inside {
+        fn drop(&mut self) {
+            INSIDE.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Permission to destroy CUDA objects now, or `None` once the process is exiting. Counting
+    /// before reading the mark (both sequentially consistent) means the handler either sees this
+    /// destructor inside and waits for it, or this destructor sees the mark.
+    pub(crate) fn enter() -> Option<Inside> {
+        INSIDE.fetch_add(1, Ordering::SeqCst);
+        let inside = Inside(());
+        if EXITING.load(Ordering::SeqCst) { None } else { Some(inside) }
+    }
+
+    extern "C" fn on_exit() {
+        EXITING.store(true, Ordering::SeqCst);
+        let deadline = Instant::now() + EXIT_WAIT;
+        while INSIDE.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+    }
+
+    /// Which CUDA library has just been used for the first time.
+    #[derive(Clone, Copy)]
+    pub(crate) enum Library {
+        Driver,
+        Cublas,
+        Nvrtc,
+    }
+
+    /// Registers the exit handler after `library`'s first use in the process (once per library:
+    /// handlers run in reverse order of registration, so each registration runs before the
+    /// teardown of the libraries loaded until then; running it twice is harmless).
+    pub(crate) fn register(library: Library) {
+        static ONCE: [Once; 3] = [Once::new(), Once::new(), Once::new()];
+        ONCE[library as usize].call_once(|| {
+            // SAFETY: `on_exit` is a plain function that touches only atomics and the clock; a
+            // failed registration (libc's table full) leaves the race as it was.
+            unsafe {
+                libc::atexit(on_exit);
+            }
+        });
+    }
 }
 
 impl CudaDevice {
@@ -54,14 +150,16 @@ impl CudaDevice {
     /// module docs of `thread_streams.rs` for the synchronisation rule tensors follow).
     pub fn thread_stream(&self) -> Result<Rc<CudaStream>> {
         let ordinal = self.ordinal();
-        let found =
-            STREAMS.try_with(|streams| streams.borrow().get(&ordinal).cloned()).map_err(|_| exiting_thread(ordinal))?;
+        let found = STREAMS
+            .try_with(|streams| streams.borrow().0.get(&ordinal).cloned())
+            .map_err(|_| exiting_thread(ordinal))?;
         if let Some(stream) = found {
             return Ok(stream);
         }
         let stream = Rc::new(self.new_stream()?);
+        exit_guard::register(exit_guard::Library::Driver);
         STREAMS
-            .try_with(|streams| streams.borrow_mut().insert(ordinal, Rc::clone(&stream)))
+            .try_with(|streams| streams.borrow_mut().0.insert(ordinal, Rc::clone(&stream)))
             .map_err(|_| exiting_thread(ordinal))?;
         Ok(stream)
     }
