@@ -413,7 +413,7 @@ const LOCKS: [LockSite; 18] = [
     },
     LockSite {
         path: "engine/src/device/cuda/nccl.rs",
-        item: "group",
+        item: "group_abortable",
         why: "creates the per-rank locks above",
         departure: false,
     },
