@@ -4,12 +4,13 @@
 //! N CPU devices driven by N worker threads use N cores. The CUDA variant always exists; whether it
 //! can be constructed is decided in exactly one place, the `cuda` module chosen below.
 //!
-//! Code map: `list.rs` (the device grammar: `cuda:1`, `cpu:0-3`, lists), `memory.rs` (ledgers and reservations), `host.rs` (`HostStorage`, tensor elements in
+//! Code map: `list.rs` (the device grammar: `cuda:1`, `cpu:0-3`, lists), `memory.rs` (ledgers and reservations), [`host_cache`] (freed host memory kept for reuse), `host.rs` (`HostStorage`, tensor elements in
 //! host memory and the host side of every upload and download), [`ops`] (the tensor-level
 //! arithmetic layers use, each op dispatched on its device in one `match`), `kernels/` (the CUDA
 //! kernel sources), and `cuda_enabled.rs` / `cuda_disabled.rs` with `cuda/` (the CUDA backend,
 //! including `CudaStorage`, the payload of `Tensor`'s CUDA storage, and each thread's streams).
 mod host;
+pub mod host_cache;
 pub mod kernels;
 mod list;
 mod memory;
@@ -25,6 +26,7 @@ use std::sync::Arc;
 pub(crate) use cuda::CudaStorage;
 pub use cuda::{CudaBuffer, CudaDevice, CudaElement, CudaStream, DeviceMatRef, GemmElement};
 pub(crate) use host::HostStorage;
+pub use host_cache::retain_freed_host_memory;
 pub use list::{DeviceId, DeviceKind, DeviceList, DeviceListProblem, LogicalSlice, MAX_DEVICES};
 pub use memory::{MemoryAccount, Reservation, ThreadTally};
 

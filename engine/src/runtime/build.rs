@@ -23,6 +23,9 @@ impl TrainerBuilder {
     /// restores a checkpoint if [`TrainerBuilder::resume`] named one. See [`Trainer::builder`]
     /// for an example.
     pub fn build(mut self) -> Result<Trainer> {
+        if self.retain_freed_host_memory {
+            crate::device::retain_freed_host_memory();
+        }
         let state = std::mem::take(&mut self.state);
         state.check()?;
         self.graph.validate()?;

@@ -52,6 +52,7 @@ pub struct TrainerBuilder {
     core_slots: CoreSlotPolicy,
     commit_snapshot: Option<Vec<bool>>,
     derived_caches: Vec<(NodeId, bool)>,
+    retain_freed_host_memory: bool,
     placement: placement::PlacementChoice,
     state: state_io::StateChoice,
     transport: Arc<dyn Transport>,
@@ -281,6 +282,16 @@ impl TrainerBuilder {
         self.derived_caches = per_node;
         self
     }
+
+    /// Whether building the trainer makes the process's C allocator keep freed host memory for
+    /// reuse (true by default): a step then reuses the pages of the step before instead of
+    /// faulting fresh ones in, and the process holds on to its high-water mark of host memory
+    /// (`device::host_cache`; the ledgers still count exactly what tensors hold). The setting is
+    /// process-wide and stays once made; false leaves the allocator as it is.
+    pub fn retain_freed_host_memory(mut self, retain: bool) -> Self {
+        self.retain_freed_host_memory = retain;
+        self
+    }
 }
 
 pub(super) struct WorkerHandle {
@@ -423,6 +434,7 @@ impl Trainer {
             core_slots: CoreSlotPolicy::Auto,
             commit_snapshot: None,
             derived_caches: Vec::new(),
+            retain_freed_host_memory: true,
             placement: Default::default(),
             state: Default::default(),
             transport: crate::transport::process_transport(),
