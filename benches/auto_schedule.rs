@@ -55,6 +55,7 @@ fn main() {
         seed: 0,
         core_slots: Default::default(),
         precision: Default::default(),
+        weight_cache: Default::default(),
     };
     let graph = support::wide_mlp();
     let started = Instant::now();

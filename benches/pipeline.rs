@@ -84,6 +84,7 @@ fn main() {
                 seed: 0,
                 core_slots: Default::default(),
                 precision: Default::default(),
+                weight_cache: Default::default(),
             };
             let devices = vec![Device::cpu(0), Device::cpu(1)];
             let (plan, mut trainer) = build_trainer(support::wide_mlp(), devices, &config).unwrap();

@@ -31,6 +31,7 @@ fn trainer() -> Trainer {
         seed: 0,
         core_slots: Default::default(),
         precision: Default::default(),
+        weight_cache: Default::default(),
     };
     build_trainer(support::wide_mlp(), vec![Device::cpu(0), Device::cpu(1)], &config).unwrap().1
 }

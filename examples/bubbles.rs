@@ -47,6 +47,7 @@ fn main() -> anyhow::Result<()> {
         seed: 0,
         core_slots: Default::default(),
         precision: Default::default(),
+        weight_cache: Default::default(),
     };
     let devices = vec![Device::cpu(0), Device::cpu(1)];
     let (_, mut trainer) = build_trainer(mlp(&[256, 1024, 1024, 1024, 1024, 1024, 10], 0)?, devices, &config)?;

@@ -169,6 +169,7 @@ fn train_split(
         seed: 11,
         core_slots: Default::default(),
         precision: Precision::F32,
+        weight_cache: Default::default(),
     };
     let n_stages = devices.len() / (tensor_parallel * replicas);
     let data_parallel = DataParallel::replicas(replicas);

@@ -32,6 +32,7 @@ fn main() -> anyhow::Result<()> {
         seed: 0,
         core_slots: Default::default(),
         precision: Default::default(),
+        weight_cache: Default::default(),
     };
 
     let one = vec![Device::cpu_with_budget(0, Some(budget))];

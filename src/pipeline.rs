@@ -160,6 +160,7 @@ pub fn plan_tensor_parallel(
         optimizer_memory(&config.optimizer),
     )?;
     plan_config.recompute = config.recompute;
+    plan_config.weight_cache = config.weight_cache;
     let rows = plan_config.micro_batch_rows;
     let placement = place_with_costs(&node_costs(&whole, rows)?, &specs, &plan_config)?;
     drop(whole);

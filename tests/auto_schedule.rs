@@ -26,6 +26,7 @@ fn base() -> PipelineConfig {
         seed: 0,
         core_slots: Default::default(),
         precision: Default::default(),
+        weight_cache: Default::default(),
     }
 }
 

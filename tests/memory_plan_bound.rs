@@ -233,6 +233,7 @@ fn measured_peaks_are_within_the_plan_and_close_to_it() {
                             seed: 0,
                             core_slots: CoreSlotPolicy::Slots(1),
                             precision: Default::default(),
+                            weight_cache: Default::default(),
                         };
                         let budget = smallest_budget(&spec, &config, k);
                         let (floor, extremes) =
@@ -296,6 +297,7 @@ fn mixed_precision_peaks_are_within_the_plan() {
                     seed: 0,
                     core_slots: CoreSlotPolicy::Slots(1),
                     precision,
+                    weight_cache: Default::default(),
                 };
                 let graph = spec.build(0).unwrap();
                 let free = plan(&graph, &devices(PIPELINE_DEVICES, None), &config).unwrap();

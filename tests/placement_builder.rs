@@ -45,6 +45,7 @@ fn config() -> PipelineConfig {
         seed: 11,
         core_slots: Default::default(),
         precision: Default::default(),
+        weight_cache: Default::default(),
     }
 }
 

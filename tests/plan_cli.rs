@@ -395,3 +395,45 @@ fn tensor_parallel_plans_show_each_device_and_the_collectives() -> Result<()> {
         &["do not split into groups of 2"],
     )
 }
+
+/// `--weight-cache`: `off` keeps no packed copy (0 bytes of caches, each listed as dropped), `on`
+/// keeps both copies of every Linear (twice the weights) and refuses a budget that only fits
+/// without them, where `auto` fits by dropping some.
+#[test]
+fn weight_cache_modes_keep_all_none_or_what_fits() -> Result<()> {
+    const MLP: &str = "mlp:1024,1024,1024,10";
+    // Weights of the three Linears (f32): each packed copy is as large.
+    let weights: u64 = 4 * (1024 * 1024 * 2 + 1024 * 10);
+    let cache_bytes = |json: &Value| -> Result<(u64, u64)> {
+        let stages = json["stages"].as_array().context("stages")?;
+        let kept = stages.iter().map(|s| u64_of(&s["memory"], "workspace")).sum::<Result<u64>>()?;
+        let dropped = stages.iter().map(|s| u64_of(s, "dropped_cache_bytes")).sum::<Result<u64>>()?;
+        Ok((kept, dropped))
+    };
+    let args =
+        |mode: &'static str| vec!["--model", MLP, "--devices", "cpu:1", "--optimizer", "sgd", "--weight-cache", mode];
+    let on = plan_json(&args("on"))?;
+    ensure!(on["weight_cache"] == "on", "{on}");
+    ensure!(cache_bytes(&on)? == (2 * weights, 0), "on: both copies of every weight kept: {:?}", cache_bytes(&on)?);
+    let off = plan_json(&args("off"))?;
+    ensure!(cache_bytes(&off)? == (0, 2 * weights), "off: none kept: {:?}", cache_bytes(&off)?);
+    let off_total = u64_of(&off["stages"][0], "memory_bytes")?;
+    let on_total = u64_of(&on["stages"][0], "memory_bytes")?;
+    ensure!(on_total == off_total + 2 * weights, "the caches are the whole difference: {on_total} vs {off_total}");
+    // A budget between the two: auto fits by dropping caches, on is refused.
+    let budget = format!("{}", (off_total + on_total) / 2);
+    let mut tight = args("auto");
+    tight.extend(["--device-memory", &budget]);
+    let auto = plan_json(&tight)?;
+    let (kept, dropped) = cache_bytes(&auto)?;
+    ensure!(dropped > 0 && kept + dropped == 2 * weights, "auto drops some to fit: kept {kept}, dropped {dropped}");
+    let mut refused = vec!["plan"];
+    refused.extend(args("on"));
+    refused.extend(["--device-memory", &budget]);
+    assert_usage_error(&refused, &["does not fit"])?;
+    assert_usage_error(&["plan", "--model", MLP, "--weight-cache", "sometimes"], &["--weight-cache", "sometimes"])?;
+    assert_usage_error(
+        &["train", "--model", MLP, "--steps", "1", "--weight-cache", "sometimes"],
+        &["--weight-cache", "auto, on or off"],
+    )
+}

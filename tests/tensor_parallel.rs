@@ -59,6 +59,7 @@ fn config(kind: ScheduleKind) -> PipelineConfig {
         seed: 11,
         core_slots: Default::default(),
         precision: Default::default(),
+        weight_cache: Default::default(),
     }
 }
 

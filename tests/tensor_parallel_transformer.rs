@@ -175,6 +175,7 @@ fn the_planner_splits_the_transformer_and_checkpoints_keep_pytorch_names() {
         seed: 11,
         core_slots: Default::default(),
         precision: Default::default(),
+        weight_cache: Default::default(),
     };
     let devices: Vec<Device> = (0..4).map(Device::cpu).collect();
     let (plan, mut planned) = build_trainer_tensor_parallel(&spec(), 3, devices, 2, &config).unwrap();

@@ -34,6 +34,7 @@ pub struct PlanArgs {
     pub batch: usize,
     pub chunks: usize,
     pub recompute: Recompute,
+    pub weight_cache: conveyor::engine::placement::WeightCache,
     pub precision: conveyor::spec::Precision,
     pub placement: String,
     pub data_parallel: usize,
@@ -134,6 +135,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         seed: 0,
         core_slots: Default::default(),
         precision: args.precision,
+        weight_cache: args.weight_cache,
     };
     if args.tensor_parallel > 1 {
         return super::plan_tp::run(&args, &spec, &devices, &config, budget);
@@ -273,6 +275,7 @@ pub(super) fn plan_json(
         "predicted_step_s": report.makespan_s,
         "predicted_bubble_fraction": report.bubble_fraction,
         "recompute": recompute_name(args.recompute),
+        "weight_cache": args.weight_cache.name(),
         "device_peak_bytes": plan.device_peaks(n_devices).iter().map(|d| d[0]).collect::<Vec<_>>(),
         "memory_notes": memory_notes(plan),
     })
@@ -295,7 +298,7 @@ pub(super) fn print_table(
 ) {
     let placement = if args.placement == "auto" { "automatic placement".to_string() } else { args.placement.clone() };
     outln!(
-        "conveyor plan: {} on {} ({} stages), {}{}, {} micro-batches of {micro_batch_rows} rows, {}, recompute {}; {placement}",
+        "conveyor plan: {} on {} ({} stages), {}{}, {} micro-batches of {micro_batch_rows} rows, {}, recompute {}, weight cache {}; {placement}",
         args.model,
         args.devices,
         plan.stages.len(),
@@ -304,6 +307,7 @@ pub(super) fn print_table(
         args.microbatches,
         args.optimizer,
         recompute_name(args.recompute),
+        args.weight_cache,
     );
     let header = [
         "stage",

@@ -154,6 +154,7 @@ pub fn resolve_for_train(mut spec: conveyor::RunSpec) -> anyhow::Result<conveyor
         seed: spec.training.seed,
         core_slots: pipeline.core_slots,
         precision: spec.training.precision,
+        weight_cache: pipeline.weight_cache,
     };
     // Under an MPI launcher every rank chooses for itself: FLOP estimates, not this rank's
     // timings, so that every rank makes the same choice.

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use conveyor::RunSpec;
+use conveyor::engine::placement::WeightCache;
 use conveyor::engine::runtime::Recompute;
 use conveyor::schedules::ScheduleKind;
 use conveyor::spec::{PlacementSpec, Precision};
@@ -53,6 +54,10 @@ pub struct PlanFlags {
     /// forward and backward) [default: never].
     #[arg(long, value_name = "MODE")]
     pub recompute: Option<Recompute>,
+    /// Which packed weight copies the stages keep, as `train --weight-cache`: auto (where the
+    /// memory plan has room), on (all) or off (none) [default: auto].
+    #[arg(long, value_name = "MODE")]
+    pub weight_cache: Option<WeightCache>,
     /// Number format of activations, as `train --precision`: f32, bf16 or f16 (the memory plan
     /// counts half-typed activations at 2 bytes) [default: f32].
     #[arg(long, value_name = "NAME")]
@@ -156,6 +161,7 @@ impl PlanFlags {
             batch: self.batch.or(spec.as_ref().map(|s| s.training.batch)).unwrap_or(64),
             chunks,
             recompute: self.recompute.or(pipeline.map(|p| p.recompute)).unwrap_or(Recompute::Never),
+            weight_cache: self.weight_cache.or(pipeline.map(|p| p.weight_cache)).unwrap_or_default(),
             precision: match &self.precision {
                 Some(text) => text.parse::<Precision>().map_err(|why| usage(format!("--precision {why}")))?,
                 None => spec.as_ref().map(|s| s.training.precision).unwrap_or_default(),

@@ -62,6 +62,7 @@ mod validate;
 
 use std::path::PathBuf;
 
+use conveyor_engine::placement::WeightCache;
 use conveyor_engine::runtime::{CoreSlotPolicy, Recompute, ReplicaShares};
 use conveyor_schedules::ScheduleKind;
 use serde::{Deserialize, Serialize};
@@ -204,6 +205,10 @@ pub struct PipelineSection {
     /// `core_slots` (`--core-slots`): auto, off or a number. Default auto.
     #[serde(with = "toml::text")]
     pub core_slots: CoreSlotPolicy,
+    /// `weight_cache` (`--weight-cache`): auto, on or off, which packed weight copies the stages
+    /// keep. Default auto.
+    #[serde(with = "toml::text")]
+    pub weight_cache: WeightCache,
 }
 
 impl Default for PipelineSection {
@@ -223,6 +228,7 @@ impl Default for PipelineSection {
             microbatches: 8,
             recompute: Recompute::Never,
             core_slots: CoreSlotPolicy::Auto,
+            weight_cache: WeightCache::Auto,
         }
     }
 }

@@ -103,6 +103,7 @@ impl RunSpec {
             seed: training.seed,
             core_slots: pipeline.core_slots,
             precision: training.precision,
+            weight_cache: pipeline.weight_cache,
         };
         let replicas = pipeline.data_parallel;
         let data_parallel = DataParallel {

@@ -5,6 +5,7 @@
 use std::io::Read;
 use std::path::Path;
 
+use conveyor_engine::placement::WeightCache;
 use conveyor_engine::runtime::{CoreSlotPolicy, Recompute, ReplicaShares};
 use conveyor_schedules::ScheduleKind;
 use serde::{Deserialize, Deserializer, Serializer};
@@ -34,6 +35,7 @@ const FLAGS: &[(&str, &str)] = &[
     ("pipeline.microbatches", "--microbatches"),
     ("pipeline.recompute", "--recompute"),
     ("pipeline.core_slots", "--core-slots"),
+    ("pipeline.weight_cache", "--weight-cache"),
     ("training.batch", "--batch"),
     ("training.steps", "--steps"),
     ("training.epochs", "--epochs"),
@@ -221,6 +223,15 @@ impl SpecText for CoreSlotPolicy {
             CoreSlotPolicy::Off => "off".to_string(),
             CoreSlotPolicy::Slots(n) => n.to_string(),
         }
+    }
+    fn from_text(text: &str) -> Result<Self, String> {
+        text.parse().map_err(reason)
+    }
+}
+
+impl SpecText for WeightCache {
+    fn to_text(&self) -> String {
+        self.name().to_string()
     }
     fn from_text(text: &str) -> Result<Self, String> {
         text.parse().map_err(reason)

@@ -223,6 +223,7 @@ pub(super) fn per_shard_fault_trainer(n: usize) -> Result<Trainer> {
         seed: 0,
         core_slots: Default::default(),
         precision: Default::default(),
+        weight_cache: Default::default(),
     };
     let devices = (0..n).map(Device::cpu).collect();
     Ok(conveyor::pipeline::build_trainer_tensor_parallel(&spec, 0, devices, n / 2, &config)?.1)

@@ -116,6 +116,8 @@ pub struct PlanConfig {
     /// as Linear's packed weights). True by default; false when every Linear and Conv will be
     /// split over a tensor-parallel group, whose shards keep no such copies.
     pub count_workspace: bool,
+    /// Which derived caches (Linear's packed weights) the stages keep ([`WeightCache`]).
+    pub weight_cache: WeightCache,
     /// Activation recomputation of every stage (what a stage keeps between forward and backward).
     pub recompute: Recompute,
     /// Keep the commit's undo snapshot (a copy of the stage's parameters and optimizer state)
@@ -125,6 +127,50 @@ pub struct PlanConfig {
     /// wait for each stage ([`PlanConfig::with_schedule`]); without it, a stand-in built from the
     /// in-flight counts.
     pub schedule: Option<Arc<ScheduleMemory>>,
+}
+
+/// Which copies derived from parameters (Linear's packed weights: two per Linear, each as large
+/// as its weight, which make its products faster) the stages keep (`--weight-cache`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightCache {
+    /// Keep each one where the stage's memory has room after everything else, the most used
+    /// (largest FLOPs) first; drop the rest.
+    #[default]
+    Auto,
+    /// Keep every one; a stage they push over its budget does not fit.
+    On,
+    /// Keep none: less memory, slower products.
+    Off,
+}
+
+impl WeightCache {
+    /// The flag's value (`auto`, `on`, `off`).
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightCache::Auto => "auto",
+            WeightCache::On => "on",
+            WeightCache::Off => "off",
+        }
+    }
+}
+
+impl std::fmt::Display for WeightCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for WeightCache {
+    type Err = Error;
+
+    fn from_str(text: &str) -> Result<WeightCache> {
+        match text {
+            "auto" => Ok(WeightCache::Auto),
+            "on" => Ok(WeightCache::On),
+            "off" => Ok(WeightCache::Off),
+            other => Err(Error::invalid("weight cache", format!("`{other}`: use auto, on or off"))),
+        }
+    }
 }
 
 impl PlanConfig {
@@ -142,6 +188,7 @@ impl PlanConfig {
             optimizer,
             link,
             count_workspace: true,
+            weight_cache: WeightCache::Auto,
             recompute: Recompute::Never,
             commit_snapshot: true,
             schedule: None,
@@ -666,7 +713,13 @@ impl NodeCosts {
             by_flops.sort_by(|&a, &b| node_flops(b).total_cmp(&node_flops(a)).then(a.cmp(&b)));
             for j in by_flops {
                 let bytes = self.workspace_bytes[start + j];
-                if fits(&members, &[bytes]) {
+                let keep = match config.weight_cache {
+                    WeightCache::Auto => fits(&members, &[bytes]),
+                    // Kept whether or not they fit: a stage they push over its budget does not fit.
+                    WeightCache::On => true,
+                    WeightCache::Off => false,
+                };
+                if keep {
                     members[0].workspace += bytes;
                     derived_caches[j] = true;
                 } else {

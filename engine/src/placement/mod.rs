@@ -30,7 +30,9 @@ mod profile;
 
 pub use auto::{place_automatically, place_with_costs};
 pub use auto_schedule::{PlannedCandidate, ScheduleCandidate, ScheduleChoice, choose_schedule, predicted_costs};
-pub use cost::{DeviceSpec, Link, NodeCosts, OptimizerMemory, PlanConfig, StageMemory, format_bytes, format_seconds};
+pub use cost::{
+    DeviceSpec, Link, NodeCosts, OptimizerMemory, PlanConfig, StageMemory, WeightCache, format_bytes, format_seconds,
+};
 pub use data_parallel::{ReplicaPlan, ReplicaStage, replica_plan, zero_owners};
 pub use file::{MAX_PLACEMENT_FILE_BYTES, MAX_STAGES, PlacementFileProblem, parse_placement, read_placement_file};
 pub(crate) use fit::DoesNotFitMessage;

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use conveyor_schedules::{CostModel, Schedule, ScheduleKind, StageCosts, simulate};
 
 use super::{
-    DeviceSpec, Link, NodeCosts, OptimizerMemory, Plan, PlanConfig, format_bytes, measure_node_memory,
+    DeviceSpec, Link, NodeCosts, OptimizerMemory, Plan, PlanConfig, WeightCache, format_bytes, measure_node_memory,
     measure_node_memory_at, place_manually_with_costs, place_with_costs, profile_graph, read_placement_file,
 };
 use crate::graph::{Graph, NodeId};
@@ -44,6 +44,8 @@ pub struct PipelineConfig {
     /// The autocast policy ([`crate::Precision`]): the memory plan measures each layer under it,
     /// so half-typed activations count at their bytes.
     pub precision: crate::Precision,
+    /// Which packed weight copies the stages keep ([`WeightCache`]).
+    pub weight_cache: WeightCache,
 }
 
 /// What automatic placement balances.
@@ -172,6 +174,7 @@ pub fn planner_inputs_for(devices: &[Device], config: &PipelineConfig) -> Result
         optimizer_memory(&config.optimizer),
     )?;
     plan_config.recompute = config.recompute;
+    plan_config.weight_cache = config.weight_cache;
     Ok((specs, plan_config))
 }
 

@@ -214,6 +214,7 @@ impl TrainerBuilder {
             seed: self.seed,
             core_slots: self.core_slots,
             precision: self.precision,
+            weight_cache: Default::default(),
         };
         plan_placement(&self.graph, &self.devices, &config, placement)
     }

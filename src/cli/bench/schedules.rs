@@ -53,6 +53,7 @@ fn measure(bench: &Bench, kind: ScheduleKind, n_devices: usize, n_micro_batches:
         seed: 0,
         core_slots: Default::default(),
         precision: Default::default(),
+        weight_cache: Default::default(),
     };
     let devices: Vec<Device> = (0..n_devices).map(Device::cpu).collect();
     let graph = mlp(&DIMS, 0).map_err(|e| e.to_string())?;

@@ -149,6 +149,12 @@ pub struct TrainArgs {
     /// [default: auto]
     #[arg(long)]
     pub core_slots: Option<String>,
+    /// Which packed weight copies the stages keep (two per Linear, each as large as its weight,
+    /// for faster products): auto (where the memory plan has room, the most used first), on
+    /// (all; a stage they push over its budget does not fit) or off (none).
+    /// [default: auto]
+    #[arg(long)]
+    pub weight_cache: Option<String>,
     /// How the pipeline's devices reach each other: `in-process` (threads of this process), `mpi`
     /// (this process is one rank of `mpirun -n P conveyor train ...`, one rank per pipeline device, or per device with --tensor-parallel;
     /// needs a build with `--features mpi`), or `auto`: MPI when an MPI launcher started this
@@ -296,6 +302,9 @@ impl TrainArgs {
         }
         if let Some(text) = &self.core_slots {
             pipeline.core_slots = text.parse().map_err(|e| usage(format!("--core-slots {}", reason(e))))?;
+        }
+        if let Some(text) = &self.weight_cache {
+            pipeline.weight_cache = text.parse().map_err(|e| usage(format!("--weight-cache {}", reason(e))))?;
         }
         let training = &mut spec.training;
         set(&mut training.batch, &self.batch);
