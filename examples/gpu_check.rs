@@ -233,6 +233,12 @@ fn rel_diffs(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> (f64, f64) {
     (normwise, elementwise)
 }
 
+/// A row that could not train: the first 110 characters of why.
+fn print_failure(model: &str, label: &str, precision: &str, error: &anyhow::Error) {
+    let why: String = format!("{error:#}").chars().take(110).collect();
+    println!("{model:<24} {label:<12} {precision:<9} {:>10} {:>10} {:>12} {:>9}  FAIL: {why}", "-", "-", "-", "-");
+}
+
 /// One whole GPU (`cuda:N`), the placement PyTorch's column and the precision rows are for.
 fn whole_gpu(label: &str) -> bool {
     label.starts_with("cuda") && !label.contains([',', 'x'])
@@ -366,11 +372,7 @@ fn main() -> Result<()> {
                     }
                     Err(error) => {
                         failures += 1;
-                        let why: String = format!("{error:#}").chars().take(110).collect();
-                        println!(
-                            "{model:<24} {label:<12} {name:<9} {:>10} {:>10} {:>12} {:>9}  FAIL: {why}",
-                            "-", "-", "-", "-"
-                        );
+                        print_failure(model, label, &name, &error);
                     }
                 }
             }
@@ -413,11 +415,7 @@ fn main() -> Result<()> {
                     }
                     Err(error) => {
                         failures += 1;
-                        let why: String = format!("{error:#}").chars().take(110).collect();
-                        println!(
-                            "{model:<24} {row:<12} {:<9} {:>10} {:>10} {:>12} {:>9}  FAIL: {why}",
-                            "f32", "-", "-", "-", "-"
-                        );
+                        print_failure(model, &row, "f32", &error);
                     }
                 }
             }
