@@ -155,6 +155,9 @@ impl<'scope> BucketReducer<'scope> {
     /// aborts the replica group so that no wait for a peer outlives the step, and puts every
     /// gradient back. The group is recovered or rebuilt with the others after the abandoned step.
     pub(crate) fn abandon(mut self, stages: &mut [Stage]) {
+        // Gradients gathered for a bucket not yet launched come back too (they were lost before,
+        // leaving their nodes without gradients for the next step).
+        let pending = std::mem::take(&mut self.queue.pending.items);
         self.queue.sender = None;
         match self.comm {
             GroupComm::InProcess(handle) => handle.abort_handle().abort(handle.rank(), "the step was abandoned"),
@@ -163,6 +166,7 @@ impl<'scope> BucketReducer<'scope> {
         }
         let returned = join(self.thread);
         let _ = put_back(stages, returned.items);
+        let _ = put_back(stages, pending);
     }
 }
 
