@@ -21,6 +21,7 @@ pub mod output_file;
 pub mod placement;
 mod precision;
 pub mod runtime;
+pub mod strategies;
 mod shape;
 mod tensor;
 pub mod testing;

@@ -432,6 +432,7 @@ impl TrainerBuilder {
             fault_replica: None,
             stall: None,
             poisoned: None,
+            gradients_only: false,
             graph: self.graph,
             param_order,
             plan,

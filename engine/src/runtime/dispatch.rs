@@ -210,6 +210,7 @@ impl Trainer {
                 use_core_slots: slots_this_step.is_some(),
                 micro_batch_offset: replica * n_micro_batches,
                 bucket_bytes: self.bucket_bytes,
+                apply: !self.gradients_only,
                 precision: self.precision,
                 loss_scale: match (&self.loss_scaler, training) {
                     (Some(scaler), true) => scaler.scale(),

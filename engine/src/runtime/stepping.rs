@@ -144,6 +144,43 @@ impl Trainer {
         self.train_on(&batch.inputs, &batch.targets)
     }
 
+    /// The step's gradients without the update: runs the forward and backward passes of
+    /// [`Trainer::step`] on `batch` (replicas summed, tied parameters summed, f16 loss scale
+    /// removed) and returns the report with every parameter's gradient, as
+    /// `(node.param, tensor)` in [`Trainer::parameters`]' order, on the host. No parameter and no
+    /// optimizer state changes; [`Trainer::step_idx`] advances (dropout masks differ per step).
+    /// Gradients are unclipped. Strategies that exchange gradients themselves (a parameter
+    /// server, asynchronous SGD: [`crate::strategies`]) compute them with this.
+    ///
+    /// Layouts with tensor-parallel shards are refused (their gradients are not gathered yet).
+    ///
+    /// ```
+    #[doc = include_str!("doc_model.md")]
+    /// let mut trainer = model()?; // y = w x, w = 0, squared error
+    /// let before = trainer.parameters()?;
+    /// let (report, grads) = trainer.gradient_step(data(8, 1)?)?;
+    /// assert!(report.loss > 0.0);
+    /// assert_eq!(grads.len(), before.len());
+    /// assert!(grads[0].1.to_vec_f32().iter().any(|g| *g != 0.0));
+    /// assert!(trainer.parameters()?[0].1.bit_eq(&before[0].1)); // nothing applied
+    /// # Ok::<(), conveyor_engine::Error>(())
+    /// ```
+    pub fn gradient_step(&mut self, batch: impl Into<Batch>) -> Result<(StepReport, Vec<(String, Tensor)>)> {
+        if self.tensor_parallel() > 1 {
+            return Err(Error::invalid(
+                "gradient_step",
+                "gradients of tensor-parallel layouts are not gathered; use a layout without --tensor-parallel",
+            ));
+        }
+        let batch = batch.into();
+        self.gradients_only = true;
+        let outcome = self.dispatch(&batch.inputs, Some(&batch.targets), true);
+        self.gradients_only = false;
+        let report = outcome?.report;
+        self.step_idx += 1;
+        Ok((report, self.gradients()?))
+    }
+
     /// Trains on every batch `batches` yields, in order, calling `on_step` with each step's report;
     /// stops when the iterator runs out or `on_step` returns [`ControlFlow::Break`] (a callback
     /// that only logs returns `()`: `|report| println!("{}", report.loss)`; see [`StepControl`]).

@@ -378,6 +378,9 @@ pub struct Trainer {
     pub(super) precision: crate::Precision,
     /// The dynamic loss scale under f16 ([`TrainerBuilder::loss_scale`]); `None` otherwise.
     pub(super) loss_scaler: Option<crate::LossScaler>,
+    /// Set while [`Trainer::gradient_step`] dispatches: the step stops after its vote, applying
+    /// nothing, and leaves its gradients on the workers.
+    pub(super) gradients_only: bool,
 }
 
 /// Under [`CoreSlotPolicy::Auto`], the smallest mean compute op (flops of one F, B or W of a

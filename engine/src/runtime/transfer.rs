@@ -102,6 +102,29 @@ impl Trainer {
         Ok(gathered)
     }
 
+    /// The gradients the last step left in the stages, named and ordered as
+    /// [`Trainer::parameters`], on the host (see [`Trainer::gradient_step`]).
+    pub(super) fn gradients(&self) -> Result<Vec<(String, Tensor)>> {
+        let parts = self.on_first_replica(move |stages| -> Result<Vec<(String, Tensor)>> {
+            let mut out = Vec::new();
+            for stage in stages.iter() {
+                for node in &stage.nodes {
+                    for (param, grad) in node.layer.parameters().iter().zip(&node.grads) {
+                        out.push((format!("{}.{}", node.name, param.name), grad.to_device(&crate::Device::host())?));
+                    }
+                }
+            }
+            Ok(out)
+        })?;
+        let mut gathered = Vec::new();
+        for part in parts {
+            gathered.extend(part?);
+        }
+        let mut gathered = self.gather_named(gathered)?;
+        gathered.sort_by_key(|(name, _)| self.param_order.iter().position(|o| o == name).unwrap_or(usize::MAX));
+        Ok(gathered)
+    }
+
     /// This rank's named tensors joined with every other rank's (rank order); with one rank, as
     /// they are. Every rank must call it at the same point (a collective).
     /// With a rank per tensor-parallel shard, only shard 0's ranks contribute: the other shards'

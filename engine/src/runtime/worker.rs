@@ -90,6 +90,9 @@ pub(crate) struct StepJob {
     /// With data-parallel replicas: the gradient buckets' size, or `None` to all-reduce every
     /// gradient at the optimizer step ([`super::TrainerBuilder::bucket_size`]).
     pub bucket_bytes: Option<usize>,
+    /// Whether the commit applies the optimizer; false for [`super::Trainer::gradient_step`],
+    /// which stops after the vote and leaves the step's gradients in the stages.
+    pub apply: bool,
     /// The autocast policy the layers run under ([`super::TrainerBuilder::precision`]).
     pub precision: crate::Precision,
     /// The loss scale of this step (f16 training; 1 otherwise): the loss gradient is multiplied
@@ -471,6 +474,9 @@ fn execute(
                     let losses = std::mem::take(&mut losses);
                     let _ = reports.send(Report::Ready { device_idx, losses, sum_of_squares, non_finite });
                     let commit = seat.wait_for(&job.commit, &job.abort)?;
+                    if !job.apply {
+                        continue;
+                    }
                     rec.take_core(&mut seat, None, None, &job.abort)?;
                     // Apply: from here this worker's stages may hold the update until the step ends; a
                     // failure anywhere then rolls every stage back (`needs_rollback`).

@@ -1,0 +1,587 @@
+//! [`SyncTrainer`]: `R` worker replicas trained under one [`super::SyncStrategy`], each worker a
+//! thread driving its own [`Trainer`] (gradients only), server shards threads of their own.
+use std::time::Instant;
+
+use crossbeam::channel::{self, Sender};
+
+use super::compress::{self, Compression, Compressor};
+use super::links::{Abort, Action, Clocks, Exchange, RunStats, Turnstile};
+use super::server::{Pulled, ServerShard, ToServer, mean_in_order};
+use super::{Interleaving, StrategyConfig, SyncStrategy};
+use crate::optim::{Optimizer, OptimizerConfig};
+use crate::runtime::{Batch, Evaluation, Trainer};
+use crate::{Device, Error, Result, Shape, Tensor};
+
+/// What one step (every worker's step of that index) did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepRecord {
+    /// The step's index since training began.
+    pub step: usize,
+    /// The mean of the workers' losses (each on its share of the step's batch).
+    pub loss: f64,
+    /// Bytes sent in the step by workers and servers (see `README.md` for how each exchange is
+    /// counted).
+    pub bytes: u64,
+    /// Updates a server applied between a worker's pull and its push, over the step's pushes:
+    /// mean (0 for synchronous strategies).
+    pub staleness_mean: f64,
+    /// The largest staleness of the step's pushes.
+    pub staleness_max: u64,
+    /// Seconds from the run's start until the last worker finished the step.
+    pub elapsed_s: f64,
+}
+
+/// A worker's own state, kept across runs.
+#[derive(Debug)]
+struct WorkerState {
+    /// Its copy of the parameters (all strategies but the servers', whose copy is what it pulls).
+    params: Vec<Tensor>,
+    /// Its optimizer: `allreduce`, `average:K`, and Downpour's local updates.
+    optimizer: Option<Optimizer>,
+    compressor: Compressor,
+    /// `average:K`: the parameters at the last average.
+    anchor: Vec<Tensor>,
+    /// Downpour: gradients accumulated since the last push.
+    accumulated: Vec<Vec<f32>>,
+    /// Per server shard, the version of its last pull.
+    pulled: Vec<u64>,
+}
+
+/// Replicas trained under a data-parallel strategy; see the module documentation.
+pub struct SyncTrainer {
+    config: StrategyConfig,
+    replicas: Vec<Trainer>,
+    names: Vec<String>,
+    shapes: Vec<Shape>,
+    workers: Vec<WorkerState>,
+    servers: Vec<ServerShard>,
+    step: usize,
+    turns: Vec<u16>,
+    bytes_sent: u64,
+}
+
+impl std::fmt::Debug for SyncTrainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SyncTrainer")
+            .field("config", &self.config)
+            .field("replicas", &self.replicas.len())
+            .field("step", &self.step)
+            .field("bytes_sent", &self.bytes_sent)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SyncTrainer {
+    /// `replicas` (built alike, from one seed, each on its own devices) trained under `config`,
+    /// every update by `optimizer` (the replicas' own optimizers are not used).
+    pub fn new(replicas: Vec<Trainer>, optimizer: OptimizerConfig, config: StrategyConfig) -> Result<SyncTrainer> {
+        config.validate()?;
+        optimizer.validate()?;
+        let Some(first) = replicas.first() else {
+            return Err(Error::invalid("replicas", "a data-parallel strategy needs at least one replica"));
+        };
+        if replicas.len() > usize::from(u16::MAX) {
+            return Err(Error::invalid("replicas", format!("at most {} replicas, got {}", u16::MAX, replicas.len())));
+        }
+        let initial = first.parameters()?;
+        for (r, replica) in replicas.iter().enumerate().skip(1) {
+            let theirs = replica.parameters()?;
+            let same = theirs.len() == initial.len()
+                && theirs.iter().zip(&initial).all(|((n1, t1), (n2, t2))| n1 == n2 && t1.bit_eq(t2));
+            if !same {
+                return Err(Error::invalid(
+                    "replicas",
+                    format!(
+                        "replica {r} does not start from replica 0's parameters: build every replica from one seed"
+                    ),
+                ));
+            }
+        }
+        let names: Vec<String> = initial.iter().map(|(n, _)| n.clone()).collect();
+        let shapes: Vec<Shape> = initial.iter().map(|(_, t)| t.shape().clone()).collect();
+        let params: Vec<Tensor> =
+            initial.into_iter().map(|(_, t)| t.to_device(&Device::host())).collect::<Result<_>>()?;
+        let shards = config.sync.server_shards().unwrap_or(0).min(params.len().max(1));
+        let servers =
+            (0..shards).map(|s| ServerShard::new(s, shards, &params, &optimizer)).collect::<Result<Vec<_>>>()?;
+        let keeps_optimizer = !matches!(config.sync, SyncStrategy::ParameterServer { .. } | SyncStrategy::Ssp { .. });
+        let workers = (0..replicas.len())
+            .map(|w| {
+                Ok(WorkerState {
+                    params: clone_all(&params)?,
+                    optimizer: if keeps_optimizer { Some(Optimizer::new(optimizer, params.len())?) } else { None },
+                    compressor: Compressor::new(config.compress, config.seed.wrapping_add(w as u64)),
+                    anchor: if matches!(config.sync, SyncStrategy::Average { .. }) {
+                        clone_all(&params)?
+                    } else {
+                        Vec::new()
+                    },
+                    accumulated: Vec::new(),
+                    pulled: vec![0; shards],
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(SyncTrainer { config, replicas, names, shapes, workers, servers, step: 0, turns: Vec::new(), bytes_sent: 0 })
+    }
+
+    /// The strategy's settings.
+    pub fn config(&self) -> &StrategyConfig {
+        &self.config
+    }
+
+    /// Steps every worker has taken.
+    pub fn step_idx(&self) -> usize {
+        self.step
+    }
+
+    /// The turns of every pull and push so far, in order (deterministic runs; empty otherwise):
+    /// what [`Interleaving::Replay`] takes to replay the run.
+    pub fn interleaving(&self) -> &[u16] {
+        &self.turns
+    }
+
+    /// Bytes sent since training began.
+    pub fn bytes_sent(&self) -> u64 {
+        self.bytes_sent
+    }
+
+    /// The model the strategy stands for: the servers' parameters, worker 0's (`allreduce`, where
+    /// all are equal) or the workers' mean (`average:K`), named as [`Trainer::parameters`].
+    pub fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        let values: Vec<Tensor> = match self.config.sync {
+            SyncStrategy::AllReduce => clone_all(&self.workers[0].params)?,
+            SyncStrategy::Average { .. } => {
+                let per_worker: Vec<Vec<Vec<f32>>> =
+                    self.workers.iter().map(|w| w.params.iter().map(Tensor::to_vec_f32).collect()).collect();
+                self.tensors(mean_in_order(per_worker))?
+            }
+            _ => {
+                let mut values: Vec<Option<Tensor>> = (0..self.names.len()).map(|_| None).collect();
+                for shard in &self.servers {
+                    for (&i, p) in shard.tensors.iter().zip(&shard.params) {
+                        values[i] = Some(p.try_clone()?);
+                    }
+                }
+                values
+                    .into_iter()
+                    .map(|v| v.ok_or_else(|| Error::invalid("servers", "a tensor no shard owns")))
+                    .collect::<Result<_>>()?
+            }
+        };
+        Ok(self.names.iter().cloned().zip(values).collect())
+    }
+
+    /// Evaluates the model the strategy stands for ([`SyncTrainer::parameters`]) on `batch`, on
+    /// replica 0 (whose own parameters are put back after).
+    pub fn evaluate(&mut self, batch: impl Into<Batch>) -> Result<Evaluation> {
+        let consensus = self.parameters()?;
+        let own = self.replicas[0].parameters()?;
+        self.replicas[0].load_parameters(consensus)?;
+        let evaluation = self.replicas[0].evaluate(batch);
+        self.replicas[0].load_parameters(own)?;
+        evaluation
+    }
+
+    fn tensors(&self, values: Vec<Vec<f32>>) -> Result<Vec<Tensor>> {
+        values.into_iter().zip(&self.shapes).map(|(v, s)| Tensor::from_vec(v, s.clone(), &Device::host())).collect()
+    }
+
+    /// Runs `steps` steps on every worker; `batches(step, worker)` gives each worker its part of
+    /// the step's batch. Asynchronous workers run free within the run and meet at its end.
+    pub fn run(
+        &mut self,
+        steps: usize,
+        batches: &(dyn Fn(usize, usize) -> Result<Batch> + Sync),
+    ) -> Result<Vec<StepRecord>> {
+        let start = self.step;
+        let n_workers = self.replicas.len();
+        let stats = RunStats::new(start, steps);
+        let abort = Abort::default();
+        let exchange = Exchange::new(n_workers);
+        let clocks = Clocks::new(n_workers, start);
+        let sync = self.config.sync;
+        let turnstile = match (&self.config.interleaving, sync.is_asynchronous()) {
+            (Interleaving::Free, _) | (_, false) => None,
+            (interleaving, true) => {
+                let actions = (0..n_workers).map(|_| actions_of(sync, start, steps)).collect();
+                let staleness = if let SyncStrategy::Ssp { staleness } = sync { Some(staleness) } else { None };
+                Some(Turnstile::new(interleaving, actions, start, staleness, self.turns.len()))
+            }
+        };
+        let shared = Shared {
+            sync,
+            compression: self.config.compress,
+            n_workers,
+            names: &self.names,
+            shapes: &self.shapes,
+            stats: &stats,
+            abort: &abort,
+            exchange: &exchange,
+            clocks: &clocks,
+            turnstile: turnstile.as_ref(),
+            started: Instant::now(),
+            batches,
+        };
+        let errors: Vec<Error> = std::thread::scope(|scope| {
+            let mut server_txs = Vec::new();
+            let mut servers = Vec::new();
+            let sync_workers = matches!(sync, SyncStrategy::ParameterServer { .. }).then_some(n_workers);
+            for shard in self.servers.iter_mut() {
+                let (tx, rx) = channel::unbounded();
+                server_txs.push(tx);
+                let (stats, abort, compression) = (&stats, &abort, self.config.compress);
+                servers.push(scope.spawn(move || {
+                    let result = shard.serve(rx, sync_workers, compression, stats, abort);
+                    if result.is_err() {
+                        abort.raise();
+                    }
+                    result
+                }));
+            }
+            let workers: Vec<_> = self
+                .replicas
+                .iter_mut()
+                .zip(self.workers.iter_mut())
+                .enumerate()
+                .map(|(w, (trainer, state))| {
+                    let txs = server_txs.clone();
+                    let shared = &shared;
+                    scope.spawn(move || {
+                        let result =
+                            (start..start + steps).try_for_each(|t| shared.worker_step(w, t, trainer, state, &txs));
+                        if result.is_err() {
+                            shared.abort.raise();
+                        }
+                        shared.clocks.leave(w);
+                        result
+                    })
+                })
+                .collect();
+            drop(server_txs);
+            let mut errors = Vec::new();
+            for handle in workers.into_iter().chain(servers) {
+                match handle.join() {
+                    Ok(Ok(())) => {}
+                    Ok(Err(error)) => errors.push(error),
+                    Err(payload) => errors
+                        .push(Error::invalid("strategy worker", format!("a worker panicked: {}", panic_text(payload)))),
+                }
+            }
+            errors
+        });
+        if let Some(turnstile) = turnstile {
+            self.turns.extend(turnstile.into_record());
+        }
+        if !errors.is_empty() {
+            // The first failure, not the stops it caused elsewhere.
+            let first =
+                errors.iter().position(|e| !e.to_string().contains("another worker or server failed")).unwrap_or(0);
+            return Err(errors.into_iter().nth(first).expect("non-empty"));
+        }
+        self.step += steps;
+        let records: Vec<StepRecord> = stats
+            .steps
+            .into_inner()
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| StepRecord {
+                step: start + i,
+                loss: s.loss_sum / s.losses.max(1) as f64,
+                bytes: s.bytes,
+                staleness_mean: if s.pushes == 0 { 0.0 } else { s.staleness_sum as f64 / s.pushes as f64 },
+                staleness_max: s.staleness_max,
+                elapsed_s: s.finished_s,
+            })
+            .collect();
+        self.bytes_sent += records.iter().map(|r| r.bytes).sum::<u64>();
+        Ok(records)
+    }
+}
+
+/// A worker's pulls and pushes, in order, for the steps `start..start + steps` of an
+/// asynchronous strategy (what the turnstile orders).
+fn actions_of(sync: SyncStrategy, start: usize, steps: usize) -> Vec<Action> {
+    let mut actions = Vec::new();
+    for t in start..start + steps {
+        match sync {
+            SyncStrategy::Downpour { fetch_every, push_every } => {
+                if t.is_multiple_of(fetch_every) {
+                    actions.push(Action::Pull { step: t });
+                }
+                if (t + 1).is_multiple_of(push_every) {
+                    actions.push(Action::Push { step: t });
+                }
+            }
+            SyncStrategy::Ssp { .. } => actions.extend([Action::Pull { step: t }, Action::Push { step: t }]),
+            _ => {}
+        }
+    }
+    actions
+}
+
+/// What every worker of a run reads.
+struct Shared<'a> {
+    sync: SyncStrategy,
+    compression: Compression,
+    n_workers: usize,
+    names: &'a [String],
+    shapes: &'a [Shape],
+    stats: &'a RunStats,
+    abort: &'a Abort,
+    exchange: &'a Exchange,
+    clocks: &'a Clocks,
+    turnstile: Option<&'a Turnstile>,
+    started: Instant,
+    batches: &'a (dyn Fn(usize, usize) -> Result<Batch> + Sync),
+}
+
+impl Shared<'_> {
+    fn worker_step(
+        &self,
+        w: usize,
+        t: usize,
+        trainer: &mut Trainer,
+        state: &mut WorkerState,
+        servers: &[Sender<ToServer>],
+    ) -> Result<()> {
+        self.abort.check()?;
+        let batch = (self.batches)(t, w)?;
+        let loss = match self.sync {
+            SyncStrategy::AllReduce => {
+                let (report, grads) = trainer.gradient_step(batch)?;
+                let mean = self.average_over_workers(w, t, &mut state.compressor, &values_of(&grads))?;
+                step_optimizer(state, self.shapes, &mean)?;
+                load(trainer, self.names, &state.params)?;
+                report.loss
+            }
+            SyncStrategy::Average { every } => {
+                let (report, grads) = trainer.gradient_step(batch)?;
+                step_optimizer(state, self.shapes, &values_of(&grads))?;
+                if (t + 1).is_multiple_of(every) {
+                    let deltas: Vec<Vec<f32>> = state
+                        .params
+                        .iter()
+                        .zip(&state.anchor)
+                        .map(|(p, a)| p.to_vec_f32().iter().zip(a.to_vec_f32()).map(|(p, a)| p - a).collect())
+                        .collect();
+                    let mean = self.average_over_workers(w, t, &mut state.compressor, &deltas)?;
+                    let averaged: Vec<Vec<f32>> = state
+                        .anchor
+                        .iter()
+                        .zip(mean)
+                        .map(|(a, d)| a.to_vec_f32().iter().zip(d).map(|(a, d)| a + d).collect())
+                        .collect();
+                    state.params = host_tensors(averaged, self.shapes)?;
+                    state.anchor = clone_all(&state.params)?;
+                }
+                load(trainer, self.names, &state.params)?;
+                report.loss
+            }
+            SyncStrategy::ParameterServer { .. } => {
+                self.pull(w, t, t as u64, trainer, state, servers)?;
+                let (report, grads) = trainer.gradient_step(batch)?;
+                self.push(w, t, state, servers, &values_of(&grads))?;
+                report.loss
+            }
+            SyncStrategy::Downpour { fetch_every, push_every } => {
+                if t.is_multiple_of(fetch_every) {
+                    self.pull(w, t, 0, trainer, state, servers)?;
+                }
+                let (report, grads) = trainer.gradient_step(batch)?;
+                let grads = values_of(&grads);
+                if state.accumulated.is_empty() {
+                    state.accumulated = grads.iter().map(|g| vec![0.0; g.len()]).collect();
+                }
+                for (acc, g) in state.accumulated.iter_mut().zip(&grads) {
+                    acc.iter_mut().zip(g).for_each(|(a, g)| *a += g);
+                }
+                step_optimizer(state, self.shapes, &grads)?;
+                load(trainer, self.names, &state.params)?;
+                if (t + 1).is_multiple_of(push_every) {
+                    let accumulated = std::mem::take(&mut state.accumulated);
+                    self.push(w, t, state, servers, &accumulated)?;
+                }
+                report.loss
+            }
+            SyncStrategy::Ssp { staleness } => {
+                if self.turnstile.is_none() {
+                    self.clocks.wait_for_step(t, staleness, self.abort)?;
+                }
+                self.pull(w, t, 0, trainer, state, servers)?;
+                let (report, grads) = trainer.gradient_step(batch)?;
+                self.push(w, t, state, servers, &values_of(&grads))?;
+                self.clocks.finished_step(w);
+                report.loss
+            }
+        };
+        let elapsed = self.started.elapsed().as_secs_f64();
+        self.stats.with(t, |s| {
+            s.loss_sum += loss;
+            s.losses += 1;
+            s.finished_s = s.finished_s.max(elapsed);
+        });
+        Ok(())
+    }
+
+    /// The workers' mean of `values` (compressed on the way), the same on every worker.
+    fn average_over_workers(
+        &self,
+        w: usize,
+        t: usize,
+        compressor: &mut Compressor,
+        values: &[Vec<f32>],
+    ) -> Result<Vec<Vec<f32>>> {
+        let mut payload = Vec::new();
+        for (i, (v, shape)) in values.iter().zip(self.shapes).enumerate() {
+            payload.extend(compressor.encode(i, shape.dims(), v)?);
+        }
+        let bytes = payload.len() as f64 * exchange_factor(self.compression, self.n_workers);
+        self.stats.with(t, |s| s.bytes += bytes.round() as u64);
+        let parts = self.exchange.all_gather(w, payload, self.abort)?;
+        let decoded =
+            parts.iter().map(|part| decode_all(self.compression, self.shapes, part)).collect::<Result<Vec<_>>>()?;
+        Ok(mean_in_order(decoded))
+    }
+
+    /// Pulls every shard's parameters (at least `min_version` updates) into the worker's trainer.
+    fn pull(
+        &self,
+        w: usize,
+        t: usize,
+        min_version: u64,
+        trainer: &mut Trainer,
+        state: &mut WorkerState,
+        servers: &[Sender<ToServer>],
+    ) -> Result<()> {
+        let (tx, rx) = channel::unbounded::<Pulled>();
+        self.in_turn(w, || {
+            for server in servers {
+                server
+                    .send(ToServer::Pull { step: t, min_version, reply: tx.clone() })
+                    .map_err(|_| Error::invalid("parameter server", "a server shard stopped"))?;
+            }
+            Ok(())
+        })?;
+        let mut params: Vec<Option<Tensor>> = (0..self.names.len()).map(|_| None).collect();
+        for _ in servers {
+            let pulled = loop {
+                match rx.recv_timeout(std::time::Duration::from_millis(20)) {
+                    Ok(pulled) => break pulled,
+                    Err(_) => self.abort.check()?,
+                }
+            };
+            state.pulled[pulled.shard] = pulled.version;
+            for (i, tensor) in pulled.params {
+                params[i] = Some(tensor);
+            }
+        }
+        let params: Vec<Tensor> = params
+            .into_iter()
+            .map(|p| p.ok_or_else(|| Error::invalid("parameter server", "a pull missed a tensor")))
+            .collect::<Result<_>>()?;
+        load(trainer, self.names, &params)?;
+        if state.optimizer.is_some() {
+            state.params = params; // Downpour's local updates start from what was fetched
+        }
+        Ok(())
+    }
+
+    /// Pushes `values` (gradients), compressed, to the shards that own them.
+    fn push(
+        &self,
+        w: usize,
+        t: usize,
+        state: &mut WorkerState,
+        servers: &[Sender<ToServer>],
+        values: &[Vec<f32>],
+    ) -> Result<()> {
+        let shards = servers.len();
+        let mut per_shard: Vec<Vec<Vec<u8>>> = vec![Vec::new(); shards];
+        let mut bytes = 0;
+        for (i, (v, shape)) in values.iter().zip(self.shapes).enumerate() {
+            let encoded = state.compressor.encode(i, shape.dims(), v)?;
+            bytes += encoded.len() as u64;
+            per_shard[i % shards].push(encoded);
+        }
+        self.stats.with(t, |s| s.bytes += bytes);
+        self.in_turn(w, || {
+            for (shard, grads) in per_shard.into_iter().enumerate() {
+                let message = ToServer::Push { worker: w, step: t, pulled_version: state.pulled[shard], grads };
+                servers[shard]
+                    .send(message)
+                    .map_err(|_| Error::invalid("parameter server", "a server shard stopped"))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Runs `send` in this worker's turn (deterministic runs), or at once.
+    fn in_turn(&self, w: usize, send: impl FnOnce() -> Result<()>) -> Result<()> {
+        let Some(turnstile) = self.turnstile else { return send() };
+        turnstile.acquire(w, self.abort)?;
+        let result = send();
+        turnstile.release(w);
+        result
+    }
+}
+
+/// Bytes on the wire per byte of one worker's payload: a ring all-reduce for codecs that sum
+/// (`2 (R - 1) / R`), an all-gather for those that do not (`R - 1`: top-k, PowerSGD's factors).
+fn exchange_factor(compression: Compression, workers: usize) -> f64 {
+    let r = workers as f64;
+    match compression {
+        Compression::None | Compression::Bf16 | Compression::F16 => 2.0 * (r - 1.0) / r,
+        Compression::TopK { .. } | Compression::PowerSgd { .. } => r - 1.0,
+    }
+}
+
+fn decode_all(compression: Compression, shapes: &[Shape], payload: &[u8]) -> Result<Vec<Vec<f32>>> {
+    let mut at = 0;
+    let mut out = Vec::with_capacity(shapes.len());
+    for shape in shapes {
+        let len = compression.encoded_bytes(shape.dims());
+        let part = payload.get(at..at + len).ok_or_else(|| {
+            Error::invalid(
+                "exchange",
+                format!("a payload of {} bytes is too short for the model's tensors", payload.len()),
+            )
+        })?;
+        out.push(compress::decode(compression, shape.dims(), part)?);
+        at += len;
+    }
+    Ok(out)
+}
+
+fn values_of(named: &[(String, Tensor)]) -> Vec<Vec<f32>> {
+    named.iter().map(|(_, t)| t.to_vec_f32()).collect()
+}
+
+fn host_tensors(values: Vec<Vec<f32>>, shapes: &[Shape]) -> Result<Vec<Tensor>> {
+    values.into_iter().zip(shapes).map(|(v, s)| Tensor::from_vec(v, s.clone(), &Device::host())).collect()
+}
+
+fn clone_all(tensors: &[Tensor]) -> Result<Vec<Tensor>> {
+    tensors.iter().map(Tensor::try_clone).collect()
+}
+
+/// The worker's optimizer steps its parameter copy with `grads`.
+fn step_optimizer(state: &mut WorkerState, shapes: &[Shape], grads: &[Vec<f32>]) -> Result<()> {
+    let grads = host_tensors(grads.to_vec(), shapes)?;
+    let optimizer =
+        state.optimizer.as_mut().ok_or_else(|| Error::invalid("strategy", "this worker keeps no optimizer"))?;
+    let mut params: Vec<&mut Tensor> = state.params.iter_mut().collect();
+    let grads: Vec<&Tensor> = grads.iter().collect();
+    optimizer.step(&mut params, &grads)
+}
+
+fn load(trainer: &mut Trainer, names: &[String], params: &[Tensor]) -> Result<()> {
+    let named = names.iter().cloned().zip(params.iter().map(Tensor::try_clone).collect::<Result<Vec<_>>>()?).collect();
+    trainer.load_parameters(named)
+}
+
+fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
+    match payload.downcast::<String>() {
+        Ok(text) => *text,
+        Err(payload) => payload.downcast::<&str>().map(|s| s.to_string()).unwrap_or_else(|_| "a panic".into()),
+    }
+}

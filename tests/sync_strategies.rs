@@ -1,0 +1,195 @@
+//! The data-parallel strategies of `conveyor::engine::strategies`: synchronous `ps` trains the
+//! same bits as `allreduce`, and `allreduce` what one device trains on the whole batch (within f32
+//! rounding); asynchronous runs in the deterministic mode replay bit for bit from their seed or
+//! their record, and stale-synchronous runs keep their staleness bound; every strategy, with and
+//! without compression, learns the digits; bad settings are refused.
+use std::sync::Arc;
+
+use conveyor::Sequential;
+use conveyor::data::{DIGITS_TRAIN_ROWS, Dataset, digits, epoch_order};
+use conveyor::engine::optim::OptimizerConfig;
+use conveyor::engine::runtime::{Batch, Trainer};
+use conveyor::engine::strategies::{Compression, Interleaving, StrategyConfig, SyncStrategy, SyncTrainer};
+use conveyor::engine::{Device, Result, Tensor};
+use conveyor::layers::CrossEntropyLoss;
+
+const BATCH: usize = 64;
+
+fn split() -> (Dataset, Dataset) {
+    let all = digits().unwrap();
+    let (mut train, mut test) = (all.slice(0, DIGITS_TRAIN_ROWS), all.slice(DIGITS_TRAIN_ROWS, all.len()));
+    let (mean, std) = train.feature_stats();
+    train.standardize(&mean, &std);
+    test.standardize(&mean, &std);
+    (train, test)
+}
+
+fn replica(device: usize, optimizer: &OptimizerConfig) -> Trainer {
+    let graph = Sequential::new([1, 8, 8]).flatten().linear(32).relu().linear(10).build(3).unwrap();
+    Trainer::builder(graph, Arc::new(CrossEntropyLoss))
+        .devices(vec![Device::cpu(device)])
+        .optimizer(optimizer.clone())
+        .build()
+        .unwrap()
+}
+
+fn sync_trainer(workers: usize, optimizer: &OptimizerConfig, config: StrategyConfig) -> SyncTrainer {
+    let replicas = (0..workers).map(|w| replica(w, optimizer)).collect();
+    SyncTrainer::new(replicas, optimizer.clone(), config).unwrap()
+}
+
+/// Step `t`'s batch (each epoch in its own shuffled order), worker `w`'s share of `workers`.
+fn batches(train: &Dataset, workers: usize) -> impl Fn(usize, usize) -> Result<Batch> + Sync + '_ {
+    let per_epoch = train.len() / BATCH;
+    let orders: Vec<Vec<usize>> = (0..64).map(|epoch| epoch_order(train.len(), true, 5, epoch)).collect();
+    move |t, w| {
+        let per = BATCH / workers;
+        let order = &orders[(t / per_epoch) % orders.len()];
+        let at = (t % per_epoch) * BATCH + w * per;
+        Ok(Batch::from(train.batch(&order[at..at + per])?))
+    }
+}
+
+fn bits(params: &[(String, Tensor)]) -> Vec<u32> {
+    params.iter().flat_map(|(_, t)| t.to_vec_f32()).map(f32::to_bits).collect()
+}
+
+fn accuracy(trainer: &mut SyncTrainer, test: &Dataset) -> f64 {
+    let indices: Vec<usize> = (0..test.len()).collect();
+    trainer.evaluate(test.batch(&indices).unwrap()).unwrap().accuracy().unwrap()
+}
+
+#[test]
+fn synchronous_ps_trains_the_bits_of_allreduce_and_allreduce_what_one_device_trains() {
+    let (train, _) = split();
+    let adam = OptimizerConfig::adam(0.01);
+    let mut allreduce = sync_trainer(2, &adam, StrategyConfig::new(SyncStrategy::AllReduce));
+    allreduce.run(6, &batches(&train, 2)).unwrap();
+    for shards in [1, 3] {
+        let mut ps = sync_trainer(2, &adam, StrategyConfig::new(SyncStrategy::ParameterServer { shards }));
+        let records = ps.run(6, &batches(&train, 2)).unwrap();
+        assert_eq!(bits(&ps.parameters().unwrap()), bits(&allreduce.parameters().unwrap()), "ps:{shards}");
+        assert!(records.iter().all(|r| r.staleness_max == 0 && r.bytes > 0));
+    }
+    // One device on the whole batch: the same gradients summed in another order.
+    let mut one = replica(0, &adam);
+    let whole = batches(&train, 1);
+    for t in 0..6 {
+        one.step(whole(t, 0).unwrap()).unwrap();
+    }
+    let (a, b) = (one.parameters().unwrap(), allreduce.parameters().unwrap());
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        let diff = x.to_vec_f32().iter().zip(y.to_vec_f32()).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(diff < 1e-5, "{name}: {diff}");
+    }
+}
+
+#[test]
+fn asynchronous_runs_replay_bit_for_bit_from_their_seed_or_their_record() {
+    let (train, _) = split();
+    let sgd = OptimizerConfig::sgd(0.05);
+    for sync in [SyncStrategy::Downpour { fetch_every: 2, push_every: 2 }, SyncStrategy::Ssp { staleness: 1 }] {
+        let run = |interleaving: Interleaving| {
+            let config = StrategyConfig::new(sync).interleaving(interleaving);
+            let mut trainer = sync_trainer(3, &sgd, config);
+            // Two runs: the record spans both.
+            trainer.run(5, &batches(&train, 3)).unwrap();
+            trainer.run(4, &batches(&train, 3)).unwrap();
+            (bits(&trainer.parameters().unwrap()), trainer.interleaving().to_vec())
+        };
+        let (first, record) = run(Interleaving::Seeded(7));
+        assert!(!record.is_empty());
+        let (again, record_again) = run(Interleaving::Seeded(7));
+        assert_eq!(again, first, "{sync}: the same seed");
+        assert_eq!(record_again, record);
+        let (replayed, _) = run(Interleaving::Replay(record.clone()));
+        assert_eq!(replayed, first, "{sync}: replayed from the record");
+        let (other, other_record) = run(Interleaving::Seeded(8));
+        assert_ne!(other_record, record, "{sync}: another seed draws another order");
+        assert_ne!(other, first, "{sync}: and trains other weights");
+        // A record that does not fit the run is refused, not followed blindly.
+        let config = StrategyConfig::new(sync).interleaving(Interleaving::Replay(record[..3].to_vec()));
+        let error = sync_trainer(3, &sgd, config).run(5, &batches(&train, 3)).unwrap_err().to_string();
+        assert!(error.contains("interleaving"), "{error}");
+    }
+}
+
+#[test]
+fn stale_synchronous_runs_keep_their_bound() {
+    let (train, _) = split();
+    let sgd = OptimizerConfig::sgd(0.05);
+    for (staleness, interleaving) in
+        [(0, Interleaving::Seeded(1)), (2, Interleaving::Seeded(2)), (1, Interleaving::Free)]
+    {
+        let mut trainer =
+            sync_trainer(3, &sgd, StrategyConfig::new(SyncStrategy::Ssp { staleness }).interleaving(interleaving));
+        let records = trainer.run(12, &batches(&train, 3)).unwrap();
+        // Between a worker's pull for step c and its push, the others push at most steps
+        // c - S - 1 .. c + S (each at most 2S + 1 pushes), so at most (R - 1)(2S + 1) updates land.
+        let bound = 2 * (2 * staleness as u64 + 1);
+        let max = records.iter().map(|r| r.staleness_max).max().unwrap();
+        assert!(max <= bound, "ssp:{staleness}: staleness {max} > {bound}");
+    }
+}
+
+#[test]
+fn every_strategy_learns_the_digits() {
+    let (train, test) = split();
+    let adam = OptimizerConfig::adam(0.003);
+    let steps = 4 * DIGITS_TRAIN_ROWS / BATCH;
+    let cases = [
+        ("allreduce", "none", 0.83),
+        ("allreduce", "bf16", 0.83),
+        ("allreduce", "topk:0.05", 0.78),
+        ("allreduce", "powersgd:2", 0.78),
+        ("average:4", "none", 0.78),
+        ("ps:2", "f16", 0.83),
+        ("downpour:2,2", "none", 0.83),
+        ("ssp:2", "topk:0.1", 0.83),
+    ];
+    for (sync, compress, floor) in cases {
+        let config = StrategyConfig::new(sync.parse().unwrap()).compress(compress.parse().unwrap());
+        let mut trainer = sync_trainer(4, &adam, config);
+        let records = trainer.run(steps, &batches(&train, 4)).unwrap();
+        let acc = accuracy(&mut trainer, &test);
+        assert!(acc >= floor, "{sync} --compress {compress}: test accuracy {acc}");
+        assert_eq!(records.len(), steps);
+        assert!(records.last().unwrap().loss < records[0].loss, "{sync} {compress}");
+    }
+}
+
+#[test]
+fn compression_counts_the_bytes_it_saves() {
+    let (train, _) = split();
+    let sgd = OptimizerConfig::sgd(0.1);
+    let bytes = |compress: Compression| {
+        let mut trainer = sync_trainer(2, &sgd, StrategyConfig::new(SyncStrategy::AllReduce).compress(compress));
+        trainer.run(3, &batches(&train, 2)).unwrap();
+        trainer.bytes_sent()
+    };
+    let none = bytes(Compression::None);
+    assert_eq!(bytes(Compression::Bf16) * 2, none);
+    assert_eq!(bytes(Compression::F16) * 2, none);
+    assert!(bytes(Compression::TopK { ratio: 0.01 }) * 20 < none);
+    assert!(bytes(Compression::PowerSgd { rank: 1 }) * 5 < none);
+}
+
+#[test]
+fn bad_settings_are_refused() {
+    let sgd = OptimizerConfig::sgd(0.1);
+    // Replicas that do not start alike.
+    let other = {
+        let graph = Sequential::new([1, 8, 8]).flatten().linear(32).relu().linear(10).build(4).unwrap();
+        Trainer::builder(graph, Arc::new(CrossEntropyLoss)).devices(vec![Device::cpu(1)]).build().unwrap()
+    };
+    let error =
+        SyncTrainer::new(vec![replica(0, &sgd), other], sgd.clone(), StrategyConfig::new(SyncStrategy::AllReduce))
+            .unwrap_err()
+            .to_string();
+    assert!(error.contains("one seed"), "{error}");
+    // A replay for a synchronous strategy.
+    let config = StrategyConfig::new(SyncStrategy::AllReduce).interleaving(Interleaving::Replay(vec![0]));
+    let error = SyncTrainer::new(vec![replica(0, &sgd)], sgd.clone(), config).unwrap_err().to_string();
+    assert!(error.contains("synchronous"), "{error}");
+    assert!(SyncTrainer::new(Vec::new(), sgd, StrategyConfig::new(SyncStrategy::AllReduce)).is_err());
+}
