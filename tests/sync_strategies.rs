@@ -28,14 +28,14 @@ fn replica(device: usize, optimizer: &OptimizerConfig) -> Trainer {
     let graph = Sequential::new([1, 8, 8]).flatten().linear(32).relu().linear(10).build(3).unwrap();
     Trainer::builder(graph, Arc::new(CrossEntropyLoss))
         .devices(vec![Device::cpu(device)])
-        .optimizer(optimizer.clone())
+        .optimizer(*optimizer)
         .build()
         .unwrap()
 }
 
 fn sync_trainer(workers: usize, optimizer: &OptimizerConfig, config: StrategyConfig) -> SyncTrainer {
     let replicas = (0..workers).map(|w| replica(w, optimizer)).collect();
-    SyncTrainer::new(replicas, optimizer.clone(), config).unwrap()
+    SyncTrainer::new(replicas, *optimizer, config).unwrap()
 }
 
 /// Step `t`'s batch (each epoch in its own shuffled order), worker `w`'s share of `workers`.
@@ -183,13 +183,13 @@ fn bad_settings_are_refused() {
         Trainer::builder(graph, Arc::new(CrossEntropyLoss)).devices(vec![Device::cpu(1)]).build().unwrap()
     };
     let error =
-        SyncTrainer::new(vec![replica(0, &sgd), other], sgd.clone(), StrategyConfig::new(SyncStrategy::AllReduce))
+        SyncTrainer::new(vec![replica(0, &sgd), other], sgd, StrategyConfig::new(SyncStrategy::AllReduce))
             .unwrap_err()
             .to_string();
     assert!(error.contains("one seed"), "{error}");
     // A replay for a synchronous strategy.
     let config = StrategyConfig::new(SyncStrategy::AllReduce).interleaving(Interleaving::Replay(vec![0]));
-    let error = SyncTrainer::new(vec![replica(0, &sgd)], sgd.clone(), config).unwrap_err().to_string();
+    let error = SyncTrainer::new(vec![replica(0, &sgd)], sgd, config).unwrap_err().to_string();
     assert!(error.contains("synchronous"), "{error}");
     assert!(SyncTrainer::new(Vec::new(), sgd, StrategyConfig::new(SyncStrategy::AllReduce)).is_err());
 }
