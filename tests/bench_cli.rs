@@ -133,7 +133,6 @@ fn bad_input_exits_2_before_any_work() -> Result<()> {
         "--suite `speed` is not a suite; give one of seeds, gemm",
         &dir.0,
     )?;
-    refused(&["bench", "--suite", "sync", "--out", out], "issue 21", &dir.0)?;
     refused(&["bench", "--suite", "gemm", "--devices", "cuda:0", "--out", out], "--devices `cuda:0`", &dir.0)?;
     refused(&["bench", "--suite", "gemm", "--devices", "tpu:0", "--out", out], "--devices `tpu:0`", &dir.0)?;
 

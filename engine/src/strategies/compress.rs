@@ -310,7 +310,7 @@ fn top_k_indices(values: &[f32], k: usize) -> Vec<usize> {
 
 /// The matrix (rows, cols) PowerSGD approximates at `rank`, or `None` where it sends `dims` as f32:
 /// a tensor of fewer than 2 dims, `rank >= min(rows, cols)`, or no bytes saved.
-fn low_rank_shape(dims: &[usize], rank: usize) -> Option<(usize, usize)> {
+pub(super) fn low_rank_shape(dims: &[usize], rank: usize) -> Option<(usize, usize)> {
     let (&rows, rest) = dims.split_first()?;
     let cols = numel(rest)?;
     if rest.is_empty() || rank >= rows.min(cols) {
@@ -346,7 +346,7 @@ fn power_step(mat: &[f32], rows: usize, cols: usize, rank: usize, q_prev: &[f32]
 
 /// Modified Gram-Schmidt on the columns of `p` (rows × rank, row-major). A column left with less
 /// than 1e-10 of its norm after removing the earlier ones (or with no finite norm) becomes zero.
-fn orthonormalise_columns(p: &mut [f64], rows: usize, rank: usize) {
+pub(super) fn orthonormalise_columns(p: &mut [f64], rows: usize, rank: usize) {
     let column_norm = |p: &[f64], k: usize| (0..rows).map(|i| p[i * rank + k].powi(2)).sum::<f64>().sqrt();
     for k in 0..rank {
         let before = column_norm(p, k);
@@ -366,7 +366,7 @@ fn orthonormalise_columns(p: &mut [f64], rows: usize, rank: usize) {
 
 /// Calls `f(i, (P Qᵀ)[i])` for every element `i` of the row-major product. Encoding (for the
 /// residual) and decoding both go through here, so they agree bit for bit.
-fn for_each_low_rank(p: &[f32], q: &[f32], cols: usize, rank: usize, mut f: impl FnMut(usize, f32)) {
+pub(super) fn for_each_low_rank(p: &[f32], q: &[f32], cols: usize, rank: usize, mut f: impl FnMut(usize, f32)) {
     for (r, p_row) in p.chunks_exact(rank).enumerate() {
         for (c, q_row) in q.chunks_exact(rank).enumerate() {
             let sum: f64 = p_row.iter().zip(q_row).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();

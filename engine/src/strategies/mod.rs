@@ -18,6 +18,7 @@ use crate::{Error, Result};
 
 pub mod compress;
 mod links;
+mod powersgd;
 mod server;
 mod sync_trainer;
 
@@ -156,6 +157,9 @@ pub struct StrategyConfig {
     pub compress: Compression,
     /// The order of an asynchronous run's pulls and pushes.
     pub interleaving: Interleaving,
+    /// Steps exchanged uncompressed before compression starts (PyTorch's `start_powerSGD_iter`:
+    /// early gradients change fast, and a low-rank or sparse start slows training).
+    pub compress_after: usize,
     /// Seeds the compressors (PowerSGD's first `Q`).
     pub seed: u64,
 }
@@ -163,12 +167,24 @@ pub struct StrategyConfig {
 impl StrategyConfig {
     /// `sync` without compression, free interleaving, seed 0.
     pub fn new(sync: SyncStrategy) -> StrategyConfig {
-        StrategyConfig { sync, compress: Compression::None, interleaving: Interleaving::Free, seed: 0 }
+        StrategyConfig {
+            sync,
+            compress: Compression::None,
+            interleaving: Interleaving::Free,
+            compress_after: 0,
+            seed: 0,
+        }
     }
 
     /// With `compress`.
     pub fn compress(mut self, compress: Compression) -> StrategyConfig {
         self.compress = compress;
+        self
+    }
+
+    /// Compressing only from step `steps` on.
+    pub fn compress_after(mut self, steps: usize) -> StrategyConfig {
+        self.compress_after = steps;
         self
     }
 

@@ -17,8 +17,8 @@ pub(super) enum ToServer {
     /// Parameters, once the shard has applied at least `min_version` updates.
     Pull { step: usize, min_version: u64, reply: Sender<Pulled> },
     /// A worker's gradients of this shard's tensors (encoded, shard order) for `step`, computed
-    /// on the parameters of version `pulled_version`.
-    Push { worker: usize, step: usize, pulled_version: u64, grads: Vec<Vec<u8>> },
+    /// on the parameters of version `pulled_version`, encoded by `codec`.
+    Push { worker: usize, step: usize, pulled_version: u64, codec: Compression, grads: Vec<Vec<u8>> },
 }
 
 /// A shard's answer to a pull.
@@ -55,6 +55,11 @@ impl ServerShard {
         })
     }
 
+    /// Sets the shard's learning rate (a schedule's next value).
+    pub fn set_lr(&mut self, lr: f64) -> Result<()> {
+        self.optimizer.set_lr(lr)
+    }
+
     fn apply(&mut self, grads: &[Tensor]) -> Result<()> {
         let mut params: Vec<&mut Tensor> = self.params.iter_mut().collect();
         let grads: Vec<&Tensor> = grads.iter().collect();
@@ -83,7 +88,6 @@ impl ServerShard {
         &mut self,
         inbox: Receiver<ToServer>,
         sync_workers: Option<usize>,
-        compression: Compression,
         stats: &RunStats,
         abort: &Abort,
     ) -> Result<()> {
@@ -106,8 +110,8 @@ impl ServerShard {
                         waiting.push((step, min_version, reply));
                     }
                 }
-                ToServer::Push { worker, step, pulled_version, grads } => {
-                    let decoded = self.decode(compression, &grads)?;
+                ToServer::Push { worker, step, pulled_version, codec, grads } => {
+                    let decoded = self.decode(codec, &grads)?;
                     match sync_workers {
                         None => {
                             let staleness = self.version.saturating_sub(pulled_version);

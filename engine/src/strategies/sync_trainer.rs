@@ -6,6 +6,7 @@ use crossbeam::channel::{self, Sender};
 
 use super::compress::{self, Compression, Compressor};
 use super::links::{Abort, Action, Clocks, Exchange, RunStats, Turnstile};
+use super::powersgd::{AllGather, CollectivePowerSgd};
 use super::server::{Pulled, ServerShard, ToServer, mean_in_order};
 use super::{Interleaving, StrategyConfig, SyncStrategy};
 use crate::optim::{Optimizer, OptimizerConfig};
@@ -39,6 +40,8 @@ struct WorkerState {
     /// Its optimizer: `allreduce`, `average:K`, and Downpour's local updates.
     optimizer: Option<Optimizer>,
     compressor: Compressor,
+    /// PowerSGD over the all-gather (`allreduce`, `average:K` with `--compress powersgd:R`).
+    powersgd: Option<CollectivePowerSgd>,
     /// `average:K`: the parameters at the last average.
     anchor: Vec<Tensor>,
     /// Downpour: gradients accumulated since the last push.
@@ -111,6 +114,12 @@ impl SyncTrainer {
                     params: clone_all(&params)?,
                     optimizer: if keeps_optimizer { Some(Optimizer::new(optimizer, params.len())?) } else { None },
                     compressor: Compressor::new(config.compress, config.seed.wrapping_add(w as u64)),
+                    powersgd: match (config.compress, config.sync) {
+                        (Compression::PowerSgd { rank }, SyncStrategy::AllReduce | SyncStrategy::Average { .. }) => {
+                            Some(CollectivePowerSgd::new(rank, config.seed))
+                        }
+                        _ => None,
+                    },
                     anchor: if matches!(config.sync, SyncStrategy::Average { .. }) {
                         clone_all(&params)?
                     } else {
@@ -138,6 +147,17 @@ impl SyncTrainer {
     /// what [`Interleaving::Replay`] takes to replay the run.
     pub fn interleaving(&self) -> &[u16] {
         &self.turns
+    }
+
+    /// Sets the learning rate of every optimizer the strategy steps (the workers' and the
+    /// servers'), for a schedule applied between runs.
+    pub fn set_lr(&mut self, lr: f64) -> Result<()> {
+        for worker in &mut self.workers {
+            if let Some(optimizer) = worker.optimizer.as_mut() {
+                optimizer.set_lr(lr)?;
+            }
+        }
+        self.servers.iter_mut().try_for_each(|shard| shard.set_lr(lr))
     }
 
     /// Bytes sent since training began.
@@ -211,6 +231,7 @@ impl SyncTrainer {
         let shared = Shared {
             sync,
             compression: self.config.compress,
+            compress_after: self.config.compress_after,
             n_workers,
             names: &self.names,
             shapes: &self.shapes,
@@ -229,9 +250,9 @@ impl SyncTrainer {
             for shard in self.servers.iter_mut() {
                 let (tx, rx) = channel::unbounded();
                 server_txs.push(tx);
-                let (stats, abort, compression) = (&stats, &abort, self.config.compress);
+                let (stats, abort) = (&stats, &abort);
                 servers.push(scope.spawn(move || {
-                    let result = shard.serve(rx, sync_workers, compression, stats, abort);
+                    let result = shard.serve(rx, sync_workers, stats, abort);
                     if result.is_err() {
                         abort.raise();
                     }
@@ -323,6 +344,7 @@ fn actions_of(sync: SyncStrategy, start: usize, steps: usize) -> Vec<Action> {
 struct Shared<'a> {
     sync: SyncStrategy,
     compression: Compression,
+    compress_after: usize,
     n_workers: usize,
     names: &'a [String],
     shapes: &'a [Shape],
@@ -336,6 +358,11 @@ struct Shared<'a> {
 }
 
 impl Shared<'_> {
+    /// The codec of step `t`'s exchanges.
+    fn codec(&self, t: usize) -> Compression {
+        if t < self.compress_after { Compression::None } else { self.compression }
+    }
+
     fn worker_step(
         &self,
         w: usize,
@@ -349,7 +376,7 @@ impl Shared<'_> {
         let loss = match self.sync {
             SyncStrategy::AllReduce => {
                 let (report, grads) = trainer.gradient_step(batch)?;
-                let mean = self.average_over_workers(w, t, &mut state.compressor, &values_of(&grads))?;
+                let mean = self.average_over_workers(w, t, state, &values_of(&grads))?;
                 step_optimizer(state, self.shapes, &mean)?;
                 load(trainer, self.names, &state.params)?;
                 report.loss
@@ -364,7 +391,7 @@ impl Shared<'_> {
                         .zip(&state.anchor)
                         .map(|(p, a)| p.to_vec_f32().iter().zip(a.to_vec_f32()).map(|(p, a)| p - a).collect())
                         .collect();
-                    let mean = self.average_over_workers(w, t, &mut state.compressor, &deltas)?;
+                    let mean = self.average_over_workers(w, t, state, &deltas)?;
                     let averaged: Vec<Vec<f32>> = state
                         .anchor
                         .iter()
@@ -428,18 +455,21 @@ impl Shared<'_> {
         &self,
         w: usize,
         t: usize,
-        compressor: &mut Compressor,
+        state: &mut WorkerState,
         values: &[Vec<f32>],
     ) -> Result<Vec<Vec<f32>>> {
+        let codec = self.codec(t);
+        let group = Gather { shared: self, worker: w, step: t, codec };
+        if let (Some(powersgd), Compression::PowerSgd { .. }) = (state.powersgd.as_mut(), codec) {
+            let dims: Vec<&[usize]> = self.shapes.iter().map(Shape::dims).collect();
+            return powersgd.mean(&dims, values, &group, self.n_workers);
+        }
         let mut payload = Vec::new();
         for (i, (v, shape)) in values.iter().zip(self.shapes).enumerate() {
-            payload.extend(compressor.encode(i, shape.dims(), v)?);
+            payload.extend(encode(&mut state.compressor, codec, i, shape.dims(), v)?);
         }
-        let bytes = payload.len() as f64 * exchange_factor(self.compression, self.n_workers);
-        self.stats.with(t, |s| s.bytes += bytes.round() as u64);
-        let parts = self.exchange.all_gather(w, payload, self.abort)?;
-        let decoded =
-            parts.iter().map(|part| decode_all(self.compression, self.shapes, part)).collect::<Result<Vec<_>>>()?;
+        let parts = group.all_gather(payload)?;
+        let decoded = parts.iter().map(|part| decode_all(codec, self.shapes, part)).collect::<Result<Vec<_>>>()?;
         Ok(mean_in_order(decoded))
     }
 
@@ -496,17 +526,18 @@ impl Shared<'_> {
         values: &[Vec<f32>],
     ) -> Result<()> {
         let shards = servers.len();
+        let codec = self.codec(t);
         let mut per_shard: Vec<Vec<Vec<u8>>> = vec![Vec::new(); shards];
         let mut bytes = 0;
         for (i, (v, shape)) in values.iter().zip(self.shapes).enumerate() {
-            let encoded = state.compressor.encode(i, shape.dims(), v)?;
+            let encoded = encode(&mut state.compressor, codec, i, shape.dims(), v)?;
             bytes += encoded.len() as u64;
             per_shard[i % shards].push(encoded);
         }
         self.stats.with(t, |s| s.bytes += bytes);
         self.in_turn(w, || {
             for (shard, grads) in per_shard.into_iter().enumerate() {
-                let message = ToServer::Push { worker: w, step: t, pulled_version: state.pulled[shard], grads };
+                let message = ToServer::Push { worker: w, step: t, pulled_version: state.pulled[shard], codec, grads };
                 servers[shard]
                     .send(message)
                     .map_err(|_| Error::invalid("parameter server", "a server shard stopped"))?;
@@ -525,13 +556,46 @@ impl Shared<'_> {
     }
 }
 
-/// Bytes on the wire per byte of one worker's payload: a ring all-reduce for codecs that sum
-/// (`2 (R - 1) / R`), an all-gather for those that do not (`R - 1`: top-k, PowerSGD's factors).
+/// Bytes on the wire per byte of one worker's payload: a ring all-reduce for payloads that sum
+/// (`2 (R - 1) / R`: f32, bf16, f16, PowerSGD's `P` and `Q`), an all-gather for top-k's indices
+/// and values, which do not (`R - 1`).
 fn exchange_factor(compression: Compression, workers: usize) -> f64 {
     let r = workers as f64;
     match compression {
-        Compression::None | Compression::Bf16 | Compression::F16 => 2.0 * (r - 1.0) / r,
-        Compression::TopK { .. } | Compression::PowerSgd { .. } => r - 1.0,
+        Compression::None | Compression::Bf16 | Compression::F16 | Compression::PowerSgd { .. } => 2.0 * (r - 1.0) / r,
+        Compression::TopK { .. } => r - 1.0,
+    }
+}
+
+/// One worker's side of the run's all-gather, counting what it sends in the step's bytes.
+struct Gather<'a, 'b> {
+    shared: &'a Shared<'b>,
+    worker: usize,
+    step: usize,
+    codec: Compression,
+}
+
+impl AllGather for Gather<'_, '_> {
+    fn all_gather(&self, bytes: Vec<u8>) -> Result<std::sync::Arc<Vec<Vec<u8>>>> {
+        let shared = self.shared;
+        let sent = bytes.len() as f64 * exchange_factor(self.codec, shared.n_workers);
+        shared.stats.with(self.step, |s| s.bytes += sent.round() as u64);
+        shared.exchange.all_gather(self.worker, bytes, shared.abort)
+    }
+}
+
+/// `values` encoded by `codec`: the compressor's (with its error feedback), or f32 before
+/// compression starts.
+fn encode(
+    compressor: &mut Compressor,
+    codec: Compression,
+    i: usize,
+    dims: &[usize],
+    values: &[f32],
+) -> Result<Vec<u8>> {
+    match codec {
+        Compression::None => Ok(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
+        _ => compressor.encode(i, dims, values),
     }
 }
 

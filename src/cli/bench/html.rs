@@ -123,26 +123,48 @@ fn axes(out: &mut String, chart: &Chart, y_ticks: &[f64], y_max: f64, y_min: f64
         xr = WIDTH - RIGHT,
         my = TOP + plot_h / 2.0,
         mx = LEFT + (WIDTH - LEFT - RIGHT) / 2.0,
-        xy = HEIGHT - BOTTOM + 72.0,
+        // Bars' category labels run diagonally below the axis; lines leave room for a legend.
+        xy = HEIGHT - BOTTOM + if matches!(chart.body, ChartBody::Bars { .. }) { 72.0 } else { 46.0 },
         yl = escape(&chart.y_label),
         xl = escape(&chart.x_label)
     );
 }
 
+/// The legend under the plot: one entry per series, wrapped onto a second (and third) row when
+/// the names do not fit one, the rows ending at the bottom edge.
 fn legend(out: &mut String, names: &[&str]) {
-    let mut x = LEFT;
-    let y = HEIGHT - 10.0;
-    for (i, name) in names.iter().enumerate() {
-        let _ = write!(
-            out,
-            r#"<rect x="{x}" y="{ry}" width="12" height="12" fill="{c}"/><text x="{tx}" y="{y}" class="tick">{n}</text>"#,
-            ry = y - 10.0,
-            c = COLOURS[i % COLOURS.len()],
-            tx = x + 16.0,
-            n = escape(name)
-        );
-        x += 24.0 + 7.0 * name.chars().count() as f64;
+    let width = |name: &str| 26.0 + 8.0 * name.chars().count() as f64;
+    let mut rows: Vec<Vec<(usize, &str)>> = vec![Vec::new()];
+    let mut used = 0.0;
+    for (i, &name) in names.iter().enumerate() {
+        let row = rows.last_mut().expect("one row at least");
+        if !row.is_empty() && LEFT + used + width(name) > WIDTH - RIGHT {
+            rows.push(Vec::new());
+            used = 0.0;
+        }
+        rows.last_mut().expect("one row at least").push((i, name));
+        used += width(name);
     }
+    for (r, row) in rows.iter().enumerate() {
+        let y = HEIGHT - 10.0 - 15.0 * (rows.len() - 1 - r) as f64;
+        let mut x = LEFT;
+        for &(i, name) in row {
+            let _ = write!(
+                out,
+                r#"<rect x="{x}" y="{ry}" width="12" height="12" fill="{c}"/><text x="{tx}" y="{y}" class="tick">{n}</text>"#,
+                ry = y - 10.0,
+                c = COLOURS[i % COLOURS.len()],
+                tx = x + 16.0,
+                n = escape(name)
+            );
+            x += width(name);
+        }
+    }
+}
+
+/// A series' line: solid for the first round of colours, dashed when the colours repeat.
+fn dash(series_idx: usize) -> &'static str {
+    if series_idx >= COLOURS.len() { r#" stroke-dasharray="6,3""# } else { "" }
 }
 
 /// The chart as an inline SVG element.
@@ -191,9 +213,14 @@ pub fn svg(chart: &Chart) -> String {
             let points = || series.iter().flat_map(|(_, p)| p.iter());
             let (x_high, y_high) = points().fold((0.0f64, 0.0f64), |(a, b), &(x, y)| (a.max(x), b.max(y)));
             let x_ticks = ticks(0.0, if x_high > 0.0 { x_high } else { 1.0 });
-            let y_ticks = ticks(0.0, if y_high > 0.0 { y_high } else { 1.0 });
+            // The y axis starts at 0 unless every value sits in the top half of the range (an
+            // accuracy between 0.8 and 1): then it starts just below the lowest, as a zoom.
+            let y_low = points().map(|p| p.1).fold(f64::INFINITY, f64::min);
+            let y_from = if y_low.is_finite() && y_low > 0.5 * y_high { y_low } else { 0.0 };
+            let y_ticks = ticks(y_from, if y_high > y_from { y_high } else { y_from + 1.0 });
             let (x_max, y_max) = (*x_ticks.last().unwrap_or(&1.0), *y_ticks.last().unwrap_or(&1.0));
-            axes(&mut out, chart, &y_ticks, y_max, 0.0);
+            let y_min = *y_ticks.first().unwrap_or(&0.0);
+            axes(&mut out, chart, &y_ticks, y_max, y_min);
             for &tick in &x_ticks {
                 let x = LEFT + plot_w * tick / x_max;
                 let _ = write!(
@@ -207,12 +234,16 @@ pub fn svg(chart: &Chart) -> String {
                 let colour = COLOURS[s % COLOURS.len()];
                 let coords: Vec<String> = values
                     .iter()
-                    .map(|&(x, y)| format!("{:.1},{:.1}", LEFT + plot_w * x / x_max, TOP + plot_h * (1.0 - y / y_max)))
+                    .map(|&(x, y)| {
+                        let y_frac = (y - y_min) / (y_max - y_min).max(1e-12);
+                        format!("{:.1},{:.1}", LEFT + plot_w * x / x_max, TOP + plot_h * (1.0 - y_frac))
+                    })
                     .collect();
                 let _ = write!(
                     out,
-                    r#"<polyline points="{}" fill="none" stroke="{colour}" stroke-width="2"><title>{}</title></polyline>"#,
+                    r#"<polyline points="{}" fill="none" stroke="{colour}" stroke-width="2"{}><title>{}</title></polyline>"#,
                     coords.join(" "),
+                    dash(s),
                     escape(name)
                 );
                 for point in &coords {

@@ -5,13 +5,14 @@
 //! (inline CSS and SVG, nothing fetched), each atomically (`cli::write_atomically`), so a run
 //! that fails leaves the previous report whole.
 //!
-//! Code map: `gemm.rs`, `schedules.rs` and `seeds.rs` are the suites; `machine.rs` reads the
+//! Code map: `gemm.rs`, `schedules.rs`, `seeds.rs` and `sync.rs` are the suites; `machine.rs` reads the
 //! machine, the build and the RAPL energy counters; `html.rs` draws the page.
 mod gemm;
 mod html;
 mod machine;
 mod schedules;
 mod seeds;
+mod sync;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -22,12 +23,8 @@ use serde_json::{Value, json};
 
 use super::console::{errln, outln};
 use super::usage;
-use html::{Section, Table};
+use html::Table;
 use machine::EnergyMeter;
-
-/// Why `--suite sync` has nothing to measure yet.
-const SYNC_MISSING: &str =
-    "the data-parallel gradient synchronisation strategies it compares do not exist yet (issue 21)";
 
 /// The suites, as `--suite` names them.
 const SUITES: &str = "seeds, gemm, schedules, sync or all";
@@ -37,7 +34,7 @@ const SUITES: &str = "seeds, gemm, schedules, sync or all";
 pub struct BenchArgs {
     /// Which benchmarks: seeds (devices, zoo models, ResNet training, energy), gemm (GFLOP/s by
     /// matrix shape, with PyTorch's beside it), schedules (measured against simulated bubbles),
-    /// sync (data-parallel strategies: not yet, issue 21) or all.
+    /// sync (data-parallel strategies side by side: accuracy against time and bytes) or all.
     #[arg(long, value_name = "NAME")]
     pub suite: String,
     /// Fewer shapes, micro-batch counts, steps and epochs (the seeds suite within 3 minutes on 2 cores).
@@ -79,9 +76,7 @@ fn parse_suites(text: &str) -> anyhow::Result<Vec<Suite>> {
         "seeds" => Ok(vec![Suite::Seeds]),
         "gemm" => Ok(vec![Suite::Gemm]),
         "schedules" => Ok(vec![Suite::Schedules]),
-        "sync" => Err(usage(format!(
-            "--suite sync: {SYNC_MISSING}; give seeds, gemm, schedules or all (all notes sync as skipped)"
-        ))),
+        "sync" => Ok(vec![Suite::Sync]),
         "all" => Ok(vec![Suite::Gemm, Suite::Schedules, Suite::Seeds, Suite::Sync]),
         other => Err(usage(format!("--suite `{other}` is not a suite; give one of {SUITES}"))),
     }
@@ -221,11 +216,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             Suite::Gemm => gemm::run(&mut bench)?,
             Suite::Schedules => schedules::run(&mut bench)?,
             Suite::Seeds => seeds::run(&mut bench)?,
-            Suite::Sync => {
-                let note = format!("Skipped: {SYNC_MISSING}.");
-                let section = Section { title: "sync".into(), notes: vec![note], charts: vec![], tables: vec![] };
-                (json!({ "skipped": true, "reason": SYNC_MISSING }), section)
-            }
+            Suite::Sync => sync::run(&mut bench, &args.out)?,
         };
         report["suites"][suite.name()] = json;
         sections.push(section);
