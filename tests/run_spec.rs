@@ -7,8 +7,9 @@ use std::path::PathBuf;
 
 use conveyor::RunSpec;
 use conveyor::engine::runtime::{CoreSlotPolicy, Recompute};
+use conveyor::engine::strategies::{Compression, SyncStrategy};
 use conveyor::schedules::ScheduleKind;
-use conveyor::spec::{BucketSize, LrSchedule, OnNonFinite, OptimizerKind, PlacementSpec, SpecError};
+use conveyor::spec::{BucketSize, InterleavingSpec, LrSchedule, OnNonFinite, OptimizerKind, PlacementSpec, SpecError};
 use train_cli_support::{arg, assert_usage_error, conveyor_ok, f32s, parameters, temp_dir};
 
 /// A spec with every field away from its default.
@@ -29,6 +30,9 @@ fn everything_set() -> RunSpec {
     pipeline.recompute = Recompute::ExceptLast;
     pipeline.core_slots = CoreSlotPolicy::Slots(3);
     pipeline.bucket_size = BucketSize::Bytes(4 << 20);
+    pipeline.sync = SyncStrategy::Downpour { fetch_every: 2, push_every: 3 };
+    pipeline.compress = Compression::TopK { ratio: 0.25 };
+    pipeline.interleaving = InterleavingSpec::Replay("turns.json".into());
     let training = &mut spec.training;
     training.batch = 16;
     training.steps = Some(12);
@@ -51,6 +55,7 @@ fn everything_set() -> RunSpec {
     spec.outputs.metrics = Some("m.jsonl".into());
     spec.outputs.trace = Some("trace.json".into());
     spec.outputs.svg = Some("step.svg".into());
+    spec.outputs.record_interleaving = Some("turns-out.json".into());
     spec
 }
 
@@ -128,6 +133,9 @@ fn unknown_keys_and_bad_values_name_the_key() {
         ("[pipeline]\ndevice_memory = \"lots\"\n", "pipeline.device_memory", Some("--device-memory"), "512MiB"),
         ("[pipeline]\nplacement = []\n", "pipeline.placement", Some("--placement"), "no stages"),
         ("[pipeline]\nbucket_size = \"big\"\n", "pipeline.bucket_size", Some("--bucket-size"), "or off"),
+        ("[pipeline]\nsync = \"gossip\"\n", "pipeline.sync", Some("--sync"), "downpour:F,P"),
+        ("[pipeline]\ncompress = \"topk:0\"\n", "pipeline.compress", Some("--compress"), "powersgd:R"),
+        ("[pipeline]\ninterleaving = \"seed:x\"\n", "pipeline.interleaving", Some("--interleaving"), "replay:PATH"),
         ("[optimizer]\nname = \"lamb\"\n", "optimizer.name", Some("--optimizer"), "use sgd, momentum, adam or adamw"),
         ("[outputs]\nsvgs = \"x.svg\"\n", "outputs.svgs", None, "unknown field"),
         ("[trainig]\nbatch = 8\n", "trainig", None, "unknown field `trainig`"),

@@ -3,6 +3,7 @@
 //! command line always has, then the TOML key in parentheses, and says what would fix it.
 use std::path::PathBuf;
 
+use conveyor_engine::strategies::SyncStrategy;
 use conveyor_schedules::ScheduleKind;
 
 use crate::cli_input::UsageError;
@@ -327,6 +328,85 @@ pub enum SpecError {
         precision: conveyor_engine::Precision,
         /// The tensor-parallel degree given.
         tensor_parallel: usize,
+    },
+    /// An interleaving other than `free` for a synchronous strategy, which has none to draw or
+    /// replay.
+    #[error(
+        "--interleaving {interleaving} with --sync {sync}: {sync} is synchronous and has no interleaving to draw or replay; \
+         valid with it: free (seed:N and replay:PATH are for --sync downpour:F,P and ssp:S) (pipeline.interleaving)"
+    )]
+    InterleavingNeedsAsynchronous {
+        /// The interleaving given.
+        interleaving: super::InterleavingSpec,
+        /// The strategy given.
+        sync: SyncStrategy,
+    },
+    /// `record_interleaving` for a run that records no order: a synchronous strategy, or an
+    /// asynchronous one running free.
+    #[error(
+        "--record-interleaving needs an asynchronous --sync (downpour:F,P or ssp:S) with --interleaving seed:N or \
+         replay:PATH, whose turns are recorded; this run has --sync {sync} --interleaving {interleaving} \
+         (outputs.record_interleaving)"
+    )]
+    RecordInterleaving {
+        /// The strategy given.
+        sync: SyncStrategy,
+        /// The interleaving given.
+        interleaving: super::InterleavingSpec,
+    },
+    /// A setting the data-parallel strategies cannot honour (`--sync` other than `allreduce`,
+    /// `--compress` or `--interleaving` given): only the runtime's own replicas support it.
+    #[error(
+        "{flag} {value} is not supported with {strategy}: {reason}; --sync allreduce without --compress or \
+         --interleaving (the runtime's own replicas) supports it ({key})"
+    )]
+    StrategyUnsupported {
+        /// The flag (`--resume`).
+        flag: &'static str,
+        /// The TOML key (`checkpoint.resume`).
+        key: &'static str,
+        /// Its value as given.
+        value: String,
+        /// The strategy's flags (`--sync ps --compress topk:0.1`).
+        strategy: String,
+        /// Why the strategies cannot honour it, and what would.
+        reason: &'static str,
+    },
+    /// A batch that does not split evenly among the strategies' workers.
+    #[error(
+        "--batch {batch} with --data-parallel {replicas}: every worker of {strategy} takes an equal share of each batch \
+         and {batch} rows do not split into {replicas}; give --batch a multiple of {replicas} (training.batch)"
+    )]
+    StrategyBatch {
+        /// Rows per batch.
+        batch: usize,
+        /// Workers (`data_parallel`).
+        replicas: usize,
+        /// The strategy's flags.
+        strategy: String,
+    },
+    /// [`RunSpec::prepare`](super::RunSpec::prepare) of a spec that trains through the
+    /// data-parallel strategies.
+    #[error(
+        "{strategy} trains through the data-parallel strategies: prepare it with RunSpec::prepare_replicas \
+         (RunSpec::prepare builds the runtime's own replicas, --sync allreduce) (pipeline.sync)"
+    )]
+    StrategyRun {
+        /// The strategy's flags.
+        strategy: String,
+    },
+    /// A recorded interleaving (`replay:PATH`) that cannot be read or is not a record of this run's
+    /// workers.
+    #[error(
+        "--interleaving replay:{}: {reason}; give a file --record-interleaving wrote, a JSON array of worker indices \
+         below --data-parallel (pipeline.interleaving)",
+        path.display()
+    )]
+    InterleavingFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
     },
     /// A placement the planner refuses (unknown nodes, a stage that does not fit).
     #[error("--placement {placement}: {source} (pipeline.placement)")]

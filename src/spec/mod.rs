@@ -8,7 +8,9 @@
 //! bad values are errors naming the key); `validate.rs` the checks across fields
 //! ([`RunSpec::validate`]) and of counts against the devices; `error.rs` [`SpecError`]; `data.rs`
 //! turns `[data]` into splits fitted to the model; `prepare.rs` builds the trainer
-//! ([`RunSpec::prepare`]) and feeds it the run's batches.
+//! ([`RunSpec::prepare`]) and feeds it the run's batches; `strategy.rs` the data-parallel
+//! strategies (`sync`, `compress`, `interleaving`): what they can honour, and the replicas they
+//! train ([`RunSpec::prepare_replicas`]).
 //!
 //! In a file every table and key is optional; a missing one takes its default:
 //!
@@ -57,6 +59,7 @@
 mod data;
 mod error;
 mod prepare;
+mod strategy;
 mod toml;
 mod validate;
 
@@ -64,12 +67,14 @@ use std::path::PathBuf;
 
 use conveyor_engine::placement::WeightCache;
 use conveyor_engine::runtime::{CoreSlotPolicy, Recompute, ReplicaShares};
+use conveyor_engine::strategies::{Compression, SyncStrategy};
 use conveyor_schedules::ScheduleKind;
 use serde::{Deserialize, Serialize};
 
 pub use data::{Splits, default_model, fit_to_model, load_data};
 pub use error::SpecError;
 pub use prepare::PreparedRun;
+pub use strategy::{INTERLEAVING_VALUES, InterleavingSpec, MAX_INTERLEAVING_FILE_BYTES, PreparedReplicas};
 pub use toml::{MAX_SPEC_FILE_BYTES, flag_of_key};
 pub use validate::{devices_used, hyperparameters, total_steps};
 
@@ -184,6 +189,22 @@ pub struct PipelineSection {
     /// step. The same sums either way. Default 25MiB (PyTorch DDP's).
     #[serde(with = "toml::text")]
     pub bucket_size: BucketSize,
+    /// `sync` (`--sync`): how the `data_parallel` replicas keep their parameters in step:
+    /// `allreduce`, `average:K`, `ps`, `ps:S`, `downpour:F,P` or `ssp:S`
+    /// ([`conveyor_engine::strategies::SyncStrategy`]). `allreduce` without compression and with
+    /// free interleaving is the runtime's own replicas; anything else trains through the
+    /// strategies (`strategy.rs`). Default allreduce.
+    #[serde(with = "toml::text")]
+    pub sync: SyncStrategy,
+    /// `compress` (`--compress`): how the strategies compress what workers exchange: `none`,
+    /// `bf16`, `f16`, `topk:R` or `powersgd:R`. Default none.
+    #[serde(with = "toml::text")]
+    pub compress: Compression,
+    /// `interleaving` (`--interleaving`): the order of an asynchronous strategy's pulls and
+    /// pushes: `free`, `seed:N` (drawn from a seed, recorded) or `replay:PATH` (a record written by
+    /// `record_interleaving`). Default free.
+    #[serde(with = "toml::text")]
+    pub interleaving: InterleavingSpec,
     /// `placement` (`--placement`). Default auto.
     #[serde(with = "toml::placement")]
     pub placement: PlacementSpec,
@@ -222,6 +243,9 @@ impl Default for PipelineSection {
             zero: 0,
             replica_shares: ReplicaShares::Even,
             bucket_size: BucketSize::default(),
+            sync: SyncStrategy::AllReduce,
+            compress: Compression::None,
+            interleaving: InterleavingSpec::Free,
             placement: PlacementSpec::Auto,
             schedule: ScheduleKind::OneFOneB,
             chunks: 1,
@@ -357,6 +381,11 @@ pub struct OutputsSection {
     /// `svg` (`--svg`): a Gantt chart of the last step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub svg: Option<PathBuf>,
+    /// `record_interleaving` (`--record-interleaving`): the order of an asynchronous strategy's
+    /// turns (`interleaving` seed:N or replay:PATH), as a JSON array of worker indices, written at
+    /// the end; `interleaving = "replay:PATH"` replays it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub record_interleaving: Option<PathBuf>,
 }
 
 impl RunSpec {

@@ -2,6 +2,8 @@
 //! does before its loop): the data splits fitted to the model, the devices, the placement, the
 //! built [`Trainer`] and its [`Plan`]; and [`PreparedRun`], which feeds the trainer the run's
 //! batches at the run's learning rates, so a library loop trains exactly as the command does.
+use conveyor_engine::graph::Graph;
+use conveyor_engine::optim::OptimizerConfig;
 use conveyor_engine::placement::Plan;
 use conveyor_engine::runtime::{StepReport, Trainer};
 use conveyor_engine::{Device, Tensor};
@@ -52,6 +54,8 @@ impl RunSpec {
     /// parses the devices, builds the model from the seed, fits the data to it, places it
     /// (`auto`, `time`, a file or listed stages; `tensor_parallel` groups with `auto`) and starts
     /// the trainer. `init` and `resume` are not loaded here: the trainer starts from the seed.
+    /// A spec that trains through the data-parallel strategies (`sync` other than `allreduce`,
+    /// `compress`, `interleaving`) is refused: [`RunSpec::prepare_replicas`] prepares it.
     ///
     /// ```
     /// use conveyor::RunSpec;
@@ -67,6 +71,80 @@ impl RunSpec {
     /// # Ok::<(), conveyor::spec::SpecError>(())
     /// ```
     pub fn prepare(&self) -> Result<PreparedRun, SpecError> {
+        if self.pipeline.uses_strategy() {
+            return Err(SpecError::StrategyRun { strategy: self.pipeline.strategy_flags() });
+        }
+        let Loaded { model_text, model, graph, train, test, devices, optimizer, steps_per_epoch, total_steps, config } =
+            self.load()?;
+        let (pipeline, training) = (&self.pipeline, &self.training);
+        let k = pipeline.tensor_parallel;
+        let replicas = pipeline.data_parallel;
+        let data_parallel = DataParallel {
+            replicas,
+            zero: pipeline.zero,
+            shares: pipeline.replica_shares.clone(),
+            bucket_bytes: pipeline.bucket_size.bytes(),
+        };
+        let pipeline_devices = devices.len() / k / replicas;
+        let (plan, trainer) = if k > 1 {
+            drop(graph);
+            build_trainer_replicated(&model, training.seed, devices, k, &data_parallel, &config)?
+        } else {
+            let replicated = Replicated { data_parallel, model: model.clone(), seed: training.seed };
+            place_and_build(graph, devices, &config, &pipeline.placement, replicated)?
+        };
+        let mut spec = self.clone();
+        spec.model.spec = Some(model_text);
+        // Every checkpoint of the run carries what the run is (not its output files).
+        let mut trainer = trainer;
+        trainer.set_metadata(crate::cli_input::SPEC_KEY, spec.for_checkpoint().to_toml_string()?)?;
+        Ok(PreparedRun {
+            spec,
+            model,
+            train,
+            test,
+            plan,
+            trainer,
+            optimizer,
+            steps_per_epoch,
+            total_steps,
+            pipeline_devices,
+            order: None,
+            current_lr: optimizer.lr(),
+        })
+    }
+}
+
+/// What every way of preparing a run starts from ([`RunSpec::prepare`], and
+/// [`RunSpec::prepare_replicas`] for the data-parallel strategies).
+pub(super) struct Loaded {
+    /// The model spec's text (the data's default model when none was named).
+    pub model_text: String,
+    /// The parsed model.
+    pub model: ModelSpec,
+    /// The model built from the seed.
+    pub graph: Graph,
+    /// Rows batches are drawn from, fitted to the model.
+    pub train: Dataset,
+    /// Held-out rows, if the data has them.
+    pub test: Option<Dataset>,
+    /// The devices the run uses (every replica's).
+    pub devices: Vec<Device>,
+    /// The optimizer with its defaults filled in.
+    pub optimizer: OptimizerConfig,
+    /// Batches per epoch (training rows / batch).
+    pub steps_per_epoch: u64,
+    /// The run's total steps.
+    pub total_steps: u64,
+    /// The trainer's settings (`batch_rows` the whole batch).
+    pub config: PipelineConfig,
+}
+
+impl RunSpec {
+    /// Validates the spec, loads and splits the data, parses the devices (those the run uses,
+    /// checked to split into tensor-parallel groups), builds the model from the seed and fits the
+    /// data to it, and works out the run's length.
+    pub(super) fn load(&self) -> Result<Loaded, SpecError> {
         self.validate()?;
         let (pipeline, training) = (&self.pipeline, &self.training);
         let mut splits = data::load_data(&self.data.source, training.seed, self.data.test_fraction, self.data.classes)?;
@@ -105,54 +183,21 @@ impl RunSpec {
             precision: training.precision,
             weight_cache: pipeline.weight_cache,
         };
-        let replicas = pipeline.data_parallel;
-        let data_parallel = DataParallel {
-            replicas,
-            zero: pipeline.zero,
-            shares: pipeline.replica_shares.clone(),
-            bucket_bytes: pipeline.bucket_size.bytes(),
-        };
-        let pipeline_devices = devices.len() / k / replicas;
-        let (plan, trainer) = if k > 1 {
-            drop(graph);
-            build_trainer_replicated(&model, training.seed, devices, k, &data_parallel, &config)?
-        } else {
-            let replicated = Replicated { data_parallel, model: model.clone(), seed: training.seed };
-            place_and_build(graph, devices, &config, &pipeline.placement, replicated)?
-        };
-        let mut spec = self.clone();
-        spec.model.spec = Some(model_text);
-        // Every checkpoint of the run carries what the run is (not its output files).
-        let mut trainer = trainer;
-        trainer.set_metadata(crate::cli_input::SPEC_KEY, spec.for_checkpoint().to_toml_string()?)?;
-        Ok(PreparedRun {
-            spec,
-            model,
-            train,
-            test,
-            plan,
-            trainer,
-            optimizer,
-            steps_per_epoch,
-            total_steps,
-            pipeline_devices,
-            order: None,
-            current_lr: optimizer.lr(),
-        })
+        Ok(Loaded { model_text, model, graph, train, test, devices, optimizer, steps_per_epoch, total_steps, config })
     }
 }
 
 /// Data-parallel replicas of an unsplit model: how many, and what every replica's graph is built from.
-struct Replicated {
-    data_parallel: DataParallel,
-    model: ModelSpec,
-    seed: u64,
+pub(super) struct Replicated {
+    pub data_parallel: DataParallel,
+    pub model: ModelSpec,
+    pub seed: u64,
 }
 
 /// Places the graph as `placement` says (for replica 0's devices) and starts the trainer, with
 /// `replicated`'s replicas on the other devices.
-fn place_and_build(
-    graph: conveyor_engine::graph::Graph,
+pub(super) fn place_and_build(
+    graph: Graph,
     devices: Vec<Device>,
     config: &PipelineConfig,
     placement: &PlacementSpec,

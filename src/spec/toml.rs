@@ -29,6 +29,9 @@ const FLAGS: &[(&str, &str)] = &[
     ("pipeline.zero", "--zero"),
     ("pipeline.replica_shares", "--replica-shares"),
     ("pipeline.bucket_size", "--bucket-size"),
+    ("pipeline.sync", "--sync"),
+    ("pipeline.compress", "--compress"),
+    ("pipeline.interleaving", "--interleaving"),
     ("pipeline.placement", "--placement"),
     ("pipeline.schedule", "--schedule"),
     ("pipeline.chunks", "--chunks"),
@@ -58,6 +61,7 @@ const FLAGS: &[(&str, &str)] = &[
     ("outputs.metrics", "--metrics"),
     ("outputs.trace", "--trace"),
     ("outputs.svg", "--svg"),
+    ("outputs.record_interleaving", "--record-interleaving"),
 ];
 
 /// The `conveyor train` flag that sets a key of the TOML form (`"pipeline.chunks"` → `--chunks`).

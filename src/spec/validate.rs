@@ -11,7 +11,9 @@ impl RunSpec {
     /// Checks what can be checked without the data or the devices: the model spec parses,
     /// `init` and `resume` are not both set, chunks suit the schedule, micro-batches suit the
     /// batch, counts are at least 1 and within the limits, `checkpoint.every` has a
-    /// `checkpoint.path`, the optimizer accepts its hyperparameters, and the precision is f32.
+    /// `checkpoint.path`, the optimizer accepts its hyperparameters, mixed precision has no split
+    /// layers, and a data-parallel strategy other than plain `allreduce` (`sync`, `compress`,
+    /// `interleaving`) asks for nothing it cannot honour (`strategy.rs`).
     /// [`RunSpec::prepare`] checks the rest (the data, the device count, the run's length).
     ///
     /// ```
@@ -108,7 +110,8 @@ impl RunSpec {
                 tensor_parallel: self.pipeline.tensor_parallel,
             });
         }
-        Ok(())
+        // The data-parallel strategy's settings, and what a run through the strategies can honour.
+        super::strategy::check(self)
     }
 }
 

@@ -86,6 +86,33 @@ pub struct TrainArgs {
     /// weights either way. [default: 25MiB]
     #[arg(long, value_name = "SIZE|off")]
     pub bucket_size: Option<String>,
+    /// How the --data-parallel replicas keep their parameters in step: `allreduce` (gradients
+    /// averaged every step), `average:K` (local SGD: parameters averaged every K steps), `ps` or
+    /// `ps:S` (a synchronous parameter server of S shards), `downpour:F,P` (asynchronous: fetch the
+    /// parameters every F steps, push gradients every P) or `ssp:S` (stale-synchronous: at most S
+    /// steps ahead of the slowest worker). `allreduce` without --compress or --interleaving is the
+    /// runtime's own replicas; anything else trains through the strategies, which keep a constant
+    /// learning rate (give --lr-schedule constant) and do not support --resume, --checkpoint,
+    /// --tensor-parallel, --zero, --replica-shares, --bucket-size, --trace, --svg or
+    /// --on-nonfinite skip. --batch is the global batch, split evenly among the workers.
+    /// [default: allreduce]
+    #[arg(long, value_name = "STRATEGY")]
+    pub sync: Option<String>,
+    /// How the --sync strategy compresses what workers exchange: `none`, `bf16`, `f16`, `topk:R`
+    /// (the largest fraction 0 < R <= 1 of each tensor, with error feedback) or `powersgd:R`
+    /// (rank-R approximation, R >= 1, with error feedback). [default: none]
+    #[arg(long, value_name = "CODEC")]
+    pub compress: Option<String>,
+    /// The order of an asynchronous strategy's pulls and pushes (--sync downpour:F,P or ssp:S):
+    /// `free` (as the threads arrive), `seed:N` (drawn from seed N: the same weights every run),
+    /// or `replay:PATH` (the turns --record-interleaving wrote, replayed with the recording run's
+    /// flags: the same weights again). [default: free]
+    #[arg(long, value_name = "free|seed:N|replay:PATH")]
+    pub interleaving: Option<String>,
+    /// Write the run's order of turns (--interleaving seed:N or replay:PATH) here at the end, as a
+    /// JSON array of worker indices, atomically; --interleaving replay:FILE replays it.
+    #[arg(long, value_name = "FILE")]
+    pub record_interleaving: Option<PathBuf>,
     /// Placement of layers on stages: `auto` (minimise the slowest stage under the budgets, from
     /// FLOP estimates), `time` (the same from layer times measured on this machine first:
     /// balance by time), or a file as `conveyor plan --placement` reads: one line per stage
@@ -283,6 +310,15 @@ impl TrainArgs {
         if let Some(text) = &self.bucket_size {
             pipeline.bucket_size = text.parse()?;
         }
+        if let Some(text) = &self.sync {
+            pipeline.sync = text.parse().map_err(|e| usage(format!("--sync: {}", reason(e))))?;
+        }
+        if let Some(text) = &self.compress {
+            pipeline.compress = text.parse().map_err(|e| usage(format!("--compress: {}", reason(e))))?;
+        }
+        if let Some(text) = &self.interleaving {
+            pipeline.interleaving = text.parse().map_err(|why| usage(format!("--interleaving {why}")))?;
+        }
         if let Some(text) = &self.placement {
             pipeline.placement = PlacementSpec::from_text(text);
         }
@@ -342,6 +378,7 @@ impl TrainArgs {
         set_some(&mut outputs.metrics, &self.metrics);
         set_some(&mut outputs.trace, &self.trace);
         set_some(&mut outputs.svg, &self.svg);
+        set_some(&mut outputs.record_interleaving, &self.record_interleaving);
         Ok(())
     }
 }

@@ -8,8 +8,8 @@
 //! `conveyor plan` shares); `checkpointing.rs` holds `--save`, `--resume` and `--init`;
 //! `outputs.rs` checks every output path before the run and streams the metrics and the trace;
 //! `progress.rs` the progress bars; `summary.rs` the accuracy (the bubble summary is the engine's
-//! `Trainer::bubbles`). This file wires
-//! them into one run.
+//! `Trainer::bubbles`); `strategies.rs` the run through the data-parallel strategies (`--sync`
+//! other than allreduce, `--compress`, `--interleaving`). This file wires them into one run.
 //!
 //! Whatever ends the run (its last step, a non-finite step, Ctrl-C or SIGTERM), the outputs are
 //! written in order of value: `--save`, `--checkpoint`, `--metrics`, `--trace`, `--svg`; one that
@@ -29,6 +29,7 @@ mod args;
 mod checkpointing;
 mod outputs;
 mod progress;
+mod strategies;
 pub(crate) mod summary;
 
 use std::sync::Arc;
@@ -139,6 +140,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let ranks = super::ranks::start(args.transport)?.filter(|t| t.world_size() > 1);
     let record_ops = ranks.is_none() && (spec.outputs.trace.is_some() || spec.outputs.svg.is_some());
     let recorder = install_subscriber(record_ops);
+    // `--sync` other than allreduce, `--compress`, `--interleaving`: the strategies' own loop.
+    if spec.pipeline.uses_strategy() {
+        return strategies::run(spec, ranks.is_some());
+    }
     let mut run = spec.prepare().map_err(spec_error)?;
     let (schedule, lr_schedule, on_nonfinite) =
         (spec.pipeline.schedule, spec.optimizer.lr_schedule, spec.training.on_nonfinite);

@@ -1,13 +1,14 @@
-//! The files `conveyor train` writes (`--save`, `--checkpoint`, `--metrics`, `--trace`, `--svg`):
-//! checked before training starts, and the two written as the run goes (the metrics log and the
-//! trace), each into a temporary file renamed over its target at the end.
+//! The files `conveyor train` writes (`--save`, `--checkpoint`, `--metrics`, `--trace`, `--svg`,
+//! `--record-interleaving`): checked before training starts, and the two written as the run goes
+//! (the metrics log and the trace), each into a temporary file renamed over its target at the end.
 //!
 //! [`check`] refuses, with exit status 2 and before any data is loaded or step trained:
 //! - an output that cannot be written: a directory, a block device, a directory that does not
 //!   exist or where no file can be created (`conveyor::engine::output_file::check_output` probes it);
 //! - an output that is one of the run's inputs (`--data` and the files of an MNIST directory,
-//!   `--init`, `--resume`, `--placement`), compared by device and inode (so symbolic and hard links
-//!   count) or, for a file not there yet, by its canonical directory and name. One pair is allowed:
+//!   `--init`, `--resume`, `--placement`, the record of `--interleaving replay:PATH`), compared by
+//!   device and inode (so symbolic and hard links count) or, for a file not there yet, by its
+//!   canonical directory and name. One pair is allowed:
 //!   `--checkpoint` onto the `--resume` file, the usual way to continue a run in place;
 //! - two outputs on one file.
 //!
@@ -27,7 +28,7 @@ use conveyor::schedules::{Timeline, TimelineEvent};
 
 use crate::cli::{output_error, usage};
 use conveyor::RunSpec;
-use conveyor::spec::PlacementSpec;
+use conveyor::spec::{InterleavingSpec, PlacementSpec};
 
 /// How a file is told apart from another.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -60,6 +61,7 @@ fn outputs(spec: &RunSpec) -> Vec<(&'static str, &Path)> {
         ("--metrics", &spec.outputs.metrics),
         ("--trace", &spec.outputs.trace),
         ("--svg", &spec.outputs.svg),
+        ("--record-interleaving", &spec.outputs.record_interleaving),
     ]
     .into_iter()
     .filter_map(|(flag, path)| path.as_deref().map(|path| (flag, path)))
@@ -89,6 +91,9 @@ fn inputs(spec: &RunSpec) -> Vec<(&'static str, PathBuf)> {
     }
     if let PlacementSpec::File(path) = &spec.pipeline.placement {
         inputs.push(("--placement", path.clone()));
+    }
+    if let InterleavingSpec::Replay(path) = &spec.pipeline.interleaving {
+        inputs.push(("--interleaving", path.clone()));
     }
     inputs
 }
