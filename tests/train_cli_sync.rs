@@ -8,7 +8,7 @@ mod train_cli_support;
 
 use train_cli_support::{arg, assert_usage_error, conveyor_ok, read_checkpoint, temp_dir};
 
-/// A tiny MLP on the digits with the learning rate the strategies keep (constant).
+/// A tiny MLP on the digits at a constant learning rate.
 #[rustfmt::skip]
 const RUN: &[&str] = &[
     "train", "--model", "mlp:64,32,10", "--data", "digits", "--lr-schedule", "constant", "--microbatches", "1",
@@ -151,9 +151,29 @@ fn bad_values_and_flags_the_strategies_cannot_honour_exit_2_naming_the_flag() {
             assert!(stderr.contains("--sync allreduce without --compress"), "{extra:?}: {stderr}");
         }
     }
-    // The learning-rate schedule the strategies cannot follow: the default cosine is refused too.
-    assert_usage_error(
-        &["train", "--model", "mlp:64,32,10", "--devices", "cpu:2", "--data-parallel", "2", "--sync", "ps"],
-        "--lr-schedule cosine is not supported with --sync ps",
-    );
+}
+
+#[test]
+fn the_default_cosine_schedule_steps_the_strategies_learning_rate() {
+    let stdout = conveyor_ok(&[
+        "train",
+        "--model",
+        "mlp:64,32,10",
+        "--data",
+        "digits",
+        "--devices",
+        "cpu:2",
+        "--data-parallel",
+        "2",
+        "--sync",
+        "ps:2",
+        "--steps",
+        "6",
+        "--log-every",
+        "1",
+    ]);
+    let lrs: Vec<f64> =
+        stdout.lines().filter_map(|line| line.split("  lr ").nth(1)?.split_whitespace().next()?.parse().ok()).collect();
+    assert_eq!(lrs.len(), 6, "{stdout}");
+    assert!(lrs.windows(2).all(|w| w[1] < w[0]), "the cosine decays step by step: {lrs:?}");
 }

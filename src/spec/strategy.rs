@@ -9,10 +9,10 @@
 //! runtime's own replicas ([`RunSpec::prepare`]: bucketed all-reduce overlapped with the backward
 //! pass, checkpoints, traces); any other strategy trains through
 //! [`conveyor_engine::strategies`], which exchanges whole gradients (or parameters) between
-//! worker threads and server shards, keeps its own optimizer state and a constant learning rate,
-//! and records no timeline. What only the runtime's replicas can do (resume, checkpoints,
-//! tensor parallelism, ZeRO, unequal shares, buckets, learning-rate schedules, traces, skipping
-//! non-finite steps) is refused for the other path, naming the flag ([`SpecError::StrategyUnsupported`]).
+//! worker threads and server shards, keeps its own optimizer state (following the spec's
+//! learning-rate schedule step by step), and records no timeline. What only the runtime's
+//! replicas can do (resume, checkpoints, tensor parallelism, ZeRO, unequal shares, buckets,
+//! traces, skipping non-finite steps) is refused for the other path, naming the flag ([`SpecError::StrategyUnsupported`]).
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -24,7 +24,7 @@ use conveyor_engine::strategies::{Compression, Interleaving, StrategyConfig, Syn
 
 use super::prepare::{Loaded, Replicated, place_and_build};
 use super::toml::{SpecText, reason};
-use super::{BucketSize, LrSchedule, OnNonFinite, PipelineSection, RunSpec, SpecError};
+use super::{BucketSize, OnNonFinite, PipelineSection, RunSpec, SpecError};
 use crate::cli_input::usage;
 use crate::data::{Dataset, epoch_order};
 use crate::pipeline::{DataParallel, builder};
@@ -163,7 +163,7 @@ fn check_supported(spec: &RunSpec) -> Result<(), SpecError> {
     const CHECKPOINTS: &str = "the strategies' state (workers, servers, optimizer state) is not checkpointed; --save writes the trained model";
     const TIMELINE: &str = "the strategies' workers record no timeline of ops";
     #[rustfmt::skip]
-    let refused: [(&'static str, &'static str, Option<String>, &'static str); 11] = [
+    let refused: [(&'static str, &'static str, Option<String>, &'static str); 10] = [
         ("--tensor-parallel", "pipeline.tensor_parallel", (pipeline.tensor_parallel > 1).then(|| pipeline.tensor_parallel.to_string()),
             "gradients of tensor-parallel stages are not gathered for the strategies; give --tensor-parallel 1"),
         ("--zero", "pipeline.zero", (pipeline.zero != 0).then(|| pipeline.zero.to_string()),
@@ -179,8 +179,6 @@ fn check_supported(spec: &RunSpec) -> Result<(), SpecError> {
         ("--svg", "outputs.svg", path(&outputs.svg), TIMELINE),
         ("--on-nonfinite", "training.on_nonfinite", (training.on_nonfinite != OnNonFinite::Error).then(|| training.on_nonfinite.to_text()),
             "a run through the strategies stops at a non-finite loss; give --on-nonfinite error"),
-        ("--lr-schedule", "optimizer.lr_schedule", (spec.optimizer.lr_schedule != LrSchedule::Constant).then(|| spec.optimizer.lr_schedule.to_string()),
-            "the strategies' optimizers keep the learning rate constant; give --lr-schedule constant"),
     ];
     for (flag, key, value, reason) in refused {
         if let Some(value) = value {
@@ -366,6 +364,12 @@ impl PreparedReplicas {
         step / self.steps_per_epoch.max(1)
     }
 
+    /// The learning rate of step `step` (0-based) under the spec's schedule, as
+    /// [`super::PreparedRun::lr`] gives it.
+    pub fn lr(&self, step: u64) -> f64 {
+        self.spec.optimizer.lr_schedule.lr(self.optimizer.lr(), step, self.total_steps)
+    }
+
     /// Rows of each worker's share of a batch.
     pub fn worker_rows(&self) -> usize {
         self.spec.training.batch / self.spec.pipeline.data_parallel.max(1)
@@ -409,6 +413,7 @@ impl PreparedReplicas {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::spec::LrSchedule;
 
     #[test]
     fn interleavings_parse_and_print_back() {

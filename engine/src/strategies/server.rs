@@ -17,8 +17,9 @@ pub(super) enum ToServer {
     /// Parameters, once the shard has applied at least `min_version` updates.
     Pull { step: usize, min_version: u64, reply: Sender<Pulled> },
     /// A worker's gradients of this shard's tensors (encoded, shard order) for `step`, computed
-    /// on the parameters of version `pulled_version`, encoded by `codec`.
-    Push { worker: usize, step: usize, pulled_version: u64, codec: Compression, grads: Vec<Vec<u8>> },
+    /// on the parameters of version `pulled_version`, encoded by `codec`, to be applied at `lr`
+    /// (the step's rate under a schedule; `None`: the shard's current rate).
+    Push { worker: usize, step: usize, pulled_version: u64, codec: Compression, lr: Option<f64>, grads: Vec<Vec<u8>> },
 }
 
 /// A shard's answer to a pull.
@@ -110,8 +111,11 @@ impl ServerShard {
                         waiting.push((step, min_version, reply));
                     }
                 }
-                ToServer::Push { worker, step, pulled_version, codec, grads } => {
+                ToServer::Push { worker, step, pulled_version, codec, lr, grads } => {
                     let decoded = self.decode(codec, &grads)?;
+                    if let Some(lr) = lr {
+                        self.set_lr(lr)?;
+                    }
                     match sync_workers {
                         None => {
                             let staleness = self.version.saturating_sub(pulled_version);

@@ -207,11 +207,24 @@ impl SyncTrainer {
     }
 
     /// Runs `steps` steps on every worker; `batches(step, worker)` gives each worker its part of
-    /// the step's batch. Asynchronous workers run free within the run and meet at its end.
+    /// the step's batch. Asynchronous workers run free within the run and meet at its end. The
+    /// learning rate stays as it is ([`SyncTrainer::set_lr`]); see [`SyncTrainer::run_with_lr`].
     pub fn run(
         &mut self,
         steps: usize,
         batches: &(dyn Fn(usize, usize) -> Result<Batch> + Sync),
+    ) -> Result<Vec<StepRecord>> {
+        self.run_with_lr(steps, batches, None)
+    }
+
+    /// [`SyncTrainer::run`] with a learning-rate schedule: `lr(step)` is the rate of every update
+    /// of step `step` (a worker's own step, or a server applying that step's gradients; an
+    /// asynchronous server applies a push at the rate of the step it was computed in).
+    pub fn run_with_lr(
+        &mut self,
+        steps: usize,
+        batches: &(dyn Fn(usize, usize) -> Result<Batch> + Sync),
+        lr: Option<&(dyn Fn(usize) -> f64 + Sync)>,
     ) -> Result<Vec<StepRecord>> {
         let start = self.step;
         let n_workers = self.replicas.len();
@@ -242,6 +255,7 @@ impl SyncTrainer {
             turnstile: turnstile.as_ref(),
             started: Instant::now(),
             batches,
+            lr,
         };
         let errors: Vec<Error> = std::thread::scope(|scope| {
             let mut server_txs = Vec::new();
@@ -355,6 +369,7 @@ struct Shared<'a> {
     turnstile: Option<&'a Turnstile>,
     started: Instant,
     batches: &'a (dyn Fn(usize, usize) -> Result<Batch> + Sync),
+    lr: Option<&'a (dyn Fn(usize) -> f64 + Sync)>,
 }
 
 impl Shared<'_> {
@@ -372,6 +387,9 @@ impl Shared<'_> {
         servers: &[Sender<ToServer>],
     ) -> Result<()> {
         self.abort.check()?;
+        if let (Some(lr), Some(optimizer)) = (self.lr, state.optimizer.as_mut()) {
+            optimizer.set_lr(lr(t))?;
+        }
         let batch = (self.batches)(t, w)?;
         let loss = match self.sync {
             SyncStrategy::AllReduce => {
@@ -537,7 +555,14 @@ impl Shared<'_> {
         self.stats.with(t, |s| s.bytes += bytes);
         self.in_turn(w, || {
             for (shard, grads) in per_shard.into_iter().enumerate() {
-                let message = ToServer::Push { worker: w, step: t, pulled_version: state.pulled[shard], codec, grads };
+                let message = ToServer::Push {
+                    worker: w,
+                    step: t,
+                    pulled_version: state.pulled[shard],
+                    codec,
+                    lr: self.lr.map(|lr| lr(t)),
+                    grads,
+                };
                 servers[shard]
                     .send(message)
                     .map_err(|_| Error::invalid("parameter server", "a server shard stopped"))?;

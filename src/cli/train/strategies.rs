@@ -64,7 +64,7 @@ pub fn run(spec: RunSpec, several_ranks: bool) -> anyhow::Result<()> {
     let test = run.test.take();
     outln!(
         "conveyor train: {model_text} on {} ({} train rows{}), {workers} worker(s) x {} device(s), {strategy_flags}, \
-         {}, {microbatches} micro-batches of {} rows per worker, {} lr {lr} (constant)",
+         {}, {microbatches} micro-batches of {} rows per worker, {} lr {lr} ({} schedule)",
         spec.data.source,
         run.train.len(),
         test.as_ref().map(|t| format!(", {} test rows", t.len())).unwrap_or_default(),
@@ -72,6 +72,7 @@ pub fn run(spec: RunSpec, several_ranks: bool) -> anyhow::Result<()> {
         spec.pipeline.schedule,
         run.worker_rows().div_ceil(microbatches),
         run.optimizer.name(),
+        spec.optimizer.lr_schedule,
     );
     for (worker, label) in labels.iter().enumerate() {
         outln!("  worker {worker} on {label}");
@@ -125,10 +126,13 @@ pub fn run(spec: RunSpec, several_ranks: bool) -> anyhow::Result<()> {
         if let Some(every) = eval_every {
             end = end.min((first / every + 1) * every);
         }
-        let records = trainer.run((end - first) as usize, &run.worker_batches(epoch)).map_err(|error| {
-            progress.finish();
-            step_error(error, &spec.pipeline.interleaving)
-        })?;
+        let (schedule, base_lr, steps) = (&run.spec.optimizer.lr_schedule, run.optimizer.lr(), run.total_steps);
+        let lr_at = |step: usize| schedule.lr(base_lr, step as u64, steps);
+        let records =
+            trainer.run_with_lr((end - first) as usize, &run.worker_batches(epoch), Some(&lr_at)).map_err(|error| {
+                progress.finish();
+                step_error(error, &spec.pipeline.interleaving)
+            })?;
         let eval_accuracy = match (&test, eval_every) {
             (Some(test), Some(every)) if end.is_multiple_of(every) => Some(accuracy(&mut trainer, test, &run)?),
             _ => None,
@@ -150,14 +154,15 @@ pub fn run(spec: RunSpec, several_ranks: bool) -> anyhow::Result<()> {
             progress.step_done(step, steps_per_epoch, record.loss);
             let accuracy = eval_accuracy.filter(|_| step == end);
             if let Some(out) = metrics.as_mut() {
-                out.line(&metrics_line(record, run.epoch(step - 1), lr, accuracy));
+                out.line(&metrics_line(record, run.epoch(step - 1), run.lr(step - 1), accuracy));
             }
             let log_now = log_every > 0 && (step.is_multiple_of(log_every) || step == total_steps);
             if log_now || accuracy.is_some() {
                 let mut line = format!(
-                    "step {step:>5}/{total_steps}  epoch {}  loss {:.4}  lr {lr:.2e}  {} sent  staleness {:.2}/{}",
+                    "step {step:>5}/{total_steps}  epoch {}  loss {:.4}  lr {:.2e}  {} sent  staleness {:.2}/{}",
                     run.epoch(step - 1),
                     record.loss,
+                    run.lr(step - 1),
                     format_bytes(record.bytes),
                     record.staleness_mean,
                     record.staleness_max
