@@ -198,6 +198,25 @@ pub fn run(bench: &mut Bench, out: &Path) -> anyhow::Result<(Value, Section)> {
             ));
         }
     }
+    // PowerSGD rank 2 against no compression: within a point.
+    let final_of = |name: &str| outcomes.iter().find(|o| o.label == name).map(final_accuracy);
+    if let (Some(plain), Some(low_rank)) = (final_of("allreduce"), final_of("allreduce --compress powersgd:2")) {
+        let met = low_rank >= plain - 0.01;
+        checks.push(json!({ "strategy": "allreduce --compress powersgd:2", "within_of": "allreduce", "points": 1.0,
+            "accuracy": low_rank, "reference": plain, "met": met }));
+        notes.push(format!(
+            "Target: powersgd:2 within a point of no compression: {:.1}% against {:.1}% ({})",
+            100.0 * low_rank,
+            100.0 * plain,
+            if met { "met" } else { "NOT met" }
+        ));
+    }
+    notes.push(
+        "Compressed runs send their first tenth of steps uncompressed (compress_after, as PyTorch's PowerSGD hook's \
+         start_powerSGD_iter), which is most of their bytes: after it, top-k 0.01 and PowerSGD rank 2 send a few \
+         percent of what allreduce sends per step."
+            .to_string(),
+    );
     let json = json!({
         "workers": WORKERS,
         "model": MODEL,
