@@ -161,6 +161,46 @@ fn a_fault_in_one_replica_fails_the_step_in_every_replica_and_the_next_step_trai
     }
 }
 
+/// A replica's worker that fails after its last backward but before its gradient bucket was
+/// launched (buckets of 1 MiB and more hold this model's every gradient until the step's end) gives
+/// the pending gradients back: the next step trains, and equals a run without the fault.
+#[test]
+fn an_abandoned_step_gives_back_the_gradients_of_a_bucket_not_yet_launched() {
+    let build = || {
+        let graph = mlp();
+        let stage_nodes = even_stages(&graph, 2);
+        Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
+            .devices((0..4).map(Device::cpu).collect())
+            .stages(stage_nodes)
+            .schedule(ScheduleKind::OneFOneB, 1)
+            .micro_batches(2)
+            .optimizer(OptimizerConfig::adam(0.01))
+            .bucket_size(Some(64 << 20))
+            .seed(11)
+            .data_parallel(2, |_, _| Ok(mlp()))
+            .build()
+            .unwrap()
+    };
+    let mut trainer = build();
+    let mut reference = build();
+    train(&mut trainer, 1);
+    train(&mut reference, 1);
+    // Stage 1's last op of the step is its backward of micro-batch 1, then the send of its input
+    // gradient: failing that send leaves stage 1's final gradients in the pending bucket.
+    let fault = FaultInjection { stage_idx: 1, at: FaultPoint::Send, micro_batch_idx: 1, panic: false };
+    for replica in [0, 1] {
+        trainer.inject_fault_in_replica(Some(fault), replica);
+        let (x, y) = data(ROWS, &[10], 4, 9);
+        assert!(trainer.train_step(&x, &y).is_err(), "replica {replica}: the fault did not strike");
+        trainer.inject_fault(None);
+        let (x, y) = data(ROWS, &[10], 4, 3 + replica as u64);
+        let got = trainer.train_step(&x, &y).unwrap().loss;
+        let want = reference.train_step(&x, &y).unwrap().loss;
+        assert_eq!(got.to_bits(), want.to_bits(), "replica {replica}: the step after the abandoned one");
+        assert_eq!(weights(&trainer), weights(&reference), "replica {replica}: weights");
+    }
+}
+
 #[test]
 fn parameters_load_and_checkpoints_reach_every_replica() {
     let dir = std::env::temp_dir().join(format!("conveyor-data-parallel-{}", std::process::id()));
