@@ -346,7 +346,15 @@ struct LockSite {
     departure: bool,
 }
 
-const LOCKS: [LockSite; 18] = [
+const LOCKS: [LockSite; 19] = [
+    LockSite {
+        path: "engine/src/strategies/links.rs",
+        item: "*",
+        why: "the data-parallel strategies' meeting points (the all-gather's generations, SSP's clocks, the \
+              deterministic turnstile, per-step counters): taken once or twice per exchange, pull or push, between \
+              the replicas' steps and never inside one; they guard encoded bytes and counters, no tensor of a step",
+        departure: false,
+    },
     LockSite {
         path: "engine/src/collective/direct.rs",
         item: "*",
