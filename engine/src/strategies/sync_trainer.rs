@@ -51,6 +51,24 @@ struct WorkerState {
 }
 
 /// Replicas trained under a data-parallel strategy; see the module documentation.
+///
+/// ```
+#[doc = include_str!("../runtime/doc_model.md")]
+/// use conveyor_engine::runtime::Batch;
+/// use conveyor_engine::strategies::{StrategyConfig, SyncTrainer};
+///
+/// // Two replicas of `y = w x` (w = 0, targets 2 x) behind a synchronous parameter server.
+/// let replicas = vec![model()?, model()?];
+/// let config = StrategyConfig::new("ps".parse()?);
+/// let mut trainer = SyncTrainer::new(replicas, OptimizerConfig::sgd(0.5), config)?;
+/// // Worker `w` of step `t` trains on its own 4 rows.
+/// let records = trainer.run(20, &|t, w| Ok(Batch::from(data(4, (2 * t + w) as u64)?)))?;
+/// assert!(records[19].loss < records[0].loss);
+/// assert!(records.iter().all(|r| r.staleness_max == 0 && r.bytes > 0));
+/// let w = trainer.parameters()?[0].1.to_vec_f32()[0];
+/// assert!((w - 2.0).abs() < 1e-3, "{w}");
+/// # Ok::<(), conveyor_engine::Error>(())
+/// ```
 pub struct SyncTrainer {
     config: StrategyConfig,
     replicas: Vec<Trainer>,
