@@ -64,6 +64,39 @@ pub struct RunState {
 }
 
 impl RunState {
+    /// Step 0 of a run of `spec` (as prepared: its spec, optimizer and training rows), the model
+    /// named `model`, `steps_per_epoch` batches an epoch and `total_steps` in all.
+    pub fn starting(
+        spec: &crate::RunSpec,
+        optimizer: &conveyor_engine::optim::OptimizerConfig,
+        train: &Dataset,
+        model: &str,
+        steps_per_epoch: u64,
+        total_steps: u64,
+    ) -> RunState {
+        let (momentum, weight_decay) = crate::spec::hyperparameters(optimizer);
+        RunState {
+            step: 0,
+            steps_per_epoch,
+            seed: spec.training.seed,
+            batch: spec.training.batch,
+            shuffle: spec.training.shuffle,
+            train_rows: train.len(),
+            model: model.to_string(),
+            data: spec.data.source.clone(),
+            optimizer: spec.optimizer.name.to_string(),
+            lr: optimizer.lr(),
+            lr_schedule: spec.optimizer.lr_schedule.to_string(),
+            total_steps,
+            micro_batches: Some(spec.pipeline.microbatches),
+            momentum: Some(momentum),
+            weight_decay: Some(weight_decay),
+            data_fingerprint: Some(data_fingerprint(train)),
+            // What the run is, without this invocation's files: a resume from it writes only its own.
+            spec: spec.for_checkpoint().to_toml_string().ok(),
+        }
+    }
+
     /// The metadata map saved with a checkpoint (keys under [`RUN_STATE_KEY_PREFIX`]).
     pub fn to_metadata(&self) -> BTreeMap<String, String> {
         let epoch = self.step / self.steps_per_epoch.max(1);

@@ -82,37 +82,35 @@ impl Trainer {
     /// # }
     /// ```
     pub fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
-        let parts = self.on_first_replica(move |stages| -> Result<Vec<(String, Tensor)>> {
-            let mut out = Vec::new();
-            for stage in stages.iter() {
-                for node in &stage.nodes {
-                    for (name, tensor) in node.layer.export_parameters()? {
-                        out.push((format!("{}.{name}", node.name), tensor));
-                    }
-                }
-            }
-            Ok(out)
-        })?;
-        let mut gathered = Vec::new();
-        for part in parts {
-            gathered.extend(part?);
-        }
-        let mut gathered = self.gather_named(gathered)?;
-        gathered.sort_by_key(|(name, _)| self.param_order.iter().position(|o| o == name).unwrap_or(usize::MAX));
-        Ok(gathered)
+        self.named_from_stages(|node| {
+            let exported = node.layer.export_parameters()?;
+            Ok(exported.into_iter().map(|(name, tensor)| (format!("{}.{name}", node.name), tensor)).collect())
+        })
     }
 
     /// The gradients the last step left in the stages, named and ordered as
     /// [`Trainer::parameters`], on the host (see [`Trainer::gradient_step`]).
     pub(super) fn gradients(&self) -> Result<Vec<(String, Tensor)>> {
+        self.named_from_stages(|node| {
+            let pairs = node.layer.parameters().iter().zip(&node.grads);
+            pairs
+                .map(|(param, grad)| {
+                    Ok((format!("{}.{}", node.name, param.name), grad.to_device(&crate::Device::host())?))
+                })
+                .collect()
+        })
+    }
+
+    /// Named tensors `of` every node of replica 0's stages gives, gathered from every rank and
+    /// sorted into [`Trainer::parameters`]' order.
+    fn named_from_stages(
+        &self,
+        of: impl Fn(&super::stage::NodeExec) -> Result<Vec<(String, Tensor)>> + Send + Sync + 'static,
+    ) -> Result<Vec<(String, Tensor)>> {
         let parts = self.on_first_replica(move |stages| -> Result<Vec<(String, Tensor)>> {
             let mut out = Vec::new();
-            for stage in stages.iter() {
-                for node in &stage.nodes {
-                    for (param, grad) in node.layer.parameters().iter().zip(&node.grads) {
-                        out.push((format!("{}.{}", node.name, param.name), grad.to_device(&crate::Device::host())?));
-                    }
-                }
+            for node in stages.iter().flat_map(|stage| &stage.nodes) {
+                out.extend(of(node)?);
             }
             Ok(out)
         })?;

@@ -173,27 +173,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         })
         .collect();
     let (steps_per_epoch, total_steps) = (run.steps_per_epoch, run.total_steps);
-    let (momentum, weight_decay) = conveyor::spec::hyperparameters(&optimizer);
-    let mut state = RunState {
-        step: 0,
-        steps_per_epoch,
-        seed: spec.training.seed,
-        batch,
-        shuffle: spec.training.shuffle,
-        train_rows: run.train.len(),
-        model: model_text.clone(),
-        data: spec.data.source.clone(),
-        optimizer: spec.optimizer.name.to_string(),
-        lr: base_lr,
-        lr_schedule: lr_schedule.to_string(),
-        total_steps,
-        micro_batches: Some(microbatches),
-        momentum: Some(momentum),
-        weight_decay: Some(weight_decay),
-        data_fingerprint: Some(conveyor::cli_input::data_fingerprint(&run.train)),
-        // What the run is, without this invocation's files: a resume from it writes only its own.
-        spec: run.spec.for_checkpoint().to_toml_string().ok(),
-    };
+    let mut state = RunState::starting(&run.spec, &optimizer, &run.train, &model_text, steps_per_epoch, total_steps);
     let mut resumed_note = None;
     if let Some(path) = &spec.checkpoint.init {
         let n = checkpointing::init(path, &mut run.trainer)?;

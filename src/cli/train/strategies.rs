@@ -84,26 +84,8 @@ pub fn run(spec: RunSpec, several_ranks: bool) -> anyhow::Result<()> {
         outln!("{note}");
     }
     let mut trainer = run.sync_trainer().map_err(spec_error)?;
-    let (momentum, weight_decay) = conveyor::spec::hyperparameters(&run.optimizer);
-    let mut state = RunState {
-        step: 0,
-        steps_per_epoch,
-        seed: spec.training.seed,
-        batch,
-        shuffle: spec.training.shuffle,
-        train_rows: run.train.len(),
-        model: model_text,
-        data: spec.data.source.clone(),
-        optimizer: spec.optimizer.name.to_string(),
-        lr,
-        lr_schedule: spec.optimizer.lr_schedule.to_string(),
-        total_steps,
-        micro_batches: Some(microbatches),
-        momentum: Some(momentum),
-        weight_decay: Some(weight_decay),
-        data_fingerprint: Some(conveyor::cli_input::data_fingerprint(&run.train)),
-        spec: run.spec.for_checkpoint().to_toml_string().ok(),
-    };
+    let mut state =
+        RunState::starting(&run.spec, &run.optimizer, &run.train, &model_text, steps_per_epoch, total_steps);
     interrupt::install().map_err(|e| anyhow::anyhow!("could not install the signal handler: {e}"))?;
     let mut metrics = match &spec.outputs.metrics {
         Some(path) => Some(outputs::LineOutput::create("--metrics", path)?),
