@@ -91,8 +91,8 @@ pub struct TrainArgs {
     /// `ps:S` (a synchronous parameter server of S shards), `downpour:F,P` (asynchronous: fetch the
     /// parameters every F steps, push gradients every P) or `ssp:S` (stale-synchronous: at most S
     /// steps ahead of the slowest worker). `allreduce` without --compress or --interleaving is the
-    /// runtime's own replicas; anything else trains through the strategies, which keep a constant
-    /// learning rate (give --lr-schedule constant) and do not support --resume, --checkpoint,
+    /// runtime's own replicas; anything else trains through the strategies, which follow
+    /// --lr-schedule step by step and do not support --resume, --checkpoint,
     /// --tensor-parallel, --zero, --replica-shares, --bucket-size, --trace, --svg or
     /// --on-nonfinite skip. --batch is the global batch, split evenly among the workers.
     /// [default: allreduce]
