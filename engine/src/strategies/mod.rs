@@ -19,10 +19,12 @@ use crate::{Error, Result};
 pub mod compress;
 mod links;
 mod powersgd;
+mod ranks;
 mod server;
 mod sync_trainer;
 
 pub use compress::{Compression, Compressor};
+pub use ranks::DEFAULT_COLLECTIVE_TIMEOUT;
 pub use sync_trainer::{StepRecord, SyncTrainer};
 
 /// How replicas keep their parameters in step (`--sync`).
