@@ -78,6 +78,7 @@ impl std::fmt::Debug for SyncTrainer {
             .field("replicas", &self.replicas.len())
             .field("step", &self.step)
             .field("bytes_sent", &self.bytes_sent)
+            .field("ranks", &self.ranks.as_ref().map(|r| (r.rank(), r.world_size())))
             .finish_non_exhaustive()
     }
 }
@@ -104,6 +105,17 @@ impl SyncTrainer {
         config: StrategyConfig,
         transport: Arc<dyn Transport>,
     ) -> Result<SyncTrainer> {
+        let world = transport.world_size();
+        if world == 0 || world > usize::from(u16::MAX) || transport.rank() >= world {
+            return Err(Error::invalid(
+                "transport",
+                format!("rank {} of {world} ranks: need 1 to {} ranks", transport.rank(), u16::MAX),
+            ));
+        }
+        // The check first, so that ranks given different settings all fail here together rather
+        // than some refusing alone while the others wait for them.
+        let ranks = Ranks { transport, timeout: DEFAULT_COLLECTIVE_TIMEOUT };
+        ranks::check_same_start(&ranks, &config, &optimizer, &replica.parameters()?)?;
         config.validate()?;
         if config.sync.server_shards().is_some() {
             return Err(Error::invalid(
@@ -115,15 +127,6 @@ impl SyncTrainer {
                 ),
             ));
         }
-        let world = transport.world_size();
-        if world == 0 || world > usize::from(u16::MAX) || transport.rank() >= world {
-            return Err(Error::invalid(
-                "transport",
-                format!("rank {} of {world} ranks: need 1 to {} ranks", transport.rank(), u16::MAX),
-            ));
-        }
-        let ranks = Ranks { transport, timeout: DEFAULT_COLLECTIVE_TIMEOUT };
-        ranks::check_same_start(&ranks, &config, &optimizer, &replica.parameters()?)?;
         let mut trainer = SyncTrainer::build(vec![replica], optimizer, config, ranks.rank())?;
         trainer.ranks = Some(ranks);
         Ok(trainer)
