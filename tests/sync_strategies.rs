@@ -2,15 +2,19 @@
 //! same bits as `allreduce`, and `allreduce` what one device trains on the whole batch (within f32
 //! rounding); asynchronous runs in the deterministic mode replay bit for bit from their seed or
 //! their record, and stale-synchronous runs keep their staleness bound; every strategy, with and
-//! without compression, learns the digits; bad settings are refused.
+//! without compression, learns the digits; bad settings are refused. `SyncTrainer::over_ranks`
+//! on threads standing in for ranks trains the in-process bits (`mpi_sync_strategies` does it over
+//! MPI), a failing rank ends the others by the deadline, and ranks that disagree are refused.
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use conveyor::Sequential;
 use conveyor::data::{DIGITS_TRAIN_ROWS, Dataset, digits, epoch_order};
 use conveyor::engine::optim::OptimizerConfig;
 use conveyor::engine::runtime::{Batch, Trainer};
-use conveyor::engine::strategies::{Compression, Interleaving, StrategyConfig, SyncStrategy, SyncTrainer};
-use conveyor::engine::{Device, Result, Tensor};
+use conveyor::engine::strategies::{Compression, Interleaving, StepRecord, StrategyConfig, SyncStrategy, SyncTrainer};
+use conveyor::engine::transport::{LinkCost, Tag, Transport, TransportKind};
+use conveyor::engine::{Device, Error, Result, Tensor};
 use conveyor::layers::CrossEntropyLoss;
 
 const BATCH: usize = 64;
@@ -196,4 +200,176 @@ fn bad_settings_are_refused() {
     let error = SyncTrainer::new(vec![replica(0, &sgd)], sgd, config).unwrap_err().to_string();
     assert!(error.contains("synchronous"), "{error}");
     assert!(SyncTrainer::new(Vec::new(), sgd, StrategyConfig::new(SyncStrategy::AllReduce)).is_err());
+}
+
+/// Threads standing in for MPI ranks: a [`Transport`] whose `all_gather` meets the other threads
+/// (with its deadline), so `SyncTrainer::over_ranks` runs without MPI.
+#[derive(Debug)]
+struct ThreadRanks {
+    rank: usize,
+    meeting: Arc<Meeting>,
+}
+
+type MeetingState = (Vec<Option<Vec<u8>>>, u64, Arc<Vec<Vec<u8>>>);
+
+#[derive(Debug, Default)]
+struct Meeting {
+    /// Each rank's part of the all-gather under way, the all-gathers done, the last one's parts.
+    state: std::sync::Mutex<MeetingState>,
+    ready: std::sync::Condvar,
+}
+
+fn thread_ranks(world: usize) -> Vec<Arc<dyn Transport>> {
+    let meeting = Arc::new(Meeting::default());
+    meeting.state.lock().unwrap().0 = vec![None; world];
+    (0..world).map(|rank| Arc::new(ThreadRanks { rank, meeting: Arc::clone(&meeting) }) as Arc<dyn Transport>).collect()
+}
+
+impl Transport for ThreadRanks {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.meeting.state.lock().unwrap().0.len()
+    }
+    fn kind(&self) -> TransportKind {
+        TransportKind::Mpi
+    }
+    fn send(&self, _to: usize, _tag: Tag, _bytes: Vec<u8>) -> Result<()> {
+        Err(Error::invalid("test transport", "sends nothing"))
+    }
+    fn inbox(&self, _tag: Tag) -> Result<crossbeam::channel::Receiver<Vec<u8>>> {
+        Ok(crossbeam::channel::never())
+    }
+    fn close_rounds_before(&self, _round: u64) {}
+    fn all_gather(&self, bytes: Vec<u8>, timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        let mut state = self.meeting.state.lock().unwrap();
+        let generation = state.1;
+        state.0[self.rank] = Some(bytes);
+        if state.0.iter().all(Option::is_some) {
+            state.2 = Arc::new(state.0.iter_mut().map(|s| s.take().unwrap_or_default()).collect());
+            state.1 += 1;
+            self.meeting.ready.notify_all();
+        }
+        let deadline = Instant::now() + timeout;
+        while state.1 == generation {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::invalid("test transport", format!("rank {} timed out in an all-gather", self.rank)));
+            }
+            state = self.meeting.ready.wait_timeout(state, left).unwrap().0;
+        }
+        Ok(state.2.as_ref().clone())
+    }
+    fn link(&self, _peer: usize) -> Option<LinkCost> {
+        None
+    }
+    fn clock_offset_s(&self) -> f64 {
+        0.0
+    }
+    fn abort(&self, code: i32) -> ! {
+        panic!("rank {} aborted the job with {code}", self.rank)
+    }
+}
+
+#[test]
+fn over_ranks_trains_the_bits_of_the_in_process_workers_and_a_failing_rank_ends_the_others() {
+    let (train, _) = split();
+    let adam = OptimizerConfig::adam(0.01);
+    let world = 2;
+    for config in [
+        StrategyConfig::new(SyncStrategy::AllReduce).compress(Compression::PowerSgd { rank: 2 }),
+        StrategyConfig::new(SyncStrategy::Average { every: 2 }).compress(Compression::TopK { ratio: 0.1 }),
+    ] {
+        let mut reference = sync_trainer(world, &adam, config.clone());
+        let expected = reference.run(4, &batches(&train, world)).unwrap();
+        let results: Vec<(Vec<u32>, Vec<StepRecord>)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = thread_ranks(world)
+                .into_iter()
+                .map(|transport| {
+                    let (config, train) = (config.clone(), &train);
+                    scope.spawn(move || {
+                        let rank = transport.rank();
+                        let mut over = SyncTrainer::over_ranks(replica(rank, &adam), adam, config, transport).unwrap();
+                        let data = batches(train, world);
+                        let records = over
+                            .run(4, &|t, w| {
+                                assert_eq!(w, rank, "asked for another rank's batch");
+                                data(t, w)
+                            })
+                            .unwrap();
+                        (bits(&over.parameters().unwrap()), records)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, (params, records)) in results.iter().enumerate() {
+            assert_eq!(params, &bits(&reference.parameters().unwrap()), "{}: rank {rank}", config.sync);
+            let bytes: Vec<u64> = records.iter().map(|r| r.bytes).collect();
+            assert_eq!(bytes, expected.iter().map(|r| r.bytes).collect::<Vec<_>>(), "{}: rank {rank}", config.sync);
+        }
+    }
+    // Rank 1's batch of step 1 fails: it returns that error, rank 0 its all-gather's timeout.
+    let errors: Vec<String> = std::thread::scope(|scope| {
+        let handles: Vec<_> = thread_ranks(world)
+            .into_iter()
+            .map(|transport| {
+                let train = &train;
+                scope.spawn(move || {
+                    let rank = transport.rank();
+                    let config = StrategyConfig::new(SyncStrategy::AllReduce);
+                    let mut over = SyncTrainer::over_ranks(replica(rank, &adam), adam, config, transport).unwrap();
+                    over.set_collective_timeout(Duration::from_millis(500));
+                    let data = batches(train, world);
+                    let started = Instant::now();
+                    let error = over
+                        .run(3, &|t, w| {
+                            if (t, w) == (1, 1) {
+                                Err(Error::invalid("batch", "rank 1 has no batch 1"))
+                            } else {
+                                data(t, w)
+                            }
+                        })
+                        .unwrap_err();
+                    assert!(started.elapsed() < Duration::from_secs(20), "rank {rank} waited too long");
+                    error.to_string()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(errors[0].contains("timed out"), "{}", errors[0]);
+    assert!(errors[1].contains("rank 1 has no batch 1"), "{}", errors[1]);
+}
+
+#[test]
+fn over_ranks_refuses_server_strategies_and_ranks_that_start_apart() {
+    let adam = OptimizerConfig::adam(0.01);
+    let transport: Arc<dyn Transport> = Arc::new(conveyor::engine::transport::InProcess);
+    for sync in ["ps", "ps:2", "downpour:1,2", "ssp:1"] {
+        let config = StrategyConfig::new(sync.parse().unwrap());
+        let error = SyncTrainer::over_ranks(replica(0, &adam), adam, config, Arc::clone(&transport)).unwrap_err();
+        assert!(error.to_string().contains(sync) && error.to_string().contains("one process"), "{error}");
+    }
+    let errors: Vec<String> = std::thread::scope(|scope| {
+        let handles: Vec<_> = thread_ranks(2)
+            .into_iter()
+            .map(|transport| {
+                scope.spawn(move || {
+                    let rank = transport.rank();
+                    let graph =
+                        Sequential::new([1, 8, 8]).flatten().linear(32).relu().linear(10).build(3 + rank as u64);
+                    let trainer =
+                        Trainer::builder(graph.unwrap(), Arc::new(CrossEntropyLoss)).optimizer(adam).build().unwrap();
+                    let config = StrategyConfig::new(SyncStrategy::AllReduce);
+                    SyncTrainer::over_ranks(trainer, adam, config, transport).unwrap_err().to_string()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for error in errors {
+        assert!(error.contains("rank 1 does not start from the same parameters"), "{error}");
+    }
 }

@@ -1,5 +1,6 @@
 //! What the workers of a [`super::SyncTrainer`] run share: the abort flag every wait polls, the
-//! all-gather of `allreduce` and `average:K`, the clocks of stale-synchronous runs, the turnstile
+//! all-gather of `allreduce` and `average:K` ([`WorkerExchange`]: in-process here, across MPI ranks
+//! in `ranks.rs`), the clocks of stale-synchronous runs, the turnstile
 //! that fixes an asynchronous run's interleaving, and the per-step statistics.
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -44,6 +45,21 @@ impl Abort {
             cv.wait_for(guard, POLL);
         }
         Ok(())
+    }
+}
+
+/// The all-gather of `allreduce` and `average:K`: worker `worker` gives its bytes and gets every
+/// worker's, in worker order, the same on every worker. Two implementations: [`Exchange`] (the
+/// workers are threads of this process) and `ranks::RankExchange` (one worker per MPI rank); the
+/// math around it (encode, decode, sum in worker order) is one code path for both.
+pub(super) trait WorkerExchange: Sync {
+    /// Everyone's bytes in worker order; fails when the run aborts (or a peer rank times out).
+    fn all_gather(&self, worker: usize, bytes: Vec<u8>, abort: &Abort) -> Result<Arc<Vec<Vec<u8>>>>;
+}
+
+impl WorkerExchange for Exchange {
+    fn all_gather(&self, worker: usize, bytes: Vec<u8>, abort: &Abort) -> Result<Arc<Vec<Vec<u8>>>> {
+        Exchange::all_gather(self, worker, bytes, abort)
     }
 }
 

@@ -8,6 +8,10 @@
 //! describes each strategy's protocol, why none can deadlock, and how the deterministic mode
 //! ([`Interleaving::Seeded`]) makes an asynchronous run replayable bit for bit.
 //!
+//! [`SyncTrainer::over_ranks`] runs `allreduce` and `average:K` with one worker per MPI rank
+//! instead, through the same code with the transport's all-gather (`ranks.rs` describes what
+//! differs and how a failure on one rank ends the others).
+//!
 //! The runtime's own replicas ([`crate::runtime::TrainerBuilder::data_parallel`]) are the fast
 //! path for plain synchronous all-reduce (bucketed, overlapped with backward); this module is for
 //! comparing strategies, and runs `allreduce` too, so that every strategy is measured the same way.
@@ -19,10 +23,12 @@ use crate::{Error, Result};
 pub mod compress;
 mod links;
 mod powersgd;
+mod ranks;
 mod server;
 mod sync_trainer;
 
 pub use compress::{Compression, Compressor};
+pub use ranks::DEFAULT_COLLECTIVE_TIMEOUT;
 pub use sync_trainer::{StepRecord, SyncTrainer};
 
 /// How replicas keep their parameters in step (`--sync`).

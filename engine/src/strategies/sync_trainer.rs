@@ -1,16 +1,20 @@
 //! [`SyncTrainer`]: `R` worker replicas trained under one [`super::SyncStrategy`], each worker a
-//! thread driving its own [`Trainer`] (gradients only), server shards threads of their own.
-use std::time::Instant;
+//! thread driving its own [`Trainer`] (gradients only), server shards threads of their own; or one
+//! worker per MPI rank ([`SyncTrainer::over_ranks`], what differs lives in `ranks.rs`).
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crossbeam::channel::{self, Sender};
 
 use super::compress::{self, Compression, Compressor};
-use super::links::{Abort, Action, Clocks, Exchange, RunStats, Turnstile};
+use super::links::{Abort, Action, Clocks, Exchange, RunStats, Turnstile, WorkerExchange};
 use super::powersgd::{AllGather, CollectivePowerSgd};
+use super::ranks::{self, DEFAULT_COLLECTIVE_TIMEOUT, RankExchange, Ranks};
 use super::server::{Pulled, ServerShard, ToServer, mean_in_order};
 use super::{Interleaving, StrategyConfig, SyncStrategy};
 use crate::optim::{Optimizer, OptimizerConfig};
 use crate::runtime::{Batch, Evaluation, Trainer};
+use crate::transport::Transport;
 use crate::{Device, Error, Result, Shape, Tensor};
 
 /// What one step (every worker's step of that index) did.
@@ -79,6 +83,10 @@ pub struct SyncTrainer {
     step: usize,
     turns: Vec<u16>,
     bytes_sent: u64,
+    /// Across MPI ranks: this rank runs worker `rank` of `world_size` ([`SyncTrainer::over_ranks`]).
+    ranks: Option<Ranks>,
+    /// `average:K` across ranks: the workers' mean after the last run (gathered at its end).
+    consensus: Option<Vec<Tensor>>,
 }
 
 impl std::fmt::Debug for SyncTrainer {
@@ -88,6 +96,7 @@ impl std::fmt::Debug for SyncTrainer {
             .field("replicas", &self.replicas.len())
             .field("step", &self.step)
             .field("bytes_sent", &self.bytes_sent)
+            .field("ranks", &self.ranks.as_ref().map(|r| (r.rank(), r.world_size())))
             .finish_non_exhaustive()
     }
 }
@@ -96,6 +105,71 @@ impl SyncTrainer {
     /// `replicas` (built alike, from one seed, each on its own devices) trained under `config`,
     /// every update by `optimizer` (the replicas' own optimizers are not used).
     pub fn new(replicas: Vec<Trainer>, optimizer: OptimizerConfig, config: StrategyConfig) -> Result<SyncTrainer> {
+        SyncTrainer::build(replicas, optimizer, config, 0)
+    }
+
+    /// This rank's worker of a run across MPI ranks: `replica` is worker `transport.rank()` of
+    /// `transport.world_size()`, and `allreduce` and `average:K` (with any compression) exchange
+    /// through [`Transport::all_gather`], computing the same bits as [`SyncTrainer::new`] with as
+    /// many in-process replicas. Every rank must call it (it checks, with an all-gather, that every
+    /// rank has the same strategy, optimizer and initial parameters, and refuses otherwise) and
+    /// then make the same calls in the same order; `run`'s `batches(step, worker)` is asked only
+    /// for this rank's worker. `replica` itself should run in this process (the in-process
+    /// transport). The server strategies (`ps`, `downpour`, `ssp`) are refused: they run in one
+    /// process for now. `ranks.rs` describes the failure behaviour.
+    pub fn over_ranks(
+        replica: Trainer,
+        optimizer: OptimizerConfig,
+        config: StrategyConfig,
+        transport: Arc<dyn Transport>,
+    ) -> Result<SyncTrainer> {
+        let world = transport.world_size();
+        if world == 0 || world > usize::from(u16::MAX) || transport.rank() >= world {
+            return Err(Error::invalid(
+                "transport",
+                format!("rank {} of {world} ranks: need 1 to {} ranks", transport.rank(), u16::MAX),
+            ));
+        }
+        // The check first, so that ranks given different settings all fail here together rather
+        // than some refusing alone while the others wait for them.
+        let ranks = Ranks { transport, timeout: DEFAULT_COLLECTIVE_TIMEOUT };
+        ranks::check_same_start(&ranks, &config, &optimizer, &replica.parameters()?)?;
+        config.validate()?;
+        if config.sync.server_shards().is_some() {
+            return Err(Error::invalid(
+                "--sync",
+                format!(
+                    "{} keeps its parameters on server threads and runs in one process for now; across MPI \
+                     ranks use allreduce or average:K",
+                    config.sync
+                ),
+            ));
+        }
+        let mut trainer = SyncTrainer::build(vec![replica], optimizer, config, ranks.rank())?;
+        trainer.ranks = Some(ranks);
+        Ok(trainer)
+    }
+
+    /// How long a rank waits in one of the strategy's all-gathers for the others before failing
+    /// (runs across ranks; 300 s unless set).
+    pub fn set_collective_timeout(&mut self, timeout: Duration) {
+        if let Some(ranks) = self.ranks.as_mut() {
+            ranks.timeout = timeout;
+        }
+    }
+
+    /// The workers of the strategy (the replicas, or the ranks).
+    pub fn n_workers(&self) -> usize {
+        self.ranks.as_ref().map_or(self.replicas.len(), Ranks::world_size)
+    }
+
+    /// `replicas` are workers `first_worker..`.
+    fn build(
+        replicas: Vec<Trainer>,
+        optimizer: OptimizerConfig,
+        config: StrategyConfig,
+        first_worker: usize,
+    ) -> Result<SyncTrainer> {
         config.validate()?;
         optimizer.validate()?;
         let Some(first) = replicas.first() else {
@@ -131,7 +205,7 @@ impl SyncTrainer {
                 Ok(WorkerState {
                     params: clone_all(&params)?,
                     optimizer: if keeps_optimizer { Some(Optimizer::new(optimizer, params.len())?) } else { None },
-                    compressor: Compressor::new(config.compress, config.seed.wrapping_add(w as u64)),
+                    compressor: Compressor::new(config.compress, config.seed.wrapping_add((first_worker + w) as u64)),
                     powersgd: match (config.compress, config.sync) {
                         (Compression::PowerSgd { rank }, SyncStrategy::AllReduce | SyncStrategy::Average { .. }) => {
                             Some(CollectivePowerSgd::new(rank, config.seed))
@@ -148,7 +222,19 @@ impl SyncTrainer {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(SyncTrainer { config, replicas, names, shapes, workers, servers, step: 0, turns: Vec::new(), bytes_sent: 0 })
+        Ok(SyncTrainer {
+            config,
+            replicas,
+            names,
+            shapes,
+            workers,
+            servers,
+            step: 0,
+            turns: Vec::new(),
+            bytes_sent: 0,
+            ranks: None,
+            consensus: None,
+        })
     }
 
     /// The strategy's settings.
@@ -188,11 +274,20 @@ impl SyncTrainer {
     pub fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
         let values: Vec<Tensor> = match self.config.sync {
             SyncStrategy::AllReduce => clone_all(&self.workers[0].params)?,
-            SyncStrategy::Average { .. } => {
-                let per_worker: Vec<Vec<Vec<f32>>> =
-                    self.workers.iter().map(|w| w.params.iter().map(Tensor::to_vec_f32).collect()).collect();
-                self.tensors(mean_in_order(per_worker))?
-            }
+            SyncStrategy::Average { .. } => match (&self.ranks, &self.consensus) {
+                (Some(_), Some(consensus)) => clone_all(consensus)?,
+                (ranks, _) => {
+                    // Before any run across ranks every worker holds this rank's parameters.
+                    let copies = ranks.as_ref().map_or(1, Ranks::world_size);
+                    let per_worker: Vec<Vec<Vec<f32>>> = self
+                        .workers
+                        .iter()
+                        .flat_map(|w| std::iter::repeat_n(w, copies))
+                        .map(|w| w.params.iter().map(Tensor::to_vec_f32).collect())
+                        .collect();
+                    self.tensors(mean_in_order(per_worker))?
+                }
+            },
             _ => {
                 let mut values: Vec<Option<Tensor>> = (0..self.names.len()).map(|_| None).collect();
                 for shard in &self.servers {
@@ -225,7 +320,7 @@ impl SyncTrainer {
     }
 
     /// Runs `steps` steps on every worker; `batches(step, worker)` gives each worker its part of
-    /// the step's batch. Asynchronous workers run free within the run and meet at its end. The
+    /// the step's batch (across ranks: only this rank's worker is asked). Asynchronous workers run free within the run and meet at its end. The
     /// learning rate stays as it is ([`SyncTrainer::set_lr`]); see [`SyncTrainer::run_with_lr`].
     pub fn run(
         &mut self,
@@ -245,10 +340,22 @@ impl SyncTrainer {
         lr: Option<&(dyn Fn(usize) -> f64 + Sync)>,
     ) -> Result<Vec<StepRecord>> {
         let start = self.step;
-        let n_workers = self.replicas.len();
+        let n_workers = self.n_workers();
+        let first_worker = self.ranks.as_ref().map_or(0, Ranks::rank);
         let stats = RunStats::new(start, steps);
         let abort = Abort::default();
-        let exchange = Exchange::new(n_workers);
+        let in_process;
+        let across_ranks;
+        let exchange: &dyn WorkerExchange = match &self.ranks {
+            Some(ranks) => {
+                across_ranks = RankExchange { ranks };
+                &across_ranks
+            }
+            None => {
+                in_process = Exchange::new(n_workers);
+                &in_process
+            }
+        };
         let clocks = Clocks::new(n_workers, start);
         let sync = self.config.sync;
         let turnstile = match (&self.config.interleaving, sync.is_asynchronous()) {
@@ -268,7 +375,7 @@ impl SyncTrainer {
             shapes: &self.shapes,
             stats: &stats,
             abort: &abort,
-            exchange: &exchange,
+            exchange,
             clocks: &clocks,
             turnstile: turnstile.as_ref(),
             started: Instant::now(),
@@ -296,7 +403,8 @@ impl SyncTrainer {
                 .iter_mut()
                 .zip(self.workers.iter_mut())
                 .enumerate()
-                .map(|(w, (trainer, state))| {
+                .map(|(i, (trainer, state))| {
+                    let w = first_worker + i;
                     let txs = server_txs.clone();
                     let shared = &shared;
                     scope.spawn(move || {
@@ -331,10 +439,16 @@ impl SyncTrainer {
                 errors.iter().position(|e| !e.to_string().contains("another worker or server failed")).unwrap_or(0);
             return Err(errors.into_iter().nth(first).expect("non-empty"));
         }
+        let mut steps_stats = stats.steps.into_inner();
+        if let Some(ranks) = &self.ranks {
+            steps_stats = ranks::combine_stats(ranks, steps_stats)?;
+            if matches!(sync, SyncStrategy::Average { .. }) {
+                let mean = ranks::mean_over_ranks(ranks, &self.workers[0].params)?;
+                self.consensus = Some(self.tensors(mean)?);
+            }
+        }
         self.step += steps;
-        let records: Vec<StepRecord> = stats
-            .steps
-            .into_inner()
+        let records: Vec<StepRecord> = steps_stats
             .into_iter()
             .enumerate()
             .map(|(i, s)| StepRecord {
@@ -382,7 +496,7 @@ struct Shared<'a> {
     shapes: &'a [Shape],
     stats: &'a RunStats,
     abort: &'a Abort,
-    exchange: &'a Exchange,
+    exchange: &'a dyn WorkerExchange,
     clocks: &'a Clocks,
     turnstile: Option<&'a Turnstile>,
     started: Instant,

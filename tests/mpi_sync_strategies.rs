@@ -1,0 +1,336 @@
+//! The all-gather strategies of `conveyor::engine::strategies` across MPI ranks
+//! (`SyncTrainer::over_ranks`): on 2 and 4 ranks, `allreduce` (no compression, bf16, top-k,
+//! PowerSGD) and `average:2` (none, PowerSGD) train a small MLP on the digits to parameters bit
+//! for bit equal to the in-process `SyncTrainer` with as many workers, return the same step
+//! records (bytes equal, losses within rounding) on every rank, and evaluate alike; ranks that
+//! start from different parameters are refused on every rank, and the server strategies are
+//! refused with an error naming them.
+//!
+//! The test re-runs its own binary under `mpirun -n {2,4} --oversubscribe` with
+//! `CONVEYOR_MPI_SYNC_RANK` set, so that each copy acts as one rank, with a hard timeout per job.
+//! Every rank gathers its parameters' bits to rank 0, which runs the in-process reference itself
+//! and compares. Without the `mpi` feature it prints a skip and passes; with it and no `mpirun` on
+//! the path it skips too, unless `CONVEYOR_REQUIRE_MPI` is set (as in CI), where it fails.
+
+#[cfg(not(feature = "mpi"))]
+fn main() {
+    println!("mpi_sync_strategies: skipped (build with `--features mpi` to run the strategies across MPI ranks)");
+}
+
+#[cfg(feature = "mpi")]
+fn main() -> std::process::ExitCode {
+    if std::env::var_os(mpi_tests::RANK_VAR).is_some() { mpi_tests::rank_main() } else { mpi_tests::launcher_main() }
+}
+
+#[cfg(feature = "mpi")]
+mod mpi_tests {
+    use std::io::Read;
+    use std::os::unix::process::CommandExt;
+    use std::process::{Command, ExitCode, Stdio};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use anyhow::{Context, bail, ensure};
+    use conveyor::Sequential;
+    use conveyor::data::{DIGITS_TRAIN_ROWS, Dataset, digits, epoch_order};
+    use conveyor::engine::optim::OptimizerConfig;
+    use conveyor::engine::runtime::{Batch, Trainer};
+    use conveyor::engine::strategies::{Compression, StepRecord, StrategyConfig, SyncStrategy, SyncTrainer};
+    use conveyor::engine::transport::{MpiTransport, Transport};
+    use conveyor::engine::{Device, Result, Tensor};
+    use conveyor::layers::CrossEntropyLoss;
+
+    /// Set in the ranks' environment: this copy of the binary is one rank of the job.
+    pub const RANK_VAR: &str = "CONVEYOR_MPI_SYNC_RANK";
+    /// Rank counts of the jobs.
+    const WORLD_SIZES: [usize; 2] = [2, 4];
+    /// Longest a job may run before the launcher kills it.
+    const JOB_TIMEOUT: Duration = Duration::from_secs(240);
+    /// Longest a rank waits for a peer inside a collective.
+    const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(60);
+    /// What rank 0 prints last when every check passed on every rank.
+    const PASSED: &str = "mpi_sync_strategies: every rank passed";
+    /// The step's whole batch, split among the workers.
+    const BATCH: usize = 32;
+    /// Steps of each run; each case runs twice (the second continues the first).
+    const STEPS: usize = 3;
+
+    // ---- the launcher ----
+
+    pub fn launcher_main() -> ExitCode {
+        match launch_all() {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("mpi_sync_strategies: FAILED: {e:#}");
+                ExitCode::FAILURE
+            }
+        }
+    }
+
+    fn launch_all() -> anyhow::Result<()> {
+        let have_mpirun = Command::new("mpirun")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !have_mpirun {
+            if std::env::var_os("CONVEYOR_REQUIRE_MPI").is_some() {
+                bail!("mpirun is not on the path, and CONVEYOR_REQUIRE_MPI is set");
+            }
+            println!("mpi_sync_strategies: skipped (no `mpirun` on the path; install Open MPI to run it)");
+            return Ok(());
+        }
+        let exe = std::env::current_exe().context("finding this test binary")?;
+        for n in WORLD_SIZES {
+            println!("mpi_sync_strategies: mpirun -n {n} --oversubscribe");
+            let output = run_job(&exe, n)?;
+            print!("{output}");
+            ensure!(output.contains(PASSED), "the {n}-rank job exited without rank 0 reporting success");
+        }
+        Ok(())
+    }
+
+    /// Runs the job of `n` ranks to its end (killing it past [`JOB_TIMEOUT`]) and returns its output;
+    /// fails unless every rank exited with success.
+    fn run_job(exe: &std::path::Path, n: usize) -> anyhow::Result<String> {
+        let mut child = Command::new("mpirun")
+            .args(["-n", &n.to_string(), "--oversubscribe"])
+            .arg(exe)
+            .env(RANK_VAR, "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // Its own process group, so a timeout can end mpirun and every rank together.
+            .process_group(0)
+            .spawn()
+            .context("starting mpirun")?;
+        let mut stdout = child.stdout.take().context("piped stdout")?;
+        let mut stderr = child.stderr.take().context("piped stderr")?;
+        let out_reader = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = stdout.read_to_string(&mut text);
+            text
+        });
+        let err_reader = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = stderr.read_to_string(&mut text);
+            text
+        });
+        let deadline = Instant::now() + JOB_TIMEOUT;
+        let status = loop {
+            if let Some(status) = child.try_wait()? {
+                break Some(status);
+            }
+            if Instant::now() > deadline {
+                // SAFETY: kill(2) on the process group this test created; no memory is involved.
+                unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let output = out_reader.join().unwrap_or_default() + &err_reader.join().unwrap_or_default();
+        match status {
+            None => bail!("the {n}-rank job ran past {JOB_TIMEOUT:?} and was killed; its output:\n{output}"),
+            Some(s) if !s.success() => bail!("the {n}-rank job failed ({s}); its output:\n{output}"),
+            Some(_) => Ok(output),
+        }
+    }
+
+    // ---- one rank ----
+
+    pub fn rank_main() -> ExitCode {
+        // Not made the process transport: the replicas themselves run in this process.
+        let transport: Arc<dyn Transport> = match MpiTransport::init() {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("mpi_sync_strategies: MPI did not start: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        match run_rank(&transport) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                // Every other rank may be waiting on this one: end the job rather than let it hang.
+                eprintln!("mpi_sync_strategies: rank {} FAILED: {e:#}", transport.rank());
+                transport.abort(1)
+            }
+        }
+    }
+
+    fn train_set() -> anyhow::Result<Dataset> {
+        let all = digits()?;
+        let mut train = all.slice(0, DIGITS_TRAIN_ROWS);
+        let (mean, std) = train.feature_stats();
+        train.standardize(&mean, &std);
+        Ok(train)
+    }
+
+    fn replica(device: usize, seed: u64, optimizer: &OptimizerConfig) -> Result<Trainer> {
+        let graph = Sequential::new([1, 8, 8]).flatten().linear(16).relu().linear(10).build(seed)?;
+        Trainer::builder(graph, Arc::new(CrossEntropyLoss))
+            .devices(vec![Device::cpu(device)])
+            .optimizer(*optimizer)
+            .build()
+    }
+
+    /// Step `t`'s batch, worker `w`'s share of `workers`.
+    fn batches(train: &Dataset, workers: usize) -> impl Fn(usize, usize) -> Result<Batch> + Sync + '_ {
+        let order = epoch_order(train.len(), true, 7, 0);
+        move |t, w| {
+            let per = BATCH / workers;
+            let at = (t * BATCH + w * per) % (train.len() - BATCH);
+            Ok(Batch::from(train.batch(&order[at..at + per])?))
+        }
+    }
+
+    fn bits(params: &[(String, Tensor)]) -> Vec<u32> {
+        params.iter().flat_map(|(_, t)| t.to_vec_f32()).map(f32::to_bits).collect()
+    }
+
+    fn to_bytes(words: &[u32]) -> Vec<u8> {
+        words.iter().flat_map(|w| w.to_le_bytes()).collect()
+    }
+
+    fn run_rank(transport: &Arc<dyn Transport>) -> anyhow::Result<()> {
+        let (rank, n) = (transport.rank(), transport.world_size());
+        let train = train_set()?;
+        let indices: Vec<usize> = (0..200).collect();
+        let held_out = || train.batch(&indices);
+        let adam = OptimizerConfig::adam(0.01);
+        let cases = [
+            (SyncStrategy::AllReduce, Compression::None),
+            (SyncStrategy::AllReduce, Compression::Bf16),
+            (SyncStrategy::AllReduce, Compression::TopK { ratio: 0.05 }),
+            (SyncStrategy::AllReduce, Compression::PowerSgd { rank: 2 }),
+            (SyncStrategy::Average { every: 2 }, Compression::None),
+            (SyncStrategy::Average { every: 2 }, Compression::PowerSgd { rank: 2 }),
+        ];
+        for &(sync, compress) in &cases {
+            let config = StrategyConfig::new(sync).compress(compress).compress_after(1);
+            let mut over =
+                SyncTrainer::over_ranks(replica(rank, 3, &adam)?, adam, config.clone(), Arc::clone(transport))?;
+            over.set_collective_timeout(COLLECTIVE_TIMEOUT);
+            ensure!(over.n_workers() == n, "{n} workers across {n} ranks");
+            let data = batches(&train, n);
+            let asked_other = std::sync::atomic::AtomicBool::new(false);
+            let mine = |t: usize, w: usize| {
+                if w != rank {
+                    asked_other.store(true, std::sync::atomic::Ordering::SeqCst);
+                }
+                data(t, w)
+            };
+            let mut records = over.run(STEPS, &mine)?;
+            records.extend(over.run(STEPS, &mine)?);
+            ensure!(!asked_other.into_inner(), "rank {rank} was asked for another worker's batch");
+            let evaluation = over.evaluate(held_out()?)?;
+            let params = bits(&over.parameters()?);
+            // Everything rank 0 needs to compare: parameters, records' bytes, the evaluation loss.
+            let mut summary = to_bytes(&params);
+            summary.extend(evaluation.loss.to_bits().to_le_bytes());
+            for r in &records {
+                summary.extend((r.step as u64).to_le_bytes());
+                summary.extend(r.bytes.to_le_bytes());
+                summary.extend(r.loss.to_bits().to_le_bytes());
+            }
+            let gathered = transport.all_gather(summary, COLLECTIVE_TIMEOUT)?;
+            if rank == 0 {
+                let label = format!("{sync} --compress {compress} on {n} ranks");
+                let mut reference = {
+                    let replicas = (0..n).map(|w| replica(w, 3, &adam)).collect::<Result<Vec<_>>>()?;
+                    SyncTrainer::new(replicas, adam, config)?
+                };
+                let mut expected = reference.run(STEPS, &data)?;
+                expected.extend(reference.run(STEPS, &data)?);
+                let reference_eval = reference.evaluate(held_out()?)?;
+                let reference_params = bits(&reference.parameters()?);
+                ensure!(
+                    reference_params.iter().zip(&bits(&replica(0, 3, &adam)?.parameters()?)).any(|(a, b)| a != b),
+                    "{label}: training changed nothing"
+                );
+                for (r, part) in gathered.iter().enumerate() {
+                    let (theirs, rest) = part.split_at((4 * reference_params.len()).min(part.len()));
+                    ensure!(
+                        theirs == to_bytes(&reference_params).as_slice(),
+                        "{label}: rank {r}'s parameters differ from the in-process run's"
+                    );
+                    check_rest(&label, r, rest, &expected, reference_eval.loss)?;
+                }
+                println!(
+                    "  {label}: parameters bit for bit equal to the in-process run on every rank; {} bytes sent",
+                    expected.iter().map(|r| r.bytes).sum::<u64>()
+                );
+            }
+        }
+        refusals(transport, rank, &adam)?;
+        transport.all_gather(Vec::new(), COLLECTIVE_TIMEOUT)?;
+        if rank == 0 {
+            println!("{PASSED}");
+        }
+        Ok(())
+    }
+
+    /// A rank's evaluation loss and records against the in-process run's: bytes and steps equal,
+    /// losses within rounding (the in-process run adds the workers' losses as threads finish).
+    fn check_rest(label: &str, r: usize, rest: &[u8], expected: &[StepRecord], eval_loss: f64) -> anyhow::Result<()> {
+        let words: Vec<u64> =
+            rest.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect();
+        ensure!(words.len() == 1 + 3 * expected.len(), "{label}: rank {r} sent {} record words", words.len());
+        let loss = f64::from_bits(words[0]);
+        ensure!(
+            (loss - eval_loss).abs() <= 1e-9 * eval_loss.abs().max(1.0),
+            "{label}: rank {r} evaluates {loss}, in-process {eval_loss}"
+        );
+        for (record, w) in expected.iter().zip(words[1..].chunks_exact(3)) {
+            ensure!(
+                w[0] == record.step as u64 && w[1] == record.bytes,
+                "{label}: rank {r}'s step {} record differs: {w:?} vs {record:?}",
+                record.step
+            );
+            let loss = f64::from_bits(w[2]);
+            ensure!(
+                (loss - record.loss).abs() <= 1e-9 * record.loss.abs().max(1.0),
+                "{label}: rank {r}'s step {} loss {loss} vs {}",
+                record.step,
+                record.loss
+            );
+        }
+        Ok(())
+    }
+
+    /// Ranks that start apart are refused on every rank; server strategies are refused by name.
+    fn refusals(transport: &Arc<dyn Transport>, rank: usize, adam: &OptimizerConfig) -> anyhow::Result<()> {
+        let config = StrategyConfig::new(SyncStrategy::AllReduce);
+        let seed = if rank == 1 { 4 } else { 3 };
+        let apart = SyncTrainer::over_ranks(replica(rank, seed, adam)?, *adam, config.clone(), Arc::clone(transport));
+        let error = apart.err().context("ranks with different initial parameters must be refused")?.to_string();
+        ensure!(error.contains("rank 1") && error.contains("same parameters"), "{error}");
+        let other = if rank == 1 { StrategyConfig::new(SyncStrategy::Average { every: 2 }) } else { config };
+        let apart = SyncTrainer::over_ranks(replica(rank, 3, adam)?, *adam, other, Arc::clone(transport));
+        let error = apart.err().context("ranks with different strategies must be refused")?.to_string();
+        ensure!(error.contains("rank 1") && error.contains("average:2"), "{error}");
+        for sync in [
+            SyncStrategy::ParameterServer { shards: 1 },
+            SyncStrategy::Downpour { fetch_every: 1, push_every: 1 },
+            SyncStrategy::Ssp { staleness: 1 },
+        ] {
+            let refused = SyncTrainer::over_ranks(
+                replica(rank, 3, adam)?,
+                *adam,
+                StrategyConfig::new(sync),
+                Arc::clone(transport),
+            );
+            let error = refused.err().context("server strategies are refused across ranks")?.to_string();
+            ensure!(error.contains(&sync.to_string()) && error.contains("one process"), "{error}");
+        }
+        if rank == 0 {
+            println!(
+                "  different initial parameters, different strategies and the server strategies: refused on every rank"
+            );
+        }
+        Ok(())
+    }
+}
