@@ -24,14 +24,17 @@ fn main() -> std::process::ExitCode {
 }
 
 #[cfg(feature = "mpi")]
+#[path = "mpi_support/launcher.rs"]
+mod launcher;
+
+#[cfg(feature = "mpi")]
 mod mpi_tests {
-    use std::io::Read;
-    use std::os::unix::process::CommandExt;
-    use std::process::{Command, ExitCode, Stdio};
+    use super::launcher;
+    use std::process::ExitCode;
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    use anyhow::{Context, bail, ensure};
+    use anyhow::{Context, ensure};
     use conveyor::engine::collective::{
         CollectiveOp, Communicator, Partition, ProcessGroup, Traffic, TransportGroup, traffic,
     };
@@ -56,86 +59,13 @@ mod mpi_tests {
     // ---- the launcher ----
 
     pub fn launcher_main() -> ExitCode {
-        match launch_all() {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("mpi_collectives: FAILED: {e:#}");
-                ExitCode::FAILURE
-            }
-        }
-    }
-
-    fn launch_all() -> anyhow::Result<()> {
-        let have_mpirun = Command::new("mpirun")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !have_mpirun {
-            if std::env::var_os("CONVEYOR_REQUIRE_MPI").is_some() {
-                bail!("mpirun is not on the path, and CONVEYOR_REQUIRE_MPI is set");
-            }
-            println!("mpi_collectives: skipped (no `mpirun` on the path; install Open MPI to run it)");
-            return Ok(());
-        }
-        let exe = std::env::current_exe().context("finding this test binary")?;
-        for n in WORLD_SIZES {
-            println!("mpi_collectives: mpirun -n {n} --oversubscribe");
-            let output = run_job(&exe, n)?;
-            print!("{output}");
-            ensure!(output.contains(PASSED), "the {n}-rank job exited without rank 0 reporting success");
-        }
-        Ok(())
-    }
-
-    /// Runs the job of `n` ranks to its end (killing it past [`JOB_TIMEOUT`]) and returns its output;
-    /// fails unless every rank exited with success.
-    fn run_job(exe: &std::path::Path, n: usize) -> anyhow::Result<String> {
-        let mut child = Command::new("mpirun")
-            .args(["-n", &n.to_string(), "--oversubscribe"])
-            .arg(exe)
-            .env(RANK_VAR, "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            // Its own process group, so a timeout can end mpirun and every rank together.
-            .process_group(0)
-            .spawn()
-            .context("starting mpirun")?;
-        let mut stdout = child.stdout.take().expect("piped");
-        let mut stderr = child.stderr.take().expect("piped");
-        let out_reader = std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = stdout.read_to_string(&mut text);
-            text
-        });
-        let err_reader = std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = stderr.read_to_string(&mut text);
-            text
-        });
-        let deadline = Instant::now() + JOB_TIMEOUT;
-        let status = loop {
-            if let Some(status) = child.try_wait()? {
-                break Some(status);
-            }
-            if Instant::now() > deadline {
-                // SAFETY: kill(2) on the process group this test created; no memory is involved.
-                unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
-                let _ = child.wait();
-                break None;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        let output = out_reader.join().unwrap_or_default() + &err_reader.join().unwrap_or_default();
-        match status {
-            None => bail!("the {n}-rank job ran past {JOB_TIMEOUT:?} and was killed; its output:\n{output}"),
-            Some(s) if !s.success() => bail!("the {n}-rank job failed ({s}); its output:\n{output}"),
-            Some(_) => Ok(output),
-        }
+        launcher::launcher_main(&launcher::Jobs {
+            name: "mpi_collectives",
+            rank_var: RANK_VAR,
+            world_sizes: &WORLD_SIZES,
+            passed: PASSED,
+            timeout: JOB_TIMEOUT,
+        })
     }
 
     // ---- one rank ----
