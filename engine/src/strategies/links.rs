@@ -3,7 +3,7 @@
 //! in `ranks.rs`), the clocks of stale-synchronous runs, the turnstile
 //! that fixes an asynchronous run's interleaving, and the per-step statistics.
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -16,18 +16,33 @@ use crate::{Error, Result};
 /// How long a wait sleeps before it looks at the abort flag again.
 const POLL: Duration = Duration::from_millis(20);
 
-/// Set by the first worker or server that fails; every wait of the run then ends with an error,
-/// so no thread waits for one that will never come.
-#[derive(Clone, Debug, Default)]
-pub(super) struct Abort(Arc<AtomicBool>);
+/// Raised by the first worker or server that fails (recording which); every wait of the run then
+/// ends with an error, so no thread waits for one that will never come.
+#[derive(Clone, Debug)]
+pub(super) struct Abort(Arc<AtomicUsize>);
+
+impl Default for Abort {
+    fn default() -> Abort {
+        Abort(Arc::new(AtomicUsize::new(NOBODY)))
+    }
+}
+
+/// [`Abort`]'s value while nobody has failed.
+const NOBODY: usize = usize::MAX;
 
 impl Abort {
-    pub fn raise(&self) {
-        self.0.store(true, Ordering::SeqCst);
+    /// Thread `who` failed; only the first to raise is kept.
+    pub fn raise(&self, who: usize) {
+        let _ = self.0.compare_exchange(NOBODY, who, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    /// The thread that failed first, if any.
+    pub fn first(&self) -> Option<usize> {
+        Some(self.0.load(Ordering::SeqCst)).filter(|&who| who != NOBODY)
     }
 
     pub fn check(&self) -> Result<()> {
-        if self.0.load(Ordering::SeqCst) {
+        if self.first().is_some() {
             return Err(Error::invalid("data-parallel strategy", "another worker or server failed; this run stopped"));
         }
         Ok(())

@@ -382,21 +382,18 @@ impl SyncTrainer {
             batches,
             lr,
         };
-        let errors: Vec<Error> = std::thread::scope(|scope| {
+        let mut errors: Vec<(usize, Error)> = std::thread::scope(|scope| {
             let mut server_txs = Vec::new();
             let mut servers = Vec::new();
             let sync_workers = matches!(sync, SyncStrategy::ParameterServer { .. }).then_some(n_workers);
-            for shard in self.servers.iter_mut() {
+            let n_local = self.replicas.len();
+            for (s, shard) in self.servers.iter_mut().enumerate() {
                 let (tx, rx) = channel::unbounded();
                 server_txs.push(tx);
                 let (stats, abort) = (&stats, &abort);
-                servers.push(scope.spawn(move || {
-                    let result = shard.serve(rx, sync_workers, stats, abort);
-                    if result.is_err() {
-                        abort.raise();
-                    }
-                    result
-                }));
+                servers.push(
+                    scope.spawn(move || guarded(n_local + s, abort, || shard.serve(rx, sync_workers, stats, abort))),
+                );
             }
             let workers: Vec<_> = self
                 .replicas
@@ -408,24 +405,20 @@ impl SyncTrainer {
                     let txs = server_txs.clone();
                     let shared = &shared;
                     scope.spawn(move || {
-                        let result =
-                            (start..start + steps).try_for_each(|t| shared.worker_step(w, t, trainer, state, &txs));
-                        if result.is_err() {
-                            shared.abort.raise();
-                        }
+                        let result = guarded(i, shared.abort, || {
+                            (start..start + steps).try_for_each(|t| shared.worker_step(w, t, trainer, state, &txs))
+                        });
                         shared.clocks.leave(w);
                         result
                     })
                 })
                 .collect();
             drop(server_txs);
+            // Thread `who` (workers first, then servers) and its error; `guarded` caught panics.
             let mut errors = Vec::new();
-            for handle in workers.into_iter().chain(servers) {
-                match handle.join() {
-                    Ok(Ok(())) => {}
-                    Ok(Err(error)) => errors.push(error),
-                    Err(payload) => errors
-                        .push(Error::invalid("strategy worker", format!("a worker panicked: {}", panic_text(payload)))),
+            for (who, handle) in workers.into_iter().chain(servers).enumerate() {
+                if let Ok(Err(error)) = handle.join() {
+                    errors.push((who, error));
                 }
             }
             errors
@@ -435,9 +428,8 @@ impl SyncTrainer {
         }
         if !errors.is_empty() {
             // The first failure, not the stops it caused elsewhere.
-            let first =
-                errors.iter().position(|e| !e.to_string().contains("another worker or server failed")).unwrap_or(0);
-            return Err(errors.into_iter().nth(first).expect("non-empty"));
+            let first = errors.iter().position(|(who, _)| Some(*who) == abort.first()).unwrap_or(0);
+            return Err(errors.swap_remove(first).1);
         }
         let mut steps_stats = stats.steps.into_inner();
         if let Some(ranks) = &self.ranks {
@@ -798,6 +790,21 @@ fn step_optimizer(state: &mut WorkerState, shapes: &[Shape], grads: &[Vec<f32>])
 fn load(trainer: &mut Trainer, names: &[String], params: &[Tensor]) -> Result<()> {
     let named = names.iter().cloned().zip(params.iter().map(Tensor::try_clone).collect::<Result<Vec<_>>>()?).collect();
     trainer.load_parameters(named)
+}
+
+/// Runs thread `who`'s work, turning a panic into an error; any failure raises `abort`, so no
+/// other thread waits for this one forever.
+fn guarded(who: usize, abort: &Abort, work: impl FnOnce() -> Result<()>) -> Result<()> {
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)).unwrap_or_else(|payload| {
+        Err(Error::invalid(
+            "data-parallel strategy",
+            format!("a worker or server thread panicked: {}", panic_text(payload)),
+        ))
+    });
+    if result.is_err() {
+        abort.raise(who);
+    }
+    result
 }
 
 fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
