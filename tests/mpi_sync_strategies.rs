@@ -1,10 +1,13 @@
-//! The all-gather strategies of `conveyor::engine::strategies` across MPI ranks
-//! (`SyncTrainer::over_ranks`): on 2 and 4 ranks, `allreduce` (no compression, bf16, top-k,
-//! PowerSGD) and `average:2` (none, PowerSGD) train a small MLP on the digits to parameters bit
-//! for bit equal to the in-process `SyncTrainer` with as many workers, return the same step
-//! records (bytes equal, losses within rounding) on every rank, and evaluate alike; ranks that
-//! start from different parameters are refused on every rank, and the server strategies are
-//! refused with an error naming them.
+//! The strategies of `conveyor::engine::strategies` across MPI ranks (`SyncTrainer::over_ranks`):
+//! on 2 and 4 ranks, `allreduce` (no compression, bf16, top-k, PowerSGD), `average:2` (none,
+//! PowerSGD), the synchronous parameter server (`ps:1`, and `ps:3` with its shards spread over
+//! the ranks, with and without bf16) and the asynchronous servers in the deterministic mode
+//! (`ssp:1` and `downpour:2,2` with top-k, seeded) train a small MLP on the digits to parameters
+//! bit for bit equal to the in-process `SyncTrainer` with as many workers (the seeded runs with
+//! the same record of turns), return the same step records (bytes equal, losses within rounding)
+//! on every rank, and evaluate alike. Free-running `downpour:1,1` and `ssp:1` train and every rank
+//! returns the same model. Ranks that start from different parameters or settings are refused on
+//! every rank, and a rank whose batch fails mid-run stops every other rank's run with its error.
 //!
 //! The test re-runs its own binary under `mpirun -n {2,4} --oversubscribe` with
 //! `CONVEYOR_MPI_SYNC_RANK` set, so that each copy acts as one rank, with a hard timeout per job.
@@ -38,7 +41,9 @@ mod mpi_tests {
     use conveyor::data::{DIGITS_TRAIN_ROWS, Dataset, digits, epoch_order};
     use conveyor::engine::optim::OptimizerConfig;
     use conveyor::engine::runtime::{Batch, Trainer};
-    use conveyor::engine::strategies::{Compression, StepRecord, StrategyConfig, SyncStrategy, SyncTrainer};
+    use conveyor::engine::strategies::{
+        Compression, Interleaving, StepRecord, StrategyConfig, SyncStrategy, SyncTrainer,
+    };
     use conveyor::engine::transport::{MpiTransport, Transport};
     use conveyor::engine::{Device, Result, Tensor};
     use conveyor::layers::CrossEntropyLoss;
@@ -131,16 +136,22 @@ mod mpi_tests {
         let indices: Vec<usize> = (0..200).collect();
         let held_out = || train.batch(&indices);
         let adam = OptimizerConfig::adam(0.01);
+        let seeded = Interleaving::Seeded(5);
         let cases = [
-            (SyncStrategy::AllReduce, Compression::None),
-            (SyncStrategy::AllReduce, Compression::Bf16),
-            (SyncStrategy::AllReduce, Compression::TopK { ratio: 0.05 }),
-            (SyncStrategy::AllReduce, Compression::PowerSgd { rank: 2 }),
-            (SyncStrategy::Average { every: 2 }, Compression::None),
-            (SyncStrategy::Average { every: 2 }, Compression::PowerSgd { rank: 2 }),
+            (SyncStrategy::AllReduce, Compression::None, Interleaving::Free),
+            (SyncStrategy::AllReduce, Compression::Bf16, Interleaving::Free),
+            (SyncStrategy::AllReduce, Compression::TopK { ratio: 0.05 }, Interleaving::Free),
+            (SyncStrategy::AllReduce, Compression::PowerSgd { rank: 2 }, Interleaving::Free),
+            (SyncStrategy::Average { every: 2 }, Compression::None, Interleaving::Free),
+            (SyncStrategy::Average { every: 2 }, Compression::PowerSgd { rank: 2 }, Interleaving::Free),
+            (SyncStrategy::ParameterServer { shards: 1 }, Compression::None, Interleaving::Free),
+            (SyncStrategy::ParameterServer { shards: 3 }, Compression::None, Interleaving::Free),
+            (SyncStrategy::ParameterServer { shards: 3 }, Compression::Bf16, Interleaving::Free),
+            (SyncStrategy::Ssp { staleness: 1 }, Compression::None, seeded.clone()),
+            (SyncStrategy::Downpour { fetch_every: 2, push_every: 2 }, Compression::TopK { ratio: 0.05 }, seeded),
         ];
-        for &(sync, compress) in &cases {
-            let config = StrategyConfig::new(sync).compress(compress).compress_after(1);
+        for (sync, compress, interleaving) in cases {
+            let config = StrategyConfig::new(sync).compress(compress).compress_after(1).interleaving(interleaving);
             let mut over =
                 SyncTrainer::over_ranks(replica(rank, 3, &adam)?, adam, config.clone(), Arc::clone(transport))?;
             over.set_collective_timeout(COLLECTIVE_TIMEOUT);
@@ -168,7 +179,7 @@ mod mpi_tests {
             }
             let gathered = transport.all_gather(summary, COLLECTIVE_TIMEOUT)?;
             if rank == 0 {
-                let label = format!("{sync} --compress {compress} on {n} ranks");
+                let label = format!("{sync} --compress {compress} ({:?}) on {n} ranks", config.interleaving);
                 let mut reference = {
                     let replicas = (0..n).map(|w| replica(w, 3, &adam)).collect::<Result<Vec<_>>>()?;
                     SyncTrainer::new(replicas, adam, config)?
@@ -177,6 +188,14 @@ mod mpi_tests {
                 expected.extend(reference.run(STEPS, &data)?);
                 let reference_eval = reference.evaluate(held_out()?)?;
                 let reference_params = bits(&reference.parameters()?);
+                ensure!(
+                    over.interleaving() == reference.interleaving(),
+                    "{label}: the record of turns differs from the in-process run's"
+                );
+                ensure!(
+                    !sync.is_asynchronous() || !over.interleaving().is_empty(),
+                    "{label}: a seeded asynchronous run recorded no turns"
+                );
                 ensure!(
                     reference_params.iter().zip(&bits(&replica(0, 3, &adam)?.parameters()?)).any(|(a, b)| a != b),
                     "{label}: training changed nothing"
@@ -195,7 +214,9 @@ mod mpi_tests {
                 );
             }
         }
+        free_running(transport, &train, &adam)?;
         refusals(transport, rank, &adam)?;
+        a_failing_rank_stops_the_others(transport, &train, &adam)?;
         transport.all_gather(Vec::new(), COLLECTIVE_TIMEOUT)?;
         if rank == 0 {
             println!("{PASSED}");
@@ -231,7 +252,66 @@ mod mpi_tests {
         Ok(())
     }
 
-    /// Ranks that start apart are refused on every rank; server strategies are refused by name.
+    /// Free-running asynchronous servers across ranks: they train, and every rank returns the same
+    /// model (the shards' parameters, gathered).
+    fn free_running(transport: &Arc<dyn Transport>, train: &Dataset, adam: &OptimizerConfig) -> anyhow::Result<()> {
+        let (rank, n) = (transport.rank(), transport.world_size());
+        for sync in [SyncStrategy::Downpour { fetch_every: 1, push_every: 1 }, SyncStrategy::Ssp { staleness: 1 }] {
+            let mut over = SyncTrainer::over_ranks(
+                replica(rank, 3, adam)?,
+                *adam,
+                StrategyConfig::new(sync),
+                Arc::clone(transport),
+            )?;
+            over.set_collective_timeout(COLLECTIVE_TIMEOUT);
+            let records = over.run(2 * STEPS, &batches(train, n))?;
+            ensure!(records.iter().all(|r| r.bytes > 0), "{sync}: a step sent nothing");
+            ensure!(over.interleaving().is_empty(), "{sync}: a free run records no turns");
+            let params = bits(&over.parameters()?);
+            ensure!(params != bits(&replica(0, 3, adam)?.parameters()?), "{sync}: training changed nothing");
+            let gathered = transport.all_gather(to_bytes(&params), COLLECTIVE_TIMEOUT)?;
+            ensure!(gathered.iter().all(|p| *p == gathered[0]), "{sync}: the ranks return different models");
+            if rank == 0 {
+                let max = records.iter().map(|r| r.staleness_max).max().unwrap_or(0);
+                println!(
+                    "  {sync} free-running on {n} ranks: trained, every rank returns one model (staleness max {max})"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// `ps:1` where rank 1's batch of step 1 fails: rank 1 returns its own error, every other rank
+    /// an error naming rank 1's failure, within the deadline (no rank waits for the lost push).
+    fn a_failing_rank_stops_the_others(
+        transport: &Arc<dyn Transport>,
+        train: &Dataset,
+        adam: &OptimizerConfig,
+    ) -> anyhow::Result<()> {
+        let (rank, n) = (transport.rank(), transport.world_size());
+        let config = StrategyConfig::new(SyncStrategy::ParameterServer { shards: 1 });
+        let mut over = SyncTrainer::over_ranks(replica(rank, 3, adam)?, *adam, config, Arc::clone(transport))?;
+        over.set_collective_timeout(COLLECTIVE_TIMEOUT);
+        let data = batches(train, n);
+        let failing = |t: usize, w: usize| {
+            if (t, w) == (1, 1) {
+                return Err(conveyor::engine::Error::invalid("batch", "the test's bad batch"));
+            }
+            data(t, w)
+        };
+        let started = std::time::Instant::now();
+        let error =
+            over.run(4, &failing).err().context("a run with a failing rank must fail on every rank")?.to_string();
+        ensure!(error.contains("the test's bad batch"), "rank {rank}: {error}");
+        ensure!(rank == 1 || error.contains("another rank failed"), "rank {rank}: {error}");
+        ensure!(started.elapsed() < COLLECTIVE_TIMEOUT, "rank {rank} waited for the deadline instead of the notice");
+        if rank == 0 {
+            println!("  ps:1 with a failing rank: every rank's run stopped with rank 1's error");
+        }
+        Ok(())
+    }
+
+    /// Ranks that start apart are refused on every rank.
     fn refusals(transport: &Arc<dyn Transport>, rank: usize, adam: &OptimizerConfig) -> anyhow::Result<()> {
         let config = StrategyConfig::new(SyncStrategy::AllReduce);
         let seed = if rank == 1 { 4 } else { 3 };
@@ -242,24 +322,8 @@ mod mpi_tests {
         let apart = SyncTrainer::over_ranks(replica(rank, 3, adam)?, *adam, other, Arc::clone(transport));
         let error = apart.err().context("ranks with different strategies must be refused")?.to_string();
         ensure!(error.contains("rank 1") && error.contains("average:2"), "{error}");
-        for sync in [
-            SyncStrategy::ParameterServer { shards: 1 },
-            SyncStrategy::Downpour { fetch_every: 1, push_every: 1 },
-            SyncStrategy::Ssp { staleness: 1 },
-        ] {
-            let refused = SyncTrainer::over_ranks(
-                replica(rank, 3, adam)?,
-                *adam,
-                StrategyConfig::new(sync),
-                Arc::clone(transport),
-            );
-            let error = refused.err().context("server strategies are refused across ranks")?.to_string();
-            ensure!(error.contains(&sync.to_string()) && error.contains("one process"), "{error}");
-        }
         if rank == 0 {
-            println!(
-                "  different initial parameters, different strategies and the server strategies: refused on every rank"
-            );
+            println!("  different initial parameters and different strategies: refused on every rank");
         }
         Ok(())
     }

@@ -203,7 +203,8 @@ fn bad_settings_are_refused() {
 }
 
 /// Threads standing in for MPI ranks: a [`Transport`] whose `all_gather` meets the other threads
-/// (with its deadline), so `SyncTrainer::over_ranks` runs without MPI.
+/// (with its deadline) and whose messages are channels per rank and tag, so
+/// `SyncTrainer::over_ranks` runs without MPI.
 #[derive(Debug)]
 struct ThreadRanks {
     rank: usize,
@@ -217,6 +218,16 @@ struct Meeting {
     /// Each rank's part of the all-gather under way, the all-gathers done, the last one's parts.
     state: std::sync::Mutex<MeetingState>,
     ready: std::sync::Condvar,
+    /// Messages by receiving rank and tag.
+    mail: std::sync::Mutex<std::collections::HashMap<(usize, Tag), Mailbox>>,
+}
+
+type Mailbox = (crossbeam::channel::Sender<Vec<u8>>, crossbeam::channel::Receiver<Vec<u8>>);
+
+impl Meeting {
+    fn mailbox(&self, rank: usize, tag: Tag) -> Mailbox {
+        self.mail.lock().unwrap().entry((rank, tag)).or_insert_with(crossbeam::channel::unbounded).clone()
+    }
 }
 
 fn thread_ranks(world: usize) -> Vec<Arc<dyn Transport>> {
@@ -235,11 +246,11 @@ impl Transport for ThreadRanks {
     fn kind(&self) -> TransportKind {
         TransportKind::Mpi
     }
-    fn send(&self, _to: usize, _tag: Tag, _bytes: Vec<u8>) -> Result<()> {
-        Err(Error::invalid("test transport", "sends nothing"))
+    fn send(&self, to: usize, tag: Tag, bytes: Vec<u8>) -> Result<()> {
+        self.meeting.mailbox(to, tag).0.send(bytes).map_err(|_| Error::invalid("test transport", "closed"))
     }
-    fn inbox(&self, _tag: Tag) -> Result<crossbeam::channel::Receiver<Vec<u8>>> {
-        Ok(crossbeam::channel::never())
+    fn inbox(&self, tag: Tag) -> Result<crossbeam::channel::Receiver<Vec<u8>>> {
+        Ok(self.meeting.mailbox(self.rank, tag).1)
     }
     fn close_rounds_before(&self, _round: u64) {}
     fn all_gather(&self, bytes: Vec<u8>, timeout: Duration) -> Result<Vec<Vec<u8>>> {
@@ -343,15 +354,124 @@ fn over_ranks_trains_the_bits_of_the_in_process_workers_and_a_failing_rank_ends_
     assert!(errors[1].contains("rank 1 has no batch 1"), "{}", errors[1]);
 }
 
+/// Every rank's parameters and records of `config` over `world` thread ranks, `steps` steps in two
+/// runs.
+fn over_thread_ranks(
+    world: usize,
+    config: &StrategyConfig,
+    optimizer: &OptimizerConfig,
+    steps: usize,
+) -> Vec<(Vec<u32>, Vec<StepRecord>, Vec<u16>)> {
+    let (train, _) = split();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = thread_ranks(world)
+            .into_iter()
+            .map(|transport| {
+                let (config, train) = (config.clone(), &train);
+                scope.spawn(move || {
+                    let rank = transport.rank();
+                    let mut over =
+                        SyncTrainer::over_ranks(replica(rank, optimizer), *optimizer, config, transport).unwrap();
+                    over.set_collective_timeout(Duration::from_secs(60));
+                    let data = batches(train, world);
+                    let mine = |t: usize, w: usize| {
+                        assert_eq!(w, rank, "asked for another rank's batch");
+                        data(t, w)
+                    };
+                    let mut records = over.run(steps / 2, &mine).unwrap();
+                    records.extend(over.run(steps - steps / 2, &mine).unwrap());
+                    (bits(&over.parameters().unwrap()), records, over.interleaving().to_vec())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 #[test]
-fn over_ranks_refuses_server_strategies_and_ranks_that_start_apart() {
+fn server_strategies_over_ranks_train_the_in_process_bits() {
+    let (train, _) = split();
     let adam = OptimizerConfig::adam(0.01);
-    let transport: Arc<dyn Transport> = Arc::new(conveyor::engine::transport::InProcess);
-    for sync in ["ps", "ps:2", "downpour:1,2", "ssp:1"] {
-        let config = StrategyConfig::new(sync.parse().unwrap());
-        let error = SyncTrainer::over_ranks(replica(0, &adam), adam, config, Arc::clone(&transport)).unwrap_err();
-        assert!(error.to_string().contains(sync) && error.to_string().contains("one process"), "{error}");
+    let world = 3;
+    for config in [
+        StrategyConfig::new(SyncStrategy::ParameterServer { shards: 4 }).compress(Compression::Bf16),
+        StrategyConfig::new(SyncStrategy::Ssp { staleness: 1 }).interleaving(Interleaving::Seeded(11)),
+        StrategyConfig::new(SyncStrategy::Downpour { fetch_every: 2, push_every: 1 })
+            .compress(Compression::TopK { ratio: 0.1 })
+            .interleaving(Interleaving::Seeded(12)),
+    ] {
+        let mut reference = sync_trainer(world, &adam, config.clone());
+        let mut expected = reference.run(2, &batches(&train, world)).unwrap();
+        expected.extend(reference.run(3, &batches(&train, world)).unwrap());
+        let expected_bytes: Vec<u64> = expected.iter().map(|r| r.bytes).collect();
+        assert_eq!(reference.interleaving().is_empty(), !config.sync.is_asynchronous(), "{}", config.sync);
+        for (rank, (params, records, turns)) in over_thread_ranks(world, &config, &adam, 5).into_iter().enumerate() {
+            assert_eq!(params, bits(&reference.parameters().unwrap()), "{}: rank {rank}", config.sync);
+            let bytes: Vec<u64> = records.iter().map(|r| r.bytes).collect();
+            assert_eq!(bytes, expected_bytes, "{}: rank {rank}", config.sync);
+            assert_eq!(turns, reference.interleaving(), "{}: rank {rank}'s record of turns", config.sync);
+        }
     }
+}
+
+#[test]
+fn free_running_servers_over_ranks_agree_on_one_model() {
+    let adam = OptimizerConfig::adam(0.01);
+    for sync in [SyncStrategy::Ssp { staleness: 0 }, SyncStrategy::Downpour { fetch_every: 1, push_every: 2 }] {
+        let results = over_thread_ranks(2, &StrategyConfig::new(sync), &adam, 6);
+        assert_eq!(results[0].0, results[1].0, "{sync}: the ranks return different models");
+        assert_ne!(results[0].0, bits(&replica(0, &adam).parameters().unwrap()), "{sync}: nothing trained");
+        if let SyncStrategy::Ssp { .. } = sync {
+            // Staleness 0: every worker waits for all pushes of the step before, so a push can be
+            // at most one update per other worker stale.
+            assert!(results[0].1.iter().all(|r| r.staleness_max <= 1), "{:?}", results[0].1);
+        }
+    }
+}
+
+#[test]
+fn a_failing_rank_stops_a_parameter_server_run_on_every_rank() {
+    let (train, _) = split();
+    let adam = OptimizerConfig::adam(0.01);
+    let world = 3;
+    let errors: Vec<(String, Duration)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = thread_ranks(world)
+            .into_iter()
+            .map(|transport| {
+                let train = &train;
+                scope.spawn(move || {
+                    let rank = transport.rank();
+                    let config = StrategyConfig::new(SyncStrategy::ParameterServer { shards: 2 });
+                    let mut over = SyncTrainer::over_ranks(replica(rank, &adam), adam, config, transport).unwrap();
+                    over.set_collective_timeout(Duration::from_secs(60));
+                    let data = batches(train, world);
+                    let started = Instant::now();
+                    let error = over
+                        .run(4, &|t, w| {
+                            if (t, w) == (1, 2) {
+                                Err(Error::invalid("batch", "rank 2 has no batch 1"))
+                            } else {
+                                data(t, w)
+                            }
+                        })
+                        .unwrap_err();
+                    (error.to_string(), started.elapsed())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (error, waited)) in errors.iter().enumerate() {
+        assert!(error.contains("rank 2 has no batch 1"), "rank {rank}: {error}");
+        assert!(rank == 2 || error.contains("another rank failed"), "rank {rank}: {error}");
+        // The notice, not the 60 s deadline, ended the others' runs.
+        assert!(*waited < Duration::from_secs(20), "rank {rank} waited {waited:?}");
+    }
+}
+
+#[test]
+fn over_ranks_refuses_ranks_that_start_apart() {
+    let adam = OptimizerConfig::adam(0.01);
     let errors: Vec<String> = std::thread::scope(|scope| {
         let handles: Vec<_> = thread_ranks(2)
             .into_iter()

@@ -1,7 +1,7 @@
 //! What the workers of a [`super::SyncTrainer`] run share: the abort flag every wait polls, the
 //! all-gather of `allreduce` and `average:K` ([`WorkerExchange`]: in-process here, across MPI ranks
-//! in `ranks.rs`), the clocks of stale-synchronous runs, the turnstile
-//! that fixes an asynchronous run's interleaving, and the per-step statistics.
+//! in `ranks.rs`), the turnstile that fixes an asynchronous run's interleaving, and the per-step
+//! statistics.
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -126,37 +126,6 @@ impl Exchange {
             abort.wait_until(&self.ready, &mut state, |s| s.generation != generation)?;
         }
         Ok(Arc::clone(&state.published))
-    }
-}
-
-/// Per worker, the number of steps it has pushed (stale-synchronous runs without a turnstile).
-#[derive(Debug)]
-pub(super) struct Clocks {
-    done: Mutex<Vec<usize>>,
-    moved: Condvar,
-}
-
-impl Clocks {
-    pub fn new(workers: usize, start: usize) -> Clocks {
-        Clocks { done: Mutex::new(vec![start; workers]), moved: Condvar::new() }
-    }
-
-    /// Waits until every worker has pushed step `step - staleness - 1` (so the slowest is at most
-    /// `staleness` steps behind a worker starting `step`).
-    pub fn wait_for_step(&self, step: usize, staleness: usize, abort: &Abort) -> Result<()> {
-        let mut done = self.done.lock();
-        abort.wait_until(&self.moved, &mut done, |d| d.iter().min().is_some_and(|&m| m + staleness >= step))
-    }
-
-    pub fn finished_step(&self, worker: usize) {
-        self.done.lock()[worker] += 1;
-        self.moved.notify_all();
-    }
-
-    /// A worker that leaves the run no longer holds others back.
-    pub fn leave(&self, worker: usize) {
-        self.done.lock()[worker] = usize::MAX / 2;
-        self.moved.notify_all();
     }
 }
 

@@ -24,6 +24,7 @@ pub mod compress;
 mod links;
 mod powersgd;
 mod ranks;
+mod remote;
 mod server;
 mod sync_trainer;
 

@@ -23,8 +23,10 @@
 //! A rank whose run failed cannot rejoin the others' collective sequence: end the job (every rank
 //! should treat an error from `run` as fatal, e.g. [`Transport::abort`]).
 //!
-//! **Not yet over ranks.** The server strategies (`ps`, `downpour`, `ssp`) keep their parameters
-//! on server threads of one process; [`super::SyncTrainer::over_ranks`] refuses them.
+//! **The server strategies** (`ps`, `downpour`, `ssp`) send pulls, pushes and turns through the
+//! transport (`remote.rs`); at the end of each run the ranks gather the shards' parameters
+//! ([`gather_tensors`]) and rank 0's record of turns ([`rank_zero_turns`]) so that every rank
+//! returns the same model and record.
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,7 +35,7 @@ use super::links::{Abort, StepStats, WorkerExchange};
 use super::server::mean_in_order;
 use crate::optim::OptimizerConfig;
 use crate::transport::Transport;
-use crate::{Error, Result, Tensor};
+use crate::{Device, Error, Result, Shape, Tensor};
 
 /// How long a rank waits in one of the strategy's all-gathers for the others by default.
 pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
@@ -88,13 +90,15 @@ impl WorkerExchange for RankExchange<'_> {
 
 /// Refuses to start unless every rank has the same strategy, optimizer and initial parameters
 /// (names, shapes and bits): one all-gather of a digest, compared with rank 0's. Every rank calls
-/// it and every rank gets the same verdict.
+/// it and every rank gets the same verdict. The same all-gather agrees on the trainer's round of
+/// messages (`remote.rs`): the largest any rank proposed (`round`), which it returns.
 pub(super) fn check_same_start(
     ranks: &Ranks,
     config: &StrategyConfig,
     optimizer: &OptimizerConfig,
+    round: u64,
     params: &[(String, Tensor)],
-) -> Result<()> {
+) -> Result<u64> {
     let settings = format!(
         "--sync {} --compress {} compress_after {} seed {} interleaving {:?} optimizer {optimizer:?}",
         config.sync, config.compress, config.compress_after, config.seed, config.interleaving
@@ -110,11 +114,13 @@ pub(super) fn check_same_start(
         }
     }
     let mut mine = digest.0.to_le_bytes().to_vec();
+    mine.extend(round.to_le_bytes());
     mine.extend(settings.as_bytes());
     let parts = ranks.all_gather(mine)?;
-    let (first_digest, first_settings) = split_start(&parts[0])?;
+    let (first_digest, mut agreed, first_settings) = split_start(&parts[0])?;
     for (rank, part) in parts.iter().enumerate().skip(1) {
-        let (theirs, their_settings) = split_start(part)?;
+        let (theirs, their_round, their_settings) = split_start(part)?;
+        agreed = agreed.max(their_round);
         if their_settings != first_settings {
             return Err(Error::invalid(
                 "strategy over ranks",
@@ -133,14 +139,17 @@ pub(super) fn check_same_start(
             ));
         }
     }
-    Ok(())
+    Ok(agreed)
 }
 
-fn split_start(part: &[u8]) -> Result<(u64, String)> {
-    let Some((digest, settings)) = part.split_first_chunk::<8>() else {
-        return Err(Error::invalid("strategy over ranks", "a rank sent a start-up check of under 8 bytes"));
+fn split_start(part: &[u8]) -> Result<(u64, u64, String)> {
+    let Some((digest, rest)) = part.split_first_chunk::<8>() else {
+        return Err(Error::invalid("strategy over ranks", "a rank sent a start-up check of under 16 bytes"));
     };
-    Ok((u64::from_le_bytes(*digest), String::from_utf8_lossy(settings).into_owned()))
+    let Some((round, settings)) = rest.split_first_chunk::<8>() else {
+        return Err(Error::invalid("strategy over ranks", "a rank sent a start-up check of under 16 bytes"));
+    };
+    Ok((u64::from_le_bytes(*digest), u64::from_le_bytes(*round), String::from_utf8_lossy(settings).into_owned()))
 }
 
 /// FNV-1a, 64 bits: a digest of the initial parameters (a check, not a defence).
@@ -227,4 +236,51 @@ pub(super) fn mean_over_ranks(ranks: &Ranks, params: &[Tensor]) -> Result<Vec<Ve
         })
         .collect::<Result<Vec<Vec<Vec<f32>>>>>()?;
     Ok(mean_in_order(per_worker))
+}
+
+/// The model's tensors gathered from the ranks that hold them: each rank gives its `(index,
+/// tensor)` pairs, and every rank gets every tensor, checked to come exactly once with its shape.
+pub(super) fn gather_tensors(ranks: &Ranks, mine: &[(usize, &Tensor)], shapes: &[Shape]) -> Result<Vec<Tensor>> {
+    let mut bytes = Vec::new();
+    for (index, tensor) in mine {
+        bytes.extend((*index as u64).to_le_bytes());
+        bytes.extend(tensor.to_vec_f32().iter().flat_map(|v| v.to_le_bytes()));
+    }
+    let parts = ranks.all_gather(bytes)?;
+    let mut values: Vec<Option<Tensor>> = (0..shapes.len()).map(|_| None).collect();
+    for (rank, part) in parts.iter().enumerate() {
+        let mut rest = part.as_slice();
+        while let Some((index, tail)) = rest.split_first_chunk::<8>() {
+            let index = usize::try_from(u64::from_le_bytes(*index)).unwrap_or(usize::MAX);
+            let (Some(shape), Some(None)) = (shapes.get(index), values.get(index)) else {
+                return Err(Error::invalid(
+                    "strategy over ranks",
+                    format!("rank {rank} sent tensor {index}, which is not the model's or came twice"),
+                ));
+            };
+            let len = 4 * shape.numel();
+            let Some((data, tail)) = tail.split_at_checked(len) else {
+                return Err(Error::invalid("strategy over ranks", format!("rank {rank} sent a short tensor {index}")));
+            };
+            let v: Vec<f32> = data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            values[index] = Some(Tensor::from_vec(v, shape.clone(), &Device::host())?);
+            rest = tail;
+        }
+        if !rest.is_empty() {
+            return Err(Error::invalid("strategy over ranks", format!("rank {rank} sent a truncated tensor")));
+        }
+    }
+    values
+        .into_iter()
+        .enumerate()
+        .map(|(i, v)| v.ok_or_else(|| Error::invalid("strategy over ranks", format!("no rank holds tensor {i}"))))
+        .collect()
+}
+
+/// Rank 0's record of a run's turns (the deterministic mode's turnstile lives there), on every rank.
+pub(super) fn rank_zero_turns(ranks: &Ranks, record: &[u16]) -> Result<Vec<u16>> {
+    let mine: Vec<u8> =
+        if ranks.rank() == 0 { record.iter().flat_map(|t| t.to_le_bytes()).collect() } else { Vec::new() };
+    let parts = ranks.all_gather(mine)?;
+    Ok(parts[0].chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
 }

@@ -2,27 +2,41 @@
 //! with their optimizer state, and runs as a thread that answers pulls and applies pushes in the
 //! order they arrive. A synchronous shard (`ps`) applies step `t` once every worker pushed it,
 //! summing in worker order; an asynchronous one (Downpour, SSP) applies each push on arrival and
-//! records its staleness (updates applied since the pushing worker pulled).
+//! records its staleness (updates applied since the pushing worker pulled). A pull waits until
+//! the shard has the version it asks for and, for SSP, until every worker's pushes reach the
+//! bound it names; so the stale-synchronous bound is kept where the pushes are counted, in one
+//! process or across ranks alike. Across MPI ranks a shard runs on the rank that hosts it and
+//! answers remote pulls through the transport ([`Reply::Remote`], `remote.rs`).
 use std::collections::BTreeMap;
 
 use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 
 use super::compress::{self, Compression};
 use super::links::{Abort, RunStats};
+use super::remote::RemoteReply;
 use crate::optim::{Optimizer, OptimizerConfig};
-use crate::{Device, Result, Tensor};
+use crate::{Device, Error, Result, Tensor};
 
 /// A message to a server shard.
 pub(super) enum ToServer {
-    /// Parameters, once the shard has applied at least `min_version` updates.
-    Pull { step: usize, min_version: u64, reply: Sender<Pulled> },
+    /// Parameters, once the shard has applied at least `min_version` updates and taken at least
+    /// `min_pushes` pushes from every worker (SSP's bound; 0 for the other strategies).
+    Pull { step: usize, min_version: u64, min_pushes: usize, reply: Reply },
     /// A worker's gradients of this shard's tensors (encoded, shard order) for `step`, computed
     /// on the parameters of version `pulled_version`, encoded by `codec`, to be applied at `lr`
     /// (the step's rate under a schedule; `None`: the shard's current rate).
     Push { worker: usize, step: usize, pulled_version: u64, codec: Compression, lr: Option<f64>, grads: Vec<Vec<u8>> },
 }
 
+/// Where a pull's answer goes: the pulling worker's channel (a thread of this process) or, across
+/// ranks, the transport to the pulling worker's rank.
+pub(super) enum Reply {
+    Local(Sender<Pulled>),
+    Remote(RemoteReply),
+}
+
 /// A shard's answer to a pull.
+#[derive(Debug)]
 pub(super) struct Pulled {
     pub shard: usize,
     pub version: u64,
@@ -40,6 +54,8 @@ pub(super) struct ServerShard {
     optimizer: Optimizer,
     /// Updates applied.
     pub version: u64,
+    /// Pushes taken from each worker since training began (index: worker).
+    pushed: Vec<usize>,
 }
 
 impl ServerShard {
@@ -53,6 +69,7 @@ impl ServerShard {
             tensors,
             params: owned,
             version: 0,
+            pushed: Vec::new(),
         })
     }
 
@@ -73,26 +90,42 @@ impl ServerShard {
         self.params.iter().zip(grads).map(|(p, bytes)| compress::decode(compression, p.dims(), bytes)).collect()
     }
 
-    fn answer(&self, reply: &Sender<Pulled>, stats: &RunStats, step: usize) -> Result<()> {
+    fn answer(&self, reply: &Reply, stats: &RunStats, step: usize) -> Result<()> {
         let params =
             self.tensors.iter().zip(&self.params).map(|(&i, p)| Ok((i, p.try_clone()?))).collect::<Result<_>>()?;
         let bytes: u64 = self.params.iter().map(|p| 4 * p.numel() as u64).sum();
         stats.with(step, |s| s.bytes += bytes);
-        // A worker that stopped waiting has left the run; nothing to tell it.
-        let _ = reply.send(Pulled { shard: self.shard, version: self.version, params });
+        let pulled = Pulled { shard: self.shard, version: self.version, params };
+        match reply {
+            // A worker that stopped waiting has left the run; nothing to tell it.
+            Reply::Local(tx) => {
+                let _ = tx.send(pulled);
+            }
+            Reply::Remote(remote) => remote.send(&pulled)?,
+        }
         Ok(())
     }
 
-    /// Serves messages until every worker hung up. `sync_workers`: a synchronous shard's worker
-    /// count (it applies step `t` when all of them pushed `t`); `None` for an asynchronous one.
+    /// Whether a pull asking for `min_version` and `min_pushes` can be answered now.
+    fn can_answer(&self, min_version: u64, min_pushes: usize) -> bool {
+        self.version >= min_version && self.pushed.iter().all(|&n| n >= min_pushes)
+    }
+
+    /// Serves messages until every worker hung up. `workers`: how many push to it; `sync`: a
+    /// synchronous shard (it applies step `t` when all of them pushed `t`), else an asynchronous
+    /// one.
     pub fn serve(
         &mut self,
         inbox: Receiver<ToServer>,
-        sync_workers: Option<usize>,
+        workers: usize,
+        sync: bool,
         stats: &RunStats,
         abort: &Abort,
     ) -> Result<()> {
-        let mut waiting: Vec<(usize, u64, Sender<Pulled>)> = Vec::new();
+        if self.pushed.len() != workers {
+            self.pushed = vec![0; workers];
+        }
+        let mut waiting: Vec<(usize, u64, usize, Reply)> = Vec::new();
         let mut pending: BTreeMap<usize, Vec<Option<Vec<Vec<f32>>>>> = BTreeMap::new();
         loop {
             let message = match inbox.recv_timeout(std::time::Duration::from_millis(20)) {
@@ -104,19 +137,26 @@ impl ServerShard {
                 Err(RecvTimeoutError::Disconnected) => return Ok(()),
             };
             match message {
-                ToServer::Pull { step, min_version, reply } => {
-                    if self.version >= min_version {
+                ToServer::Pull { step, min_version, min_pushes, reply } => {
+                    if self.can_answer(min_version, min_pushes) {
                         self.answer(&reply, stats, step)?;
                     } else {
-                        waiting.push((step, min_version, reply));
+                        waiting.push((step, min_version, min_pushes, reply));
                     }
                 }
                 ToServer::Push { worker, step, pulled_version, codec, lr, grads } => {
+                    let Some(pushed) = self.pushed.get_mut(worker) else {
+                        return Err(Error::invalid(
+                            "parameter server",
+                            format!("a push from worker {worker} of {workers}"),
+                        ));
+                    };
+                    *pushed += 1;
                     let decoded = self.decode(codec, &grads)?;
                     if let Some(lr) = lr {
                         self.set_lr(lr)?;
                     }
-                    match sync_workers {
+                    match sync.then_some(workers) {
                         None => {
                             let staleness = self.version.saturating_sub(pulled_version);
                             let grads = self.to_tensors(decoded)?;
@@ -143,10 +183,10 @@ impl ServerShard {
                             }
                         }
                     }
-                    let version = self.version;
-                    let (ready, still): (Vec<_>, Vec<_>) = waiting.drain(..).partition(|(_, min, _)| *min <= version);
+                    let (ready, still): (Vec<_>, Vec<_>) =
+                        waiting.drain(..).partition(|&(_, version, pushes, _)| self.can_answer(version, pushes));
                     waiting = still;
-                    for (step, _, reply) in ready {
+                    for (step, _, _, reply) in ready {
                         self.answer(&reply, stats, step)?;
                     }
                 }

@@ -7,10 +7,11 @@ use std::time::{Duration, Instant};
 use crossbeam::channel::{self, Sender};
 
 use super::compress::{self, Compression, Compressor};
-use super::links::{Abort, Action, Clocks, Exchange, RunStats, Turnstile, WorkerExchange};
+use super::links::{Abort, Action, Exchange, RunStats, Turnstile, WorkerExchange};
 use super::powersgd::{AllGather, CollectivePowerSgd};
 use super::ranks::{self, DEFAULT_COLLECTIVE_TIMEOUT, RankExchange, Ranks};
-use super::server::{Pulled, ServerShard, ToServer, mean_in_order};
+use super::remote::{self, REMOTE_FAILURE, ServerLinks, ServerRanks};
+use super::server::{Pulled, Reply, ServerShard, ToServer, mean_in_order};
 use super::{Interleaving, StrategyConfig, SyncStrategy};
 use crate::optim::{Optimizer, OptimizerConfig};
 use crate::runtime::{Batch, Evaluation, Trainer};
@@ -85,7 +86,10 @@ pub struct SyncTrainer {
     bytes_sent: u64,
     /// Across MPI ranks: this rank runs worker `rank` of `world_size` ([`SyncTrainer::over_ranks`]).
     ranks: Option<Ranks>,
-    /// `average:K` across ranks: the workers' mean after the last run (gathered at its end).
+    /// The server strategies across ranks: the trainer's inboxes (`remote.rs`).
+    server_ranks: Option<ServerRanks>,
+    /// Across ranks, after the last run: `average:K`'s workers' mean, or the server shards'
+    /// parameters gathered from the ranks that host them.
     consensus: Option<Vec<Tensor>>,
 }
 
@@ -111,12 +115,14 @@ impl SyncTrainer {
     /// This rank's worker of a run across MPI ranks: `replica` is worker `transport.rank()` of
     /// `transport.world_size()`, and `allreduce` and `average:K` (with any compression) exchange
     /// through [`Transport::all_gather`], computing the same bits as [`SyncTrainer::new`] with as
-    /// many in-process replicas. Every rank must call it (it checks, with an all-gather, that every
-    /// rank has the same strategy, optimizer and initial parameters, and refuses otherwise) and
-    /// then make the same calls in the same order; `run`'s `batches(step, worker)` is asked only
-    /// for this rank's worker. `replica` itself should run in this process (the in-process
-    /// transport). The server strategies (`ps`, `downpour`, `ssp`) are refused: they run in one
-    /// process for now. `ranks.rs` describes the failure behaviour.
+    /// many in-process replicas. The server strategies (`ps`, `downpour`, `ssp`) keep shard `s` on
+    /// rank `s mod R` and send pulls, pushes and (deterministic mode) turns through the transport
+    /// (`remote.rs`); a seeded run gives the in-process run's bits. Every rank must call it (it
+    /// checks, with an all-gather, that every rank has the same strategy, optimizer and initial
+    /// parameters, and refuses otherwise) and then make the same calls in the same order; `run`'s
+    /// `batches(step, worker)` is asked only for this rank's worker. `replica` itself should run
+    /// in this process (the in-process transport). `ranks.rs` and `remote.rs` describe the
+    /// failure behaviour.
     pub fn over_ranks(
         replica: Trainer,
         optimizer: OptimizerConfig,
@@ -133,20 +139,17 @@ impl SyncTrainer {
         // The check first, so that ranks given different settings all fail here together rather
         // than some refusing alone while the others wait for them.
         let ranks = Ranks { transport, timeout: DEFAULT_COLLECTIVE_TIMEOUT };
-        ranks::check_same_start(&ranks, &config, &optimizer, &replica.parameters()?)?;
+        let round =
+            ranks::check_same_start(&ranks, &config, &optimizer, remote::proposed_round(), &replica.parameters()?)?;
+        remote::agreed_round(round);
         config.validate()?;
-        if config.sync.server_shards().is_some() {
-            return Err(Error::invalid(
-                "--sync",
-                format!(
-                    "{} keeps its parameters on server threads and runs in one process for now; across MPI \
-                     ranks use allreduce or average:K",
-                    config.sync
-                ),
-            ));
-        }
+        let server_ranks = match config.sync.server_shards() {
+            Some(_) => Some(ServerRanks::open(Arc::clone(&ranks.transport), round)?),
+            None => None,
+        };
         let mut trainer = SyncTrainer::build(vec![replica], optimizer, config, ranks.rank())?;
         trainer.ranks = Some(ranks);
+        trainer.server_ranks = server_ranks;
         Ok(trainer)
     }
 
@@ -233,6 +236,7 @@ impl SyncTrainer {
             turns: Vec::new(),
             bytes_sent: 0,
             ranks: None,
+            server_ranks: None,
             consensus: None,
         })
     }
@@ -288,7 +292,9 @@ impl SyncTrainer {
                     self.tensors(mean_in_order(per_worker))?
                 }
             },
+            _ if self.consensus.is_some() => clone_all(self.consensus.as_deref().unwrap_or_default())?,
             _ => {
+                // Before any run across ranks every rank's shards hold the initial parameters.
                 let mut values: Vec<Option<Tensor>> = (0..self.names.len()).map(|_| None).collect();
                 for shard in &self.servers {
                     for (&i, p) in shard.tensors.iter().zip(&shard.params) {
@@ -356,16 +362,19 @@ impl SyncTrainer {
                 &in_process
             }
         };
-        let clocks = Clocks::new(n_workers, start);
         let sync = self.config.sync;
-        let turnstile = match (&self.config.interleaving, sync.is_asynchronous()) {
-            (Interleaving::Free, _) | (_, false) => None,
-            (interleaving, true) => {
+        let deterministic = sync.is_asynchronous() && !matches!(self.config.interleaving, Interleaving::Free);
+        let server_ranks = self.server_ranks.as_ref();
+        // The turnstile lives in this process, or on rank 0 across ranks.
+        let turnstile = match (deterministic, server_ranks.map(ServerRanks::rank)) {
+            (true, None | Some(0)) => {
                 let actions = (0..n_workers).map(|_| actions_of(sync, start, steps)).collect();
                 let staleness = if let SyncStrategy::Ssp { staleness } = sync { Some(staleness) } else { None };
-                Some(Turnstile::new(interleaving, actions, start, staleness, self.turns.len()))
+                Some(Turnstile::new(&self.config.interleaving, actions, start, staleness, self.turns.len()))
             }
+            _ => None,
         };
+        let timeout = self.ranks.as_ref().map_or(DEFAULT_COLLECTIVE_TIMEOUT, |r| r.timeout);
         let shared = Shared {
             sync,
             compression: self.config.compress,
@@ -376,25 +385,64 @@ impl SyncTrainer {
             stats: &stats,
             abort: &abort,
             exchange,
-            clocks: &clocks,
             turnstile: turnstile.as_ref(),
+            server_ranks: if deterministic { server_ranks } else { None },
+            timeout,
             started: Instant::now(),
             batches,
             lr,
         };
-        let mut errors: Vec<(usize, Error)> = std::thread::scope(|scope| {
-            let mut server_txs = Vec::new();
-            let mut servers = Vec::new();
-            let sync_workers = matches!(sync, SyncStrategy::ParameterServer { .. }).then_some(n_workers);
+        let finished = std::sync::atomic::AtomicBool::new(false);
+        let (mut errors, remote_failure): (Vec<(usize, Error)>, Option<String>) = std::thread::scope(|scope| {
             let n_local = self.replicas.len();
+            let n_shards = self.servers.len();
+            // Shard `s` runs here in one process, across ranks on rank `s mod R`.
+            let hosted = |s: usize| server_ranks.is_none_or(|r| r.host(s) == r.rank());
+            let mut inboxes: Vec<Option<Sender<ToServer>>> = Vec::with_capacity(n_shards);
+            let mut threads = Vec::new();
             for (s, shard) in self.servers.iter_mut().enumerate() {
+                if !hosted(s) {
+                    inboxes.push(None);
+                    continue;
+                }
                 let (tx, rx) = channel::unbounded();
-                server_txs.push(tx);
+                inboxes.push(Some(tx));
                 let (stats, abort) = (&stats, &abort);
-                servers.push(
-                    scope.spawn(move || guarded(n_local + s, abort, || shard.serve(rx, sync_workers, stats, abort))),
-                );
+                let is_ps = matches!(sync, SyncStrategy::ParameterServer { .. });
+                threads.push((
+                    n_local + s,
+                    scope
+                        .spawn(move || guarded(n_local + s, abort, || shard.serve(rx, n_workers, is_ps, stats, abort))),
+                ));
             }
+            let mut who = n_local + n_shards;
+            if let Some(remote) = server_ranks.filter(|r| r.hosts_any(n_shards)) {
+                let (bridge_inboxes, abort) = (inboxes.clone(), &abort);
+                threads.push((
+                    who,
+                    scope.spawn(move || {
+                        guarded(who, abort, || remote.bridge(bridge_inboxes, deterministic, abort, timeout))
+                    }),
+                ));
+                who += 1;
+            }
+            if let (Some(remote), Some(turnstile)) = (server_ranks, turnstile.as_ref()) {
+                for worker in 1..n_workers {
+                    let turns = actions_of(sync, start, steps).len();
+                    let abort = &abort;
+                    threads.push((
+                        who,
+                        scope.spawn(move || {
+                            guarded(who, abort, || remote.serve_turns(turnstile, worker, turns, abort, timeout))
+                        }),
+                    ));
+                    who += 1;
+                }
+            }
+            let watcher = server_ranks.map(|remote| {
+                let (abort, finished) = (&abort, &finished);
+                scope.spawn(move || remote.watch_failures(abort, finished))
+            });
             let workers: Vec<_> = self
                 .replicas
                 .iter_mut()
@@ -402,43 +450,76 @@ impl SyncTrainer {
                 .enumerate()
                 .map(|(i, (trainer, state))| {
                     let w = first_worker + i;
-                    let txs = server_txs.clone();
+                    let links = ServerLinks::new(inboxes.clone(), server_ranks);
                     let shared = &shared;
                     scope.spawn(move || {
-                        let result = guarded(i, shared.abort, || {
-                            (start..start + steps).try_for_each(|t| shared.worker_step(w, t, trainer, state, &txs))
-                        });
-                        shared.clocks.leave(w);
-                        result
+                        guarded(i, shared.abort, || {
+                            (start..start + steps)
+                                .try_for_each(|t| shared.worker_step(w, t, trainer, state, &links))?;
+                            match server_ranks {
+                                Some(remote) => remote.worker_done(w, links.shards()),
+                                None => Ok(()),
+                            }
+                        })
                     })
                 })
                 .collect();
-            drop(server_txs);
-            // Thread `who` (workers first, then servers) and its error; `guarded` caught panics.
+            drop(inboxes);
+            // Thread `who` (workers first, then servers, the bridge and turn proxies) and its
+            // error; `guarded` caught panics.
             let mut errors = Vec::new();
-            for (who, handle) in workers.into_iter().chain(servers).enumerate() {
+            for (who, handle) in workers.into_iter().enumerate().chain(threads) {
                 if let Ok(Err(error)) = handle.join() {
                     errors.push((who, error));
                 }
             }
-            errors
+            finished.store(true, std::sync::atomic::Ordering::SeqCst);
+            let remote_failure = watcher.and_then(|w| w.join().ok().flatten());
+            (errors, remote_failure)
         });
-        if let Some(turnstile) = turnstile {
-            self.turns.extend(turnstile.into_record());
-        }
         if !errors.is_empty() {
+            if abort.first() == Some(REMOTE_FAILURE) {
+                return Err(Error::invalid(
+                    "strategy over ranks",
+                    format!("another rank failed: {}", remote_failure.as_deref().unwrap_or("(no reason given)")),
+                ));
+            }
             // The first failure, not the stops it caused elsewhere.
             let first = errors.iter().position(|(who, _)| Some(*who) == abort.first()).unwrap_or(0);
-            return Err(errors.swap_remove(first).1);
+            let error = errors.swap_remove(first).1;
+            if let Some(remote) = server_ranks {
+                remote.notify_failure(&error);
+            }
+            if let Some(turnstile) = turnstile {
+                self.turns.extend(turnstile.into_record());
+            }
+            return Err(error);
         }
+        let mut record = turnstile.map(Turnstile::into_record).unwrap_or_default();
         let mut steps_stats = stats.steps.into_inner();
         if let Some(ranks) = &self.ranks {
             steps_stats = ranks::combine_stats(ranks, steps_stats)?;
-            if matches!(sync, SyncStrategy::Average { .. }) {
-                let mean = ranks::mean_over_ranks(ranks, &self.workers[0].params)?;
-                self.consensus = Some(self.tensors(mean)?);
+            match sync {
+                SyncStrategy::Average { .. } => {
+                    let mean = ranks::mean_over_ranks(ranks, &self.workers[0].params)?;
+                    self.consensus = Some(self.tensors(mean)?);
+                }
+                SyncStrategy::AllReduce => {}
+                _ => {
+                    let hosted: Vec<(usize, &Tensor)> = self
+                        .servers
+                        .iter()
+                        .filter(|shard| shard.shard % ranks.world_size() == ranks.rank())
+                        .flat_map(|shard| shard.tensors.iter().copied().zip(&shard.params))
+                        .collect();
+                    self.consensus = Some(ranks::gather_tensors(ranks, &hosted, &self.shapes)?);
+                    if deterministic {
+                        record = ranks::rank_zero_turns(ranks, &record)?;
+                    }
+                }
             }
         }
+        self.turns.extend(record);
         self.step += steps;
         let records: Vec<StepRecord> = steps_stats
             .into_iter()
@@ -489,8 +570,12 @@ struct Shared<'a> {
     stats: &'a RunStats,
     abort: &'a Abort,
     exchange: &'a dyn WorkerExchange,
-    clocks: &'a Clocks,
+    /// The deterministic mode's turnstile, in this process (or on rank 0 across ranks).
     turnstile: Option<&'a Turnstile>,
+    /// The deterministic mode across ranks: turns from rank 0, receipts from remote shards.
+    server_ranks: Option<&'a ServerRanks>,
+    /// How long a wait for another rank may last.
+    timeout: Duration,
     started: Instant,
     batches: &'a (dyn Fn(usize, usize) -> Result<Batch> + Sync),
     lr: Option<&'a (dyn Fn(usize) -> f64 + Sync)>,
@@ -508,7 +593,7 @@ impl Shared<'_> {
         t: usize,
         trainer: &mut Trainer,
         state: &mut WorkerState,
-        servers: &[Sender<ToServer>],
+        servers: &ServerLinks<'_>,
     ) -> Result<()> {
         self.abort.check()?;
         if let (Some(lr), Some(optimizer)) = (self.lr, state.optimizer.as_mut()) {
@@ -573,13 +658,11 @@ impl Shared<'_> {
                 report.loss
             }
             SyncStrategy::Ssp { staleness } => {
-                if self.turnstile.is_none() {
-                    self.clocks.wait_for_step(t, staleness, self.abort)?;
-                }
-                self.pull(w, t, 0, trainer, state, servers)?;
+                // Step `t` starts once every worker pushed step `t - staleness - 1`: the shards
+                // hold the pull until then (they count the pushes).
+                self.pull_when(w, t, 0, t.saturating_sub(staleness), trainer, state, servers)?;
                 let (report, grads) = trainer.gradient_step(batch)?;
                 self.push(w, t, state, servers, &values_of(&grads))?;
-                self.clocks.finished_step(w);
                 report.loss
             }
         };
@@ -623,26 +706,41 @@ impl Shared<'_> {
         min_version: u64,
         trainer: &mut Trainer,
         state: &mut WorkerState,
-        servers: &[Sender<ToServer>],
+        servers: &ServerLinks<'_>,
+    ) -> Result<()> {
+        self.pull_when(w, t, min_version, 0, trainer, state, servers)
+    }
+
+    /// [`Shared::pull`] once every shard also took `min_pushes` pushes from every worker.
+    #[allow(clippy::too_many_arguments)]
+    fn pull_when(
+        &self,
+        w: usize,
+        t: usize,
+        min_version: u64,
+        min_pushes: usize,
+        trainer: &mut Trainer,
+        state: &mut WorkerState,
+        servers: &ServerLinks<'_>,
     ) -> Result<()> {
         let (tx, rx) = channel::unbounded::<Pulled>();
         self.in_turn(w, || {
-            for server in servers {
-                server
-                    .send(ToServer::Pull { step: t, min_version, reply: tx.clone() })
-                    .map_err(|_| Error::invalid("parameter server", "a server shard stopped"))?;
+            let mut remote = 0;
+            for shard in 0..servers.shards() {
+                let message = ToServer::Pull { step: t, min_version, min_pushes, reply: Reply::Local(tx.clone()) };
+                remote += usize::from(servers.send(shard, message)?);
             }
-            Ok(())
+            Ok(remote)
         })?;
         let mut params: Vec<Option<Tensor>> = (0..self.names.len()).map(|_| None).collect();
-        for _ in servers {
-            let pulled = loop {
-                match rx.recv_timeout(std::time::Duration::from_millis(20)) {
-                    Ok(pulled) => break pulled,
-                    Err(_) => self.abort.check()?,
-                }
-            };
-            state.pulled[pulled.shard] = pulled.version;
+        for pulled in servers.collect(&rx, servers.shards(), self.abort, self.timeout)? {
+            let version = state.pulled.get_mut(pulled.shard).ok_or_else(|| {
+                Error::invalid(
+                    "parameter server",
+                    format!("an answer from shard {} of {}", pulled.shard, servers.shards()),
+                )
+            })?;
+            *version = pulled.version;
             for (i, tensor) in pulled.params {
                 params[i] = Some(tensor);
             }
@@ -664,10 +762,10 @@ impl Shared<'_> {
         w: usize,
         t: usize,
         state: &mut WorkerState,
-        servers: &[Sender<ToServer>],
+        servers: &ServerLinks<'_>,
         values: &[Vec<f32>],
     ) -> Result<()> {
-        let shards = servers.len();
+        let shards = servers.shards();
         let codec = self.codec(t);
         let mut per_shard: Vec<Vec<Vec<u8>>> = vec![Vec::new(); shards];
         let mut bytes = 0;
@@ -678,6 +776,7 @@ impl Shared<'_> {
         }
         self.stats.with(t, |s| s.bytes += bytes);
         self.in_turn(w, || {
+            let mut remote = 0;
             for (shard, grads) in per_shard.into_iter().enumerate() {
                 let message = ToServer::Push {
                     worker: w,
@@ -687,21 +786,34 @@ impl Shared<'_> {
                     lr: self.lr.map(|lr| lr(t)),
                     grads,
                 };
-                servers[shard]
-                    .send(message)
-                    .map_err(|_| Error::invalid("parameter server", "a server shard stopped"))?;
+                remote += usize::from(servers.send(shard, message)?);
             }
-            Ok(())
+            Ok(remote)
         })
     }
 
-    /// Runs `send` in this worker's turn (deterministic runs), or at once.
-    fn in_turn(&self, w: usize, send: impl FnOnce() -> Result<()>) -> Result<()> {
-        let Some(turnstile) = self.turnstile else { return send() };
-        turnstile.acquire(w, self.abort)?;
-        let result = send();
-        turnstile.release(w);
-        result
+    /// Runs `send` (which returns how many of its messages went to other ranks) in this
+    /// worker's turn (deterministic runs), or at once. Across ranks a turn also covers each
+    /// remote message's arrival in its shard's inbox.
+    fn in_turn(&self, w: usize, send: impl FnOnce() -> Result<usize>) -> Result<()> {
+        match (self.turnstile, self.server_ranks) {
+            (Some(turnstile), remote) => {
+                turnstile.acquire(w, self.abort)?;
+                let result = send().and_then(|n| match remote {
+                    Some(remote) => remote.wait_acks(n, self.abort, self.timeout),
+                    None => Ok(()),
+                });
+                turnstile.release(w);
+                result
+            }
+            (None, Some(remote)) => {
+                remote.take_turn(w, self.abort, self.timeout)?;
+                let n = send()?;
+                remote.wait_acks(n, self.abort, self.timeout)?;
+                remote.end_turn(w)
+            }
+            (None, None) => send().map(drop),
+        }
     }
 }
 
