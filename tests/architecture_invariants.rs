@@ -350,7 +350,7 @@ const LOCKS: [LockSite; 19] = [
     LockSite {
         path: "engine/src/strategies/links.rs",
         item: "*",
-        why: "the data-parallel strategies' meeting points (the all-gather's generations, SSP's clocks, the \
+        why: "the data-parallel strategies' meeting points (the all-gather's generations, the \
               deterministic turnstile, per-step counters): taken once or twice per exchange, pull or push, between \
               the replicas' steps and never inside one; they guard encoded bytes and counters, no tensor of a step",
         departure: false,

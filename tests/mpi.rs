@@ -158,6 +158,23 @@ fn drive() -> Result<()> {
         h.record(&format!("equivalence tied transformer {}: -n {ranks}", extra.join(" ")), result);
     }
 
+    // The data-parallel strategies under mpirun: one worker per rank, the server shards on the
+    // ranks; the saved model (and a seeded run's record of turns) equal the in-process run's.
+    println!("== strategies: mpirun -n N conveyor train --sync ... against the in-process workers");
+    for (ranks, extra) in [
+        (2, vec!["--sync", "ps:2"]),
+        (4, vec!["--sync", "ps:3", "--compress", "bf16"]),
+        (4, vec!["--sync", "ssp:1", "--interleaving", "seed:3"]),
+        (2, vec!["--sync", "downpour:2,1", "--interleaving", "seed:4", "--compress", "topk:0.1"]),
+        (2, vec!["--sync", "allreduce", "--compress", "powersgd:2", "--compress-after", "2"]),
+        (4, vec!["--sync", "average:2"]),
+    ] {
+        let result = h.equivalence_strategy(ranks, &extra);
+        h.record(&format!("strategy {}: -n {ranks}", extra.join(" ")), result);
+    }
+    let result = h.strategy_world_size();
+    h.record("strategy --data-parallel 2 on 3 ranks", result);
+
     println!("== world size");
     let result = h.world_size();
     h.record("world size 3 for 2 devices", result);
@@ -295,6 +312,75 @@ impl Harness {
         self.train_ok(None, &with_path(&args, "--save", &local))?;
         let same = same_tensors(&mpi, &local)?;
         Ok(format!("{same} (mpirun {mpi_s:.2} s)"))
+    }
+
+    /// `conveyor train --data-parallel ranks` through a strategy (`extra`) under `mpirun -n ranks`
+    /// and in one process: the saved models bit for bit, and for a seeded run the records of turns.
+    fn equivalence_strategy(&self, ranks: usize, extra: &[&str]) -> Result<String> {
+        let n = ranks.to_string();
+        let mut args = strings(&[
+            "--model",
+            "mlp:64,32,10",
+            "--devices",
+            &format!("cpu:{ranks}"),
+            "--data-parallel",
+            &n,
+            "--microbatches",
+            "1",
+            "--steps",
+            "6",
+            "--batch",
+            "64",
+            "--eval-every",
+            "3",
+        ]);
+        args.extend(strings(extra));
+        let name = format!("sync-{ranks}-{}", extra.join("").replace(['-', ':', ','], ""));
+        let seeded = extra.contains(&"--interleaving");
+        let run = |ranks: Option<usize>, tag: &str| -> Result<(PathBuf, Option<String>, f64)> {
+            let model = self.path(&format!("{name}-{tag}.safetensors"));
+            let turns = self.path(&format!("{name}-{tag}.turns.json"));
+            let mut args = with_path(&args, "--save", &model);
+            if seeded {
+                args = with_path(&args, "--record-interleaving", &turns);
+            }
+            let out = self.train_ok(ranks, &args)?;
+            let turns =
+                if seeded { Some(std::fs::read_to_string(&turns).context("the record of turns")?) } else { None };
+            Ok((model, turns, out.wall_s))
+        };
+        let (mpi, mpi_turns, mpi_s) = run(Some(ranks), "mpi")?;
+        let (local, local_turns, _) = run(None, "local")?;
+        let same = same_tensors(&mpi, &local)?;
+        ensure!(mpi_turns == local_turns, "the records of turns differ: {mpi_turns:?} against {local_turns:?}");
+        let turns = mpi_turns.map(|t| format!("; the same {} turns", t.matches(',').count() + 1)).unwrap_or_default();
+        Ok(format!("{same}{turns} (mpirun {mpi_s:.2} s)"))
+    }
+
+    /// A strategy under `mpirun` with a rank count other than `--data-parallel`: exit 2, said once.
+    fn strategy_world_size(&self) -> Result<String> {
+        let args = strings(&[
+            "--model",
+            "mlp:64,32,10",
+            "--devices",
+            "cpu:2",
+            "--data-parallel",
+            "2",
+            "--sync",
+            "ps",
+            "--steps",
+            "1",
+        ]);
+        let out = self.train(Some(3), &args)?;
+        ensure!(out.code == Some(2), "mpirun -n 3 for 2 workers exited {}, not 2\n{}", out.status_text(), out.text());
+        let needle = "runs one worker per rank";
+        let count = out.stderr.matches(needle).count();
+        ensure!(count == 1, "stderr says `{needle}` {count} times, not once:\n{}", out.stderr);
+        Ok(format!(
+            "exit 2 after {:.2} s: {}",
+            out.wall_s,
+            out.stderr.lines().find(|l| l.contains(needle)).unwrap_or("")
+        ))
     }
 
     fn world_size(&self) -> Result<String> {

@@ -94,14 +94,15 @@ fn the_keys_read_back_from_a_config_file() {
     let config = dir.join("run.toml");
     std::fs::write(
         &config,
-        "[pipeline]\ndevices = \"cpu:2\"\ndata_parallel = 2\nsync = \"ssp:1\"\ncompress = \"f16\"\ninterleaving = \"seed:5\"\n\
+        "[pipeline]\ndevices = \"cpu:2\"\ndata_parallel = 2\nsync = \"ssp:1\"\ncompress = \"f16\"\ncompress_after = 2\n\
+         interleaving = \"seed:5\"\n\
          microbatches = 1\n[training]\nsteps = 4\n[optimizer]\nlr_schedule = \"constant\"\n\
          [outputs]\nrecord_interleaving = \"order.json\"\n",
     )
     .unwrap();
     let printed = conveyor_ok(&["train", "--config", arg(&config), "--print-config"]);
     let spec = conveyor::RunSpec::from_toml_str(&printed).unwrap();
-    assert_eq!(spec.pipeline.strategy_flags(), "--sync ssp:1 --compress f16 --interleaving seed:5");
+    assert_eq!(spec.pipeline.strategy_flags(), "--sync ssp:1 --compress f16 --compress-after 2 --interleaving seed:5");
     assert_eq!(spec.outputs.record_interleaving.as_deref(), Some(std::path::Path::new("order.json")));
     std::fs::write(&config, "[pipeline]\nsync = \"gossip\"\n").unwrap();
     assert_usage_error(&["train", "--config", arg(&config)], "`pipeline.sync` (--sync)");
@@ -125,6 +126,7 @@ fn bad_values_and_flags_the_strategies_cannot_honour_exit_2_naming_the_flag() {
         (vec!["--compress", "topk:1.5"], "--compress: top-k ratio 1.5"),
         (vec!["--compress", "powersgd:0"], "--compress: PowerSGD rank 0"),
         (vec!["--compress", "zip"], "--compress: unknown compression"),
+        (vec!["--sync", "ps", "--compress-after", "3"], "--compress-after 3: there is no compression to start"),
         ([&downpour[..], &["seed:x"]].concat(), "--interleaving `seed:x`: N of seed:N"),
         ([&downpour[..], &["replay:/nonexistent"]].concat(), "--interleaving replay:/nonexistent"),
         ([&downpour[..], &[garbage.as_str()]].concat(), "not a JSON array of whole numbers"),
@@ -143,9 +145,10 @@ fn bad_values_and_flags_the_strategies_cannot_honour_exit_2_naming_the_flag() {
         let mut args = with(&["--devices", "cpu:2", "--data-parallel", "2", "--steps", "2"]);
         args.extend(extra.iter().map(|s| s.to_string()));
         let stderr = assert_usage_error(&args.iter().map(String::as_str).collect::<Vec<_>>(), expected);
-        let flagged = ["--sync", "--compress", "--interleaving", "--record-interleaving", "--batch"]
-            .iter()
-            .any(|flag| stderr.contains(flag));
+        let flagged =
+            ["--sync", "--compress", "--compress-after", "--interleaving", "--record-interleaving", "--batch"]
+                .iter()
+                .any(|flag| stderr.contains(flag));
         assert!(flagged, "{extra:?}: {stderr}");
         if stderr.contains("is not supported") {
             assert!(stderr.contains("--sync allreduce without --compress"), "{extra:?}: {stderr}");

@@ -35,6 +35,7 @@ pub fn report(err: &anyhow::Error) -> i32 {
     }
     console::err(&format!("error: {err:#}\n"));
     let bad_input = err.downcast_ref::<UsageError>().is_some()
+        || err.downcast_ref::<ranks::UsageOnEveryRank>().is_some()
         || matches!(
             err.downcast_ref::<conveyor::engine::Error>(),
             Some(

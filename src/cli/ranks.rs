@@ -87,11 +87,25 @@ pub fn start(choice: TransportChoice) -> anyhow::Result<Option<Arc<dyn Transport
     Ok(Some(transport))
 }
 
+/// A usage error (exit status 2) that every rank of an MPI job reaches from the same values (the
+/// job's world size against the run's flags), so the job ends in order with the message once.
+#[derive(Debug)]
+pub struct UsageOnEveryRank(pub String);
+
+impl std::fmt::Display for UsageOnEveryRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageOnEveryRank {}
+
 /// Whether every rank reaches `error` together (so the job can end in order): errors of the
 /// step's vote and of the layout, which every rank computes from the same gathered values, and a
 /// stop by a signal (agreed by every rank, `cli::train`).
 fn reached_together(error: &anyhow::Error) -> bool {
     error.downcast_ref::<super::interrupt::Interrupted>().is_some()
+        || error.downcast_ref::<UsageOnEveryRank>().is_some()
         || matches!(
             error.downcast_ref::<Error>(),
             Some(

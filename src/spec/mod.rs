@@ -200,6 +200,10 @@ pub struct PipelineSection {
     /// `bf16`, `f16`, `topk:R` or `powersgd:R`. Default none.
     #[serde(with = "toml::text")]
     pub compress: Compression,
+    /// `compress_after` (`--compress-after`): the first this many steps exchange uncompressed
+    /// (PyTorch's `start_powerSGD_iter`), then `compress` starts. Needs a `compress`. Default 0.
+    #[serde(with = "toml::wide")]
+    pub compress_after: usize,
     /// `interleaving` (`--interleaving`): the order of an asynchronous strategy's pulls and
     /// pushes: `free`, `seed:N` (drawn from a seed, recorded) or `replay:PATH` (a record written by
     /// `record_interleaving`). Default free.
@@ -245,6 +249,7 @@ impl Default for PipelineSection {
             bucket_size: BucketSize::default(),
             sync: SyncStrategy::AllReduce,
             compress: Compression::None,
+            compress_after: 0,
             interleaving: InterleavingSpec::Free,
             placement: PlacementSpec::Auto,
             schedule: ScheduleKind::OneFOneB,

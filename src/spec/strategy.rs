@@ -124,6 +124,9 @@ impl PipelineSection {
         if self.compress != Compression::None {
             text.push_str(&format!(" --compress {}", self.compress));
         }
+        if self.compress_after > 0 {
+            text.push_str(&format!(" --compress-after {}", self.compress_after));
+        }
         if self.interleaving != InterleavingSpec::Free {
             text.push_str(&format!(" --interleaving {}", self.interleaving));
         }
@@ -143,6 +146,13 @@ pub(super) fn check(spec: &RunSpec) -> Result<(), SpecError> {
     }
     if let Err(error) = pipeline.compress.validate() {
         return Err(SpecError::Input(usage(format!("--compress: {} (pipeline.compress)", reason(error)))));
+    }
+    if pipeline.compress_after > 0 && pipeline.compress == Compression::None {
+        return Err(SpecError::Input(usage(format!(
+            "--compress-after {}: there is no compression to start; add --compress (bf16, f16, topk:R or \
+             powersgd:R), or drop --compress-after (pipeline.compress_after)",
+            pipeline.compress_after
+        ))));
     }
     if !sync.is_asynchronous() && *interleaving != InterleavingSpec::Free {
         return Err(SpecError::InterleavingNeedsAsynchronous { interleaving: interleaving.clone(), sync });
@@ -282,6 +292,17 @@ impl RunSpec {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn prepare_replicas(&self) -> Result<PreparedReplicas, SpecError> {
+        self.prepare_replicas_of(None)
+    }
+
+    /// [`RunSpec::prepare_replicas`] for one rank of an MPI job, which runs worker `worker` of
+    /// `data_parallel` (one per rank): only that worker's replica is built, on its share of the
+    /// devices; [`PreparedReplicas::sync_trainer_over`] joins it to the others.
+    pub fn prepare_replica_of(&self, worker: usize) -> Result<PreparedReplicas, SpecError> {
+        self.prepare_replicas_of(Some(worker))
+    }
+
+    fn prepare_replicas_of(&self, only: Option<usize>) -> Result<PreparedReplicas, SpecError> {
         let Loaded {
             model_text,
             model,
@@ -304,14 +325,20 @@ impl RunSpec {
             InterleavingSpec::Seeded(seed) => Interleaving::Seeded(*seed),
             InterleavingSpec::Replay(path) => Interleaving::Replay(read_interleaving(path, workers)?),
         };
-        let mut strategy = StrategyConfig::new(pipeline.sync).compress(pipeline.compress).interleaving(interleaving);
+        let mut strategy = StrategyConfig::new(pipeline.sync)
+            .compress(pipeline.compress)
+            .compress_after(pipeline.compress_after)
+            .interleaving(interleaving);
         strategy.seed = training.seed;
         config.batch_rows = training.batch / workers;
         let per_replica = devices.len() / workers;
         let mut first_graph = Some(graph);
         let mut plan: Option<Plan> = None;
         let mut replicas = Vec::with_capacity(workers);
-        for replica_devices in devices.chunks(per_replica) {
+        for (worker, replica_devices) in devices.chunks(per_replica).enumerate() {
+            if only.is_some_and(|only| only != worker) {
+                continue;
+            }
             let graph = match first_graph.take() {
                 Some(graph) => graph,
                 None => model
@@ -380,6 +407,19 @@ impl PreparedReplicas {
     pub fn sync_trainer(&mut self) -> Result<SyncTrainer, SpecError> {
         let replicas = std::mem::take(&mut self.replicas);
         Ok(SyncTrainer::new(replicas, self.optimizer, self.strategy.clone())?)
+    }
+
+    /// This rank's worker (prepared by [`RunSpec::prepare_replica_of`]) joined to the other
+    /// ranks' through `transport` ([`SyncTrainer::over_ranks`]); every rank calls it together.
+    pub fn sync_trainer_over(
+        &mut self,
+        transport: std::sync::Arc<dyn conveyor_engine::transport::Transport>,
+    ) -> Result<SyncTrainer, SpecError> {
+        let mut replicas = std::mem::take(&mut self.replicas);
+        let (Some(replica), true) = (replicas.pop(), replicas.is_empty()) else {
+            return Err(conveyor_engine::Error::invalid("replicas", "one replica per rank across MPI ranks").into());
+        };
+        Ok(SyncTrainer::over_ranks(replica, self.optimizer, self.strategy.clone(), transport)?)
     }
 
     /// What [`SyncTrainer::run`] takes for steps of epoch `epoch`: `(step, worker)` gives worker

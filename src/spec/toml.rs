@@ -31,6 +31,7 @@ const FLAGS: &[(&str, &str)] = &[
     ("pipeline.bucket_size", "--bucket-size"),
     ("pipeline.sync", "--sync"),
     ("pipeline.compress", "--compress"),
+    ("pipeline.compress_after", "--compress-after"),
     ("pipeline.interleaving", "--interleaving"),
     ("pipeline.placement", "--placement"),
     ("pipeline.schedule", "--schedule"),

@@ -103,6 +103,10 @@ pub struct TrainArgs {
     /// (rank-R approximation, R >= 1, with error feedback). [default: none]
     #[arg(long, value_name = "CODEC")]
     pub compress: Option<String>,
+    /// With --compress: exchange the first STEPS steps uncompressed, then compress (PyTorch's
+    /// `start_powerSGD_iter`; compression from the first step loses more accuracy). [default: 0]
+    #[arg(long, value_name = "STEPS")]
+    pub compress_after: Option<usize>,
     /// The order of an asynchronous strategy's pulls and pushes (--sync downpour:F,P or ssp:S):
     /// `free` (as the threads arrive), `seed:N` (drawn from seed N: the same weights every run),
     /// or `replay:PATH` (the turns --record-interleaving wrote, replayed with the recording run's
@@ -316,6 +320,7 @@ impl TrainArgs {
         if let Some(text) = &self.compress {
             pipeline.compress = text.parse().map_err(|e| usage(format!("--compress: {}", reason(e))))?;
         }
+        set(&mut pipeline.compress_after, &self.compress_after);
         if let Some(text) = &self.interleaving {
             pipeline.interleaving = text.parse().map_err(|why| usage(format!("--interleaving {why}")))?;
         }

@@ -142,7 +142,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let recorder = install_subscriber(record_ops);
     // `--sync` other than allreduce, `--compress`, `--interleaving`: the strategies' own loop.
     if spec.pipeline.uses_strategy() {
-        return strategies::run(spec, ranks.is_some());
+        return strategies::run(spec, ranks);
     }
     let mut run = spec.prepare().map_err(spec_error)?;
     let (schedule, lr_schedule, on_nonfinite) =

@@ -16,6 +16,13 @@
 //! `--record-interleaving` (the order of turns as a JSON array, atomically), `--metrics`. A step
 //! that fails (a replay that does not fit the run, a non-finite loss) stops the run with no model
 //! saved: the workers' parameters are then no single step's.
+//!
+//! Under `mpirun` (`cli::ranks`) each rank runs one worker: the job needs `--data-parallel` ranks,
+//! each rank builds only its worker's replica (`RunSpec::prepare_replica_of`), and the strategy
+//! exchanges through the transport (`SyncTrainer::over_ranks`; the server shards on the ranks, see
+//! the engine's `strategies/remote.rs`). Every rank makes the same calls (a signal is agreed at
+//! each stretch's end, as the runtime's loop does), and rank 0 prints and writes the files.
+use std::sync::Arc;
 use std::time::Instant;
 
 use conveyor::RunSpec;
@@ -24,6 +31,7 @@ use conveyor::engine::checkpoint;
 use conveyor::engine::placement::format_bytes;
 use conveyor::engine::runtime::Batch;
 use conveyor::engine::strategies::{StepRecord, SyncTrainer};
+use conveyor::engine::transport::Transport;
 use conveyor::spec::InterleavingSpec;
 
 use super::checkpointing::{self, RunState};
@@ -32,18 +40,26 @@ use super::{interrupt, outputs, spec_error};
 use crate::cli::console::{errln, outln};
 use crate::cli::{output_error, usage};
 
-/// Trains `spec` (which uses a strategy) through a `SyncTrainer`; `several_ranks`: this process is
-/// one rank of an MPI job of more than one, which the strategies do not run.
-pub fn run(spec: RunSpec, several_ranks: bool) -> anyhow::Result<()> {
+/// Trains `spec` (which uses a strategy) through a `SyncTrainer`; `ranks`: this process is one
+/// rank of an MPI job of more than one, running worker `rank`.
+pub fn run(spec: RunSpec, ranks: Option<Arc<dyn Transport>>) -> anyhow::Result<()> {
     let strategy_flags = spec.pipeline.strategy_flags();
-    if several_ranks {
-        return Err(usage(format!(
-            "--transport mpi: {strategy_flags} runs its workers as threads of one process; run it without mpirun, \
-             or use --sync allreduce without --compress or --interleaving, which runs across ranks"
-        )));
+    let workers = spec.pipeline.data_parallel;
+    if let Some(world) = ranks.as_ref().map(|t| t.world_size())
+        && world != workers
+    {
+        return Err(anyhow::Error::new(crate::cli::ranks::UsageOnEveryRank(format!(
+            "--data-parallel {workers}: under mpirun {strategy_flags} runs one worker per rank, and this job has \
+             {world} ranks; start {workers} ranks (mpirun -n {workers}) or pass --data-parallel {world}"
+        ))));
     }
-    let mut run = spec.prepare_replicas().map_err(spec_error)?;
-    let workers = run.spec.pipeline.data_parallel;
+    let mut run = match &ranks {
+        Some(transport) => spec.prepare_replica_of(transport.rank()),
+        None => spec.prepare_replicas(),
+    }
+    .map_err(spec_error)?;
+    let first_worker = ranks.as_ref().map_or(0, |t| t.rank());
+    let writes_files = first_worker == 0;
     let (batch, microbatches) = (run.spec.training.batch, run.spec.pipeline.microbatches);
     let (steps_per_epoch, total_steps) = (run.steps_per_epoch, run.total_steps);
     let lr = run.optimizer.lr();
@@ -74,8 +90,12 @@ pub fn run(spec: RunSpec, several_ranks: bool) -> anyhow::Result<()> {
         run.optimizer.name(),
         spec.optimizer.lr_schedule,
     );
-    for (worker, label) in labels.iter().enumerate() {
-        outln!("  worker {worker} on {label}");
+    for (i, label) in labels.iter().enumerate() {
+        let worker = first_worker + i;
+        match &ranks {
+            Some(_) => outln!("  worker {worker} on {label} (rank {worker}; each rank runs one worker)"),
+            None => outln!("  worker {worker} on {label}"),
+        }
     }
     for stage in &run.plan.stages {
         outln!("  stage {}: {} ({} parameters)", stage.stage_idx, stage.node_names.join(" "), stage.n_params);
@@ -83,22 +103,26 @@ pub fn run(spec: RunSpec, several_ranks: bool) -> anyhow::Result<()> {
     if let Some(note) = init_note {
         outln!("{note}");
     }
-    let mut trainer = run.sync_trainer().map_err(spec_error)?;
+    let mut trainer = match &ranks {
+        Some(transport) => run.sync_trainer_over(Arc::clone(transport)),
+        None => run.sync_trainer(),
+    }
+    .map_err(spec_error)?;
     let mut state =
         RunState::starting(&run.spec, &run.optimizer, &run.train, &model_text, steps_per_epoch, total_steps);
     interrupt::install().map_err(|e| anyhow::anyhow!("could not install the signal handler: {e}"))?;
     let mut metrics = match &spec.outputs.metrics {
-        Some(path) => Some(outputs::LineOutput::create("--metrics", path)?),
-        None => None,
+        Some(path) if writes_files => Some(outputs::LineOutput::create("--metrics", path)?),
+        _ => None,
     };
-    let progress = Progress::new(0, total_steps, steps_per_epoch, true);
+    let progress = Progress::new(0, total_steps, steps_per_epoch, ranks.is_none());
     let started = Instant::now();
     let (log_every, eval_every) = (spec.training.log_every, spec.training.eval_every);
     let mut interrupted = None;
     let mut last_loss = None;
     let (mut staleness_sum, mut staleness_max) = (0.0f64, 0u64);
     while state.step < total_steps {
-        if let Some(signal) = interrupt::requested() {
+        if let Some(signal) = super::agreed_stop(ranks.as_ref())? {
             interrupted = Some(signal);
             break;
         }
@@ -192,12 +216,12 @@ pub fn run(spec: RunSpec, several_ranks: bool) -> anyhow::Result<()> {
             failures.push(error);
         }
     };
-    if let Some(path) = &spec.outputs.save {
+    if let Some(path) = spec.outputs.save.as_ref().filter(|_| writes_files) {
         attempt(save(path, &trainer, &state).map(|()| {
             outln!("saved the parameters at step {} to {}", state.step, path.display());
         }));
     }
-    if let Some(path) = &spec.outputs.record_interleaving {
+    if let Some(path) = spec.outputs.record_interleaving.as_ref().filter(|_| writes_files) {
         let turns = trainer.interleaving();
         let text = serde_json::to_string(turns)? + "\n";
         attempt(crate::cli::write_atomically(path, "--record-interleaving", &text).map(|()| {
@@ -222,7 +246,8 @@ pub fn run(spec: RunSpec, several_ranks: bool) -> anyhow::Result<()> {
     for other in &failures {
         errln!("error: {other:#}");
     }
-    let interrupted = interrupted.or(interrupt::requested());
+    // Across ranks this is agreed after rank 0 wrote its files, so no rank ends the job before.
+    let interrupted = interrupted.or(super::agreed_stop(ranks.as_ref())?);
     match (first_failure, interrupted) {
         (Some(failure), _) => Err(failure),
         (None, Some(signal)) => {
