@@ -90,7 +90,8 @@ impl RunSpec {
             drop(graph);
             build_trainer_replicated(&model, training.seed, devices, k, &data_parallel, &config)?
         } else {
-            let replicated = Replicated { data_parallel, model: model.clone(), seed: training.seed };
+            let replicated =
+                Replicated { data_parallel, model: model.clone(), seed: training.seed, in_this_process: false };
             place_and_build(graph, devices, &config, &pipeline.placement, replicated)?
         };
         let mut spec = self.clone();
@@ -192,6 +193,9 @@ pub(super) struct Replicated {
     pub data_parallel: DataParallel,
     pub model: ModelSpec,
     pub seed: u64,
+    /// The trainer runs all its devices in this process whatever the process's transport (a
+    /// strategy's worker, which exchanges with the other ranks itself).
+    pub in_this_process: bool,
 }
 
 /// Places the graph as `placement` says (for replica 0's devices) and starts the trainer, with
@@ -203,10 +207,14 @@ pub(super) fn place_and_build(
     placement: &PlacementSpec,
     replicated: Replicated,
 ) -> Result<(Plan, Trainer), SpecError> {
-    let Replicated { data_parallel, model, seed } = replicated;
+    let Replicated { data_parallel, model, seed, in_this_process } = replicated;
     let first = devices[..devices.len() / data_parallel.replicas.max(1)].to_vec();
     let start = |graph, placement: Placement| -> Result<Trainer, SpecError> {
-        let builder = with_replicas(builder(graph, devices, config), &data_parallel, move |_, _| model.build(seed));
+        let mut builder = builder(graph, devices, config);
+        if in_this_process {
+            builder = builder.transport(std::sync::Arc::new(conveyor_engine::transport::InProcess));
+        }
+        let builder = with_replicas(builder, &data_parallel, move |_, _| model.build(seed));
         Ok(builder.placement(placement).build()?)
     };
     let (stages, name) = match placement {

@@ -348,11 +348,17 @@ impl RunSpec {
             let trainer = match &plan {
                 // Every replica as replica 0 is placed (measured once for `time`).
                 Some(plan) => builder(graph, replica_devices.to_vec(), &config)
+                    .transport(std::sync::Arc::new(conveyor_engine::transport::InProcess))
                     .placement(Placement::Plan(Box::new(plan.clone())))
                     .build()?,
                 None => {
-                    let replicated =
-                        Replicated { data_parallel: DataParallel::none(), model: model.clone(), seed: training.seed };
+                    let replicated = Replicated {
+                        data_parallel: DataParallel::none(),
+                        model: model.clone(),
+                        seed: training.seed,
+                        // Each worker's replica runs here; the strategy exchanges across ranks.
+                        in_this_process: true,
+                    };
                     let (first_plan, trainer) =
                         place_and_build(graph, replica_devices.to_vec(), &config, &pipeline.placement, replicated)?;
                     plan = Some(first_plan);
