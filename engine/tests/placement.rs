@@ -3,7 +3,8 @@
 use conveyor_engine::device::DeviceKind;
 use conveyor_engine::graph::Graph;
 use conveyor_engine::placement::{
-    DeviceSpec, FitHint, Link, OptimizerMemory, PlacedBy, PlanConfig, place_automatically, place_manually,
+    DeviceSpec, FLOPS_PER_BYTE_MOVED, FitHint, Link, OptimizerMemory, PlacedBy, PlanConfig, place_automatically,
+    place_manually,
 };
 use conveyor_engine::{CallScratch, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 
@@ -114,12 +115,20 @@ fn all_cuts(n: usize, p: usize) -> Vec<Vec<usize>> {
     out
 }
 
+/// What the planner charges node `i` of a [`chain`] for its three passes: their FLOPs, plus
+/// `FLOPS_PER_BYTE_MOVED` for every byte each pass reads and writes (width 8: 32 bytes in and 32
+/// out; the input-gradient pass of the first node writes no gradient for the data).
+fn node_flop_equivalents(flops: u64, i: usize) -> f64 {
+    let per_byte = FLOPS_PER_BYTE_MOVED;
+    let input_grad_bytes = if i == 0 { 32.0 } else { 64.0 };
+    3.0 * flops as f64 + per_byte * (64.0 + input_grad_bytes + 64.0)
+}
+
 fn brute_force_bottleneck(flops: &[u64], p: usize) -> f64 {
+    let cost: Vec<f64> = flops.iter().enumerate().map(|(i, &f)| node_flop_equivalents(f, i)).collect();
     all_cuts(flops.len(), p)
         .iter()
-        .map(|cuts| {
-            cuts.windows(2).map(|w| flops[w[0]..w[1]].iter().sum::<u64>() as f64 * 3.0 * 4.0 / 1e9).fold(0.0, f64::max)
-        })
+        .map(|cuts| cuts.windows(2).map(|w| cost[w[0]..w[1]].iter().sum::<f64>() * 4.0 / 1e9).fold(0.0, f64::max))
         .fold(f64::INFINITY, f64::min)
 }
 

@@ -4,7 +4,7 @@
 //! batches at the run's learning rates, so a library loop trains exactly as the command does.
 use conveyor_engine::graph::Graph;
 use conveyor_engine::optim::OptimizerConfig;
-use conveyor_engine::placement::Plan;
+use conveyor_engine::placement::{AutoPlacement, Plan, plan_auto};
 use conveyor_engine::runtime::{StepReport, Trainer};
 use conveyor_engine::{Device, Tensor};
 
@@ -43,6 +43,10 @@ pub struct PreparedRun {
     pub total_steps: u64,
     /// Pipeline devices: workers, each a group of `tensor_parallel` devices.
     pub pipeline_devices: usize,
+    /// How `placement = "auto"` placed the model: from the cost model, or with a profile of its
+    /// layers ([`conveyor_engine::placement::plan_auto`]); `None` for other placements and split
+    /// models.
+    pub auto_placement: Option<AutoPlacement>,
     /// The epoch whose batch order is cached, and that order.
     order: Option<(u64, Vec<usize>)>,
     /// The learning rate the optimizers run with now.
@@ -86,9 +90,10 @@ impl RunSpec {
             bucket_bytes: pipeline.bucket_size.bytes(),
         };
         let pipeline_devices = devices.len() / k / replicas;
-        let (plan, trainer) = if k > 1 {
+        let (plan, trainer, auto_placement) = if k > 1 {
             drop(graph);
-            build_trainer_replicated(&model, training.seed, devices, k, &data_parallel, &config)?
+            let (plan, trainer) = build_trainer_replicated(&model, training.seed, devices, k, &data_parallel, &config)?;
+            (plan, trainer, None)
         } else {
             let replicated =
                 Replicated { data_parallel, model: model.clone(), seed: training.seed, in_this_process: false };
@@ -110,6 +115,7 @@ impl RunSpec {
             steps_per_epoch,
             total_steps,
             pipeline_devices,
+            auto_placement,
             order: None,
             current_lr: optimizer.lr(),
         })
@@ -199,14 +205,15 @@ pub(super) struct Replicated {
 }
 
 /// Places the graph as `placement` says (for replica 0's devices) and starts the trainer, with
-/// `replicated`'s replicas on the other devices.
+/// `replicated`'s replicas on the other devices; for `auto`, also how it decided. `auto` profiles
+/// the layers only when no MPI launcher started several ranks (every rank must place alike).
 pub(super) fn place_and_build(
     graph: Graph,
     devices: Vec<Device>,
     config: &PipelineConfig,
     placement: &PlacementSpec,
     replicated: Replicated,
-) -> Result<(Plan, Trainer), SpecError> {
+) -> Result<(Plan, Trainer, Option<AutoPlacement>), SpecError> {
     let Replicated { data_parallel, model, seed, in_this_process } = replicated;
     let first = devices[..devices.len() / data_parallel.replicas.max(1)].to_vec();
     let start = |graph, placement: Placement| -> Result<Trainer, SpecError> {
@@ -219,16 +226,24 @@ pub(super) fn place_and_build(
     };
     let (stages, name) = match placement {
         PlacementSpec::Auto => {
-            let trainer = start(graph, Placement::auto())?;
+            let may_profile = conveyor_engine::transport::launcher_world_size().is_none_or(|n| n <= 1);
+            let (measured, how) = plan_auto(&graph, &first, config, may_profile)?;
+            let trainer = match how {
+                AutoPlacement::Profiled { used_measured: true, .. } => {
+                    start(graph, Placement::Plan(Box::new(measured)))?
+                }
+                // The cost model's cut, planned by the builder as ever.
+                _ => start(graph, Placement::auto())?,
+            };
             let plan = trainer.plan().cloned().ok_or_else(|| {
                 SpecError::from(conveyor_engine::Error::invalid("placement", "the trainer kept no plan"))
             })?;
-            return Ok((plan, trainer));
+            return Ok((plan, trainer, Some(how)));
         }
         PlacementSpec::Time => {
             let plan = plan_by_time(&graph, &first, config)?;
             let trainer = start(graph, Placement::Plan(Box::new(plan.clone())))?;
-            return Ok((plan, trainer));
+            return Ok((plan, trainer, None));
         }
         PlacementSpec::File(path) => (read_placement_file(path)?, path.display().to_string()),
         PlacementSpec::Manual(stages) => (stages.clone(), "stages".to_string()),
@@ -238,7 +253,7 @@ pub(super) fn place_and_build(
     let plan = plan_manually(&graph, &stages, &first, config)
         .map_err(|source| SpecError::Placement { placement: name, source: Box::new(source) })?;
     let trainer = start(graph, Placement::Plan(Box::new(plan.clone())))?;
-    Ok((plan, trainer))
+    Ok((plan, trainer, None))
 }
 
 impl PreparedRun {

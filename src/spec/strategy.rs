@@ -359,7 +359,7 @@ impl RunSpec {
                         // Each worker's replica runs here; the strategy exchanges across ranks.
                         in_this_process: true,
                     };
-                    let (first_plan, trainer) =
+                    let (first_plan, trainer, _) =
                         place_and_build(graph, replica_devices.to_vec(), &config, &pipeline.placement, replicated)?;
                     plan = Some(first_plan);
                     trainer

@@ -31,7 +31,8 @@ mod profile;
 pub use auto::{place_automatically, place_with_costs};
 pub use auto_schedule::{PlannedCandidate, ScheduleCandidate, ScheduleChoice, choose_schedule, predicted_costs};
 pub use cost::{
-    DeviceSpec, Link, NodeCosts, OptimizerMemory, PlanConfig, StageMemory, WeightCache, format_bytes, format_seconds,
+    DeviceSpec, FLOPS_PER_BYTE_MOVED, Link, NodeCosts, OptimizerMemory, PlanConfig, StageMemory, WeightCache,
+    format_bytes, format_seconds,
 };
 pub use data_parallel::{ReplicaPlan, ReplicaStage, replica_plan, zero_owners};
 pub use file::{MAX_PLACEMENT_FILE_BYTES, MAX_STAGES, PlacementFileProblem, parse_placement, read_placement_file};
@@ -42,7 +43,9 @@ pub use memory::{
     InputGradMemory, NodeMemory, OutputMemory, Rank, SavedMemory, ScheduleMemory, measure_node_memory,
     measure_node_memory_at, measure_node_memory_on, measure_node_memory_on_device,
 };
-pub use pipeline_plan::{CPU_FLOPS_PER_S, PipelineConfig, PlaceBy, Placement, plan_placement};
+pub use pipeline_plan::{
+    AutoPlacement, CPU_FLOPS_PER_S, NoProfile, PipelineConfig, PlaceBy, Placement, plan_auto, plan_placement,
+};
 pub use profile::{NodeTimes, profile_graph};
 
 use crate::graph::NodeId;

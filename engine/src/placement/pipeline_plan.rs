@@ -229,6 +229,108 @@ pub fn plan_by_time(graph: &Graph, devices: &[Device], config: &PipelineConfig) 
     place_with_costs(&costs, &specs, &plan_config)
 }
 
+/// Seconds of profiling [`plan_auto`] may spend, estimated from the cost model before it starts.
+pub const AUTO_PROFILE_BUDGET_S: f64 = 0.5;
+/// [`plan_auto`] profiles only models whose passes take at least this long per micro-batch (by
+/// the cost model): below it, timing noise would decide the cut from run to run.
+pub const AUTO_PROFILE_MIN_STEP_S: f64 = 2e-3;
+/// [`plan_auto`] keeps the measured plan only when its slowest stage is at most this fraction of
+/// the estimated plan's (both priced by the profile): a margin, so that noise between two equally
+/// good cuts does not flip the placement from run to run.
+pub const AUTO_MEASURED_MARGIN: f64 = 0.9;
+
+/// How [`plan_auto`] placed a graph.
+#[derive(Clone, Debug, PartialEq)]
+pub enum AutoPlacement {
+    /// From the cost model alone; no profile was taken, for this reason.
+    Estimated(NoProfile),
+    /// A profile was taken ([`profile_graph`], `profile_s` seconds) and priced both cuts.
+    Profiled {
+        /// The slowest stage per micro-batch of the cost model's cut, at the measured times.
+        estimated_cut_s: f64,
+        /// The slowest stage per micro-batch of the cut made from the measured times.
+        measured_cut_s: f64,
+        /// Whether the measured cut was used (it was faster by the margin).
+        used_measured: bool,
+        /// Seconds the profile took.
+        profile_s: f64,
+    },
+}
+
+/// Why [`plan_auto`] took no profile.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum NoProfile {
+    /// The caller did not allow it (several MPI ranks must place alike, without timing).
+    NotAllowed,
+    /// A device is not a CPU (the profile runs on this process's host core).
+    NotCpu,
+    /// Several model chunks per device (the planner's cut is not one stage per device).
+    Chunks,
+    /// The passes take under [`AUTO_PROFILE_MIN_STEP_S`] per micro-batch by the cost model.
+    TooShort {
+        /// The cost model's seconds per micro-batch (every pass of every layer).
+        step_s: f64,
+    },
+    /// The profile would take over [`AUTO_PROFILE_BUDGET_S`].
+    TooCostly {
+        /// The profile's estimated seconds.
+        profile_s: f64,
+    },
+}
+
+/// `--placement auto`: [`plan`] from the cost model (FLOPs and bytes moved), then, on CPU devices
+/// when a profile is affordable (at most [`AUTO_PROFILE_BUDGET_S`], on a model whose passes are
+/// long enough to time, and `may_profile`), the layers' times measured as [`plan_by_time`] does:
+/// the measured cut is used when its slowest stage is at most [`AUTO_MEASURED_MARGIN`] of the
+/// estimated cut's, both priced by the profile. Where the cost model already finds the best cut
+/// (as for the zoo's models) the plan is the estimated one, so runs repeat; the report says what
+/// was decided and why.
+pub fn plan_auto(
+    graph: &Graph,
+    devices: &[Device],
+    config: &PipelineConfig,
+    may_profile: bool,
+) -> Result<(Plan, AutoPlacement)> {
+    let (specs, plan_config) = planner_inputs_for(devices, config)?;
+    let costs = node_costs_at(graph, plan_config.micro_batch_rows, config.precision)?;
+    let estimated = place_with_costs(&costs, &specs, &plan_config)?;
+    let skip = |why| Ok((estimated.clone(), AutoPlacement::Estimated(why)));
+    if !may_profile {
+        return skip(NoProfile::NotAllowed);
+    }
+    if devices.iter().any(|d| d.kind() != crate::device::DeviceKind::Cpu) {
+        return skip(NoProfile::NotCpu);
+    }
+    if config.n_chunks > 1 || estimated.stages.len() != specs.len() {
+        return skip(NoProfile::Chunks);
+    }
+    let rows = plan_config.micro_batch_rows as f64;
+    let total_flops: f64 =
+        [&costs.prefix_forward_flops, &costs.prefix_backward_input_flops, &costs.prefix_backward_weight_flops]
+            .iter()
+            .map(|prefix| prefix.last().copied().unwrap_or(0.0))
+            .sum();
+    let step_s = total_flops * rows / CPU_FLOPS_PER_S;
+    if step_s < AUTO_PROFILE_MIN_STEP_S {
+        return skip(NoProfile::TooShort { step_s });
+    }
+    let profile_s = step_s * PROFILE_REPEATS as f64;
+    if profile_s > AUTO_PROFILE_BUDGET_S {
+        return skip(NoProfile::TooCostly { profile_s });
+    }
+    let started = std::time::Instant::now();
+    let times = profile_graph(graph, plan_config.micro_batch_rows, PROFILE_REPEATS)?;
+    let profile_s = started.elapsed().as_secs_f64();
+    let measured_costs = costs.with_measured_times(&times, CPU_FLOPS_PER_S)?;
+    let measured = place_with_costs(&measured_costs, &specs, &plan_config)?;
+    let stages: Vec<Vec<String>> = estimated.stages.iter().map(|s| s.node_names.clone()).collect();
+    let estimated_priced = place_manually_with_costs(graph, &measured_costs, &stages, &specs, &plan_config)?;
+    let (estimated_cut_s, measured_cut_s) = (estimated_priced.bottleneck_s(), measured.bottleneck_s());
+    let used_measured = measured_cut_s <= AUTO_MEASURED_MARGIN * estimated_cut_s;
+    let report = AutoPlacement::Profiled { estimated_cut_s, measured_cut_s, used_measured, profile_s };
+    Ok((if used_measured { measured } else { estimated }, report))
+}
+
 /// The plan `placement` makes for `graph` on `devices` under `config`: `None` for
 /// [`Placement::Stages`], which is used as given, unplanned.
 pub fn plan_placement(

@@ -39,6 +39,7 @@ pub use args::{LrSchedule, OnNonFinite, TrainArgs, parse_devices, parse_optimize
 use checkpointing::RunState;
 use conveyor::data;
 use conveyor::engine::Device;
+use conveyor::engine::placement::{AutoPlacement, format_seconds};
 use conveyor::engine::runtime::ReplicaShares;
 use conveyor::engine::trace::{MemoryPoint, TimelineRecorder, timeline_filter};
 use conveyor::engine::transport::Transport;
@@ -227,6 +228,17 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     }
     for note in conveyor::pipeline::memory_notes(&run.plan) {
         outln!("  {note}");
+    }
+    if let Some(AutoPlacement::Profiled { estimated_cut_s, measured_cut_s, used_measured, profile_s }) =
+        run.auto_placement
+    {
+        let (estimated, measured) = (format_seconds(estimated_cut_s), format_seconds(measured_cut_s));
+        outln!(
+            "  placement auto: the layers' times measured in {} put the slowest stage at {measured} per micro-batch \
+             with the measured cut and {estimated} with the cost model's; {}",
+            format_seconds(profile_s),
+            if used_measured { "using the measured cut" } else { "keeping the cost model's cut (within 10%)" }
+        );
     }
     if let Some(note) = resumed_note {
         outln!("{note}");
