@@ -381,7 +381,7 @@ mod tests {
             let mut scalar = vec![MaybeUninit::uninit(); n];
             let scalar =
                 bits(conv2d_lanes_on(Isa::Scalar, &x, &weight, Some(&bias), &w, out_channels, &mut scalar).unwrap());
-            for isa in [Isa::Avx2, Isa::Avx512].into_iter().filter(|isa| isa.available()) {
+            for isa in Isa::ALL.into_iter().filter(|&isa| isa != Isa::Scalar && isa.available()) {
                 let mut out = vec![MaybeUninit::uninit(); n];
                 let got = conv2d_lanes_on(isa, &x, &weight, Some(&bias), &w, out_channels, &mut out).unwrap();
                 assert_eq!(bits(got), scalar, "{isa:?} {w:?}");

@@ -303,14 +303,16 @@ impl<A: Operand, B: Operand> Job for AbtJob<'_, A, B> {
     /// A tile's accumulators fill at most 16 of the ISA's registers: each holds [`LANES`] lanes,
     /// `LANES / V::N` registers. AVX-512 (32 registers): 4 x 4 accumulators of one register.
     /// AVX2 (16): 2 x 3 of two registers, 12 in all (a 4 x 4 tile of two-register accumulators
-    /// spilled to the stack on every multiply-add: measured 2x slower). The scalar path keeps
-    /// 2 x 2.
+    /// spilled to the stack on every multiply-add: measured 2x slower). NEON (32) and the
+    /// scalar path keep 2 x 2.
     #[inline(always)]
     fn run<V: Lanes>(self) {
         let AbtJob { dst, a, b, dims } = self;
         match V::N {
             16 => abt::<V, A, B, 1, TILE_ROWS, TILE_COLS>(dst, a, b, dims),
             8 => abt::<V, A, B, 2, 2, 3>(dst, a, b, dims),
+            // NEON (32 registers of 4 lanes): 2 x 2 accumulators of four registers.
+            4 => abt::<V, A, B, 4, 2, 2>(dst, a, b, dims),
             _ => abt::<V, A, B, LANES, 2, 2>(dst, a, b, dims),
         }
     }
@@ -466,6 +468,7 @@ impl Job for BiasJob<'_> {
         match V::N {
             16 => bias_sums::<V, 4>(self),
             8 => bias_sums::<V, 8>(self),
+            4 => bias_sums::<V, 16>(self),
             _ => bias_sums::<V, BIAS_LANES>(self),
         }
     }
@@ -576,7 +579,7 @@ mod tests {
             dst.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         };
         let scalar = run(Isa::Scalar);
-        for isa in [Isa::Avx2, Isa::Avx512].into_iter().filter(|isa| isa.available()) {
+        for isa in Isa::ALL.into_iter().filter(|&isa| isa != Isa::Scalar && isa.available()) {
             assert_eq!(run(isa), scalar, "{isa:?}");
         }
         // The documented order, element by element: lane l chains the pixels p ≡ l (mod LANES) of
@@ -653,7 +656,7 @@ mod tests {
             let scalar = run(Isa::Scalar);
             // AVX-512 takes whole blocks of 16 output channels (`conv2d_weight_grad` runs the
             // AVX2 code for the others).
-            let isas = [Isa::Avx2, Isa::Avx512].into_iter().filter(|&isa| isa.available());
+            let isas = Isa::ALL.into_iter().filter(|&isa| isa != Isa::Scalar && isa.available());
             for isa in isas.filter(|&isa| isa != Isa::Avx512 || cout % LANES == 0) {
                 assert_eq!(run(isa), scalar, "{isa:?}");
             }
@@ -686,7 +689,7 @@ mod tests {
                 assert!((*w as f64 - 0.5 - exact).abs() < 1e-4 * (1.0 + exact.abs()), "{w} vs {exact}");
             }
             let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
-            for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().filter(|isa| isa.available()) {
+            for isa in Isa::ALL.into_iter().filter(|isa| isa.available()) {
                 let mut got = vec![0.5f32; out];
                 dispatch_on(isa, BiasJob { dy: &dy, plane, bias_grad: &mut got });
                 assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "{isa:?} {out}x{plane}");

@@ -196,7 +196,7 @@ mod tests {
             for log in [false, true] {
                 let mut scalar = vec![0.0; input.len()];
                 rows_on(Isa::Scalar, &input, cols, &mut scalar, log);
-                for isa in [Isa::Avx512, Isa::Avx2].into_iter().filter(|isa| isa.available()) {
+                for isa in Isa::ALL.into_iter().filter(|&isa| isa != Isa::Scalar && isa.available()) {
                     let mut got = vec![0.0; input.len()];
                     rows_on(isa, &input, cols, &mut got, log);
                     assert!(got.iter().zip(&scalar).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} {cols} {log}");

@@ -1,9 +1,9 @@
 //! f32 vector math with the same bits on every instruction set: `exp`, the normal CDF `Φ` (erfc
 //! form) and density `φ`, `tanh`, the GELUs built on them, and the run-time dispatch that picks
-//! AVX-512, AVX2+FMA or scalar code.
+//! AVX-512, AVX2+FMA, NEON (aarch64) or scalar code.
 //!
-//! Every function is written once, generic over [`Lanes`]: a vector of 16 (`__m512`) or 8
-//! (`__m256`) floats, or one `f32`. The generic body is instantiated inside a
+//! Every function is written once, generic over [`Lanes`]: a vector of 16 (`__m512`), 8
+//! (`__m256`) or 4 (NEON's `float32x4_t`) floats, or one `f32`. The generic body is instantiated inside a
 //! `#[target_feature]` function per ISA ([`dispatch`]); each lane runs the same sequence of
 //! correctly rounded IEEE operations (add, mul, fused multiply-add, true division, round to
 //! nearest even, exponent-bit scaling), and the scalar instance does its fused multiply-adds with
@@ -24,6 +24,8 @@
 //! `Φ(±inf) = 1, 0`, `tanh(±inf) = ±1`; the sign of zero is kept by `tanh`.
 use std::mem::MaybeUninit;
 
+#[cfg(target_arch = "aarch64")]
+use std::arch::aarch64::*;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
@@ -355,6 +357,99 @@ impl Lanes for Avx2 {
     }
 }
 
+/// 4 lanes of NEON (AdvSIMD). The aarch64 targets enable NEON for all code, so its intrinsics
+/// need no run-time check. Each operation rounds as IEEE single precision does (`vfmaq_f32` is a
+/// fused multiply-add, `vdivq_f32` a true division, `vrndnq_f32` rounds ties to even), and max
+/// and min are built from comparisons with x86's operand order, so NEON gives the bits of the
+/// other ISAs.
+#[cfg(target_arch = "aarch64")]
+#[derive(Clone, Copy)]
+pub(crate) struct Neon(float32x4_t);
+
+#[cfg(target_arch = "aarch64")]
+#[allow(unused_unsafe)] // NEON intrinsics are safe to call where the target enables NEON
+impl Lanes for Neon {
+    const N: usize = 4;
+    type Mask = uint32x4_t;
+
+    #[inline(always)]
+    unsafe fn load(ptr: *const f32) -> Self {
+        // SAFETY: the caller guarantees four readable floats.
+        Neon(unsafe { vld1q_f32(ptr) })
+    }
+    #[inline(always)]
+    unsafe fn store(self, ptr: *mut f32) {
+        // SAFETY: the caller guarantees four writable floats.
+        unsafe { vst1q_f32(ptr, self.0) }
+    }
+    #[inline(always)]
+    fn splat(value: f32) -> Self {
+        Neon(unsafe { vdupq_n_f32(value) })
+    }
+    #[inline(always)]
+    fn add(self, rhs: Self) -> Self {
+        Neon(unsafe { vaddq_f32(self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn sub(self, rhs: Self) -> Self {
+        Neon(unsafe { vsubq_f32(self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn mul(self, rhs: Self) -> Self {
+        Neon(unsafe { vmulq_f32(self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn div(self, rhs: Self) -> Self {
+        Neon(unsafe { vdivq_f32(self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn fma(self, b: Self, c: Self) -> Self {
+        // vfmaq_f32(a, b, c) = a + b·c, rounded once.
+        Neon(unsafe { vfmaq_f32(c.0, self.0, b.0) })
+    }
+    #[inline(always)]
+    fn fnma(self, b: Self, c: Self) -> Self {
+        // vfmsq_f32(a, b, c) = a - b·c, rounded once.
+        Neon(unsafe { vfmsq_f32(c.0, self.0, b.0) })
+    }
+    #[inline(always)]
+    fn max(self, rhs: Self) -> Self {
+        Neon(unsafe { vbslq_f32(vcgtq_f32(self.0, rhs.0), self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn min(self, rhs: Self) -> Self {
+        Neon(unsafe { vbslq_f32(vcltq_f32(self.0, rhs.0), self.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn round(self) -> Self {
+        Neon(unsafe { vrndnq_f32(self.0) })
+    }
+    #[inline(always)]
+    fn abs(self) -> Self {
+        Neon(unsafe { vabsq_f32(self.0) })
+    }
+    #[inline(always)]
+    fn copysign(self, sign: Self) -> Self {
+        Neon(unsafe { vbslq_f32(vdupq_n_u32(0x8000_0000), sign.0, self.0) })
+    }
+    #[inline(always)]
+    fn pow2i(self) -> Self {
+        Neon(unsafe { vreinterpretq_f32_s32(vshlq_n_s32::<23>(vaddq_s32(vcvtq_s32_f32(self.0), vdupq_n_s32(127)))) })
+    }
+    #[inline(always)]
+    fn lt(self, rhs: Self) -> uint32x4_t {
+        unsafe { vcltq_f32(self.0, rhs.0) }
+    }
+    #[inline(always)]
+    fn is_nan(self) -> uint32x4_t {
+        unsafe { vmvnq_u32(vceqq_f32(self.0, self.0)) }
+    }
+    #[inline(always)]
+    fn select(mask: uint32x4_t, if_true: Self, if_false: Self) -> Self {
+        Neon(unsafe { vbslq_f32(mask, if_true.0, if_false.0) })
+    }
+}
+
 /// The instruction sets [`dispatch`] chooses between.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Isa {
@@ -362,24 +457,21 @@ pub(crate) enum Isa {
     Avx512,
     /// 8 lanes (x86-64 with AVX2 and FMA).
     Avx2,
+    /// 4 lanes (aarch64's NEON, which every aarch64 CPU has).
+    Neon,
     /// One lane, `f32::mul_add` for the fused multiply-adds (every target).
     Scalar,
 }
 
 impl Isa {
+    /// Every instruction set, widest first (those of other architectures are never
+    /// [`Isa::available`]).
+    pub(crate) const ALL: [Isa; 4] = [Isa::Avx512, Isa::Avx2, Isa::Neon, Isa::Scalar];
+
     /// The widest ISA this CPU has (`is_x86_feature_detected!` caches its answer).
     #[inline]
     pub(crate) fn detect() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Scalar
+        Isa::ALL.into_iter().find(|isa| isa.available()).unwrap_or(Isa::Scalar)
     }
 
     /// Whether this CPU can run `self`.
@@ -390,7 +482,10 @@ impl Isa {
             Isa::Avx512 => is_x86_feature_detected!("avx512f"),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
-            #[cfg(not(target_arch = "x86_64"))]
+            // NEON is part of the aarch64 baseline (the target enables it for all code).
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => true,
+            #[allow(unreachable_patterns)]
             _ => false,
         }
     }
@@ -419,6 +514,8 @@ pub(crate) fn dispatch_on<J: Job>(isa: Isa, job: J) -> J::Output {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU has AVX2 and FMA (checked).
         Isa::Avx2 if isa.available() => unsafe { run_avx2(job) },
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => job.run::<Neon>(),
         _ => run_scalar(job),
     }
 }

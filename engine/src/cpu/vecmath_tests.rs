@@ -4,7 +4,7 @@ use rand::{RngExt, SeedableRng, rngs::StdRng};
 
 use super::*;
 
-const ISAS: [Isa; 3] = [Isa::Avx512, Isa::Avx2, Isa::Scalar];
+const ISAS: [Isa; 4] = Isa::ALL;
 
 /// Inputs with every edge: zeros of both signs, infinities, NaN, subnormals, the range limits of
 /// each function, and seeded random values over several scales; a length that leaves a tail.
