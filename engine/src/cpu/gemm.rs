@@ -1,5 +1,6 @@
-//! Matrix products on one core through the `gemm` crate (`Parallelism::None`), over strided f32
-//! views so either operand may be transposed without a copy.
+//! Matrix products on one core, over strided f32 views so either operand may be transposed
+//! without a copy: through the `gemm` crate (`Parallelism::None`), or for a Linear layer's shapes
+//! at micro-batch sizes through our own kernel ([`super::rows_gemm`]).
 use std::mem::MaybeUninit;
 
 use gemm::Parallelism;
@@ -63,14 +64,18 @@ impl<'a> MatRef<'a> {
 
 /// `dst = lhs · rhs` (or `dst += lhs · rhs` when `accumulate`), `dst` row-major `lhs.rows x rhs.cols`.
 ///
-/// Accumulating, the product is added to `dst` whole: the `gemm` crate adds a product of depth
-/// past [`GEMM_DEPTH_BLOCK`] to its destination block by block, so for such depths the product is
-/// made apart (a buffer inside the kernel, like the crate's packing buffers) and then added. A
+/// The shapes of a Linear layer at micro-batch sizes ([`super::rows_gemm::suits`]) run our own
+/// kernel ([`super::rows_gemm`]), the rest the `gemm` crate: a choice by shape alone.
+///
+/// Accumulating, the product is added to `dst` whole: our kernel sums each element apart and adds
+/// it last; the `gemm` crate adds a product of depth past [`GEMM_DEPTH_BLOCK`] to its destination
+/// block by block, so for such depths the product is made apart (a buffer inside the kernel, like
+/// the crate's packing buffers) and then added. A
 /// weight gradient summed over micro-batches is so the same bits however its rows are cut into
 /// micro-batches and data-parallel replicas (`a + b` for two parts either way).
 pub fn matmul(dst: &mut [f32], lhs: MatRef<'_>, rhs: MatRef<'_>, accumulate: bool) -> Result<()> {
     check_dims(dst.len(), lhs, rhs)?;
-    if accumulate && lhs.cols > GEMM_DEPTH_BLOCK {
+    if accumulate && lhs.cols > GEMM_DEPTH_BLOCK && !super::rows_gemm::suits(lhs.rows, lhs.cols, rhs.cols) {
         let mut part = vec![MaybeUninit::<f32>::uninit(); dst.len()];
         let part = matmul_uninit(&mut part, lhs, rhs)?;
         dst.iter_mut().zip(part.iter()).for_each(|(d, &p)| *d += p);
@@ -131,6 +136,11 @@ unsafe fn product(dst: *mut f32, lhs: MatRef<'_>, rhs: MatRef<'_>, accumulate: b
                 unsafe { dst.add(i).write(0.0) };
             }
         }
+        return;
+    }
+    if super::rows_gemm::suits(m, k, n) {
+        // SAFETY: as for the crate's call below; `rhs` is a checked `k x n` view.
+        unsafe { super::rows_gemm::product(dst, lhs, super::rows_gemm::Rhs::Strided(rhs), n, accumulate) };
         return;
     }
     // SAFETY: the views cover rows x cols elements with their strides (row_major checks the

@@ -10,6 +10,7 @@ pub(crate) mod lanes_gemm;
 pub mod layer_norm;
 pub mod packed;
 pub mod pool;
+pub mod rows_gemm;
 pub mod softmax;
 pub mod transpose;
 pub mod uninit;

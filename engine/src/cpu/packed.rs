@@ -12,6 +12,9 @@
 //! the crate's own packing. The micro-kernel and its k order are the same, so for k a multiple of
 //! the SIMD width the results are bit-for-bit those of [`super::matmul`] (the tests check it);
 //! every device runs this same path, so pipelines stay bit-for-bit equal to one device.
+//!
+//! The shapes [`super::rows_gemm::suits`] (a Linear's at micro-batch sizes) run our own kernel
+//! instead, reading the panels as `matmul` reads the unpacked operand: the same bits either way.
 use std::mem::MaybeUninit;
 
 use gemm::Parallelism;
@@ -147,6 +150,11 @@ unsafe fn product_packed(dst: *mut f32, lhs: MatRef<'_>, packed: &[f32], k: usiz
                 unsafe { dst.add(i).write(0.0) };
             }
         }
+        return;
+    }
+    if super::rows_gemm::suits(m, k, n) {
+        // SAFETY: dst valid for m x n (checked by the caller); the panels hold k·n elements.
+        unsafe { super::rows_gemm::product(dst, lhs, super::rows_gemm::Rhs::Panels(packed), n, accumulate) };
         return;
     }
     let mut offset = 0;
