@@ -6,7 +6,7 @@ use super::*;
 use crate::cpu::packed::{matmul_packed, pack_rhs, packed_len};
 use crate::cpu::{matmul, test_values};
 
-const ISAS: [Isa; 3] = [Isa::Avx512, Isa::Avx2, Isa::Scalar];
+const ISAS: [Isa; 4] = Isa::ALL;
 
 /// `(m, k, n)`: few rows against a deep operand (the two deepest packed a panel at a time, the
 /// rest whole), and shallow products with a wide output; each ragged somewhere (6- and 8-row
