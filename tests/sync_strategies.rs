@@ -322,34 +322,12 @@ fn over_ranks_trains_the_bits_of_the_in_process_workers_and_a_failing_rank_ends_
         }
     }
     // Rank 1's batch of step 1 fails: it returns that error, rank 0 its all-gather's timeout.
-    let errors: Vec<String> = std::thread::scope(|scope| {
-        let handles: Vec<_> = thread_ranks(world)
-            .into_iter()
-            .map(|transport| {
-                let train = &train;
-                scope.spawn(move || {
-                    let rank = transport.rank();
-                    let config = StrategyConfig::new(SyncStrategy::AllReduce);
-                    let mut over = SyncTrainer::over_ranks(replica(rank, &adam), adam, config, transport).unwrap();
-                    over.set_collective_timeout(Duration::from_millis(500));
-                    let data = batches(train, world);
-                    let started = Instant::now();
-                    let error = over
-                        .run(3, &|t, w| {
-                            if (t, w) == (1, 1) {
-                                Err(Error::invalid("batch", "rank 1 has no batch 1"))
-                            } else {
-                                data(t, w)
-                            }
-                        })
-                        .unwrap_err();
-                    assert!(started.elapsed() < Duration::from_secs(20), "rank {rank} waited too long");
-                    error.to_string()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let config = StrategyConfig::new(SyncStrategy::AllReduce);
+    let errors = failing_rank_errors(world, &config, Duration::from_millis(500), 3);
+    for (rank, (_, waited)) in errors.iter().enumerate() {
+        assert!(*waited < Duration::from_secs(20), "rank {rank} waited {waited:?}");
+    }
+    let errors: Vec<String> = errors.into_iter().map(|(error, _)| error).collect();
     assert!(errors[0].contains("timed out"), "{}", errors[0]);
     assert!(errors[1].contains("rank 1 has no batch 1"), "{}", errors[1]);
 }
@@ -429,27 +407,32 @@ fn free_running_servers_over_ranks_agree_on_one_model() {
     }
 }
 
-#[test]
-fn a_failing_rank_stops_a_parameter_server_run_on_every_rank() {
+/// Every rank's error (and how long its run took) from `steps` steps of `config` over `world`
+/// thread ranks where the last rank's batch of step 1 fails; each waits `timeout` for the others.
+fn failing_rank_errors(
+    world: usize,
+    config: &StrategyConfig,
+    timeout: Duration,
+    steps: usize,
+) -> Vec<(String, Duration)> {
     let (train, _) = split();
     let adam = OptimizerConfig::adam(0.01);
-    let world = 3;
-    let errors: Vec<(String, Duration)> = std::thread::scope(|scope| {
+    let failing = world - 1;
+    std::thread::scope(|scope| {
         let handles: Vec<_> = thread_ranks(world)
             .into_iter()
             .map(|transport| {
-                let train = &train;
+                let (config, train) = (config.clone(), &train);
                 scope.spawn(move || {
                     let rank = transport.rank();
-                    let config = StrategyConfig::new(SyncStrategy::ParameterServer { shards: 2 });
                     let mut over = SyncTrainer::over_ranks(replica(rank, &adam), adam, config, transport).unwrap();
-                    over.set_collective_timeout(Duration::from_secs(60));
+                    over.set_collective_timeout(timeout);
                     let data = batches(train, world);
                     let started = Instant::now();
                     let error = over
-                        .run(4, &|t, w| {
-                            if (t, w) == (1, 2) {
-                                Err(Error::invalid("batch", "rank 2 has no batch 1"))
+                        .run(steps, &|t, w| {
+                            if (t, w) == (1, failing) {
+                                Err(Error::invalid("batch", format!("rank {failing} has no batch 1")))
                             } else {
                                 data(t, w)
                             }
@@ -460,7 +443,13 @@ fn a_failing_rank_stops_a_parameter_server_run_on_every_rank() {
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    })
+}
+
+#[test]
+fn a_failing_rank_stops_a_parameter_server_run_on_every_rank() {
+    let config = StrategyConfig::new(SyncStrategy::ParameterServer { shards: 2 });
+    let errors = failing_rank_errors(3, &config, Duration::from_secs(60), 4);
     for (rank, (error, waited)) in errors.iter().enumerate() {
         assert!(error.contains("rank 2 has no batch 1"), "rank {rank}: {error}");
         assert!(rank == 2 || error.contains("another rank failed"), "rank {rank}: {error}");
