@@ -294,28 +294,9 @@ fn over_ranks_trains_the_bits_of_the_in_process_workers_and_a_failing_rank_ends_
     ] {
         let mut reference = sync_trainer(world, &adam, config.clone());
         let expected = reference.run(4, &batches(&train, world)).unwrap();
-        let results: Vec<(Vec<u32>, Vec<StepRecord>)> = std::thread::scope(|scope| {
-            let handles: Vec<_> = thread_ranks(world)
-                .into_iter()
-                .map(|transport| {
-                    let (config, train) = (config.clone(), &train);
-                    scope.spawn(move || {
-                        let rank = transport.rank();
-                        let mut over = SyncTrainer::over_ranks(replica(rank, &adam), adam, config, transport).unwrap();
-                        let data = batches(train, world);
-                        let records = over
-                            .run(4, &|t, w| {
-                                assert_eq!(w, rank, "asked for another rank's batch");
-                                data(t, w)
-                            })
-                            .unwrap();
-                        (bits(&over.parameters().unwrap()), records)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        for (rank, (params, records)) in results.iter().enumerate() {
+        // Across thread ranks in two runs (2 + 2 steps): the same bits as one run of 4 in one process.
+        let results = over_thread_ranks(world, &config, &adam, 4);
+        for (rank, (params, records, _)) in results.iter().enumerate() {
             assert_eq!(params, &bits(&reference.parameters().unwrap()), "{}: rank {rank}", config.sync);
             let bytes: Vec<u64> = records.iter().map(|r| r.bytes).collect();
             assert_eq!(bytes, expected.iter().map(|r| r.bytes).collect::<Vec<_>>(), "{}: rank {rank}", config.sync);
