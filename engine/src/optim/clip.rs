@@ -71,6 +71,14 @@ pub fn total_norm_from_sums_of_squares(sums_of_squares: &[f64]) -> f64 {
     sums_of_squares.iter().sum::<f64>().sqrt()
 }
 
+/// Whether [`clip_grads_with_norm`] changes gradients whose norm is `total_norm`: exactly when
+/// the factor `max_norm / (total_norm + 1e-6)` is not at least 1 (a NaN norm clips, as in torch).
+/// Below that, clipping leaves every bit as it is, so an update made without it is the same.
+pub fn clips(max_norm: f64, total_norm: f64) -> bool {
+    let clip_coef = max_norm / (total_norm + CLIP_NORM_EPSILON);
+    !(clip_coef >= 1.0)
+}
+
 /// Phase 3: scales `grads` by `min(max_norm / (total_norm + 1e-6), 1)` and returns the factor
 /// applied (1 when no clipping was needed). `max_norm` must be a finite number ≥ 0.
 pub fn clip_grads_with_norm(grads: &mut [&mut Tensor], max_norm: f64, total_norm: f64) -> Result<f32> {
@@ -78,11 +86,10 @@ pub fn clip_grads_with_norm(grads: &mut [&mut Tensor], max_norm: f64, total_norm
     for grad in grads.iter() {
         grad.f32_ref("clip_grads_with_norm")?; // refuse a non-f32 gradient before scaling any
     }
-    let clip_coef = max_norm / (total_norm + CLIP_NORM_EPSILON);
-    if clip_coef >= 1.0 {
+    if !clips(max_norm, total_norm) {
         return Ok(1.0);
     }
-    let factor = clip_coef as f32; // NaN stays NaN: torch's clamp propagates it too
+    let factor = (max_norm / (total_norm + CLIP_NORM_EPSILON)) as f32; // NaN stays NaN: torch's clamp propagates it too
     for grad in grads.iter_mut() {
         grad.scale_in_place(factor)?;
     }

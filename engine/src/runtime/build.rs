@@ -433,6 +433,14 @@ impl TrainerBuilder {
             stall: None,
             poisoned: None,
             gradients_only: false,
+            overlap_steps: self.overlap_steps,
+            overlap_blocked: if world > 1 {
+                Some("steps overlap in one process only; across ranks they stay synchronous")
+            } else if self.commit_snapshot.as_ref().is_some_and(|keep| keep.iter().any(|&k| !k)) {
+                Some("a stage keeps no undo snapshot, so an update applied before its validation could not be undone")
+            } else {
+                None
+            },
             graph: self.graph,
             param_order,
             plan,

@@ -10,7 +10,7 @@ use crossbeam::channel::{self, Receiver, Sender, select};
 
 use super::StepReport;
 use super::ranks::{Finish, Vote};
-use super::trainer::{REPORT_TIMEOUT, StepOutcome, Trainer};
+use super::trainer::{InFlight, REPORT_TIMEOUT, StepOutcome, Trainer};
 use super::worker::{Command, Commit, Report};
 use crate::transport::{ABORT_CHANNEL, Tag};
 use crate::{Error, Result};
@@ -27,6 +27,9 @@ pub(super) struct Dispatched {
     pub training: bool,
     pub slots_this_step: Option<usize>,
     pub round: u64,
+    /// The workers apply before the verdict (overlapped steps): the commit sent is only the
+    /// verdict, and a step that clipping would change is rolled back and replayed.
+    pub optimistic: bool,
 }
 
 /// What the local workers reported.
@@ -108,8 +111,11 @@ impl Trainer {
         REPORT_TIMEOUT
     }
 
-    pub(super) fn collect(&mut self, step: Dispatched) -> Result<StepOutcome> {
-        let Dispatched { reports, abort, commits, started, started_s, training, slots_this_step, round } = step;
+    /// Collects a step; `next`, a step launched after it (overlapped steps), is abandoned before
+    /// anything is rolled back when this one fails, is refused or must be replayed.
+    pub(super) fn collect(&mut self, step: Dispatched, next: &mut Option<InFlight>) -> Result<StepOutcome> {
+        let Dispatched { reports, abort, commits, started, started_s, training, slots_this_step, round, optimistic } =
+            step;
         let n_devices = self.workers.len();
         let local_workers = self.local_workers();
         let world = self.transport.world_size();
@@ -163,6 +169,7 @@ impl Trainer {
             }
         }
         let mut committed = false;
+        let mut replay = false;
         let mut global_norm = 0.0;
         let mut all_losses = Vec::new();
         if self.shard != 0 {
@@ -193,6 +200,13 @@ impl Trainer {
             match (local.failure.is_some(), decision) {
                 (true, Err(error)) if local.after_peer => local.failure = Some(error),
                 (true, _) => {}
+                (false, Ok(norm))
+                    if optimistic && self.max_grad_norm.is_some_and(|max| crate::optim::clips(max, norm)) =>
+                {
+                    // Applied unclipped, but the norm clips: refused for now, replayed below.
+                    replay = true;
+                    global_norm = norm;
+                }
                 (false, Ok(norm)) => {
                     committed = true;
                     global_norm = norm;
@@ -264,6 +278,17 @@ impl Trainer {
                 finishes.iter().enumerate().find_map(|(rank, f)| f.failure.clone().map(|m| (rank, m)))
         {
             local.failure = Some(Error::RankFailed { rank, message });
+        }
+        if local.failure.is_some() || replay {
+            // The next step ran on this one's update: it goes first (it may hold a snapshot of
+            // its own only if this one was validated, which it was not).
+            self.abandon(next.take())?;
+        }
+        if replay {
+            self.roll_back(&local.needs_rollback, &Error::invalid("overlapped step", "the gradients must be clipped"))?;
+            let mut outcome = self.report(finishes, all_losses, global_norm, started, slots_this_step, training);
+            outcome.replay = true;
+            return Ok(outcome);
         }
         if let Some(error) = local.failure {
             if local.needs_rollback.iter().any(|&r| r) {
@@ -404,6 +429,7 @@ impl Trainer {
                 skipped: false,
             },
             outputs: outputs.into_iter().map(|(_, t)| t).collect(),
+            replay: false,
         }
     }
 
@@ -462,6 +488,42 @@ impl Trainer {
             if worker.commands.send(Command::RecoverGradientGroups(tx)).is_ok() {
                 rx.recv().unwrap_or(Ok(()))?;
             }
+        }
+        Ok(())
+    }
+
+    /// Abandons a step launched after the one being collected (overlapped steps): no verdict is
+    /// sent for it, its abort channel closes (every worker still in it stops at its next wait, and
+    /// the replicas' all-reduce is interrupted), every local worker's report is awaited, and the
+    /// workers that applied it optimistically put their snapshot back. Then the gradient groups are
+    /// renewed, as after any abandoned step. Nothing of it remains.
+    pub(super) fn abandon(&mut self, step: Option<InFlight>) -> Result<()> {
+        let Some(step) = step else { return Ok(()) };
+        let Dispatched { reports, abort, commits, .. } = step.dispatched;
+        drop((commits, abort));
+        self.group_aborts.iter().for_each(|group| group.abort(0, "the step was abandoned"));
+        let local_workers = self.local_workers();
+        let mut finished = vec![false; self.workers.len()];
+        let mut needs_rollback = vec![false; self.workers.len()];
+        while local_workers.iter().any(|&d| !finished[d]) {
+            match reports.recv_timeout(REPORT_TIMEOUT).map_err(lost)? {
+                Report::Ready { .. } => {}
+                Report::Done { device_idx, applied, .. } => {
+                    finished[device_idx] = true;
+                    needs_rollback[device_idx] = applied;
+                }
+                Report::Failed { device_idx, needs_rollback: applied, .. } => {
+                    finished[device_idx] = true;
+                    needs_rollback[device_idx] = applied;
+                }
+                Report::Aborted { device_idx } => finished[device_idx] = true,
+            }
+        }
+        if needs_rollback.iter().any(|&r| r) {
+            self.roll_back(&needs_rollback, &Error::invalid("overlapped step", "abandoned after its update"))?;
+        }
+        if self.replicas > 1 || !self.ties.is_empty() {
+            self.renew_gradient_groups()?;
         }
         Ok(())
     }

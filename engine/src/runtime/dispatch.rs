@@ -57,6 +57,40 @@ impl Trainer {
         targets: Option<&Targets>,
         training: bool,
     ) -> Result<StepOutcome> {
+        let step = self.launch(inputs, targets, training, Launch { step_idx: self.step_idx, optimistic: false })?;
+        self.finish(step, &mut None)
+    }
+
+    /// Collects a launched step ([`Trainer::launch`]) and learns from it (the replicas' shares).
+    /// `next`, a step launched after it (overlapped steps), is abandoned when this one is refused,
+    /// fails or must be replayed.
+    pub(in crate::runtime) fn finish(&mut self, step: InFlight, next: &mut Option<InFlight>) -> Result<StepOutcome> {
+        let InFlight { dispatched, rows_per_replica, .. } = step;
+        let training = dispatched.training;
+        let outcome = self.collect(dispatched, next)?;
+        if training && self.replicas > 1 && !outcome.replay {
+            self.shares.observe(&outcome.report, &rows_per_replica, self.schedule.n_devices());
+        }
+        Ok(outcome)
+    }
+
+    /// Whether a step launched ahead (overlapped steps) still runs as it would be launched now on
+    /// a batch of `rows`: under the same f16 loss scale and the same rows per replica.
+    pub(in crate::runtime) fn launched_as_now(&self, step: &InFlight, rows: usize) -> Result<bool> {
+        let scale_now = self.loss_scaler.map_or(1.0, |scaler| scaler.scale());
+        let rows_now: Vec<usize> = self.split(rows)?.iter().map(|mbs| mbs.iter().map(|(_, len)| len).sum()).collect();
+        Ok(step.loss_scale == scale_now && step.rows_per_replica == rows_now)
+    }
+
+    /// Sends one step's jobs to the workers and returns at once: the batch cut into micro-batches,
+    /// the channels between stages, each local worker's program, data and targets.
+    pub(in crate::runtime) fn launch(
+        &mut self,
+        inputs: &Tensor,
+        targets: Option<&Targets>,
+        training: bool,
+        how: Launch,
+    ) -> Result<InFlight> {
         if let Some(reason) = &self.poisoned {
             return Err(Error::Poisoned { reason: reason.clone() });
         }
@@ -85,8 +119,12 @@ impl Trainer {
         let round = self.round;
         self.round += 1;
         self.transport.close_rounds_before(round);
-        for device in &self.devices {
-            device.reset_peak_memory();
+        if !how.optimistic || how.step_idx == self.step_idx {
+            // (A step launched while another runs leaves the peaks to that one: they then cover
+            // both.)
+            for device in &self.devices {
+                device.reset_peak_memory();
+            }
         }
         let started = Instant::now();
         let started_s = wall_clock_s() - self.transport.clock_offset_s();
@@ -130,6 +168,10 @@ impl Trainer {
                 }
             }
         }
+        let loss_scale = match (&self.loss_scaler, training) {
+            (Some(scaler), true) => scaler.scale(),
+            _ => 1.0,
+        };
         let slots_this_step = self.slots_for(rows / (self.replicas * n_micro_batches).max(1));
         if let Some(slots) = &self.slots {
             slots.take_wake_latencies();
@@ -188,7 +230,7 @@ impl Trainer {
             let (commit_tx, commit_rx) = channel::bounded(1);
             commit_txs.push((worker_idx, commit_tx));
             let job = StepJob {
-                step_idx: self.step_idx,
+                step_idx: how.step_idx,
                 seed: self.seed,
                 training,
                 program,
@@ -212,10 +254,8 @@ impl Trainer {
                 bucket_bytes: self.bucket_bytes,
                 apply: !self.gradients_only,
                 precision: self.precision,
-                loss_scale: match (&self.loss_scaler, training) {
-                    (Some(scaler), true) => scaler.scale(),
-                    _ => 1.0,
-                },
+                loss_scale,
+                optimistic: how.optimistic && training,
             };
             let worker = self.workers[worker_idx].as_ref().expect("a local worker");
             worker
@@ -225,22 +265,40 @@ impl Trainer {
         }
         // Only workers hold report senders now: a worker that vanishes closes its end.
         drop((senders, receivers, report_tx));
-        let outcome = self.collect(Dispatched {
-            reports: report_rx,
-            abort: abort_tx,
-            commits: commit_txs,
-            started,
-            started_s,
-            training,
-            slots_this_step,
-            round,
-        })?;
-        if training && self.replicas > 1 {
-            let rows_per_replica: Vec<usize> = splits.iter().map(|mbs| mbs.iter().map(|(_, len)| len).sum()).collect();
-            self.shares.observe(&outcome.report, &rows_per_replica, n_devices);
-        }
-        Ok(outcome)
+        Ok(InFlight {
+            dispatched: Dispatched {
+                reports: report_rx,
+                abort: abort_tx,
+                commits: commit_txs,
+                started,
+                started_s,
+                training,
+                slots_this_step,
+                round,
+                optimistic: how.optimistic && training,
+            },
+            rows_per_replica: splits.iter().map(|mbs| mbs.iter().map(|(_, len)| len).sum()).collect(),
+            loss_scale,
+        })
     }
+}
+
+/// How [`Trainer::launch`] runs a step.
+#[derive(Clone, Copy, Debug)]
+pub(in crate::runtime) struct Launch {
+    /// The step's index (dropout masks and the like follow it).
+    pub step_idx: u64,
+    /// Whether workers apply their update before the coordinator validates it (overlapped steps).
+    pub optimistic: bool,
+}
+
+/// A step whose jobs went out ([`Trainer::launch`]), not yet collected ([`Trainer::finish`]).
+pub(in crate::runtime) struct InFlight {
+    pub dispatched: Dispatched,
+    /// The rows each replica took.
+    pub rows_per_replica: Vec<usize>,
+    /// The f16 loss scale the step runs under (1 without one).
+    pub loss_scale: f32,
 }
 
 /// `len` rows from `start` cut into `n` parts `(start, rows)`, sizes differing by at most one, the

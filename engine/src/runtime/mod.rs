@@ -26,6 +26,7 @@ mod core_slots;
 mod gradient_buckets;
 mod gradient_groups;
 mod measured_costs;
+mod overlap;
 mod ranks;
 mod replica_shares;
 mod stage;

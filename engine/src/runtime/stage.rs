@@ -168,13 +168,14 @@ impl Stage {
 
     /// Clears step state and zeroes the gradients for a step of `n_micro_batches`. Fails (instead
     /// of panicking) when a gradient cannot be zeroed: a shared one needs fresh bytes past the
-    /// budget, or a GPU memset fails.
-    pub fn begin_step(&mut self, n_micro_batches: usize) -> Result<()> {
+    /// budget, or a GPU memset fails. With `drop_undo` false the last update's undo snapshot stays
+    /// usable (an overlapped step's, not yet validated); the prepare phase replaces it.
+    pub fn begin_step(&mut self, n_micro_batches: usize, drop_undo: bool) -> Result<()> {
         self.micro_batches = (0..n_micro_batches).map(|_| MicroBatchState::default()).collect();
         self.next_weight_micro_batch = 0;
         self.deferred_weight.clear();
         self.peak_activation_bytes = 0;
-        if let Some(undo) = self.undo.as_mut() {
+        if let Some(undo) = self.undo.as_mut().filter(|_| drop_undo) {
             undo.valid = false; // a rollback only ever restores this step's snapshot
         }
         for node in &mut self.nodes {

@@ -189,7 +189,9 @@ impl Trainer {
     /// `Result` of one from a data loader that can fail. The first error (the loader's or a
     /// step's) ends the run and is returned; the steps before it stay applied
     /// ([`Trainer::step_idx`] counts them). Each step is exactly [`Trainer::step`], so a `fit`
-    /// gives the same weights, bit for bit, as `step` in a loop over the same batches.
+    /// gives the same weights, bit for bit, as `step` in a loop over the same batches; with
+    /// [`super::TrainerBuilder::overlap_steps`] each next step starts before the last one is
+    /// validated, with the same weights, reports and errors.
     ///
     /// ```
     /// use std::ops::ControlFlow;
@@ -212,33 +214,22 @@ impl Trainer {
         I::Item: IntoBatch,
         C: StepControl,
     {
+        if self.overlaps_steps() {
+            return self.fit_overlapped(batches, on_step);
+        }
         let started = Instant::now();
-        let (mut steps, mut samples, mut loss_sum) = (0, 0, 0.0);
-        let mut last = None;
-        let mut stopped_early = false;
+        let mut tally = super::overlap::Tally::default();
         for item in batches {
             let batch = item.into_batch()?;
             let report = self.train_on(&batch.inputs, &batch.targets)?;
-            steps += 1;
-            samples += batch.rows();
-            loss_sum += report.loss;
+            tally.add(batch.rows(), report.loss);
             let flow = on_step(&report).control_flow();
-            last = Some(report);
+            tally.last = Some(report);
             if flow.is_break() {
-                stopped_early = true;
-                break;
+                return Ok(tally.finish(started, true));
             }
         }
-        let elapsed_s = started.elapsed().as_secs_f64();
-        Ok(FitSummary {
-            steps,
-            samples,
-            mean_loss: if steps == 0 { f64::NAN } else { loss_sum / steps as f64 },
-            last,
-            elapsed_s,
-            samples_per_s: if elapsed_s > 0.0 { samples as f64 / elapsed_s } else { 0.0 },
-            stopped_early,
-        })
+        Ok(tally.finish(started, false))
     }
 
     /// The loss of `batch` (its full-batch mean, in evaluation mode: no dropout) and, for class

@@ -31,6 +31,7 @@ mod build;
 // One step's jobs for the workers (`Trainer::dispatch`): runtime/dispatch.rs.
 #[path = "dispatch.rs"]
 mod dispatch;
+pub(super) use dispatch::{InFlight, Launch};
 
 /// How long the coordinator waits for a worker's report before declaring the step hung.
 pub(super) const REPORT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -53,6 +54,7 @@ pub struct TrainerBuilder {
     commit_snapshot: Option<Vec<bool>>,
     derived_caches: Vec<(NodeId, bool)>,
     retain_freed_host_memory: bool,
+    overlap_steps: bool,
     placement: placement::PlacementChoice,
     state: state_io::StateChoice,
     transport: Arc<dyn Transport>,
@@ -292,6 +294,24 @@ impl TrainerBuilder {
         self.retain_freed_host_memory = retain;
         self
     }
+
+    /// Overlapped steps with post-validation (off by default): [`Trainer::fit`] sends step `k + 1`
+    /// to the workers before it has collected step `k`, and each worker applies its update right
+    /// after its vote instead of waiting for the commit, so a stage starts the next step as soon as
+    /// its own update is in, with no barrier across stages. The coordinator validates each step
+    /// afterwards (finite losses and gradients, no fault, the global norm under
+    /// [`TrainerBuilder::max_grad_norm`]); a worker waits for that verdict only before it prepares
+    /// its next update. A step that fails validation is rolled back from its undo snapshot with
+    /// the next step abandoned, and a step whose gradients must be clipped is replayed with the
+    /// commit's barrier, so the weights are bit for bit those of synchronous steps.
+    ///
+    /// Needs every stage's undo snapshot ([`TrainerBuilder::commit_snapshot`]) and one process;
+    /// otherwise, and in [`Trainer::step`] (one batch at a time), steps stay synchronous
+    /// ([`Trainer::overlap_unavailable`] says why).
+    pub fn overlap_steps(mut self, on: bool) -> Self {
+        self.overlap_steps = on;
+        self
+    }
 }
 
 pub(super) struct WorkerHandle {
@@ -351,7 +371,7 @@ pub struct Trainer {
     pub(super) stage_info: Vec<StageInfo>,
     schedule: Schedule,
     seed: u64,
-    max_grad_norm: Option<f64>,
+    pub(super) max_grad_norm: Option<f64>,
     core_slots: Option<usize>,
     pub(super) slots: Option<Arc<CoreSlots>>,
     /// Under [`CoreSlotPolicy::Auto`]: the mean flops per sample of a compute op, which decides
@@ -381,6 +401,10 @@ pub struct Trainer {
     /// Set while [`Trainer::gradient_step`] dispatches: the step stops after its vote, applying
     /// nothing, and leaves its gradients on the workers.
     pub(super) gradients_only: bool,
+    /// [`TrainerBuilder::overlap_steps`].
+    pub(super) overlap_steps: bool,
+    /// Why steps cannot overlap here, if they cannot ([`Trainer::overlap_unavailable`]).
+    pub(super) overlap_blocked: Option<&'static str>,
 }
 
 /// Under [`CoreSlotPolicy::Auto`], the smallest mean compute op (flops of one F, B or W of a
@@ -438,6 +462,7 @@ impl Trainer {
             commit_snapshot: None,
             derived_caches: Vec::new(),
             retain_freed_host_memory: true,
+            overlap_steps: false,
             placement: Default::default(),
             state: Default::default(),
             transport: crate::transport::process_transport(),
@@ -646,6 +671,9 @@ impl Trainer {
 pub(super) struct StepOutcome {
     pub(super) report: StepReport,
     pub(super) outputs: Vec<Tensor>,
+    /// An overlapped step that was applied unclipped but needs clipping: rolled back, to be run
+    /// again with the commit's barrier (the report is then not the step's).
+    pub(super) replay: bool,
 }
 
 impl Drop for Trainer {

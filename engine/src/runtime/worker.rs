@@ -98,6 +98,11 @@ pub(crate) struct StepJob {
     /// The loss scale of this step (f16 training; 1 otherwise): the loss gradient is multiplied
     /// by it and every gradient divided by it in the prepare phase.
     pub loss_scale: f32,
+    /// Overlapped steps ([`super::TrainerBuilder::overlap_steps`]): apply the update right after
+    /// the vote, unclipped, without waiting for the commit; the coordinator validates the step
+    /// afterwards, and this worker waits for that verdict before it prepares its next update
+    /// (`runtime/README.md`, "Overlapped steps").
+    pub optimistic: bool,
 }
 
 /// The coordinator's decision after every worker is ready.
@@ -204,6 +209,9 @@ pub(crate) fn run(
     mut groups: GradientGroups,
 ) {
     let device = stages.first().map(|s| s.device.to_string()).unwrap_or_default();
+    // The commit channel of the last step this worker applied optimistically, until it has read
+    // the coordinator's verdict from it (overlapped steps).
+    let mut unvalidated: Option<Receiver<Commit>> = None;
     while let Ok(command) = commands.recv() {
         match command {
             Command::Step(mut job, reports) => {
@@ -218,7 +226,7 @@ pub(crate) fn run(
                         core_slots: slots,
                         groups: &groups,
                     };
-                    run_step(&ctx, &mut stages, &mut job, &mut applied)
+                    run_step(&ctx, &mut stages, &mut job, &mut applied, &mut unvalidated)
                 }))
                 .unwrap_or_else(|payload| {
                     let message = panic_message(payload);
@@ -237,6 +245,8 @@ pub(crate) fn run(
                 let _ = catch_unwind(AssertUnwindSafe(|| f(&mut stages)));
             }
             Command::RollBack(answer) => {
+                // The update rolled back is the unvalidated one, if any: nothing is left to wait for.
+                unvalidated = None;
                 // Every stage, even after one fails to restore.
                 let restored = catch_unwind(AssertUnwindSafe(|| {
                     stages.iter_mut().map(Stage::roll_back).fold(true, |all, restored| all & restored)
@@ -334,12 +344,18 @@ struct RunCtx<'a> {
     groups: &'a GradientGroups,
 }
 
-fn run_step(ctx: &RunCtx<'_>, stages: &mut [Stage], job: &mut StepJob, applied: &mut bool) -> Report {
+fn run_step(
+    ctx: &RunCtx<'_>,
+    stages: &mut [Stage],
+    job: &mut StepJob,
+    applied: &mut bool,
+    unvalidated: &mut Option<Receiver<Commit>>,
+) -> Report {
     let device_idx = ctx.device_idx;
     let mut events = Vec::with_capacity(job.program.len() * 2);
     let mut cpu_times = Vec::with_capacity(job.program.len());
     let mut outputs = Vec::new();
-    let outcome = execute(ctx, stages, job, &mut events, &mut cpu_times, &mut outputs, applied);
+    let outcome = execute(ctx, stages, job, (&mut events, &mut cpu_times, &mut outputs), applied, unvalidated);
     match outcome {
         Ok(()) => Report::Done {
             device_idx,
@@ -358,10 +374,9 @@ fn execute(
     run: &RunCtx<'_>,
     stages: &mut [Stage],
     job: &mut StepJob,
-    events: &mut Vec<TimelineEvent>,
-    cpu_times: &mut Vec<super::OpCpuTime>,
-    outputs: &mut Vec<(usize, Tensor)>,
+    (events, cpu_times, outputs): (&mut Vec<TimelineEvent>, &mut Vec<super::OpCpuTime>, &mut Vec<(usize, Tensor)>),
     applied: &mut bool,
+    unvalidated: &mut Option<Receiver<Commit>>,
 ) -> std::result::Result<(), OpFailure> {
     let (device_idx, loss, reports, core_slots) = (run.device_idx, run.loss, run.reports, run.core_slots);
     let ctx = StepCtx {
@@ -379,7 +394,9 @@ fn execute(
         if job.fault.is_some_and(|f| f.panic && f.strikes(stage.stage_idx, FaultPoint::WorkerLoop, None)) {
             panic!("injected panic in the worker loop");
         }
-        stage.begin_step(job.n_micro_batches)?;
+        // An update not yet validated keeps its undo snapshot until this step's prepare phase,
+        // which comes after the verdict.
+        stage.begin_step(job.n_micro_batches, unvalidated.is_none())?;
     }
     let device = stages.first().map(|s| s.device.clone()).expect("a worker holds at least one stage");
     let mut rec = OpRecorder { device_idx, device, started: job.started, events, cpu_times };
@@ -457,6 +474,14 @@ fn execute(
                     if sums {
                         rec.take_core(&mut seat, None, None, &job.abort)?;
                     }
+                    // Overlapped steps: the last update must be validated before this one is
+                    // prepared (which reuses its undo snapshot). The verdict is the commit the
+                    // coordinator sent for that step; none (a closed channel) means the step was
+                    // refused, and the coordinator aborts this one and rolls that one back.
+                    if let Some(verdict) = unvalidated.take() {
+                        seat.wait_for(&verdict, &job.abort)?;
+                        rec.take_core(&mut seat, None, None, &job.abort)?;
+                    }
                     // The commit (see runtime/README.md). Prepare: everything that can fail, then vote.
                     let mut sum_of_squares = 0.0;
                     let mut non_finite = None;
@@ -472,8 +497,19 @@ fn execute(
                         guarded(stage_idx, &device, FaultPoint::Vote, None, job.fault, || Ok(()))?;
                     }
                     let losses = std::mem::take(&mut losses);
+                    // A worker that already knows the step will be refused (its own gradients are
+                    // not finite) waits for the refusal instead of applying.
+                    let finite_here = non_finite.is_none();
                     let _ = reports.send(Report::Ready { device_idx, losses, sum_of_squares, non_finite });
-                    let commit = seat.wait_for(&job.commit, &job.abort)?;
+                    // Optimistic: apply at once, unclipped (a norm of 0 never clips); the
+                    // coordinator replays the step if it finds it must be clipped or refused.
+                    let commit = match job.optimistic && job.apply && finite_here {
+                        true => {
+                            *unvalidated = Some(job.commit.clone());
+                            Commit { global_norm: 0.0 }
+                        }
+                        false => seat.wait_for(&job.commit, &job.abort)?,
+                    };
                     if !job.apply {
                         continue;
                     }
