@@ -234,6 +234,46 @@ pub struct PipelineSection {
     /// keep. Default auto.
     #[serde(with = "toml::text")]
     pub weight_cache: WeightCache,
+    /// `overlap_steps` (`--overlap-steps`): `on` lets each stage start the next step as soon as
+    /// it has applied its own update, with the step validated after the fact (the same weights;
+    /// `TrainerBuilder::overlap_steps`), or `off`. Default off.
+    #[serde(with = "toml::text")]
+    pub overlap_steps: OverlapSteps,
+}
+
+/// Whether steps overlap (`--overlap-steps on|off`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OverlapSteps {
+    /// Every step ends with a barrier across the stages (the commit).
+    #[default]
+    Off,
+    /// Each stage starts the next step once it applied its own update; steps are validated after.
+    On,
+}
+
+impl OverlapSteps {
+    /// Whether steps overlap.
+    pub fn is_on(self) -> bool {
+        self == OverlapSteps::On
+    }
+}
+
+impl std::fmt::Display for OverlapSteps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.is_on() { "on" } else { "off" })
+    }
+}
+
+impl std::str::FromStr for OverlapSteps {
+    type Err = conveyor_engine::Error;
+
+    fn from_str(text: &str) -> Result<OverlapSteps, Self::Err> {
+        match text {
+            "on" => Ok(OverlapSteps::On),
+            "off" => Ok(OverlapSteps::Off),
+            other => Err(conveyor_engine::Error::invalid("overlap steps", format!("`{other}`: use on or off"))),
+        }
+    }
 }
 
 impl Default for PipelineSection {
@@ -258,6 +298,7 @@ impl Default for PipelineSection {
             recompute: Recompute::Never,
             core_slots: CoreSlotPolicy::Auto,
             weight_cache: WeightCache::Auto,
+            overlap_steps: OverlapSteps::Off,
         }
     }
 }

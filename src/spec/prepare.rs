@@ -103,6 +103,7 @@ impl RunSpec {
         spec.model.spec = Some(model_text);
         // Every checkpoint of the run carries what the run is (not its output files).
         let mut trainer = trainer;
+        trainer.set_overlap_steps(pipeline.overlap_steps.is_on());
         trainer.set_metadata(crate::cli_input::SPEC_KEY, spec.for_checkpoint().to_toml_string()?)?;
         Ok(PreparedRun {
             spec,
@@ -297,6 +298,57 @@ impl PreparedRun {
         }
         let order = &self.order.as_ref().expect("the epoch's order was just set").1;
         self.train.batch(&order[within * training.batch..(within + 1) * training.batch])
+    }
+
+    /// Takes steps `steps` of the run with [`Trainer::fit`], each at its learning rate
+    /// ([`conveyor_engine::runtime::Batch::at_lr`]) on its batch (as [`PreparedRun::step_batch`]
+    /// draws them), so they overlap when the trainer overlaps steps
+    /// ([`conveyor_engine::runtime::TrainerBuilder::overlap_steps`]). `on_step(step, report)` sees
+    /// each step's report in order and may stop the run. Returns how many steps were taken, and
+    /// the error of the step after them if one failed (those before it stay applied).
+    ///
+    /// ```
+    /// let spec = conveyor::RunSpec::from_toml_str(
+    ///     "[model]\nspec = \"mlp:4,8,2\"\n[data]\nsource = \"synthetic:64,4,2\"\n[training]\nbatch = 16\nsteps = 5",
+    /// )?;
+    /// let mut run = spec.prepare()?;
+    /// let mut seen = Vec::new();
+    /// let (taken, outcome) = run.fit_steps(0..5, |step, report| {
+    ///     seen.push((step, report.loss));
+    ///     std::ops::ControlFlow::Continue(())
+    /// });
+    /// outcome?;
+    /// assert_eq!((taken, seen.len(), seen[4].0), (5, 5, 4));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn fit_steps(
+        &mut self,
+        steps: std::ops::Range<u64>,
+        mut on_step: impl FnMut(u64, &StepReport) -> std::ops::ControlFlow<()>,
+    ) -> (u64, conveyor_engine::Result<()>) {
+        let lrs: Vec<f64> = steps.clone().map(|step| self.lr(step)).collect();
+        // The optimizers' rate is set by each step now; the next `step_batch` sets it again.
+        self.current_lr = f64::NAN;
+        let (per_epoch, first) = (self.steps_per_epoch.max(1), steps.start);
+        let PreparedRun { trainer, train, order, spec, .. } = self;
+        let rows = spec.training.batch;
+        let (shuffle, seed) = (spec.training.shuffle, spec.training.seed);
+        let batches = steps.zip(lrs).map(|(step, lr)| {
+            let (epoch, within) = (step / per_epoch, (step % per_epoch) as usize);
+            if order.as_ref().is_none_or(|(cached, _)| *cached != epoch) {
+                *order = Some((epoch, crate::data::epoch_order(train.len(), shuffle, seed, epoch)));
+            }
+            let order = &order.as_ref().expect("the epoch's order was just set").1;
+            let (inputs, labels) = train.batch(&order[within * rows..(within + 1) * rows])?;
+            Ok::<_, conveyor_engine::Error>(conveyor_engine::runtime::Batch::new(inputs, labels).at_lr(lr))
+        });
+        let mut taken = 0;
+        let outcome = trainer.fit(batches, |report| {
+            let flow = on_step(first + taken, report);
+            taken += 1;
+            flow
+        });
+        (taken, outcome.map(|_| ()))
     }
 
     /// Takes step `step` of the run: [`PreparedRun::step_batch`], then [`Trainer::train_step`].

@@ -40,6 +40,7 @@ const FLAGS: &[(&str, &str)] = &[
     ("pipeline.recompute", "--recompute"),
     ("pipeline.core_slots", "--core-slots"),
     ("pipeline.weight_cache", "--weight-cache"),
+    ("pipeline.overlap_steps", "--overlap-steps"),
     ("training.batch", "--batch"),
     ("training.steps", "--steps"),
     ("training.epochs", "--epochs"),
@@ -237,6 +238,15 @@ impl SpecText for CoreSlotPolicy {
 impl SpecText for WeightCache {
     fn to_text(&self) -> String {
         self.name().to_string()
+    }
+    fn from_text(text: &str) -> Result<Self, String> {
+        text.parse().map_err(reason)
+    }
+}
+
+impl SpecText for super::OverlapSteps {
+    fn to_text(&self) -> String {
+        self.to_string()
     }
     fn from_text(text: &str) -> Result<Self, String> {
         text.parse().map_err(reason)

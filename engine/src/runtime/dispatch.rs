@@ -57,7 +57,8 @@ impl Trainer {
         targets: Option<&Targets>,
         training: bool,
     ) -> Result<StepOutcome> {
-        let step = self.launch(inputs, targets, training, Launch { step_idx: self.step_idx, optimistic: false })?;
+        let step =
+            self.launch(inputs, targets, training, Launch { step_idx: self.step_idx, optimistic: false, lr: None })?;
         self.finish(step, &mut None)
     }
 
@@ -93,6 +94,9 @@ impl Trainer {
     ) -> Result<InFlight> {
         if let Some(reason) = &self.poisoned {
             return Err(Error::Poisoned { reason: reason.clone() });
+        }
+        if let Some(lr) = how.lr.filter(|lr| !(lr.is_finite() && *lr >= 0.0)) {
+            return Err(Error::invalid("learning rate", format!("{lr}: use a finite rate of at least 0")));
         }
         let rows = inputs.shape().leading();
         if let Some(targets) = targets {
@@ -256,6 +260,7 @@ impl Trainer {
                 precision: self.precision,
                 loss_scale,
                 optimistic: how.optimistic && training,
+                lr: how.lr,
             };
             let worker = self.workers[worker_idx].as_ref().expect("a local worker");
             worker
@@ -290,6 +295,8 @@ pub(in crate::runtime) struct Launch {
     pub step_idx: u64,
     /// Whether workers apply their update before the coordinator validates it (overlapped steps).
     pub optimistic: bool,
+    /// The learning rate the update takes, if the step sets one ([`super::super::Batch::lr`]).
+    pub lr: Option<f64>,
 }
 
 /// A step whose jobs went out ([`Trainer::launch`]), not yet collected ([`Trainer::finish`]).

@@ -21,6 +21,12 @@ impl Trainer {
         self.overlap_steps.then_some(self.overlap_blocked).flatten()
     }
 
+    /// Turns overlapped steps on or off for the next [`Trainer::fit`]
+    /// ([`super::TrainerBuilder::overlap_steps`]).
+    pub fn set_overlap_steps(&mut self, on: bool) {
+        self.overlap_steps = on;
+    }
+
     /// Whether [`Trainer::fit`] overlaps steps.
     pub fn overlaps_steps(&self) -> bool {
         self.overlap_steps && self.overlap_blocked.is_none()
@@ -69,7 +75,7 @@ impl Trainer {
             let report = match self.finish(current, &mut next) {
                 Ok(outcome) if outcome.replay => {
                     // Rolled back (and the next step abandoned): once more with the barrier.
-                    self.train_on(&batch.inputs, &batch.targets)?
+                    self.train_batch(&batch)?
                 }
                 Ok(outcome) => {
                     self.step_idx += 1;
@@ -106,7 +112,7 @@ impl Trainer {
     }
 
     fn launch_optimistic(&mut self, batch: &Batch, step_idx: u64) -> Result<InFlight> {
-        self.launch(&batch.inputs, Some(&batch.targets), true, Launch { step_idx, optimistic: true })
+        self.launch(&batch.inputs, Some(&batch.targets), true, Launch { step_idx, optimistic: true, lr: batch.lr })
     }
 }
 

@@ -31,12 +31,24 @@ pub struct Batch {
     pub inputs: Tensor,
     /// The targets, one row per input row.
     pub targets: Targets,
+    /// The learning rate of this batch's step, set on every stage's optimizer as the step applies
+    /// (a learning-rate schedule); `None` keeps the optimizer's ([`Batch::at_lr`]).
+    pub lr: Option<f64>,
 }
 
 impl Batch {
     /// A batch of `inputs` and `targets` (labels or values; see [`Targets`]).
     pub fn new(inputs: Tensor, targets: impl Into<Targets>) -> Batch {
-        Batch { inputs, targets: targets.into() }
+        Batch { inputs, targets: targets.into(), lr: None }
+    }
+
+    /// This batch, its step taken at learning rate `lr`: the rate travels with the step, so a
+    /// schedule's rates stay in step order even when steps overlap
+    /// ([`super::TrainerBuilder::overlap_steps`]). A rate the optimizer refuses (negative, not
+    /// finite) fails the step, with nothing applied.
+    pub fn at_lr(mut self, lr: f64) -> Batch {
+        self.lr = Some(lr);
+        self
     }
 
     /// The number of rows of the inputs.
@@ -140,8 +152,7 @@ impl Trainer {
     /// # Ok::<(), conveyor_engine::Error>(())
     /// ```
     pub fn step(&mut self, batch: impl Into<Batch>) -> Result<StepReport> {
-        let batch = batch.into();
-        self.train_on(&batch.inputs, &batch.targets)
+        self.train_batch(&batch.into())
     }
 
     /// The step's gradients without the update: runs the forward and backward passes of
@@ -221,7 +232,7 @@ impl Trainer {
         let mut tally = super::overlap::Tally::default();
         for item in batches {
             let batch = item.into_batch()?;
-            let report = self.train_on(&batch.inputs, &batch.targets)?;
+            let report = self.train_batch(&batch)?;
             tally.add(batch.rows(), report.loss);
             let flow = on_step(&report).control_flow();
             tally.last = Some(report);
@@ -248,7 +259,7 @@ impl Trainer {
     /// # Ok::<(), conveyor_engine::Error>(())
     /// ```
     pub fn evaluate(&mut self, batch: impl Into<Batch>) -> Result<Evaluation> {
-        let Batch { inputs, targets } = batch.into();
+        let Batch { inputs, targets, .. } = batch.into();
         let rows = inputs.shape().leading();
         self.check_targets("evaluate", rows, &targets)?;
         let output = self.predict(&inputs)?;

@@ -635,6 +635,15 @@ impl Trainer {
         Ok(outcome.report)
     }
 
+    /// One synchronous training step on `batch`, at its learning rate if it has one.
+    pub(super) fn train_batch(&mut self, batch: &super::Batch) -> Result<StepReport> {
+        let how = Launch { step_idx: self.step_idx, optimistic: false, lr: batch.lr };
+        let step = self.launch(&batch.inputs, Some(&batch.targets), true, how)?;
+        let outcome = self.finish(step, &mut None)?;
+        self.step_idx += 1;
+        Ok(outcome.report)
+    }
+
     /// Checks `targets` for a batch of `rows` rows ([`Targets::check_rows`]) and against the
     /// loss ([`Loss::check_targets`]); `op` names the caller in errors.
     pub(super) fn check_targets(&self, op: &str, rows: usize, targets: &Targets) -> Result<()> {

@@ -103,6 +103,8 @@ pub(crate) struct StepJob {
     /// afterwards, and this worker waits for that verdict before it prepares its next update
     /// (`runtime/README.md`, "Overlapped steps").
     pub optimistic: bool,
+    /// The learning rate every stage's optimizer takes before this step's update, if set.
+    pub lr: Option<f64>,
 }
 
 /// The coordinator's decision after every worker is ready.
@@ -521,6 +523,9 @@ fn execute(
                         for stage in stages.iter_mut() {
                             let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
                             guarded(stage_idx, &device, FaultPoint::Apply, None, job.fault, || {
+                                if let Some(lr) = job.lr {
+                                    stage.optimizer.set_lr(lr)?;
+                                }
                                 Ok(stage.apply_commit(job.max_grad_norm, commit.global_norm, replica)?)
                             })?;
                         }

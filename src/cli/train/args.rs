@@ -188,6 +188,13 @@ pub struct TrainArgs {
     /// [default: auto]
     #[arg(long)]
     pub weight_cache: Option<String>,
+    /// `on`: each stage starts the next step as soon as it has applied its own update, without a
+    /// barrier across the stages; each step is validated after the fact (finite losses and
+    /// gradients, no fault) and rolled back, with the step begun after it, if it fails, so the
+    /// weights are those of `off`. In one process only (under mpirun steps stay synchronous).
+    /// [default: off]
+    #[arg(long)]
+    pub overlap_steps: Option<String>,
     /// How the pipeline's devices reach each other: `in-process` (threads of this process), `mpi`
     /// (this process is one rank of `mpirun -n P conveyor train ...`, one rank per pipeline device, or per device with --tensor-parallel;
     /// needs a build with `--features mpi`), or `auto`: MPI when an MPI launcher started this
@@ -348,6 +355,9 @@ impl TrainArgs {
         }
         if let Some(text) = &self.weight_cache {
             pipeline.weight_cache = text.parse().map_err(|e| usage(format!("--weight-cache {}", reason(e))))?;
+        }
+        if let Some(text) = &self.overlap_steps {
+            pipeline.overlap_steps = text.parse().map_err(|e| usage(format!("--overlap-steps {}", reason(e))))?;
         }
         let training = &mut spec.training;
         set(&mut training.batch, &self.batch);

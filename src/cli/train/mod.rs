@@ -26,12 +26,14 @@
 //! (every rank's ops on rank 0's clock) instead of this process's op recorder, which sees only
 //! rank 0's worker.
 mod args;
+mod books;
 mod checkpointing;
 mod outputs;
 mod progress;
 mod strategies;
 pub(crate) mod summary;
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -240,6 +242,15 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             if used_measured { "using the measured cut" } else { "keeping the cost model's cut (within 10%)" }
         );
     }
+    if spec.pipeline.overlap_steps.is_on() {
+        match run.trainer.overlap_unavailable() {
+            Some(why) => outln!("  overlapped steps: off ({why})"),
+            None => outln!(
+                "  overlapped steps: each stage starts the next step once it applied its own update; steps are \
+                 validated after"
+            ),
+        }
+    }
     if let Some(note) = resumed_note {
         outln!("{note}");
     }
@@ -268,46 +279,123 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
         _ => None,
     };
-    // Across ranks, the trace's zero: the first step's start (rank 0's clock).
-    let mut trace_origin_s: Option<f64> = None;
     // The last step's events, for --svg (start times from the recorder's origin).
     let (mut last_step_events, mut last_step_origin_s): (Vec<TimelineEvent>, f64) = (Vec::new(), 0.0);
     let progress = Progress::new(first_step, total_steps, steps_per_epoch, ranks.is_none());
     let started = Instant::now();
     let mut last_report = None;
-    // The bubble summary averages the last few steps: one step's figures move by several points.
-    const BUBBLE_STEPS: usize = 5;
     let mut recent_reports: std::collections::VecDeque<conveyor::engine::runtime::StepReport> = Default::default();
     let mut samples = 0u64;
     let mut compute_s = 0.0;
-    let (mut last_step_start_s, mut last_step_end_s) = (0.0, 0.0);
     let (mut skipped_steps, mut skipped_in_a_row) = (0u64, 0u64);
     // A non-finite step under `--on-nonfinite error` (or too many skipped): the run stops after
     // writing its outputs from the last good step.
     let mut diverged: Option<conveyor::engine::Error> = None;
     let mut periodic_failure: Option<anyhow::Error> = None;
-    for step in first_step..total_steps {
+    let eval_every = spec.training.eval_every;
+    let checkpoint_every = spec.checkpoint.path.as_ref().and(spec.checkpoint.every);
+    let mut books = books::StepBooks {
+        facts: books::RunFacts {
+            batch,
+            total_steps,
+            steps_per_epoch,
+            log_every: spec.training.log_every,
+            base_lr,
+            lr_schedule,
+            gathered_trace: ranks.is_some().then_some(ranks_per_worker),
+        },
+        state: &mut state,
+        progress: &progress,
+        metrics: &mut metrics,
+        trace: &mut trace,
+        recorder: recorder.as_ref(),
+        trace_origin_s: None,
+        last_step_events: &mut last_step_events,
+        last_step_origin_s: &mut last_step_origin_s,
+        last_step_start_s: 0.0,
+        step_end_s: None,
+        recent_reports: &mut recent_reports,
+        last_report: &mut last_report,
+        samples: &mut samples,
+        compute_s: &mut compute_s,
+        skipped_steps: &mut skipped_steps,
+        skipped_in_a_row: &mut skipped_in_a_row,
+    };
+    // The steps run in stretches of `Trainer::fit` (overlapped with --overlap-steps on). A
+    // stretch ends where the loop needs the trainer itself: after a step followed by an
+    // evaluation or a periodic checkpoint, at a failed step, at a signal, or at the end.
+    let mut step = first_step;
+    while step < total_steps {
         if let Some(signal) = agreed_stop(ranks.as_ref())? {
             interrupted = Some(signal);
             break;
         }
-        if let Some(recorder) = &recorder {
-            last_step_start_s = recorder.now_s();
-        }
-        let (epoch, lr) = (run.epoch(step), run.lr(step));
-        // The step's batch at the step's learning rate, as a library loop over the spec gets them.
-        let (x, y) = run.step_batch(step)?;
-        let report = match run.trainer.train_step(&x, &y) {
-            Ok(report) => {
-                skipped_in_a_row = 0;
-                // An f16 step whose gradient overflowed the loss scale: not committed, the scale
-                // lowered (GradScaler's skip); the run goes on.
-                skipped_steps += u64::from(report.skipped);
-                report
+        let end = stretch_end(step, total_steps, [eval_every, checkpoint_every]);
+        books.step_starts();
+        let mut last_of_stretch = None;
+        let mut stop: Option<anyhow::Result<i32>> = None;
+        let (taken, outcome) = run.fit_steps(step..end, |at, report| {
+            if at + 1 == end {
+                // Recorded after its evaluation, if one follows.
+                books.step_ends();
+                last_of_stretch = Some(report.clone());
+                return ControlFlow::Continue(());
             }
+            books.after_step(at, report, None);
+            // A signal stops the run before the next step (every rank agrees on it).
+            match agreed_stop(ranks.as_ref()) {
+                Ok(None) => ControlFlow::Continue(()),
+                Ok(Some(signal)) => {
+                    stop = Some(Ok(signal));
+                    ControlFlow::Break(())
+                }
+                Err(error) => {
+                    stop = Some(Err(error));
+                    ControlFlow::Break(())
+                }
+            }
+        });
+        step += taken;
+        if let Some(report) = last_of_stretch {
+            let eval_now = eval_every.is_some_and(|n| step % n == 0);
+            // None also when a signal stopped the evaluation midway.
+            let eval_accuracy = match (&test, eval_now) {
+                (Some(test), true) => {
+                    summary::accuracy(&mut run.trainer, test, batch, replicas * microbatches, || {
+                        Ok(agreed_stop(ranks.as_ref())?.is_some())
+                    })?
+                }
+                _ => None,
+            };
+            books.after_step(step - 1, &report, eval_accuracy);
+            if let (Some(path), Some(every)) = (&spec.checkpoint.path, spec.checkpoint.every)
+                && step % every == 0
+                && step != total_steps
+            {
+                // A periodic checkpoint that cannot be written (a full disk) leaves the previous
+                // file whole and does not stop the training; the run still ends with that error.
+                match checkpointing::save(path, &mut run.trainer, books.state, false, "--checkpoint") {
+                    Ok(()) => tracing::info!(step, path = %path.display(), "checkpoint saved"),
+                    Err(error) => {
+                        errln!("warning: the checkpoint of step {step} was not written ({error:#}); training goes on");
+                        periodic_failure.get_or_insert(error);
+                    }
+                }
+            }
+        }
+        match stop {
+            Some(Ok(signal)) => {
+                interrupted = Some(signal);
+                break;
+            }
+            Some(Err(error)) => return Err(error),
+            None => {}
+        }
+        match outcome {
+            Ok(()) => {}
             Err(error @ conveyor::engine::Error::NonFiniteStep { .. }) => {
                 let skip = match on_nonfinite {
-                    OnNonFinite::Skip { max_in_a_row } => skipped_in_a_row < max_in_a_row,
+                    OnNonFinite::Skip { max_in_a_row } => *books.skipped_in_a_row < max_in_a_row,
                     OnNonFinite::Error => false,
                 };
                 if !skip {
@@ -319,125 +407,22 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 }
                 // Skipped like a loss scaler's step: the batch is consumed, nothing changes. The
                 // trainer's step count follows the run's, as a resume sets it.
-                skipped_steps += 1;
-                skipped_in_a_row += 1;
                 run.trainer.set_step_idx(step + 1);
-                state.step = step + 1;
-                progress.println(format!("step {} skipped: {error}", step + 1));
-                if let Some(out) = metrics.as_mut() {
-                    out.line(&serde_json::json!({
-                        "step": step + 1,
-                        "epoch": epoch,
-                        "skipped": true,
-                        "skipped_steps": skipped_steps,
-                        "lr": lr,
-                    }));
-                }
-                continue;
+                books.skipped(step, &error);
+                step += 1;
             }
             // The trainer's parameters are no longer one step's: nothing may be saved from them.
             Err(error @ conveyor::engine::Error::Poisoned { .. }) => return Err(error.into()),
             // Any other failed step changed nothing (steps are all-or-nothing): stop, and still
             // write every output from the last good step, so a trained model is never lost.
             Err(error) => {
-                errln!("error: step {} failed: {error}; writing the outputs from step {}", step + 1, state.step);
+                errln!("error: step {} failed: {error}; writing the outputs from step {step}", step + 1);
                 diverged = Some(error);
                 break;
             }
-        };
-        if let Some(recorder) = &recorder {
-            last_step_end_s = recorder.now_s();
         }
-        state.step = step + 1;
-        samples += batch as u64;
-        compute_s += report.step_s;
-        progress.step_done(step + 1, steps_per_epoch, report.loss);
-        let eval_now = spec.training.eval_every.is_some_and(|n| (step + 1) % n == 0);
-        // None also when a signal stopped the evaluation midway.
-        let eval_accuracy = match (&test, eval_now) {
-            (Some(test), true) => summary::accuracy(&mut run.trainer, test, batch, replicas * microbatches, || {
-                Ok(agreed_stop(ranks.as_ref())?.is_some())
-            })?,
-            _ => None,
-        };
-        if let Some(recorder) = &recorder {
-            let (events, memory) = recorder.drain();
-            last_step_events = events
-                .iter()
-                .filter(|e| e.start_s >= last_step_start_s && e.start_s < last_step_end_s)
-                .copied()
-                .collect();
-            last_step_origin_s = last_step_start_s;
-            if let Some(trace) = trace.as_mut() {
-                trace.write(&events, &memory_samples(&memory));
-            }
-        }
-        if ranks.is_some()
-            && let Some(trace) = trace.as_mut()
-        {
-            let origin_s = *trace_origin_s.get_or_insert(report.started_s);
-            trace.write_step(&report.timeline, &report.other_events, ranks_per_worker, report.started_s - origin_s);
-        }
-        if let Some(out) = metrics.as_mut() {
-            let mut line = serde_json::json!({
-                "step": step + 1,
-                "epoch": epoch,
-                "loss": report.loss,
-                "lr": lr,
-                "step_s": report.step_s,
-                "samples_per_s": batch as f64 / report.step_s,
-                "grad_norm": report.grad_norm,
-                "bubble_fraction": report.timeline.bubble_fraction(),
-                "skipped_steps": skipped_steps,
-            });
-            if let Some(accuracy) = eval_accuracy {
-                line["test_accuracy"] = accuracy.into();
-            }
-            if let Some(scale) = report.loss_scale {
-                line["loss_scale"] = scale.into();
-            }
-            if report.skipped {
-                line["skipped"] = true.into();
-            }
-            out.line(&line);
-        }
-        let log_every = spec.training.log_every;
-        let log_now = log_every > 0 && ((step + 1) % log_every == 0 || step + 1 == total_steps);
-        if log_now || eval_accuracy.is_some() {
-            let mut line = format!(
-                "step {:>5}/{total_steps}  epoch {epoch}  loss {:.4}  lr {lr:.2e}  {:.0} samples/s",
-                step + 1,
-                report.loss,
-                batch as f64 / report.step_s
-            );
-            if let Some(accuracy) = eval_accuracy {
-                line.push_str(&format!("  test accuracy {:.2}%", accuracy * 100.0));
-            }
-            progress.println(line);
-        }
-        if let (Some(path), Some(every)) = (&spec.checkpoint.path, spec.checkpoint.every)
-            && (step + 1) % every == 0
-            && step + 1 != total_steps
-        {
-            // A periodic checkpoint that cannot be written (a full disk) leaves the previous file
-            // whole and does not stop the training; the run still ends with that error.
-            match checkpointing::save(path, &mut run.trainer, &state, false, "--checkpoint") {
-                Ok(()) => tracing::info!(step = step + 1, path = %path.display(), "checkpoint saved"),
-                Err(error) => {
-                    errln!(
-                        "warning: the checkpoint of step {} was not written ({error:#}); training goes on",
-                        step + 1
-                    );
-                    periodic_failure.get_or_insert(error);
-                }
-            }
-        }
-        if recent_reports.len() == BUBBLE_STEPS {
-            recent_reports.pop_front();
-        }
-        recent_reports.push_back(report.clone());
-        last_report = Some(report);
     }
+    drop(books);
     progress.finish();
     let mut trainer = run.trainer;
     let wall_s = started.elapsed().as_secs_f64();
@@ -598,6 +583,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
 }
 
 /// The recorder's memory points as the trace exporter's samples.
+/// The end of the stretch of steps from `step`: the first step count after `step` at which one of
+/// `every` (an evaluation, a periodic checkpoint) falls, or `total_steps`.
+fn stretch_end(step: u64, total_steps: u64, every: [Option<u64>; 2]) -> u64 {
+    every.iter().flatten().filter(|&&n| n > 0).map(|&n| (step / n + 1) * n).fold(total_steps, u64::min)
+}
+
 fn memory_samples(points: &[MemoryPoint]) -> Vec<MemorySample> {
     points.iter().map(|m| MemorySample { device_idx: m.device_idx, time_s: m.time_s, bytes: m.bytes }).collect()
 }
