@@ -302,7 +302,7 @@ impl PreparedRun {
 
     /// Takes steps `steps` of the run with [`Trainer::fit`], each at its learning rate
     /// ([`conveyor_engine::runtime::Batch::at_lr`]) on its batch (as [`PreparedRun::step_batch`]
-    /// draws them), so they overlap when the trainer overlaps steps
+    /// draws them, on a loader thread that keeps two ready), so they overlap when the trainer overlaps steps
     /// ([`conveyor_engine::runtime::TrainerBuilder::overlap_steps`]). `on_step(step, report)` sees
     /// each step's report in order and may stop the run. Returns how many steps were taken, and
     /// the error of the step after them if one failed (those before it stay applied).
@@ -342,11 +342,25 @@ impl PreparedRun {
             let (inputs, labels) = train.batch(&order[within * rows..(within + 1) * rows])?;
             Ok::<_, conveyor_engine::Error>(conveyor_engine::runtime::Batch::new(inputs, labels).at_lr(lr))
         });
+        // A loader thread draws the batches ahead (two in its queue), so the next batch is ready
+        // when the trainer launches it.
         let mut taken = 0;
-        let outcome = trainer.fit(batches, |report| {
-            let flow = on_step(first + taken, report);
-            taken += 1;
-            flow
+        let outcome = std::thread::scope(|scope| {
+            let (tx, rx) = std::sync::mpsc::sync_channel(2);
+            scope.spawn(move || {
+                for batch in batches {
+                    if tx.send(batch).is_err() {
+                        break; // the run stopped early
+                    }
+                }
+            });
+            let outcome = trainer.fit(rx.iter(), |report| {
+                let flow = on_step(first + taken, report);
+                taken += 1;
+                flow
+            });
+            drop(rx);
+            outcome
         });
         (taken, outcome.map(|_| ()))
     }

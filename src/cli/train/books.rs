@@ -63,11 +63,17 @@ pub(super) struct StepBooks<'a> {
     pub compute_s: &'a mut f64,
     pub skipped_steps: &'a mut u64,
     pub skipped_in_a_row: &'a mut u64,
+    /// Whether steps overlap: a step's time is then the wall time since the step before it was
+    /// reported (its own `step_s` runs from its launch, which overlaps the step before).
+    pub overlapped: bool,
+    /// When the last step was reported, in this stretch.
+    pub last_reported: Option<std::time::Instant>,
 }
 
 impl StepBooks<'_> {
     /// Notes on the recorder's clock that a step starts now (its events are those after this).
     pub fn step_starts(&mut self) {
+        self.last_reported = None;
         if let Some(recorder) = self.recorder {
             self.last_step_start_s = recorder.now_s();
         }
@@ -78,9 +84,21 @@ impl StepBooks<'_> {
         self.step_end_s = self.recorder.map(TimelineRecorder::now_s);
     }
 
+    /// The time step `report` took, taken when it is reported: its `step_s`, or with overlapped
+    /// steps the wall time since the step before it was reported (the first of a stretch: its
+    /// `step_s`).
+    pub fn step_time(&mut self, report: &StepReport) -> f64 {
+        let now = std::time::Instant::now();
+        let since = self.last_reported.replace(now).map(|before| (now - before).as_secs_f64());
+        match (self.overlapped, since) {
+            (true, Some(seconds)) => seconds,
+            _ => report.step_s,
+        }
+    }
+
     /// Records step `step` (0-based) of the run, reported as `report`, with the test accuracy
     /// measured right after it, if any.
-    pub fn after_step(&mut self, step: u64, report: &StepReport, eval_accuracy: Option<f64>) {
+    pub fn after_step(&mut self, step: u64, report: &StepReport, step_s: f64, eval_accuracy: Option<f64>) {
         *self.skipped_in_a_row = 0;
         // An f16 step whose gradient overflowed the loss scale: not committed, the scale lowered
         // (GradScaler's skip); the run goes on.
@@ -89,7 +107,7 @@ impl StepBooks<'_> {
         let (epoch, lr, batch) = (facts.epoch(step), facts.lr(step), facts.batch);
         self.state.step = step + 1;
         *self.samples += batch as u64;
-        *self.compute_s += report.step_s;
+        *self.compute_s += step_s;
         self.progress.step_done(step + 1, facts.steps_per_epoch, report.loss);
         if let Some(recorder) = self.recorder {
             let end_s = self.step_end_s.take().unwrap_or_else(|| recorder.now_s());
@@ -113,7 +131,7 @@ impl StepBooks<'_> {
                 "loss": report.loss,
                 "lr": lr,
                 "step_s": report.step_s,
-                "samples_per_s": batch as f64 / report.step_s,
+                "samples_per_s": batch as f64 / step_s,
                 "grad_norm": report.grad_norm,
                 "bubble_fraction": report.timeline.bubble_fraction(),
                 "skipped_steps": *self.skipped_steps,
@@ -136,7 +154,7 @@ impl StepBooks<'_> {
                 "step {:>5}/{total_steps}  epoch {epoch}  loss {:.4}  lr {lr:.2e}  {:.0} samples/s",
                 step + 1,
                 report.loss,
-                batch as f64 / report.step_s
+                batch as f64 / step_s
             );
             if let Some(accuracy) = eval_accuracy {
                 line.push_str(&format!("  test accuracy {:.2}%", accuracy * 100.0));

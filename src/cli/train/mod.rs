@@ -320,6 +320,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         compute_s: &mut compute_s,
         skipped_steps: &mut skipped_steps,
         skipped_in_a_row: &mut skipped_in_a_row,
+        overlapped: run.trainer.overlaps_steps(),
+        last_reported: None,
     };
     // The steps run in stretches of `Trainer::fit` (overlapped with --overlap-steps on). A
     // stretch ends where the loop needs the trainer itself: after a step followed by an
@@ -332,16 +334,17 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
         let end = stretch_end(step, total_steps, [eval_every, checkpoint_every]);
         books.step_starts();
-        let mut last_of_stretch = None;
+        let mut last_of_stretch: Option<(conveyor::engine::runtime::StepReport, f64)> = None;
         let mut stop: Option<anyhow::Result<i32>> = None;
         let (taken, outcome) = run.fit_steps(step..end, |at, report| {
+            let step_s = books.step_time(report);
             if at + 1 == end {
                 // Recorded after its evaluation, if one follows.
                 books.step_ends();
-                last_of_stretch = Some(report.clone());
+                last_of_stretch = Some((report.clone(), step_s));
                 return ControlFlow::Continue(());
             }
-            books.after_step(at, report, None);
+            books.after_step(at, report, step_s, None);
             // A signal stops the run before the next step (every rank agrees on it).
             match agreed_stop(ranks.as_ref()) {
                 Ok(None) => ControlFlow::Continue(()),
@@ -356,7 +359,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             }
         });
         step += taken;
-        if let Some(report) = last_of_stretch {
+        if let Some((report, step_s)) = last_of_stretch {
             let eval_now = eval_every.is_some_and(|n| step % n == 0);
             // None also when a signal stopped the evaluation midway.
             let eval_accuracy = match (&test, eval_now) {
@@ -367,7 +370,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 }
                 _ => None,
             };
-            books.after_step(step - 1, &report, eval_accuracy);
+            books.after_step(step - 1, &report, step_s, eval_accuracy);
             if let (Some(path), Some(every)) = (&spec.checkpoint.path, spec.checkpoint.every)
                 && step % every == 0
                 && step != total_steps
