@@ -105,13 +105,25 @@ class Transformer(nn.Module):
         return self.head(self.ln_f(x).mean(dim=1))
 
 
-MODELS = {"cnn": Cnn, "resnet": Resnet, "transformer": Transformer}
+class Mlp(nn.Sequential):
+    """zoo::mlp:1024,...,1024,10 (issue 25's model): eight Linear(1024, 1024) + ReLU, then Linear(1024, 10)."""
+
+    def __init__(self):
+        layers = []
+        for _ in range(8):
+            layers += [nn.Linear(1024, 1024), nn.ReLU()]
+        super().__init__(*layers, nn.Linear(1024, CLASSES))
+
+
+MODELS = {"cnn": Cnn, "resnet": Resnet, "transformer": Transformer, "mlp": Mlp}
 
 
 def data(model, rows):
     """A data set of the model's input shape: what `conveyor train` gets from digits or `tokens:N,16,32,10`."""
     if model == "transformer":
         inputs = torch.randint(0, 32, (rows, 16), dtype=torch.int64)
+    elif model == "mlp":
+        inputs = torch.rand(rows, 1024) * 2 - 1
     else:
         inputs = torch.rand(rows, 1, 8, 8)
     return inputs, torch.randint(0, CLASSES, (rows,), dtype=torch.int64)

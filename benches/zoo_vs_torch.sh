@@ -16,6 +16,8 @@
 #   STEP_ROWS=12288       steps per run = STEP_ROWS / batch (384 at 32, 48 at 256), plus WARMUP=5
 #   SCHEDULES="1f1b zb-h2"  MICROBATCHES="2 4 8"  PLACEMENTS="auto time"   the 2-device search space
 #   TWO_DEVICE="1f1b,4,time"  skip the search: use this schedule,micro-batches,placement everywhere
+#   OVERLAP=on            Conveyor's runs with --overlap-steps on (default off)
+#   MODELS="mlp"          also issue 25's 8 x Linear(1024) MLP (synthetic 1024-feature rows)
 #
 # Method. Every figure is the batch divided by the MEDIAN step time of the steps after the first
 # WARMUP ones (Conveyor: `step_s` of `--metrics`, the trainer's wall time of a whole step;
@@ -41,6 +43,7 @@ SCHEDULES=${SCHEDULES:-"1f1b zb-h2"}
 MICROBATCHES=${MICROBATCHES:-"2 4 8"}
 PLACEMENTS=${PLACEMENTS:-"auto time"}
 TWO_DEVICE=${TWO_DEVICE:-}
+OVERLAP=${OVERLAP:-off}
 CONVEYOR=${CONVEYOR:-${CARGO_TARGET_DIR:-target}/release/conveyor}
 HERE=$(cd "$(dirname "$0")" && pwd)
 
@@ -51,16 +54,25 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 RESULTS=$WORK/results.tsv
 
-data_for() { [[ $1 == transformer ]] && echo "tokens:4096,16,32,10" || echo digits; }
+data_for() {
+    case $1 in
+        transformer) echo "tokens:4096,16,32,10" ;;
+        mlp) echo "synthetic:2560,1024,10" ;;
+        *) echo digits ;;
+    esac
+}
+# The model spec `conveyor train` takes: `mlp` is issue 25's 8 x Linear(1024) MLP.
+spec_for() { [[ $1 == mlp ]] && echo "mlp:1024,1024,1024,1024,1024,1024,1024,1024,1024,10" || echo "$1"; }
 steps_for() { echo $((STEP_ROWS / $1 > 10 ? STEP_ROWS / $1 : 10)); }
 
 # conveyor MODEL BATCH DEVICES SCHEDULE MICROBATCHES PLACEMENT -> samples/s (median step after warm-up)
 conveyor() {
     local model=$1 batch=$2 devices=$3 schedule=$4 micro=$5 placement=$6 steps
     steps=$(steps_for "$batch")
-    "$CONVEYOR" train --model "$model" --data "$(data_for "$model")" --devices "$devices" \
+    "$CONVEYOR" train --model "$(spec_for "$model")" --data "$(data_for "$model")" --devices "$devices" \
         --schedule "$schedule" --microbatches "$micro" --placement "$placement" --batch "$batch" \
         --steps $((steps + WARMUP)) --optimizer sgd --lr 0.05 --lr-schedule constant --log-every 0 \
+        --overlap-steps "$OVERLAP" \
         --metrics "$WORK/metrics.jsonl" >/dev/null 2>"$WORK/stderr" || { cat "$WORK/stderr" >&2; return 1; }
     python3 - "$WORK/metrics.jsonl" "$batch" "$WARMUP" <<'EOF'
 import json, statistics, sys

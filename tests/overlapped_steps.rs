@@ -114,6 +114,35 @@ fn overlapped_steps_train_the_bits_of_synchronous_steps_on_every_schedule() {
 }
 
 #[test]
+fn overlapped_steps_keep_the_bits_on_the_v_schedules_and_with_tensor_parallel_stages() {
+    with_watchdog(|| {
+        // Every kind the common list lacks: two chunks per device in a V, and interleaved with
+        // split backward; four micro-batches on two devices (`m >= 2p`).
+        for (kind, chunks) in [(ScheduleKind::ZbV, 2), (ScheduleKind::DualPipeV, 2), (ScheduleKind::InterleavedZb, 2)] {
+            let mut sync = builder(2, 1, kind, chunks).build().unwrap();
+            let mut overlapped = builder(2, 1, kind, chunks).overlap_steps(true).build().unwrap();
+            let (a, _) = fit_all(&mut sync, batches(5));
+            let (b, _) = fit_all(&mut overlapped, batches(5));
+            assert_eq!(a, b, "{kind}");
+            assert_eq!(state(&sync), state(&overlapped), "{kind}");
+        }
+        // Two stages of two tensor-parallel shards each.
+        let spec: conveyor::zoo::ModelSpec = "mlp:6,16,16,10".parse().unwrap();
+        let split = |overlap: bool| {
+            let mut t = common::split_trainer(&spec, 2, 2, ScheduleKind::OneFOneB, 4, OptimizerConfig::adam(0.01));
+            t.set_overlap_steps(overlap);
+            t
+        };
+        let (mut sync, mut overlapped) = (split(false), split(true));
+        assert!(overlapped.overlaps_steps());
+        let (a, _) = fit_all(&mut sync, batches(4));
+        let (b, _) = fit_all(&mut overlapped, batches(4));
+        assert_eq!(a, b, "tensor parallel");
+        assert_eq!(state(&sync), state(&overlapped), "tensor parallel");
+    });
+}
+
+#[test]
 fn overlapped_steps_with_replicas_train_the_bits_of_synchronous_steps() {
     with_watchdog(|| {
         for (devices, replicas) in [(2, 2), (4, 2)] {
@@ -285,7 +314,7 @@ fn a_stage_starts_the_next_step_while_a_slower_one_still_finishes_this_one() {
             t.fit(batches(3), |report| reports.push(report.clone())).unwrap();
             let at = |r: &StepReport, device: usize, op: OpKind, first: bool| {
                 let mut times = r.timeline.events.iter().filter(|e| e.device_idx == device && e.op == op);
-                let event = if first { times.next() } else { times.last() }.expect("the op ran");
+                let event = if first { times.next() } else { times.next_back() }.expect("the op ran");
                 r.started_s + if first { event.start_s } else { event.end_s }
             };
             (0..2).all(|k| {

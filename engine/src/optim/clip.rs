@@ -76,7 +76,8 @@ pub fn total_norm_from_sums_of_squares(sums_of_squares: &[f64]) -> f64 {
 /// Below that, clipping leaves every bit as it is, so an update made without it is the same.
 pub fn clips(max_norm: f64, total_norm: f64) -> bool {
     let clip_coef = max_norm / (total_norm + CLIP_NORM_EPSILON);
-    !(clip_coef >= 1.0)
+    // Not `clip_coef < 1.0`: a NaN factor clips (it is not at least 1).
+    clip_coef.partial_cmp(&1.0).is_none_or(|order| order == std::cmp::Ordering::Less)
 }
 
 /// Phase 3: scales `grads` by `min(max_norm / (total_norm + 1e-6), 1)` and returns the factor

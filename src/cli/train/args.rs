@@ -247,7 +247,9 @@ pub struct TrainArgs {
     /// Measure accuracy on the held-out split every N steps (printed and in the metrics file).
     #[arg(long, value_name = "N")]
     pub eval_every: Option<u64>,
-    /// Write one JSON object per optimizer step to this file, then a summary object.
+    /// Write one JSON object per optimizer step to this file, then a summary object. A step's
+    /// `step_s` is its wall time (with --overlap-steps on, the time since the step before it was
+    /// reported, as the two overlap).
     #[arg(long)]
     pub metrics: Option<PathBuf>,
     /// Write a Chrome / Perfetto trace of every op of the whole run (open in ui.perfetto.dev).

@@ -130,7 +130,7 @@ impl StepBooks<'_> {
                 "epoch": epoch,
                 "loss": report.loss,
                 "lr": lr,
-                "step_s": report.step_s,
+                "step_s": step_s,
                 "samples_per_s": batch as f64 / step_s,
                 "grad_norm": report.grad_norm,
                 "bubble_fraction": report.timeline.bubble_fraction(),
@@ -148,7 +148,7 @@ impl StepBooks<'_> {
             out.line(&line);
         }
         let total_steps = facts.total_steps;
-        let log_now = facts.log_every > 0 && ((step + 1) % facts.log_every == 0 || step + 1 == total_steps);
+        let log_now = facts.log_every > 0 && ((step + 1).is_multiple_of(facts.log_every) || step + 1 == total_steps);
         if log_now || eval_accuracy.is_some() {
             let mut line = format!(
                 "step {:>5}/{total_steps}  epoch {epoch}  loss {:.4}  lr {lr:.2e}  {:.0} samples/s",

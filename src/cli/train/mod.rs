@@ -360,7 +360,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         });
         step += taken;
         if let Some((report, step_s)) = last_of_stretch {
-            let eval_now = eval_every.is_some_and(|n| step % n == 0);
+            let eval_now = eval_every.is_some_and(|n| step.is_multiple_of(n));
             // None also when a signal stopped the evaluation midway.
             let eval_accuracy = match (&test, eval_now) {
                 (Some(test), true) => {
@@ -372,7 +372,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             };
             books.after_step(step - 1, &report, step_s, eval_accuracy);
             if let (Some(path), Some(every)) = (&spec.checkpoint.path, spec.checkpoint.every)
-                && step % every == 0
+                && step.is_multiple_of(every)
                 && step != total_steps
             {
                 // A periodic checkpoint that cannot be written (a full disk) leaves the previous
@@ -425,7 +425,6 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             }
         }
     }
-    drop(books);
     progress.finish();
     let mut trainer = run.trainer;
     let wall_s = started.elapsed().as_secs_f64();
