@@ -121,6 +121,8 @@ fn drive() -> Result<()> {
     }
     let result = h.equivalence("interleaved", Some(2), 2);
     h.record("equivalence interleaved --chunks 2 -n 2", result);
+    let result = h.overlap_stays_synchronous();
+    h.record("--overlap-steps on under mpirun -n 2: synchronous, the overlapped in-process model", result);
     // Tensor-parallel groups inside each rank: 2 ranks of 2 devices each.
     let result = h.equivalence_tensor_parallel(2, 2);
     h.record("equivalence --tensor-parallel 2 on 2 ranks (cpu:4)", result);
@@ -283,6 +285,34 @@ impl Harness {
         let local = self.path(&format!("eq-tp{k}-{ranks}-in-process.safetensors"));
         self.train_ok(Some(ranks), &with_path(&args, "--save", &mpi))?;
         self.train_ok(None, &with_path(&args, "--save", &local))?;
+        same_tensors(&mpi, &local)
+    }
+
+    /// `--overlap-steps on` under `mpirun -n 2`: the steps stay synchronous (said once), and the
+    /// model is bit for bit the one the same command overlapped in one process trains.
+    fn overlap_stays_synchronous(&self) -> Result<String> {
+        let args = strings(&[
+            "--model",
+            "mlp:64,96,96,96,10",
+            "--devices",
+            "cpu:2",
+            "--schedule",
+            "zb-h2",
+            "--microbatches",
+            "4",
+            "--steps",
+            "8",
+            "--batch",
+            "64",
+            "--overlap-steps",
+            "on",
+        ]);
+        let (mpi, local) = (self.path("overlap-mpi.safetensors"), self.path("overlap-in-process.safetensors"));
+        let out = self.train_ok(Some(2), &with_path(&args, "--save", &mpi))?;
+        let said = "overlapped steps: off (steps overlap in one process only";
+        ensure!(out.text().matches(said).count() == 1, "expected `{said}` once:\n{}", out.text());
+        let out = self.train_ok(None, &with_path(&args, "--save", &local))?;
+        ensure!(out.text().contains("overlapped steps: each stage starts"), "in one process:\n{}", out.text());
         same_tensors(&mpi, &local)
     }
 

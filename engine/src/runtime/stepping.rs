@@ -202,7 +202,8 @@ impl Trainer {
     /// ([`Trainer::step_idx`] counts them). Each step is exactly [`Trainer::step`], so a `fit`
     /// gives the same weights, bit for bit, as `step` in a loop over the same batches; with
     /// [`super::TrainerBuilder::overlap_steps`] each next step starts before the last one is
-    /// validated, with the same weights, reports and errors.
+    /// validated, with the same weights, reports and errors (the iterator is then read one batch
+    /// ahead: a run that stops has taken one item more than it trained on).
     ///
     /// ```
     /// use std::ops::ControlFlow;
