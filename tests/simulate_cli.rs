@@ -262,3 +262,53 @@ fn data_parallel_all_reduces_end_the_step_and_cost_by_the_link() -> Result<()> {
     )?;
     Ok(())
 }
+
+#[test]
+fn overlapped_steps_have_a_shorter_period() -> Result<()> {
+    let common = ["--schedule", "1f1b", "--stages", "2", "--microbatches", "4", "--costs", "1,1,1", "--steps", "3"];
+    let with_commit = [&common[..], &["--optimizer-step", "0.5", "--commit-latency", "0.25"]].concat();
+    let period = |json: &Value| json["step_period_s"].as_f64().context("step_period_s");
+    let sync = simulate_json(&[&with_commit[..], &["--overlap-steps", "off"]].concat())?;
+    let overlapped = simulate_json(&[&with_commit[..], &["--overlap-steps", "on"]].concat())?;
+    ensure!(sync["steps"] == 3 && sync["overlap_steps"] == false && overlapped["overlap_steps"] == true);
+    // 1F1B, p = 2, m = 4: one step takes (m + p - 1) (F + B + W) = 15 s of ops; device 0 votes
+    // last, at 15. Synchronous: the optimizer steps start 0.25 s after the commit, and the next
+    // step after them: 15.75 s. Overlapped: device 0 applies at once and starts the next step at
+    // 15.5, the commit latency sooner.
+    ensure!((period(&sync)? - 15.75).abs() < 1e-9, "{}", period(&sync)?);
+    ensure!((period(&overlapped)? - 15.5).abs() < 1e-9, "{}", period(&overlapped)?);
+    let makespan = |json: &Value| json["makespan"].as_f64().context("makespan");
+    ensure!((makespan(&sync)? - 3.0 * 15.75).abs() < 1e-9, "{}", makespan(&sync)?);
+    ensure!(makespan(&overlapped)? < makespan(&sync)?);
+    // Three steps' events: three forwards of micro-batch 0 on device 0.
+    let events = overlapped["events"].as_array().context("events")?;
+    let first_forwards = events.iter().filter(|e| e["op"] == "forward" && e["device"] == 0 && e["micro_batch"] == 0);
+    ensure!(first_forwards.count() == 3);
+    // Without an optimizer cost or commit latency 1F1B gains nothing: device 0 ends each step
+    // and starts the next one, with or without a barrier.
+    let plain_sync = simulate_json(&common)?;
+    let plain_overlapped = simulate_json(&[&common[..], &["--overlap-steps", "on"]].concat())?;
+    ensure!(period(&plain_sync)? == 15.0 && period(&plain_overlapped)? == 15.0);
+    // The text output names the mode and prints the period.
+    let output = conveyor(&[&["simulate"], &with_commit[..], &["--overlap-steps", "on"]].concat())?;
+    ensure!(output.status.success());
+    let stdout = String::from_utf8(output.stdout)?;
+    for needle in ["3 steps, overlapped", "step period: 15.5 s", "commit latency 0.25 s"] {
+        ensure!(stdout.contains(needle), "{stdout:?} lacks {needle:?}");
+    }
+    // One synchronous step keeps the plain JSON: no step fields.
+    let one = simulate_json(&["--schedule", "1f1b", "--stages", "2", "--microbatches", "4"])?;
+    ensure!(one.get("steps").is_none() && one.get("step_period_s").is_none());
+    Ok(())
+}
+
+#[test]
+fn bad_step_flags_exit_2() -> Result<()> {
+    let common = ["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4"];
+    assert_usage_error(&[&common[..], &["--steps", "0"]].concat(), "--steps 0: give at least 1")?;
+    assert_usage_error(&[&common[..], &["--overlap-steps", "maybe"]].concat(), "give --overlap-steps on")?;
+    assert_usage_error(&[&common[..], &["--steps", "100000"]].concat(), "give at most 32768 steps")?;
+    assert_usage_error(&[&common[..], &["--optimizer-step", "-1"]].concat(), "--optimizer-step must be")?;
+    assert_usage_error(&[&common[..], &["--commit-latency", "nan"]].concat(), "--commit-latency must be")?;
+    Ok(())
+}

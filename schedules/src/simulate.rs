@@ -8,7 +8,8 @@
 //! is timed, so the simulation times ops in dependency order in one pass over the programs: a
 //! discrete-event simulation with one event per op, without an event queue. The optimizer steps
 //! wait for the commit, as in the runtime: every device done with its other ops, plus the cost
-//! model's commit latency for that device.
+//! model's commit latency for that device. (`crate::steps` runs the same loop with the optimizer
+//! steps not waiting for it, for overlapped steps.)
 use std::collections::HashMap;
 
 use serde::Serialize;
@@ -61,6 +62,36 @@ impl SimulationReport {
 /// finish (a receive nobody sends), reported as [`ScheduleError::Deadlock`] with capacity
 /// `usize::MAX`.
 pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationReport, ScheduleError> {
+    let step = simulate_step(schedule, costs, OptimizerWait::Commit)?;
+    Ok(SimulationReport::from_timeline(step.timeline))
+}
+
+/// What each device's optimizer step waits for, besides its device and its all-reduce.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum OptimizerWait<'a> {
+    /// This step's commit: every device has voted, plus the device's commit latency
+    /// (synchronous steps).
+    Commit,
+    /// Nothing of this step: each device applies once it has voted, not before its entry here
+    /// (an overlapped step: the previous step's verdict reaching the device; past the list, 0).
+    NotBefore(&'a [f64]),
+}
+
+/// One simulated step: its timeline, and when its commit could be sent (every device voted).
+#[derive(Debug, Clone)]
+pub(crate) struct SimulatedStep {
+    /// Every event, at absolute times (devices start at [`CostModel::device_start_s`]).
+    pub timeline: Timeline,
+    /// When the last device voted: reached its optimizer step with its all-reduce done.
+    pub commit_s: f64,
+}
+
+/// The simulation loop behind [`simulate`], with the optimizer steps waiting as `wait` says.
+pub(crate) fn simulate_step(
+    schedule: &Schedule,
+    costs: &CostModel,
+    wait: OptimizerWait<'_>,
+) -> Result<SimulatedStep, ScheduleError> {
     let n_stages = schedule.n_stages();
     costs.check(n_stages)?;
     let programs = schedule.programs();
@@ -75,10 +106,13 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationRepo
     let mut all_reduced = vec![false; programs.len()];
     // With buckets, each device's all-reduce starts with its final weight pass.
     let mut final_weight_start: Vec<Option<f64>> = vec![None; programs.len()];
+    // When each device voted: reached its optimizer step, all-reduce done.
+    let mut voted_at = vec![0.0f64; programs.len()];
     let last_micro_batch = schedule.n_micro_batches().checked_sub(1);
     loop {
         let mut progressed = false;
-        if commit_at.is_none()
+        if matches!(wait, OptimizerWait::Commit)
+            && commit_at.is_none()
             && programs.iter().zip(&positions).zip(&all_reduced).all(|((program, &position), &reduced)| {
                 program.get(position).is_none_or(|instruction| *instruction == Instruction::OptimizerStep && reduced)
             })
@@ -106,10 +140,14 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationRepo
                         free_at[device_idx] = free_at[device_idx].max(start_s + seconds);
                     }
                 }
+                if instruction == Instruction::OptimizerStep {
+                    voted_at[device_idx] = free_at[device_idx];
+                }
                 let ready_at = match instruction.recv_from(n_stages) {
-                    None if instruction == Instruction::OptimizerStep => match commit_at {
-                        Some(commit_s) => commit_s + costs.device_commit_latency_s(device_idx),
-                        None => break,
+                    None if instruction == Instruction::OptimizerStep => match (wait, commit_at) {
+                        (OptimizerWait::NotBefore(not_before), _) => not_before.get(device_idx).copied().unwrap_or(0.0),
+                        (OptimizerWait::Commit, Some(commit_s)) => commit_s + costs.device_commit_latency_s(device_idx),
+                        (OptimizerWait::Commit, None) => break,
                     },
                     Some(message) => match arrivals.remove(&message) {
                         Some(arrival) => arrival,
@@ -161,7 +199,12 @@ pub fn simulate(schedule: &Schedule, costs: &CostModel) -> Result<SimulationRepo
             }
         }
         if positions.iter().zip(programs).all(|(&position, program)| position == program.len()) {
-            return Ok(SimulationReport::from_timeline(timeline));
+            let commit_s = match wait {
+                OptimizerWait::Commit => commit_at,
+                OptimizerWait::NotBefore(_) => None,
+            }
+            .unwrap_or_else(|| voted_at.iter().copied().fold(0.0, f64::max));
+            return Ok(SimulatedStep { timeline, commit_s });
         }
         if !progressed {
             let blocked = programs

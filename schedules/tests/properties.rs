@@ -1,9 +1,11 @@
 //! Property tests over every schedule kind, 1..=8 devices, 1..=32 micro-batches and 1..=4
 //! chunks: defined shapes validate under bounded channels and simulate to completion; undefined
-//! shapes are rejected with the right error. Failures persist to
+//! shapes are rejected with the right error; overlapped steps never take longer than synchronous
+//! ones (1..=4 devices, 1..=8 micro-batches). Failures persist to
 //! `schedules/proptest-regressions/properties.txt` (commit it).
 use conveyor_schedules::{
-    CostModel, Instruction, OpKind, Schedule, ScheduleError, ScheduleKind, StageCosts, simulate, validate,
+    CostModel, Instruction, Link, OpKind, Schedule, ScheduleError, ScheduleKind, StageCosts, StepOverlap, simulate,
+    simulate_steps, validate,
 };
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
@@ -93,5 +95,41 @@ proptest! {
                 prop_assert!(validate(&schedule, 1).is_ok());
             }
         }
+    }
+
+    #[test]
+    fn overlapped_steps_are_never_slower(
+        kind in kind(),
+        n_devices in 1usize..=4,
+        n_micro_batches in 1usize..=8,
+        n_steps in 2usize..=4,
+        forward_s in 0.0f64..2.0,
+        backward_s in 0.0f64..2.0,
+        optimizer_step_s in 0.0f64..2.0,
+        commit_latency_s in 0.0f64..2.0,
+        link_latency_s in 0.0f64..0.5,
+    ) {
+        let n_chunks = kind.required_chunks().unwrap_or(if kind.supports_chunks() { 2 } else { 1 });
+        let n_micro_batches = match kind {
+            ScheduleKind::Interleaved => n_micro_batches.next_multiple_of(n_devices),
+            ScheduleKind::DualPipeV => n_micro_batches.max(2 * n_devices),
+            _ => n_micro_batches,
+        };
+        let schedule = Schedule::new(kind, n_devices, n_micro_batches, n_chunks).unwrap();
+        let costs = CostModel::uniform(StageCosts::new(forward_s, backward_s, backward_s / 2.0))
+            .with_link(Link { latency_s: link_latency_s, bandwidth_bytes_per_s: f64::INFINITY })
+            .with_optimizer_step_s(optimizer_step_s)
+            .with_commit_latency_s(commit_latency_s);
+        let run = |overlap| simulate_steps(&schedule, &costs, n_steps, overlap).map_err(|err| TestCaseError::fail(err.to_string()));
+        let (sync, overlapped) = (run(StepOverlap::Synchronous)?, run(StepOverlap::Overlapped)?);
+        // Relaxing a wait never delays an op: every step ends no later, and the last step's
+        // period is at most the synchronous step.
+        prop_assert!(overlapped.step_period_s <= sync.step_period_s + 1e-9, "{} > {}", overlapped.step_period_s, sync.step_period_s);
+        prop_assert!(overlapped.makespan_s <= sync.makespan_s + 1e-9);
+        for (o, s) in overlapped.steps.iter().zip(&sync.steps) {
+            prop_assert!(o.end_s <= s.end_s + 1e-9);
+        }
+        let n_compute = |events: &[conveyor_schedules::TimelineEvent]| events.iter().filter(|e| e.op.is_compute()).count();
+        prop_assert_eq!(n_compute(&overlapped.timeline.events), n_compute(&sync.timeline.events));
     }
 }

@@ -1,6 +1,7 @@
 //! `conveyor simulate`: builds a schedule, validates it and prints the simulated timeline;
 //! optionally writes it as an SVG Gantt chart (`--svg`) and a Chrome trace (`--trace`), and
-//! draws a compact chart (`--show`).
+//! draws a compact chart (`--show`). With `--steps N` it times N optimizer steps in a row,
+//! synchronous or overlapped (`--overlap-steps`), and prints the step period.
 use super::console::outln;
 use std::path::PathBuf;
 
@@ -9,7 +10,8 @@ use clap::Args;
 use conveyor::limits::{MAX_SIMULATED_MICRO_BATCHES, MAX_SIMULATED_PAIRS, MAX_STAGES, MAX_TERMINAL_COLUMNS};
 use conveyor_schedules::export::{SvgOptions, TraceOptions, chrome_trace, svg_gantt, terminal_chart};
 use conveyor_schedules::{
-    CostModel, Link, MessageBytes, Schedule, ScheduleKind, StageCosts, StageLayout, render_timeline, simulate, validate,
+    CostModel, Link, MessageBytes, Schedule, ScheduleKind, SimulationReport, StageCosts, StageLayout, StepOverlap,
+    render_timeline, simulate_steps, validate,
 };
 
 /// Channel capacity the schedule is validated with before it is simulated: the tightest
@@ -60,6 +62,22 @@ pub struct SimulateArgs {
     /// [default: 25MiB].
     #[arg(long, value_name = "SIZE|off")]
     pub bucket_size: Option<String>,
+    /// Optimizer steps to time in a row (the figures are then over the whole run, and the step
+    /// period is printed). At most 2^18 (micro-batch, stage) pairs over all steps.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub steps: usize,
+    /// `on`: overlapped steps (`TrainerBuilder::overlap_steps`): each device applies its update
+    /// once it has voted, without waiting for the commit, and starts its next step once it has
+    /// applied; `off`: synchronous steps, a barrier after the commit.
+    #[arg(long, value_name = "on|off", default_value = "off")]
+    pub overlap_steps: String,
+    /// Seconds of each device's optimizer step.
+    #[arg(long, value_name = "SECONDS", default_value_t = 0.0, allow_negative_numbers = true)]
+    pub optimizer_step: f64,
+    /// Seconds from the last device's vote to the commit reaching each device (the coordinator's
+    /// round trip), which synchronous optimizer steps wait for.
+    #[arg(long, value_name = "SECONDS", default_value_t = 0.0, allow_negative_numbers = true)]
+    pub commit_latency: f64,
     /// Print one JSON object (makespan, bubble_fraction, peak_inflight, events, ...) instead of text.
     #[arg(long)]
     pub json: bool,
@@ -99,7 +117,14 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     if bandwidth.is_nan() || bandwidth <= 0.0 {
         return Err(super::usage(format!("--bandwidth must be > 0 bytes per second, got {bandwidth}")));
     }
+    for (flag, seconds) in [("--optimizer-step", args.optimizer_step), ("--commit-latency", args.commit_latency)] {
+        if !(seconds.is_finite() && seconds >= 0.0) {
+            return Err(super::usage(format!("{flag} must be a finite number of seconds >= 0, got {seconds}")));
+        }
+    }
+    let overlap = parse_overlap(&args.overlap_steps)?;
     check_size(args.stages, n_chunks, args.microbatches)?;
+    check_steps(args.steps, args.stages.saturating_mul(n_chunks).saturating_mul(args.microbatches))?;
     // Undefined shapes are the user's to fix: the message names the flag.
     let schedule = Schedule::new(args.schedule, args.stages, args.microbatches, n_chunks)
         .map_err(|err| super::usage(super::messages::schedule_message(&err)))?;
@@ -126,8 +151,17 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         .with_link(Link { latency_s: args.latency, bandwidth_bytes_per_s: bandwidth })
         .with_message_bytes(MessageBytes { activation_bytes: args.message_bytes, gradient_bytes: args.message_bytes })
         .with_device_all_reduce_s(device_all_reduce_s)
-        .with_all_reduce_in_buckets(buckets.bytes().is_some());
-    let report = simulate(&schedule, &costs).context("simulating the schedule")?;
+        .with_all_reduce_in_buckets(buckets.bytes().is_some())
+        .with_optimizer_step_s(args.optimizer_step)
+        .with_commit_latency_s(args.commit_latency);
+    let run = simulate_steps(&schedule, &costs, args.steps, overlap).context("simulating the schedule")?;
+    // One synchronous step is `simulate`'s timeline; the figures below are over the whole run.
+    let step_ends_s: Vec<f64> = run.steps.iter().map(|step| step.end_s).collect();
+    let step_period_s = run.step_period_s;
+    let report = SimulationReport::from_timeline(run.timeline);
+    // The step fields appear only when asked for, so a plain run prints what it always did.
+    let several_steps = args.steps > 1 || overlap == StepOverlap::Overlapped;
+    let optimizer_costs = args.optimizer_step > 0.0 || args.commit_latency > 0.0;
     if !report.makespan_s.is_finite() {
         return Err(super::usage(format!(
             "--costs {} --latency {} --message-bytes {} over --bandwidth {bandwidth}: the step's time overflows to {} s; \
@@ -157,7 +191,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         super::write_atomically(path, "--trace", &chrome_trace(&report.timeline, &options))?;
     }
     if args.json {
-        let output = serde_json::json!({
+        let mut output = serde_json::json!({
             "schedule": schedule.kind(),
             "stages": schedule.n_devices(),
             "microbatches": schedule.n_micro_batches(),
@@ -177,6 +211,15 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             "peak_inflight_per_device": report.peak_inflight_per_device,
             "events": report.timeline.events,
         });
+        if several_steps || optimizer_costs {
+            let fields = output.as_object_mut().context("the JSON output is an object")?;
+            fields.insert("steps".into(), args.steps.into());
+            fields.insert("overlap_steps".into(), (overlap == StepOverlap::Overlapped).into());
+            fields.insert("step_period_s".into(), step_period_s.into());
+            fields.insert("step_ends_s".into(), serde_json::to_value(&step_ends_s)?);
+            fields.insert("optimizer_step_s".into(), args.optimizer_step.into());
+            fields.insert("commit_latency_s".into(), args.commit_latency.into());
+        }
         outln!("{}", serde_json::to_string(&output)?);
         return Ok(());
     }
@@ -218,6 +261,24 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         };
         outln!("placement ({layout}): {}", rows.join("; "));
     }
+    if optimizer_costs {
+        outln!(
+            "optimizer step {} s on every device (O on the chart), commit latency {} s",
+            args.optimizer_step,
+            args.commit_latency
+        );
+    }
+    if several_steps {
+        let how = match overlap {
+            StepOverlap::Synchronous => {
+                "synchronous (each optimizer step waits for the commit; a barrier between steps)"
+            }
+            StepOverlap::Overlapped => {
+                "overlapped (each device applies once it has voted and starts its next step once it has applied)"
+            }
+        };
+        outln!("{} steps, {how}", args.steps);
+    }
     crate::cli::console::out(&render_timeline(&report.timeline));
     outln!("makespan: {} s", report.makespan_s);
     outln!(
@@ -225,6 +286,9 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         report.bubble_fraction,
         report.interior_bubble_fraction
     );
+    if several_steps {
+        outln!("step period: {} s (between the ends of the last two steps; one step: its length)", step_period_s);
+    }
     outln!("peak in-flight micro-batches per stage: {:?}", report.peak_inflight);
     if schedule.n_chunks() > 1 {
         outln!("peak in-flight (micro-batch, stage) pairs per device: {:?}", report.peak_inflight_per_device);
@@ -265,6 +329,35 @@ fn check_size(n_devices: usize, n_chunks: usize, n_micro_batches: usize) -> anyh
         )));
     }
     Ok(())
+}
+
+/// Refuses `--steps 0`, and more steps than [`MAX_SIMULATED_PAIRS`] (micro-batch, stage) pairs
+/// over the whole run (`pairs` per step).
+fn check_steps(n_steps: usize, pairs: usize) -> anyhow::Result<()> {
+    if n_steps == 0 {
+        return Err(super::usage("--steps 0: give at least 1 optimizer step to simulate (the default is 1)"));
+    }
+    if n_steps.saturating_mul(pairs) > MAX_SIMULATED_PAIRS {
+        return Err(super::usage(format!(
+            "--steps {n_steps} x {pairs} (micro-batch, stage) pairs per step is over the limit of {MAX_SIMULATED_PAIRS} \
+             pairs (MAX_SIMULATED_PAIRS, about a second of simulation); give at most {} steps, or fewer stages or \
+             micro-batches",
+            (MAX_SIMULATED_PAIRS / pairs.max(1)).max(1)
+        )));
+    }
+    Ok(())
+}
+
+/// Parses `--overlap-steps on|off`.
+fn parse_overlap(text: &str) -> anyhow::Result<StepOverlap> {
+    match text {
+        "on" => Ok(StepOverlap::Overlapped),
+        "off" => Ok(StepOverlap::Synchronous),
+        _ => Err(super::usage(format!(
+            "--overlap-steps {text:?} is neither on nor off; give --overlap-steps on (apply first, validate after) \
+             or off (synchronous steps, the default)"
+        ))),
+    }
 }
 
 /// `1F1B, p=4, m=8` (with `, v=2` for interleaved): the SVG's title, before its bubble fraction.
