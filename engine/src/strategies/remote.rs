@@ -153,9 +153,9 @@ impl ServerRanks {
         self.transport.send(to, Tag { round: self.round, channel: channel.id() }, bytes)
     }
 
-    /// The rank that hosts shard `shard`.
+    /// The rank that hosts shard `shard` ([`host_rank`]).
     pub fn host(&self, shard: usize) -> usize {
-        shard % self.world()
+        host_rank(shard, self.world())
     }
 
     /// Whether this rank hosts any of `shards` shards.
@@ -447,4 +447,10 @@ impl<'a> ServerLinks<'a> {
         }
         Ok(answers)
     }
+}
+
+/// The rank of `world` ranks that hosts server shard `shard`: shard `s` runs on rank `s mod R`
+/// (BytePS's and MXNet's co-located servers), so shards spread over the ranks in turn.
+pub(crate) fn host_rank(shard: usize, world: usize) -> usize {
+    shard % world
 }

@@ -509,7 +509,7 @@ impl SyncTrainer {
                     let hosted: Vec<(usize, &Tensor)> = self
                         .servers
                         .iter()
-                        .filter(|shard| shard.shard % ranks.world_size() == ranks.rank())
+                        .filter(|shard| super::remote::host_rank(shard.shard, ranks.world_size()) == ranks.rank())
                         .flat_map(|shard| shard.tensors.iter().copied().zip(&shard.params))
                         .collect();
                     self.consensus = Some(ranks::gather_tensors(ranks, &hosted, &self.shapes)?);
