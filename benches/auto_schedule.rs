@@ -27,7 +27,6 @@ mod support;
 use std::time::Instant;
 
 use conveyor::engine::Device;
-use conveyor::engine::optim::OptimizerConfig;
 use conveyor::engine::placement::{PlaceBy, choose_schedule};
 use conveyor::engine::runtime::Recompute;
 use conveyor::pipeline::{PipelineConfig, build_trainer_with_plan, plan_by_time};
@@ -45,18 +44,7 @@ fn main() {
     let rounds = support::steps_from_env(7);
     let (x, y) = support::batch(BATCH, WIDTH, CLASSES);
     let devices = vec![Device::cpu(0), Device::cpu(1)];
-    let base = PipelineConfig {
-        schedule: ScheduleKind::OneFOneB,
-        n_chunks: 1,
-        n_micro_batches: 8,
-        batch_rows: BATCH,
-        optimizer: OptimizerConfig::sgd(0.01),
-        recompute: Recompute::Never,
-        seed: 0,
-        core_slots: Default::default(),
-        precision: Default::default(),
-        weight_cache: Default::default(),
-    };
+    let base = support::mlp_pipeline_config(ScheduleKind::OneFOneB, 8);
     let graph = support::wide_mlp();
     let started = Instant::now();
     let choice = choose_schedule(&graph, &devices, &base, PlaceBy::Time).unwrap();

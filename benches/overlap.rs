@@ -18,9 +18,9 @@ use std::ops::ControlFlow;
 
 use conveyor::engine::optim::OptimizerConfig;
 use conveyor::engine::placement::Placement;
-use conveyor::engine::runtime::{Recompute, Trainer};
+use conveyor::engine::runtime::Trainer;
 use conveyor::engine::{Device, Tensor};
-use conveyor::pipeline::{PipelineConfig, builder};
+use conveyor::pipeline::builder;
 use conveyor::schedules::ScheduleKind;
 use support::{BATCH, CLASSES, WIDTH};
 
@@ -44,18 +44,7 @@ fn seconds_per_step(trainer: &mut Trainer, x: &Tensor, y: &[usize], steps: usize
 }
 
 fn two_stages(kind: ScheduleKind, n_micro_batches: usize, overlap: bool) -> Trainer {
-    let config = PipelineConfig {
-        schedule: kind,
-        n_chunks: 1,
-        n_micro_batches,
-        batch_rows: BATCH,
-        optimizer: OptimizerConfig::sgd(0.01),
-        recompute: Recompute::Never,
-        seed: 0,
-        core_slots: Default::default(),
-        precision: Default::default(),
-        weight_cache: Default::default(),
-    };
+    let config = support::mlp_pipeline_config(kind, n_micro_batches);
     let devices = vec![Device::cpu(0), Device::cpu(1)];
     let trainer = builder(support::wide_mlp(), devices, &config)
         .placement(Placement::auto())
@@ -91,7 +80,10 @@ fn main() {
         eprintln!("round {} of {rounds} done", round + 1);
     }
     let one_ms = median(per_round.iter().map(|(o, _)| o * 1e3).collect());
-    println!("one device: {one_ms:.1} ms/step = {:.0} samples/s (median of {rounds} rounds)", BATCH as f64 / one_ms * 1e3);
+    println!(
+        "one device: {one_ms:.1} ms/step = {:.0} samples/s (median of {rounds} rounds)",
+        BATCH as f64 / one_ms * 1e3
+    );
     println!();
     println!(
         "{:<8} {:>2} {:>8} {:>11} {:>10} {:>10} {:>15}",

@@ -19,8 +19,7 @@ mod support;
 
 use conveyor::engine::Device;
 use conveyor::engine::optim::OptimizerConfig;
-use conveyor::engine::runtime::Recompute;
-use conveyor::pipeline::{PipelineConfig, build_trainer};
+use conveyor::pipeline::build_trainer;
 use conveyor::schedules::ScheduleKind;
 use support::{BATCH, CLASSES, WIDTH};
 
@@ -74,18 +73,7 @@ fn main() {
     let mut rows = Vec::new();
     for kind in SCHEDULES {
         for n_micro_batches in MICRO_BATCHES {
-            let config = PipelineConfig {
-                schedule: kind,
-                n_chunks: 1,
-                n_micro_batches,
-                batch_rows: BATCH,
-                optimizer: OptimizerConfig::sgd(0.01),
-                recompute: Recompute::Never,
-                seed: 0,
-                core_slots: Default::default(),
-                precision: Default::default(),
-                weight_cache: Default::default(),
-            };
+            let config = support::mlp_pipeline_config(kind, n_micro_batches);
             let devices = vec![Device::cpu(0), Device::cpu(1)];
             let (plan, mut trainer) = build_trainer(support::wide_mlp(), devices, &config).unwrap();
             let split: Vec<String> = plan.stages.iter().map(|s| s.nodes.len().to_string()).collect();

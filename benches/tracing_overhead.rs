@@ -11,28 +11,16 @@ mod support;
 use std::time::Instant;
 
 use conveyor::engine::Device;
-use conveyor::engine::optim::OptimizerConfig;
-use conveyor::engine::runtime::{Recompute, Trainer};
+use conveyor::engine::runtime::Trainer;
 use conveyor::engine::trace::{MEMORY_TARGET, OP_TARGET, TimelineRecorder, timeline_filter};
-use conveyor::pipeline::{PipelineConfig, build_trainer};
+use conveyor::pipeline::build_trainer;
 use conveyor::schedules::ScheduleKind;
 use support::{BATCH, CLASSES, WIDTH};
 use tracing_subscriber::Layer;
 use tracing_subscriber::layer::SubscriberExt;
 
 fn trainer() -> Trainer {
-    let config = PipelineConfig {
-        schedule: ScheduleKind::OneFOneB,
-        n_chunks: 1,
-        n_micro_batches: 4,
-        batch_rows: BATCH,
-        optimizer: OptimizerConfig::sgd(0.01),
-        recompute: Recompute::Never,
-        seed: 0,
-        core_slots: Default::default(),
-        precision: Default::default(),
-        weight_cache: Default::default(),
-    };
+    let config = support::mlp_pipeline_config(ScheduleKind::OneFOneB, 4);
     build_trainer(support::wide_mlp(), vec![Device::cpu(0), Device::cpu(1)], &config).unwrap().1
 }
 

@@ -5,9 +5,11 @@ use std::time::Instant;
 
 use conveyor::engine::graph::Graph;
 use conveyor::engine::optim::OptimizerConfig;
-use conveyor::engine::runtime::{StepReport, Trainer};
+use conveyor::engine::runtime::{Recompute, StepReport, Trainer};
 use conveyor::engine::{Device, Tensor};
 use conveyor::layers::CrossEntropyLoss;
+use conveyor::pipeline::PipelineConfig;
+use conveyor::schedules::ScheduleKind;
 
 /// Rows per batch of the throughput benchmarks.
 pub const BATCH: usize = 256;
@@ -47,6 +49,24 @@ pub fn batch(rows: usize, features: usize, classes: usize) -> (Tensor, Vec<usize
         .collect();
     let labels = (0..rows).map(|r| (r * 7 + 3) % classes).collect();
     (Tensor::from_vec(values, [rows, features], &Device::host()).unwrap(), labels)
+}
+
+/// How the throughput benchmarks run the wide MLP on a pipeline: `kind` with `n_micro_batches`,
+/// one chunk, batch [`BATCH`], SGD at 0.01, no recomputation, the default slots, precision and
+/// weight caches.
+pub fn mlp_pipeline_config(kind: ScheduleKind, n_micro_batches: usize) -> PipelineConfig {
+    PipelineConfig {
+        schedule: kind,
+        n_chunks: 1,
+        n_micro_batches,
+        batch_rows: BATCH,
+        optimizer: OptimizerConfig::sgd(0.01),
+        recompute: Recompute::Never,
+        seed: 0,
+        core_slots: Default::default(),
+        precision: Default::default(),
+        weight_cache: Default::default(),
+    }
 }
 
 /// A one-device trainer (one micro-batch: the whole batch in one GEMM per layer).
