@@ -671,57 +671,6 @@ impl Harness {
     }
 }
 
-/// One fault case's result, for the table.
-struct FaultRow {
-    case: FaultCase,
-    outcome: String,
-    exit: String,
-    wall_s: f64,
-    ended_after_s: Option<f64>,
-    failed: bool,
-}
-
-fn print_fault_table(rows: &[FaultRow]) {
-    println!(
-        "{:<5} {:<10} {:<9} {:>6} {:>7} {:>9} {:>12}  outcome",
-        "ranks", "kind", "point", "stage", "exit", "wall (s)", "ended in (s)"
-    );
-    for row in rows {
-        let c = &row.case;
-        println!(
-            "{:<5} {:<10} {:<9} {:>6} {:>7} {:>9.2} {:>12}  {}",
-            c.ranks,
-            c.kind.name(),
-            c.at.map_or("-", FaultAt::name),
-            match c.kind {
-                Kind::MainPanic | Kind::Exit => format!("rank {}", c.victim),
-                _ => c.victim.to_string(),
-            },
-            row.exit,
-            row.wall_s,
-            row.ended_after_s.map_or("-".to_string(), |s| format!("{s:.3}")),
-            if row.failed { "FAIL" } else { "ok" },
-        );
-    }
-    let mut ended: Vec<(String, f64)> = rows
-        .iter()
-        .filter_map(|r| {
-            let label = match r.case.at {
-                Some(at) => format!("{} at {}", r.case.kind.name(), at.name()),
-                None => r.case.kind.name().to_string(),
-            };
-            r.ended_after_s.map(|s| (label, s))
-        })
-        .collect();
-    ended.sort_by(|a, b| a.1.total_cmp(&b.1));
-    if let (Some(first), Some(last)) = (ended.first(), ended.last()) {
-        println!(
-            "a dead rank ended the job in {:.3} s at best ({}) and {:.3} s at worst ({}); the limit is {END_WITHIN_S} s",
-            first.1, first.0, last.1, last.0
-        );
-    }
-}
-
 /// The parameters and optimizer state after [`STEPS_BEFORE_FAULT`] fault-free steps of the fault
 /// cases' model, trained in this process on `ranks` devices, written to `path`.
 fn fault_free_reference(ranks: usize, layout: Layout, path: &Path) -> Result<()> {

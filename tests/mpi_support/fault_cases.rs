@@ -1,7 +1,7 @@
 //! The fault cases of `tests/mpi.rs` and the MPI program each rank of a case runs: how the
 //! struck rank fails ([`Kind`]), where ([`FaultAt`]), how the ranks are laid out ([`Layout`]),
-//! the case's trainer on every layout, and `rank_main`, which the test binary runs instead of the
-//! driver when `CONVEYOR_MPI_FAULT` names a case.
+//! the case's trainer on every layout, `rank_main`, which the test binary runs instead of the
+//! driver when `CONVEYOR_MPI_FAULT` names a case, and the table of the cases' results.
 use super::*;
 
 /// How the struck rank fails.
@@ -324,4 +324,55 @@ pub(super) fn rank_program(text: &str) -> Result<()> {
     drop(trainer);
     transport::finish_process();
     Ok(())
+}
+
+/// One fault case's result, for the table.
+pub(super) struct FaultRow {
+    pub case: FaultCase,
+    pub outcome: String,
+    pub exit: String,
+    pub wall_s: f64,
+    pub ended_after_s: Option<f64>,
+    pub failed: bool,
+}
+
+pub(super) fn print_fault_table(rows: &[FaultRow]) {
+    println!(
+        "{:<5} {:<10} {:<9} {:>6} {:>7} {:>9} {:>12}  outcome",
+        "ranks", "kind", "point", "stage", "exit", "wall (s)", "ended in (s)"
+    );
+    for row in rows {
+        let c = &row.case;
+        println!(
+            "{:<5} {:<10} {:<9} {:>6} {:>7} {:>9.2} {:>12}  {}",
+            c.ranks,
+            c.kind.name(),
+            c.at.map_or("-", FaultAt::name),
+            match c.kind {
+                Kind::MainPanic | Kind::Exit => format!("rank {}", c.victim),
+                _ => c.victim.to_string(),
+            },
+            row.exit,
+            row.wall_s,
+            row.ended_after_s.map_or("-".to_string(), |s| format!("{s:.3}")),
+            if row.failed { "FAIL" } else { "ok" },
+        );
+    }
+    let mut ended: Vec<(String, f64)> = rows
+        .iter()
+        .filter_map(|r| {
+            let label = match r.case.at {
+                Some(at) => format!("{} at {}", r.case.kind.name(), at.name()),
+                None => r.case.kind.name().to_string(),
+            };
+            r.ended_after_s.map(|s| (label, s))
+        })
+        .collect();
+    ended.sort_by(|a, b| a.1.total_cmp(&b.1));
+    if let (Some(first), Some(last)) = (ended.first(), ended.last()) {
+        println!(
+            "a dead rank ended the job in {:.3} s at best ({}) and {:.3} s at worst ({}); the limit is {END_WITHIN_S} s",
+            first.1, first.0, last.1, last.0
+        );
+    }
 }
