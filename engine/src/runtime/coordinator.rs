@@ -210,8 +210,12 @@ impl Trainer {
                 (false, Ok(norm)) => {
                     committed = true;
                     global_norm = norm;
-                    for (_, commit) in &commits {
-                        let _ = commit.send(Commit { global_norm });
+                    // Workers of an overlapped step applied without it: for them the commit is the
+                    // verdict, sent below once every one of them has applied.
+                    if !optimistic {
+                        for (_, commit) in &commits {
+                            let _ = commit.send(Commit { global_norm });
+                        }
                     }
                 }
                 (false, Err(error)) => local.failure = Some(error),
@@ -244,6 +248,14 @@ impl Trainer {
                     crate::collective::interrupt_waits();
                 }
                 default(REPORT_TIMEOUT) => return Err(lost(channel::RecvTimeoutError::Timeout)),
+            }
+        }
+        // The verdict of an overlapped step: only after every worker applied it. A worker that
+        // failed while applying leaves it unsent, so no worker prepares the next step on top of
+        // an update that is about to be rolled back (its snapshot would be gone).
+        if optimistic && committed && local.failure.is_none() {
+            for (_, commit) in &commits {
+                let _ = commit.send(Commit { global_norm });
             }
         }
         drop(abort);

@@ -99,9 +99,15 @@ impl Trainer {
             let Some(next_input) = next_batch else { return Ok(summary.finish(started, false)) };
             // The next step must run under what this one decided (the f16 loss scale, the
             // replicas' shares) and on its committed update; otherwise it goes out again.
-            let launched = match next {
-                Some(launched) if self.launched_as_now(&launched, next_input.rows())? => launched,
-                stale => {
+            let as_now = next.as_ref().map(|launched| self.launched_as_now(launched, next_input.rows()));
+            let launched = match (next, as_now) {
+                (Some(launched), Some(Ok(true))) => launched,
+                (stale, Some(Err(error))) => {
+                    // Nothing of the step launched ahead may stay applied.
+                    self.abandon(stale)?;
+                    return Err(error);
+                }
+                (stale, _) => {
                     self.abandon(stale)?;
                     self.launch_optimistic(&next_input, self.step_idx)?
                 }
