@@ -8,8 +8,6 @@ use std::path::PathBuf;
 
 use conveyor::data;
 use conveyor::engine::Device;
-use conveyor::engine::optim::OptimizerConfig;
-use conveyor::engine::runtime::Recompute;
 use conveyor::engine::trace::{TimelineRecorder, timeline_filter};
 use conveyor::pipeline::{PipelineConfig, build_trainer};
 use conveyor::schedules::export::{SvgOptions, svg_gantt};
@@ -37,18 +35,7 @@ fn main() -> anyhow::Result<()> {
     println!("simulated bubble {:.1}% -> {}", simulated.bubble_fraction * 100.0, path.display());
 
     // 2. The same schedule, measured: an MLP of 1024-wide layers on two CPU devices.
-    let config = PipelineConfig {
-        schedule: kind,
-        n_chunks: 1,
-        n_micro_batches,
-        batch_rows: 256,
-        optimizer: OptimizerConfig::sgd(0.01),
-        recompute: Recompute::Never,
-        seed: 0,
-        core_slots: Default::default(),
-        precision: Default::default(),
-        weight_cache: Default::default(),
-    };
+    let config = PipelineConfig { n_chunks: 1, ..PipelineConfig::new(kind, n_micro_batches, 256) };
     let devices = vec![Device::cpu(0), Device::cpu(1)];
     let (_, mut trainer) = build_trainer(mlp(&[256, 1024, 1024, 1024, 1024, 1024, 10], 0)?, devices, &config)?;
     let train = data::synthetic(256, 256, 10, 0)?;

@@ -9,7 +9,6 @@
 use conveyor::data;
 use conveyor::engine::optim::OptimizerConfig;
 use conveyor::engine::placement::format_bytes;
-use conveyor::engine::runtime::Recompute;
 use conveyor::engine::{Device, Error};
 use conveyor::pipeline::{PipelineConfig, build_trainer, memory_notes, plan};
 use conveyor::schedules::ScheduleKind;
@@ -22,18 +21,8 @@ fn main() -> anyhow::Result<()> {
     // with their state and copies) plus its activations.
     let widths = [64, 768, 768, 768, 768, 768, 768, 10];
     let budget: u64 = 32 << 20;
-    let config = PipelineConfig {
-        schedule: ScheduleKind::OneFOneB,
-        n_chunks: 1,
-        n_micro_batches: 8,
-        batch_rows: 64,
-        optimizer: OptimizerConfig::adam(1e-3),
-        recompute: Recompute::Never,
-        seed: 0,
-        core_slots: Default::default(),
-        precision: Default::default(),
-        weight_cache: Default::default(),
-    };
+    let config =
+        PipelineConfig { optimizer: OptimizerConfig::adam(1e-3), ..PipelineConfig::new(ScheduleKind::OneFOneB, 8, 64) };
 
     let one = vec![Device::cpu_with_budget(0, Some(budget))];
     match plan(&mlp(&widths, 0)?, &one, &config) {

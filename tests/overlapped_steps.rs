@@ -11,7 +11,7 @@ use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
 use common::{SCHEDULES, data, even_stages};
-use conveyor::engine::optim::{OptimizerConfig, SgdConfig};
+use conveyor::engine::optim::{OptimizerConfig, SgdConfig, clips};
 use conveyor::engine::runtime::{
     CoreSlotPolicy, FaultInjection, FaultPoint, Recompute, StallInjection, StepReport, Trainer, TrainerBuilder,
 };
@@ -176,6 +176,39 @@ fn a_step_that_must_be_clipped_is_replayed_and_equals_synchronous_clipping() {
             assert!((1..8).contains(&clipped), "{kind}: {clipped} of 8 steps clipped; the test needs a mix");
             assert_eq!(a, b, "{kind}: losses and norms");
             assert_eq!(state(&sync), state(&overlapped), "{kind}: parameters and state");
+        }
+    });
+}
+
+#[test]
+fn after_a_step_that_clipped_the_steps_run_with_the_barrier_until_one_does_not_clip() {
+    with_watchdog(|| {
+        let mut probe = builder(2, 1, ScheduleKind::ZbH1, 1).build().unwrap();
+        let (norms, _) = fit_all(&mut probe, batches(8));
+        let mut sorted: Vec<f64> = norms.iter().map(|(_, n)| f64::from_bits(*n)).collect();
+        sorted.sort_by(f64::total_cmp);
+        // Every step clips (0), none does (twice the largest norm), and a mix (the median).
+        for limit in [0.0, 2.0 * sorted[7], sorted[4]] {
+            let mut sync = builder(2, 1, ScheduleKind::ZbH1, 1).max_grad_norm(Some(limit)).build().unwrap();
+            let (a, _) = fit_all(&mut sync, batches(8));
+            let clips: Vec<bool> = a.iter().map(|(_, n)| clips(limit, f64::from_bits(*n))).collect();
+            // A step runs optimistically when the one before it did not clip; such a step that
+            // clips is replayed. So the replays are the clipping steps that follow a step that
+            // did not clip (or come first).
+            let expected = (0..8).filter(|&k| clips[k] && (k == 0 || !clips[k - 1])).count();
+            let mut overlapped =
+                builder(2, 1, ScheduleKind::ZbH1, 1).max_grad_norm(Some(limit)).overlap_steps(true).build().unwrap();
+            let mut b = Vec::new();
+            let fitted = overlapped.fit(batches(8), |report| b.push(summary(report))).unwrap();
+            assert_eq!(a, b, "limit {limit}: losses and norms");
+            assert_eq!(state(&sync), state(&overlapped), "limit {limit}: parameters and state");
+            assert_eq!(fitted.replayed_steps, expected, "limit {limit}: steps that clip {clips:?}");
+            let clipped = clips.iter().filter(|&&c| c).count();
+            match limit {
+                0.0 => assert_eq!((clipped, expected), (8, 1), "every step clips, one is replayed"),
+                l if l > sorted[7] => assert_eq!(clipped, 0),
+                _ => assert!((1..8).contains(&clipped), "the median limit clips some steps: {clips:?}"),
+            }
         }
     });
 }

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use conveyor::engine::graph::Graph;
 use conveyor::engine::optim::OptimizerConfig;
-use conveyor::engine::runtime::{Recompute, StepReport, Trainer};
+use conveyor::engine::runtime::{StepReport, Trainer};
 use conveyor::engine::{Device, Tensor};
 use conveyor::layers::CrossEntropyLoss;
 use conveyor::pipeline::PipelineConfig;
@@ -55,18 +55,7 @@ pub fn batch(rows: usize, features: usize, classes: usize) -> (Tensor, Vec<usize
 /// one chunk, batch [`BATCH`], SGD at 0.01, no recomputation, the default slots, precision and
 /// weight caches.
 pub fn mlp_pipeline_config(kind: ScheduleKind, n_micro_batches: usize) -> PipelineConfig {
-    PipelineConfig {
-        schedule: kind,
-        n_chunks: 1,
-        n_micro_batches,
-        batch_rows: BATCH,
-        optimizer: OptimizerConfig::sgd(0.01),
-        recompute: Recompute::Never,
-        seed: 0,
-        core_slots: Default::default(),
-        precision: Default::default(),
-        weight_cache: Default::default(),
-    }
+    PipelineConfig { n_chunks: 1, ..PipelineConfig::new(kind, n_micro_batches, BATCH) }
 }
 
 /// A one-device trainer (one micro-batch: the whole batch in one GEMM per layer).

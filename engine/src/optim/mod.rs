@@ -31,7 +31,8 @@ mod unsplit;
 
 pub use adam::AdamConfig;
 pub use clip::{
-    CLIP_NORM_EPSILON, clip_grad_norm, clip_grads_with_norm, clips, grad_sum_of_squares, total_norm_from_sums_of_squares,
+    CLIP_NORM_EPSILON, clip_grad_norm, clip_grads_with_norm, clips, grad_sum_of_squares,
+    total_norm_from_sums_of_squares,
 };
 pub use sgd::SgdConfig;
 pub use state::{EXP_AVG, EXP_AVG_SQ, MOMENTUM_BUFFER, OPTIMIZER_STATE_PREFIX, ParamState, STEP, optimizer_state_name};
@@ -89,6 +90,12 @@ impl OptimizerConfig {
             OptimizerConfig::Sgd(config) => config.validate(),
             OptimizerConfig::Adam(config) | OptimizerConfig::AdamW(config) => config.validate(),
         }
+    }
+
+    /// Checks a learning rate as [`OptimizerConfig::validate`] does (PyTorch's "Invalid learning
+    /// rate"): finite and at least 0.
+    pub fn check_lr(lr: f64) -> Result<()> {
+        sgd::check_non_negative("lr", "learning rate", lr)
     }
 
     /// The learning rate.

@@ -48,6 +48,37 @@ pub struct PipelineConfig {
     pub weight_cache: WeightCache,
 }
 
+impl PipelineConfig {
+    /// `schedule` with `n_micro_batches` per batch of `batch_rows` rows and everything else at its
+    /// default: the schedule's default chunk count ([`ScheduleKind::default_chunks`]), SGD at 0.01
+    /// (the trainer's default optimizer), no recomputation, seed 0, the default core slots,
+    /// precision and weight caches. Change a field with struct update syntax:
+    ///
+    /// ```
+    /// use conveyor_engine::optim::OptimizerConfig;
+    /// use conveyor_engine::placement::PipelineConfig;
+    /// use conveyor_schedules::ScheduleKind;
+    ///
+    /// let config = PipelineConfig { optimizer: OptimizerConfig::adam(1e-3), ..PipelineConfig::new(ScheduleKind::ZbH2, 4, 256) };
+    /// assert_eq!((config.n_chunks, config.n_micro_batches, config.batch_rows), (1, 4, 256));
+    /// assert_eq!(PipelineConfig::new(ScheduleKind::Interleaved, 4, 256).n_chunks, 2);
+    /// ```
+    pub fn new(schedule: ScheduleKind, n_micro_batches: usize, batch_rows: usize) -> PipelineConfig {
+        PipelineConfig {
+            schedule,
+            n_chunks: schedule.default_chunks(),
+            n_micro_batches,
+            batch_rows,
+            optimizer: OptimizerConfig::sgd(0.01),
+            recompute: Recompute::Never,
+            seed: 0,
+            core_slots: CoreSlotPolicy::default(),
+            precision: crate::Precision::default(),
+            weight_cache: WeightCache::default(),
+        }
+    }
+}
+
 /// What automatic placement balances.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum PlaceBy {

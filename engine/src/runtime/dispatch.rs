@@ -13,6 +13,7 @@ use super::super::stage::Payload;
 use super::super::worker::{Command, Links, StepJob};
 use super::build::wall_clock_s;
 use super::{StageInfo, StepOutcome, Trainer};
+use crate::optim::OptimizerConfig;
 use crate::transport::Tag;
 use crate::{Error, Result, Targets, Tensor};
 
@@ -95,8 +96,9 @@ impl Trainer {
         if let Some(reason) = &self.poisoned {
             return Err(Error::Poisoned { reason: reason.clone() });
         }
-        if let Some(lr) = how.lr.filter(|lr| !(lr.is_finite() && *lr >= 0.0)) {
-            return Err(Error::invalid("learning rate", format!("{lr}: use a finite rate of at least 0")));
+        // Checked here, before any job is sent, so that a bad rate never fails an apply half-way.
+        if let Some(lr) = how.lr {
+            OptimizerConfig::check_lr(lr)?;
         }
         let rows = inputs.shape().leading();
         if let Some(targets) = targets {

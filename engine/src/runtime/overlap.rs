@@ -8,7 +8,7 @@
 //! "Overlapped steps".
 use std::time::Instant;
 
-use super::stepping::{Batch, FitSummary, IntoBatch, StepControl};
+use super::stepping::{Batch, FitSummary, IntoBatch, StepControl, Tally};
 use super::trainer::{InFlight, Launch};
 use super::{StepReport, Trainer};
 use crate::Result;
@@ -48,10 +48,14 @@ impl Trainer {
         let mut items = batches.into_iter();
         let Some(first) = items.next() else { return Ok(summary.finish(started, false)) };
         let mut batch = first.into_batch()?;
+        // The step in flight, or `None` when this one runs synchronously: after a step whose
+        // norm clipped, the next is likely to clip as well, and an optimistic step that clips is
+        // rolled back and run again, so until a step does not clip they run with the barrier.
         let mut flight = Some(self.launch_optimistic(&batch, self.step_idx)?);
         loop {
-            // The next batch goes out before this step is collected. A batch that cannot be had
-            // or launched is the next step's error: this step still counts, as in `step` order.
+            // The next batch is drawn before this step is collected (and, when this step is in
+            // flight, launched). A batch that cannot be had or launched is the next step's error:
+            // this step still counts, as in `step` order.
             let mut deferred_error = None;
             let mut next_batch = match items.next().map(IntoBatch::into_batch) {
                 None => None,
@@ -62,28 +66,37 @@ impl Trainer {
                 }
             };
             let mut next = None;
-            if let Some(next_input) = &next_batch {
-                match self.launch_optimistic(next_input, self.step_idx + 1) {
-                    Ok(launched) => next = Some(launched),
-                    Err(error) => {
-                        deferred_error = Some(error);
-                        next_batch = None;
+            let (report, clipped) = match flight.take() {
+                None => {
+                    let report = self.train_batch(&batch)?;
+                    let clipped = self.max_grad_norm.is_some_and(|max| crate::optim::clips(max, report.grad_norm));
+                    (report, clipped)
+                }
+                Some(current) => {
+                    if let Some(next_input) = &next_batch {
+                        match self.launch_optimistic(next_input, self.step_idx + 1) {
+                            Ok(launched) => next = Some(launched),
+                            Err(error) => {
+                                deferred_error = Some(error);
+                                next_batch = None;
+                            }
+                        }
                     }
-                }
-            }
-            let current = flight.take().expect("a step in flight");
-            let report = match self.finish(current, &mut next) {
-                Ok(outcome) if outcome.replay => {
-                    // Rolled back (and the next step abandoned): once more with the barrier.
-                    self.train_batch(&batch)?
-                }
-                Ok(outcome) => {
-                    self.step_idx += 1;
-                    outcome.report
-                }
-                Err(error) => {
-                    let _ = self.abandon(next.take());
-                    return Err(error);
+                    match self.finish(current, &mut next) {
+                        // Rolled back (and the next step abandoned): once more with the barrier.
+                        Ok(outcome) if outcome.replay => {
+                            summary.replayed += 1;
+                            (self.train_batch(&batch)?, true)
+                        }
+                        Ok(outcome) => {
+                            self.step_idx += 1;
+                            (outcome.report, false)
+                        }
+                        Err(error) => {
+                            let _ = self.abandon(next.take());
+                            return Err(error);
+                        }
+                    }
                 }
             };
             summary.add(batch.rows(), report.loss);
@@ -100,8 +113,8 @@ impl Trainer {
             // The next step must run under what this one decided (the f16 loss scale, the
             // replicas' shares) and on its committed update; otherwise it goes out again.
             let as_now = next.as_ref().map(|launched| self.launched_as_now(launched, next_input.rows()));
-            let launched = match (next, as_now) {
-                (Some(launched), Some(Ok(true))) => launched,
+            flight = match (next, as_now) {
+                (Some(launched), Some(Ok(true))) => Some(launched),
                 (stale, Some(Err(error))) => {
                     // Nothing of the step launched ahead may stay applied.
                     self.abandon(stale)?;
@@ -109,46 +122,17 @@ impl Trainer {
                 }
                 (stale, _) => {
                     self.abandon(stale)?;
-                    self.launch_optimistic(&next_input, self.step_idx)?
+                    match clipped {
+                        true => None,
+                        false => Some(self.launch_optimistic(&next_input, self.step_idx)?),
+                    }
                 }
             };
-            flight = Some(launched);
             batch = next_input;
         }
     }
 
     fn launch_optimistic(&mut self, batch: &Batch, step_idx: u64) -> Result<InFlight> {
         self.launch(&batch.inputs, Some(&batch.targets), true, Launch { step_idx, optimistic: true, lr: batch.lr })
-    }
-}
-
-/// What [`Trainer::fit`] sums over its steps.
-#[derive(Default)]
-pub(super) struct Tally {
-    steps: usize,
-    samples: usize,
-    loss_sum: f64,
-    pub(super) last: Option<StepReport>,
-}
-
-impl Tally {
-    pub(super) fn add(&mut self, rows: usize, loss: f64) {
-        self.steps += 1;
-        self.samples += rows;
-        self.loss_sum += loss;
-    }
-
-    pub(super) fn finish(self, started: Instant, stopped_early: bool) -> FitSummary {
-        let elapsed_s = started.elapsed().as_secs_f64();
-        let Tally { steps, samples, loss_sum, last } = self;
-        FitSummary {
-            steps,
-            samples,
-            mean_loss: if steps == 0 { f64::NAN } else { loss_sum / steps as f64 },
-            last,
-            elapsed_s,
-            samples_per_s: if elapsed_s > 0.0 { samples as f64 / elapsed_s } else { 0.0 },
-            stopped_early,
-        }
     }
 }

@@ -111,6 +111,12 @@ pub struct FitSummary {
     pub samples_per_s: f64,
     /// Whether the callback stopped the run before the iterator ran out.
     pub stopped_early: bool,
+    /// Steps that ran twice: with overlapped steps
+    /// ([`super::TrainerBuilder::overlap_steps`]), a step applied before its norm was known and
+    /// then found to clip is rolled back and run again with the barrier. After such a step the
+    /// steps run with the barrier until one does not clip, so a run that clips every step replays
+    /// one. Always 0 for synchronous steps.
+    pub replayed_steps: usize,
 }
 
 /// What [`Trainer::evaluate`] measured on one batch.
@@ -230,7 +236,7 @@ impl Trainer {
             return self.fit_overlapped(batches, on_step);
         }
         let started = Instant::now();
-        let mut tally = super::overlap::Tally::default();
+        let mut tally = Tally::default();
         for item in batches {
             let batch = item.into_batch()?;
             let report = self.train_batch(&batch)?;
@@ -316,5 +322,38 @@ impl StepControl for ControlFlow<()> {
 impl StepControl for () {
     fn control_flow(self) -> ControlFlow<()> {
         ControlFlow::Continue(())
+    }
+}
+
+/// What [`Trainer::fit`] sums over its steps.
+#[derive(Default)]
+pub(super) struct Tally {
+    steps: usize,
+    samples: usize,
+    loss_sum: f64,
+    pub(super) last: Option<StepReport>,
+    pub(super) replayed: usize,
+}
+
+impl Tally {
+    pub(super) fn add(&mut self, rows: usize, loss: f64) {
+        self.steps += 1;
+        self.samples += rows;
+        self.loss_sum += loss;
+    }
+
+    pub(super) fn finish(self, started: Instant, stopped_early: bool) -> FitSummary {
+        let elapsed_s = started.elapsed().as_secs_f64();
+        let Tally { steps, samples, loss_sum, last, replayed } = self;
+        FitSummary {
+            steps,
+            samples,
+            mean_loss: if steps == 0 { f64::NAN } else { loss_sum / steps as f64 },
+            last,
+            elapsed_s,
+            samples_per_s: if elapsed_s > 0.0 { samples as f64 / elapsed_s } else { 0.0 },
+            stopped_early,
+            replayed_steps: replayed,
+        }
     }
 }

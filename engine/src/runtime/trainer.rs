@@ -303,7 +303,9 @@ impl TrainerBuilder {
     /// [`TrainerBuilder::max_grad_norm`]); a worker waits for that verdict only before it prepares
     /// its next update. A step that fails validation is rolled back from its undo snapshot with
     /// the next step abandoned, and a step whose gradients must be clipped is replayed with the
-    /// commit's barrier, so the weights are bit for bit those of synchronous steps.
+    /// commit's barrier, so the weights are bit for bit those of synchronous steps. After a step
+    /// that clipped, steps run with the barrier until one does not clip
+    /// ([`super::FitSummary::replayed_steps`] counts the replays).
     ///
     /// Needs every stage's undo snapshot ([`TrainerBuilder::commit_snapshot`]) and one process;
     /// otherwise, and in [`Trainer::step`] (one batch at a time), steps stay synchronous

@@ -4,8 +4,6 @@
 //! messages), all three from the engine's bubble report (`Trainer::bubbles`, the figures
 //! `conveyor train` prints); and throughput (samples per second) against stages and micro-batches.
 use conveyor::engine::Device;
-use conveyor::engine::optim::OptimizerConfig;
-use conveyor::engine::runtime::Recompute;
 use conveyor::pipeline::{PipelineConfig, build_trainer};
 use conveyor::schedules::{Schedule, ScheduleKind};
 use conveyor::zoo::mlp;
@@ -43,18 +41,7 @@ fn measure(bench: &Bench, kind: ScheduleKind, n_devices: usize, n_micro_batches:
     let n_chunks = kind.default_chunks();
     Schedule::new(kind, n_devices, n_micro_batches, n_chunks)
         .map_err(|e| super::super::messages::schedule_message(&e))?;
-    let config = PipelineConfig {
-        schedule: kind,
-        n_chunks,
-        n_micro_batches,
-        batch_rows: BATCH_ROWS,
-        optimizer: OptimizerConfig::sgd(0.01),
-        recompute: Recompute::Never,
-        seed: 0,
-        core_slots: Default::default(),
-        precision: Default::default(),
-        weight_cache: Default::default(),
-    };
+    let config = PipelineConfig::new(kind, n_micro_batches, BATCH_ROWS);
     let devices: Vec<Device> = (0..n_devices).map(Device::cpu).collect();
     let graph = mlp(&DIMS, 0).map_err(|e| e.to_string())?;
     let (_, mut trainer) = build_trainer(graph, devices, &config).map_err(|e| e.to_string())?;

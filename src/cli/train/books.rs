@@ -40,34 +40,79 @@ impl RunFacts {
     }
 }
 
-/// The loop's records, borrowed for the run.
-pub(super) struct StepBooks<'a> {
-    pub facts: RunFacts,
-    pub state: &'a mut RunState,
-    pub progress: &'a Progress,
-    pub metrics: &'a mut Option<LineOutput>,
-    pub trace: &'a mut Option<TraceStream>,
-    pub recorder: Option<&'a TimelineRecorder>,
-    /// Across ranks, the trace's zero: the first step's start (rank 0's clock).
-    pub trace_origin_s: Option<f64>,
+/// What the books keep of the run for its summary and outputs, handed back by
+/// [`StepBooks::into_records`] when the loop ends.
+#[derive(Default)]
+pub(super) struct StepRecords {
+    /// The last [`BUBBLE_STEPS`] reports, for the bubble summary.
+    pub recent_reports: VecDeque<StepReport>,
+    pub last_report: Option<StepReport>,
+    /// Samples trained, and the seconds their steps took (throughput).
+    pub samples: u64,
+    pub compute_s: f64,
+    /// Steps skipped in all, and in a row up to now.
+    pub skipped_steps: u64,
+    pub skipped_in_a_row: u64,
     /// The last step's events, for --svg (start times from the recorder's origin), and that origin.
-    pub last_step_events: &'a mut Vec<TimelineEvent>,
-    pub last_step_origin_s: &'a mut f64,
+    pub last_step_events: Vec<TimelineEvent>,
+    pub last_step_origin_s: f64,
+}
+
+/// The loop's books: the run's facts, the outputs it writes step by step (borrowed for the run)
+/// and its [`StepRecords`].
+pub(super) struct StepBooks<'a> {
+    facts: RunFacts,
+    pub state: &'a mut RunState,
+    progress: &'a Progress,
+    metrics: &'a mut Option<LineOutput>,
+    trace: &'a mut Option<TraceStream>,
+    recorder: Option<&'a TimelineRecorder>,
+    /// Across ranks, the trace's zero: the first step's start (rank 0's clock).
+    trace_origin_s: Option<f64>,
     /// When the step being recorded started on the recorder's clock.
-    pub last_step_start_s: f64,
+    last_step_start_s: f64,
     /// When it ended, if noted before something else ran (an evaluation).
-    pub step_end_s: Option<f64>,
-    pub recent_reports: &'a mut VecDeque<StepReport>,
-    pub last_report: &'a mut Option<StepReport>,
-    pub samples: &'a mut u64,
-    pub compute_s: &'a mut f64,
-    pub skipped_steps: &'a mut u64,
-    pub skipped_in_a_row: &'a mut u64,
+    step_end_s: Option<f64>,
     /// Whether steps overlap: a step's time is then the wall time since the step before it was
     /// reported (its own `step_s` runs from its launch, which overlaps the step before).
-    pub overlapped: bool,
+    overlapped: bool,
     /// When the last step was reported, in this stretch.
-    pub last_reported: Option<std::time::Instant>,
+    last_reported: Option<std::time::Instant>,
+    pub records: StepRecords,
+}
+
+impl<'a> StepBooks<'a> {
+    /// Books for a run with these facts, writing to these outputs (metrics, trace);
+    /// `overlapped` says whether the trainer overlaps steps.
+    pub fn new(
+        facts: RunFacts,
+        state: &'a mut RunState,
+        progress: &'a Progress,
+        outputs: (&'a mut Option<LineOutput>, &'a mut Option<TraceStream>),
+        recorder: Option<&'a TimelineRecorder>,
+        overlapped: bool,
+    ) -> StepBooks<'a> {
+        let (metrics, trace) = outputs;
+        StepBooks {
+            facts,
+            state,
+            progress,
+            metrics,
+            trace,
+            recorder,
+            trace_origin_s: None,
+            last_step_start_s: 0.0,
+            step_end_s: None,
+            overlapped,
+            last_reported: None,
+            records: StepRecords::default(),
+        }
+    }
+
+    /// The records, once the loop is over.
+    pub fn into_records(self) -> StepRecords {
+        self.records
+    }
 }
 
 impl StepBooks<'_> {
@@ -99,22 +144,22 @@ impl StepBooks<'_> {
     /// Records step `step` (0-based) of the run, reported as `report`, with the test accuracy
     /// measured right after it, if any.
     pub fn after_step(&mut self, step: u64, report: &StepReport, step_s: f64, eval_accuracy: Option<f64>) {
-        *self.skipped_in_a_row = 0;
+        self.records.skipped_in_a_row = 0;
         // An f16 step whose gradient overflowed the loss scale: not committed, the scale lowered
         // (GradScaler's skip); the run goes on.
-        *self.skipped_steps += u64::from(report.skipped);
+        self.records.skipped_steps += u64::from(report.skipped);
         let facts = &self.facts;
         let (epoch, lr, batch) = (facts.epoch(step), facts.lr(step), facts.batch);
         self.state.step = step + 1;
-        *self.samples += batch as u64;
-        *self.compute_s += step_s;
+        self.records.samples += batch as u64;
+        self.records.compute_s += step_s;
         self.progress.step_done(step + 1, facts.steps_per_epoch, report.loss);
         if let Some(recorder) = self.recorder {
             let end_s = self.step_end_s.take().unwrap_or_else(|| recorder.now_s());
             let (events, memory) = recorder.drain();
-            *self.last_step_events =
+            self.records.last_step_events =
                 events.iter().filter(|e| e.start_s >= self.last_step_start_s && e.start_s < end_s).copied().collect();
-            *self.last_step_origin_s = self.last_step_start_s;
+            self.records.last_step_origin_s = self.last_step_start_s;
             self.last_step_start_s = recorder.now_s();
             if let Some(trace) = self.trace.as_mut() {
                 trace.write(&events, &super::memory_samples(&memory));
@@ -134,7 +179,7 @@ impl StepBooks<'_> {
                 "samples_per_s": batch as f64 / step_s,
                 "grad_norm": report.grad_norm,
                 "bubble_fraction": report.timeline.bubble_fraction(),
-                "skipped_steps": *self.skipped_steps,
+                "skipped_steps": self.records.skipped_steps,
             });
             if let Some(accuracy) = eval_accuracy {
                 line["test_accuracy"] = accuracy.into();
@@ -161,18 +206,19 @@ impl StepBooks<'_> {
             }
             self.progress.println(line);
         }
-        if self.recent_reports.len() == BUBBLE_STEPS {
-            self.recent_reports.pop_front();
+        let records = &mut self.records;
+        if records.recent_reports.len() == BUBBLE_STEPS {
+            records.recent_reports.pop_front();
         }
-        self.recent_reports.push_back(report.clone());
-        *self.last_report = Some(report.clone());
+        records.recent_reports.push_back(report.clone());
+        records.last_report = Some(report.clone());
     }
 
     /// Records step `step` as skipped (a non-finite step under `--on-nonfinite skip`): the batch
     /// is consumed and nothing changes.
     pub fn skipped(&mut self, step: u64, error: &conveyor::engine::Error) {
-        *self.skipped_steps += 1;
-        *self.skipped_in_a_row += 1;
+        self.records.skipped_steps += 1;
+        self.records.skipped_in_a_row += 1;
         self.state.step = step + 1;
         self.progress.println(format!("step {} skipped: {error}", step + 1));
         if let Some(out) = self.metrics.as_mut() {
@@ -180,7 +226,7 @@ impl StepBooks<'_> {
                 "step": step + 1,
                 "epoch": self.facts.epoch(step),
                 "skipped": true,
-                "skipped_steps": *self.skipped_steps,
+                "skipped_steps": self.records.skipped_steps,
                 "lr": self.facts.lr(step),
             }));
         }

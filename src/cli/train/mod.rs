@@ -279,50 +279,26 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
         _ => None,
     };
-    // The last step's events, for --svg (start times from the recorder's origin).
-    let (mut last_step_events, mut last_step_origin_s): (Vec<TimelineEvent>, f64) = (Vec::new(), 0.0);
     let progress = Progress::new(first_step, total_steps, steps_per_epoch, ranks.is_none());
     let started = Instant::now();
-    let mut last_report = None;
-    let mut recent_reports: std::collections::VecDeque<conveyor::engine::runtime::StepReport> = Default::default();
-    let mut samples = 0u64;
-    let mut compute_s = 0.0;
-    let (mut skipped_steps, mut skipped_in_a_row) = (0u64, 0u64);
     // A non-finite step under `--on-nonfinite error` (or too many skipped): the run stops after
     // writing its outputs from the last good step.
     let mut diverged: Option<conveyor::engine::Error> = None;
     let mut periodic_failure: Option<anyhow::Error> = None;
     let eval_every = spec.training.eval_every;
     let checkpoint_every = spec.checkpoint.path.as_ref().and(spec.checkpoint.every);
-    let mut books = books::StepBooks {
-        facts: books::RunFacts {
-            batch,
-            total_steps,
-            steps_per_epoch,
-            log_every: spec.training.log_every,
-            base_lr,
-            lr_schedule,
-            gathered_trace: ranks.is_some().then_some(ranks_per_worker),
-        },
-        state: &mut state,
-        progress: &progress,
-        metrics: &mut metrics,
-        trace: &mut trace,
-        recorder: recorder.as_ref(),
-        trace_origin_s: None,
-        last_step_events: &mut last_step_events,
-        last_step_origin_s: &mut last_step_origin_s,
-        last_step_start_s: 0.0,
-        step_end_s: None,
-        recent_reports: &mut recent_reports,
-        last_report: &mut last_report,
-        samples: &mut samples,
-        compute_s: &mut compute_s,
-        skipped_steps: &mut skipped_steps,
-        skipped_in_a_row: &mut skipped_in_a_row,
-        overlapped: run.trainer.overlaps_steps(),
-        last_reported: None,
+    let facts = books::RunFacts {
+        batch,
+        total_steps,
+        steps_per_epoch,
+        log_every: spec.training.log_every,
+        base_lr,
+        lr_schedule,
+        gathered_trace: ranks.is_some().then_some(ranks_per_worker),
     };
+    let overlapped = run.trainer.overlaps_steps();
+    let mut books =
+        books::StepBooks::new(facts, &mut state, &progress, (&mut metrics, &mut trace), recorder.as_ref(), overlapped);
     // The steps run in stretches of `Trainer::fit` (overlapped with --overlap-steps on). A
     // stretch ends where the loop needs the trainer itself: after a step followed by an
     // evaluation or a periodic checkpoint, at a failed step, at a signal, or at the end.
@@ -398,7 +374,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             Ok(()) => {}
             Err(error @ conveyor::engine::Error::NonFiniteStep { .. }) => {
                 let skip = match on_nonfinite {
-                    OnNonFinite::Skip { max_in_a_row } => *books.skipped_in_a_row < max_in_a_row,
+                    OnNonFinite::Skip { max_in_a_row } => books.records.skipped_in_a_row < max_in_a_row,
                     OnNonFinite::Error => false,
                 };
                 if !skip {
@@ -425,6 +401,16 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             }
         }
     }
+    let books::StepRecords {
+        mut recent_reports,
+        last_report,
+        samples,
+        compute_s,
+        skipped_steps,
+        last_step_events,
+        last_step_origin_s,
+        ..
+    } = books.into_records();
     progress.finish();
     let mut trainer = run.trainer;
     let wall_s = started.elapsed().as_secs_f64();
