@@ -51,7 +51,7 @@ pub struct SimulateArgs {
     /// Data-parallel replicas R of the pipeline: each device all-reduces its stages' gradients
     /// (--gradient-bytes each, a ring over R ranks on the --latency/--bandwidth link:
     /// 2(R-1) messages and 2(R-1)/R of the bytes) when it reaches the optimizer step, before the
-    /// commit [default: 1].
+    /// commit.
     #[arg(long, value_name = "R", default_value_t = 1)]
     pub data_parallel: usize,
     /// Gradient bytes of each stage, all-reduced across --data-parallel replicas.

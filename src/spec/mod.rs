@@ -236,7 +236,8 @@ pub struct PipelineSection {
     pub weight_cache: WeightCache,
     /// `overlap_steps` (`--overlap-steps`): `on` lets each stage start the next step as soon as
     /// it has applied its own update, with the step validated after the fact (the same weights;
-    /// `TrainerBuilder::overlap_steps`), or `off`. Default off.
+    /// `TrainerBuilder::overlap_steps`), or `off`. Default on: where steps cannot overlap (across MPI
+    /// ranks, a stage without an undo snapshot) they stay synchronous and `train` says why.
     #[serde(with = "toml::text")]
     pub overlap_steps: OverlapSteps,
 }
@@ -245,9 +246,9 @@ pub struct PipelineSection {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum OverlapSteps {
     /// Every step ends with a barrier across the stages (the commit).
-    #[default]
     Off,
     /// Each stage starts the next step once it applied its own update; steps are validated after.
+    #[default]
     On,
 }
 
@@ -298,7 +299,7 @@ impl Default for PipelineSection {
             recompute: Recompute::Never,
             core_slots: CoreSlotPolicy::Auto,
             weight_cache: WeightCache::Auto,
-            overlap_steps: OverlapSteps::Off,
+            overlap_steps: OverlapSteps::On,
         }
     }
 }

@@ -192,14 +192,13 @@ pub struct TrainArgs {
     /// barrier across the stages; each step is validated after the fact (finite losses and
     /// gradients, no fault) and rolled back, with the step begun after it, if it fails, so the
     /// weights are those of `off`. In one process only (under mpirun steps stay synchronous).
-    /// [default: off]
+    /// [default: on]
     #[arg(long)]
     pub overlap_steps: Option<String>,
     /// How the pipeline's devices reach each other: `in-process` (threads of this process), `mpi`
     /// (this process is one rank of `mpirun -n P conveyor train ...`, one rank per pipeline device, or per device with --tensor-parallel;
     /// needs a build with `--features mpi`), or `auto`: MPI when an MPI launcher started this
     /// process with several ranks, else in-process.
-    /// [default: auto]
     #[arg(long, default_value = "auto")]
     pub transport: crate::cli::ranks::TransportChoice,
     /// Seed for initialisation, shuffling, synthetic data and dropout.
