@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::{SCHEDULES, data, even_stages};
 use conveyor::engine::optim::{OptimizerConfig, SgdConfig, clips};
 use conveyor::engine::runtime::{
-    CoreSlotPolicy, FaultInjection, FaultPoint, Recompute, StallInjection, StepReport, Trainer, TrainerBuilder,
+    Batch, CoreSlotPolicy, FaultInjection, FaultPoint, Recompute, StallInjection, StepReport, Trainer, TrainerBuilder,
 };
 use conveyor::engine::{Device, Error, LossScaleConfig, Precision, Tensor};
 use conveyor::layers::CrossEntropyLoss;
@@ -267,6 +267,34 @@ fn a_fault_while_updates_run_ahead_changes_nothing_and_the_run_goes_on() {
             let (b, _) = fit_all(&mut overlapped, batches(3));
             assert_eq!(a, b, "{at:?}");
             assert_eq!(state(&sync), state(&overlapped), "{at:?}: trains on as if no fault happened");
+        }
+    });
+}
+
+#[test]
+fn a_rolled_back_step_leaves_the_learning_rate_as_it_was() {
+    with_watchdog(|| {
+        // Steps that carry their own rate; the failing step's rate is set by stage 1 with its
+        // update (1F1B: stage 1 finishes first; overlapped, it applies before stage 0's apply
+        // fails). The rollback must put the rate back too: the next steps carry no rate, and run
+        // at the one before the failed step, as on a trainer that never saw it.
+        let at_rate =
+            |items: Vec<(Tensor, Vec<usize>)>, lr: f64| items.into_iter().map(move |item| Batch::from(item).at_lr(lr));
+        for overlap in [true, false] {
+            let mut clean = builder(2, 1, ScheduleKind::OneFOneB, 1).overlap_steps(overlap).build().unwrap();
+            let mut faulty = builder(2, 1, ScheduleKind::OneFOneB, 1).overlap_steps(overlap).build().unwrap();
+            clean.fit(at_rate(batches(2), 0.02), |_| ()).unwrap();
+            faulty.fit(at_rate(batches(2), 0.02), |_| ()).unwrap();
+            let fault = FaultInjection { stage_idx: 0, at: FaultPoint::Apply, micro_batch_idx: 0, panic: false };
+            faulty.inject_fault(Some(fault));
+            let error = faulty.fit(at_rate(batches(1), 0.5), |_| ()).unwrap_err();
+            assert!(matches!(error, Error::StageFailed { stage_idx: 0, .. }), "overlap {overlap}: {error}");
+            faulty.inject_fault(None);
+            assert_eq!(state(&clean), state(&faulty), "overlap {overlap}: the failed step undone");
+            let (a, _) = fit_all(&mut clean, batches(3));
+            let (b, _) = fit_all(&mut faulty, batches(3));
+            assert_eq!(a, b, "overlap {overlap}: losses and norms");
+            assert_eq!(state(&clean), state(&faulty), "overlap {overlap}: the steps after it ran at the old rate");
         }
     });
 }

@@ -530,12 +530,24 @@ impl Stage {
     /// With ZeRO-1 ([`Stage::zero`]) only this replica's nodes are updated; every other parameter is
     /// then broadcast from the replica that updated it (`replicas`, one rank per replica), the old
     /// values kept in the undo snapshot as for an update.
+    ///
+    /// `lr`, when the step carries a learning rate ([`super::Batch::at_lr`]), is set first and
+    /// stays for later steps; the rate it replaced is kept in the undo snapshot, so a rollback
+    /// puts it back with the parameters.
     pub fn apply_commit(
         &mut self,
+        lr: Option<f64>,
         max_norm: Option<f64>,
         global_norm: f64,
         replicas: Option<&dyn crate::collective::Communicator>,
     ) -> Result<()> {
+        if let Some(lr) = lr {
+            let before = self.optimizer.lr();
+            self.optimizer.set_lr(lr)?;
+            if let Some(undo) = self.undo.as_mut() {
+                undo.lr.get_or_insert(before);
+            }
+        }
         let mut grads: Vec<&mut Tensor> = self.nodes.iter_mut().flat_map(|n| n.grads.iter_mut()).collect();
         if let Some(max_norm) = max_norm {
             crate::optim::clip_grads_with_norm(&mut grads, max_norm, global_norm)?;
@@ -603,6 +615,11 @@ impl Stage {
     /// snapshot or holds none from this step: the stage then cannot be rolled back.
     pub fn roll_back(&mut self) -> bool {
         let Some(undo) = self.undo.as_mut().filter(|u| u.valid) else { return false };
+        if let Some(lr) = undo.lr.take() {
+            // The rate this step replaced, which the optimizer accepted before.
+            let restored = self.optimizer.set_lr(lr);
+            debug_assert!(restored.is_ok(), "a rate the optimizer held is refused: {restored:?}");
+        }
         let mut param_idx = 0;
         for node in &mut self.nodes {
             for p in node.layer.parameters_mut() {
@@ -683,6 +700,8 @@ pub(crate) struct UndoSnapshot {
     holds_old: Vec<bool>,
     /// Reserved in this step's prepare phase (a rollback only ever undoes the current step).
     valid: bool,
+    /// The learning rate before this step set its own ([`Stage::apply_commit`]'s `lr`).
+    lr: Option<f64>,
 }
 
 impl UndoSnapshot {
@@ -701,6 +720,7 @@ impl UndoSnapshot {
         self.params.truncate(n);
         self.holds_old.clear();
         self.holds_old.resize(n, false);
+        self.lr = None;
         self.optimizer.reserve(optimizer)?;
         self.valid = true;
         Ok(())

@@ -523,10 +523,7 @@ fn execute(
                         for stage in stages.iter_mut() {
                             let (stage_idx, device) = (stage.stage_idx, stage.device.clone());
                             guarded(stage_idx, &device, FaultPoint::Apply, None, job.fault, || {
-                                if let Some(lr) = job.lr {
-                                    stage.optimizer.set_lr(lr)?;
-                                }
-                                Ok(stage.apply_commit(job.max_grad_norm, commit.global_norm, replica)?)
+                                Ok(stage.apply_commit(job.lr, job.max_grad_norm, commit.global_norm, replica)?)
                             })?;
                         }
                         Ok(())
