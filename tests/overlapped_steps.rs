@@ -184,6 +184,10 @@ fn a_step_that_must_be_clipped_is_replayed_and_equals_synchronous_clipping() {
 fn after_a_step_that_clipped_the_steps_run_with_the_barrier_until_one_does_not_clip() {
     with_watchdog(|| {
         let mut probe = builder(2, 1, ScheduleKind::ZbH1, 1).build().unwrap();
+        // A limit that is not a finite number of at least 0 is refused, when built and when set.
+        assert!(builder(2, 1, ScheduleKind::ZbH1, 1).max_grad_norm(Some(-1.0)).build().is_err());
+        assert!(probe.set_max_grad_norm(Some(f64::NAN)).is_err());
+        assert_eq!(probe.max_grad_norm(), None, "a refused limit leaves the old one");
         let (norms, _) = fit_all(&mut probe, batches(8));
         let mut sorted: Vec<f64> = norms.iter().map(|(_, n)| f64::from_bits(*n)).collect();
         sorted.sort_by(f64::total_cmp);

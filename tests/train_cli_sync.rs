@@ -139,6 +139,7 @@ fn bad_values_and_flags_the_strategies_cannot_honour_exit_2_naming_the_flag() {
         (vec!["--sync", "ps", "--checkpoint", "c.safetensors"], "--checkpoint c.safetensors is not supported"),
         (vec!["--sync", "ps", "--trace", "t.json"], "--trace t.json is not supported"),
         (vec!["--sync", "ps", "--on-nonfinite", "skip"], "--on-nonfinite skip:10 is not supported"),
+        (vec!["--sync", "ps", "--clip-grad-norm", "1"], "--clip-grad-norm 1 is not supported"),
         (vec!["--sync", "ps", "--batch", "31"], "--batch 31 with --data-parallel 2"),
     ];
     for (extra, expected) in cases {

@@ -392,6 +392,10 @@ pub struct OptimizerSection {
     /// `lr_schedule` (`--lr-schedule`): constant, cosine or step:N,GAMMA. Default cosine.
     #[serde(with = "toml::text")]
     pub lr_schedule: LrSchedule,
+    /// `clip_grad_norm` (`--clip-grad-norm`): clip the gradients to this global L2 norm before
+    /// each update (torch's `clip_grad_norm_`, over every stage and replica); `None`: no clipping.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clip_grad_norm: Option<f64>,
 }
 
 /// `[checkpoint]`.

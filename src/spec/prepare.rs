@@ -104,6 +104,7 @@ impl RunSpec {
         // Every checkpoint of the run carries what the run is (not its output files).
         let mut trainer = trainer;
         trainer.set_overlap_steps(pipeline.overlap_steps.is_on());
+        trainer.set_max_grad_norm(self.optimizer.clip_grad_norm)?;
         trainer.set_metadata(crate::cli_input::SPEC_KEY, spec.for_checkpoint().to_toml_string()?)?;
         Ok(PreparedRun {
             spec,

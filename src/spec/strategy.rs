@@ -173,7 +173,7 @@ fn check_supported(spec: &RunSpec) -> Result<(), SpecError> {
     const CHECKPOINTS: &str = "the strategies' state (workers, servers, optimizer state) is not checkpointed; --save writes the trained model";
     const TIMELINE: &str = "the strategies' workers record no timeline of ops";
     #[rustfmt::skip]
-    let refused: [(&'static str, &'static str, Option<String>, &'static str); 10] = [
+    let refused: [(&'static str, &'static str, Option<String>, &'static str); 11] = [
         ("--tensor-parallel", "pipeline.tensor_parallel", (pipeline.tensor_parallel > 1).then(|| pipeline.tensor_parallel.to_string()),
             "gradients of tensor-parallel stages are not gathered for the strategies; give --tensor-parallel 1"),
         ("--zero", "pipeline.zero", (pipeline.zero != 0).then(|| pipeline.zero.to_string()),
@@ -187,6 +187,8 @@ fn check_supported(spec: &RunSpec) -> Result<(), SpecError> {
         ("--checkpoint-every", "checkpoint.every", checkpoint.every.map(|n| n.to_string()), CHECKPOINTS),
         ("--trace", "outputs.trace", path(&outputs.trace), TIMELINE),
         ("--svg", "outputs.svg", path(&outputs.svg), TIMELINE),
+        ("--clip-grad-norm", "optimizer.clip_grad_norm", spec.optimizer.clip_grad_norm.map(|max| max.to_string()),
+            "each worker's update uses its own gradients, with no global norm to clip to; leave --clip-grad-norm out"),
         ("--on-nonfinite", "training.on_nonfinite", (training.on_nonfinite != OnNonFinite::Error).then(|| training.on_nonfinite.to_text()),
             "a run through the strategies stops at a non-finite loss; give --on-nonfinite error"),
     ];

@@ -55,6 +55,7 @@ const FLAGS: &[(&str, &str)] = &[
     ("optimizer.momentum", "--momentum"),
     ("optimizer.weight_decay", "--weight-decay"),
     ("optimizer.lr_schedule", "--lr-schedule"),
+    ("optimizer.clip_grad_norm", "--clip-grad-norm"),
     ("checkpoint.init", "--init"),
     ("checkpoint.resume", "--resume"),
     ("checkpoint.path", "--checkpoint"),

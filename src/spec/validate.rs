@@ -158,6 +158,17 @@ impl OptimizerSection {
                 AdamConfig::adamw(lr.unwrap_or(0.005)).with_weight_decay(weight_decay.unwrap_or(0.01)),
             ),
         };
+        if let Some(max_norm) = self.clip_grad_norm {
+            conveyor_engine::optim::check_max_norm(max_norm).map_err(|e| SpecError::Hyperparameter {
+                key: "optimizer.clip_grad_norm",
+                flag: "--clip-grad-norm",
+                optimizer: name,
+                reason: match e {
+                    conveyor_engine::Error::InvalidArgument { reason, .. } => reason,
+                    other => other.to_string(),
+                },
+            })?;
+        }
         config.validate().map_err(|e| match e {
             // Name the key that set the value: the optimizer's message names the hyperparameter.
             conveyor_engine::Error::InvalidArgument { name: parameter, reason } => {

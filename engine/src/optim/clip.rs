@@ -121,7 +121,8 @@ pub fn clip_grad_norm(grads: &mut [&mut Tensor], max_norm: f64) -> Result<f64> {
     Ok(total_norm)
 }
 
-fn check_max_norm(max_norm: f64) -> Result<()> {
+/// Checks a gradient-norm limit: a finite number of at least 0.
+pub fn check_max_norm(max_norm: f64) -> Result<()> {
     if !(max_norm >= 0.0 && max_norm.is_finite()) {
         return Err(Error::invalid(
             "max_norm",

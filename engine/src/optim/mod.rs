@@ -31,7 +31,7 @@ mod unsplit;
 
 pub use adam::AdamConfig;
 pub use clip::{
-    CLIP_NORM_EPSILON, clip_grad_norm, clip_grads_with_norm, clips, grad_sum_of_squares,
+    CLIP_NORM_EPSILON, check_max_norm, clip_grad_norm, clip_grads_with_norm, clips, grad_sum_of_squares,
     total_norm_from_sums_of_squares,
 };
 pub use sgd::SgdConfig;

@@ -30,6 +30,7 @@ impl TrainerBuilder {
         state.check()?;
         self.graph.validate()?;
         self.optimizer.validate()?;
+        self.max_grad_norm.map(crate::optim::check_max_norm).transpose()?;
         if self.devices.is_empty() {
             return Err(Error::invalid("devices", "no devices given; give at least one (e.g. cpu:0)"));
         }

@@ -586,6 +586,20 @@ impl Trainer {
         self.step_idx
     }
 
+    /// Clips gradients to this global L2 norm from the next step on
+    /// ([`TrainerBuilder::max_grad_norm`]), or stops clipping (`None`); a limit that is not a
+    /// finite number of at least 0 is refused and the old one kept.
+    pub fn set_max_grad_norm(&mut self, max_norm: Option<f64>) -> Result<()> {
+        max_norm.map(crate::optim::check_max_norm).transpose()?;
+        self.max_grad_norm = max_norm;
+        Ok(())
+    }
+
+    /// The global gradient-norm limit, if gradients are clipped.
+    pub fn max_grad_norm(&self) -> Option<f64> {
+        self.max_grad_norm
+    }
+
     /// Sets the step counter (when resuming from a checkpoint; dropout seeds depend on it).
     pub fn set_step_idx(&mut self, step_idx: u64) {
         self.step_idx = step_idx;

@@ -172,6 +172,10 @@ pub struct TrainArgs {
     /// Weight decay (L2 for sgd/adam, decoupled for adamw).
     #[arg(long, allow_negative_numbers = true)]
     pub weight_decay: Option<f64>,
+    /// Clip the gradients to this global L2 norm before each update (torch's
+    /// `clip_grad_norm_`), over every stage and replica. [default: no clipping]
+    #[arg(long, value_name = "MAX", allow_negative_numbers = true)]
+    pub clip_grad_norm: Option<f64>,
     /// Activation recomputation: never, except-last or always.
     /// [default: never]
     #[arg(long)]
@@ -383,6 +387,7 @@ impl TrainArgs {
         set_some(&mut optimizer.lr, &self.lr);
         set_some(&mut optimizer.momentum, &self.momentum);
         set_some(&mut optimizer.weight_decay, &self.weight_decay);
+        set_some(&mut optimizer.clip_grad_norm, &self.clip_grad_norm);
         if let Some(text) = &self.lr_schedule {
             optimizer.lr_schedule = text.parse()?;
         }
