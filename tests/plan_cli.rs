@@ -122,6 +122,33 @@ fn json_stages_are_consistent_and_cover_every_layer_once() -> Result<()> {
     assert!(step >= 8.0 * bottleneck * (1.0 - 1e-12), "step {step} < m x bottleneck {bottleneck}");
     let bubble = f64_of(&json, "predicted_bubble_fraction")?;
     assert!((0.0..1.0).contains(&bubble) && bubble > 0.0, "{bubble}");
+    // 1F1B's device 0 starts and ends every step, so overlapped steps (train's default) keep
+    // its period when the optimizer and the commit cost nothing.
+    let overlapped = f64_of(&json, "predicted_overlapped_step_s")?;
+    assert!((overlapped - step).abs() <= 1e-9 * step, "1f1b: no gain without commit latency: {overlapped} {step}");
+    Ok(())
+}
+
+#[test]
+fn the_plan_predicts_the_overlapped_period_that_train_runs_by_default() -> Result<()> {
+    // ZB-H2's devices end a step one forward apart; the next step's first forwards fill that gap
+    // (here the second stage holds three of the five layers, so the gap is there to fill).
+    let model = "mlp:1024,1024,1024,1024,1024,10";
+    let args = ["--model", model, "--devices", "cpu:2", "--schedule", "zb-h2", "--microbatches", "4", "--batch", "256"];
+    let json = plan_json(&args)?;
+    let (one, overlapped) = (f64_of(&json, "predicted_step_s")?, f64_of(&json, "predicted_overlapped_step_s")?);
+    assert!(overlapped < one * 0.99, "overlapped {overlapped} against one step {one}");
+    // At least the busiest device's work per step.
+    let busiest = json["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| 4.0 * f64_of(s, "predicted_time_s").unwrap())
+        .fold(0.0, f64::max);
+    assert!(overlapped >= busiest * (1.0 - 1e-9), "overlapped {overlapped} below the busiest device's {busiest}");
+    let output = conveyor(&[&["plan"], &args[..]].concat())?;
+    let table = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success() && table.contains("with overlapped steps (`train`'s default)"), "{table}");
     Ok(())
 }
 

@@ -10,7 +10,7 @@ use conveyor::engine::placement::{Plan, ReplicaPlan, format_bytes, format_second
 use conveyor::engine::runtime::Recompute;
 use conveyor::limits::{MAX_BATCH_ROWS, MAX_STAGES};
 use conveyor::pipeline::{PipelineConfig, memory_notes, plan, plan_manually};
-use conveyor::schedules::{OpKind, Schedule, ScheduleKind, SimulationReport, simulate};
+use conveyor::schedules::{OpKind, Schedule, ScheduleKind, SimulationReport, StepOverlap, simulate, simulate_steps};
 use conveyor::zoo::ModelSpec;
 
 use super::messages::{engine_input_error, schedule_message};
@@ -156,17 +156,17 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         .then(|| replica_plan(&plan, &graph, replicas, args.zero == 1, &plan.config.link))
         .transpose()
         .map_err(engine_input_error)?;
-    let report = simulate_plan(&plan, &args, devices.len(), replica_plan.as_ref())?;
+    let prediction = simulate_plan(&plan, &args, devices.len(), replica_plan.as_ref())?;
     if args.json {
-        let mut json = plan_json(&plan, &report, &args, &graph, devices.len());
+        let mut json = plan_json(&plan, &prediction, &args, &graph, devices.len());
         if let Some(replica_plan) = &replica_plan {
-            json["data_parallel"] = replica_json(&plan, replica_plan, &report, args.bucket_size);
+            json["data_parallel"] = replica_json(&plan, replica_plan, &prediction.one_step, args.bucket_size);
         }
         outln!("{}", serde_json::to_string(&json)?);
     } else {
-        print_table(&plan, &report, &args, plan.config.micro_batch_rows, devices.len());
+        print_table(&plan, &prediction, &args, plan.config.micro_batch_rows, devices.len());
         if let Some(replica_plan) = &replica_plan {
-            print_replicas(&plan, replica_plan, &report, args.bucket_size);
+            print_replicas(&plan, replica_plan, &prediction.one_step, args.bucket_size);
         }
     }
     Ok(())
@@ -205,7 +205,7 @@ pub(super) fn simulate_plan(
     args: &PlanArgs,
     n_devices: usize,
     replicas: Option<&ReplicaPlan>,
-) -> anyhow::Result<SimulationReport> {
+) -> anyhow::Result<Prediction> {
     let schedule = Schedule::new(args.schedule, n_devices, args.microbatches, args.chunks)
         .map_err(|e| usage(schedule_message(&e)))?;
     // Each recomputed micro-batch's input-gradient op costs one more forward of its stage.
@@ -215,12 +215,27 @@ pub(super) fn simulate_plan(
             .with_device_all_reduce_s(replicas.device_all_reduce_s(n_devices, |s| schedule.device_of_stage(s)))
             .with_all_reduce_in_buckets(args.bucket_size.bytes().is_some());
     }
-    simulate(&schedule, &costs).context("simulating the schedule with the plan's predicted stage costs")
+    let one_step =
+        simulate(&schedule, &costs).context("simulating the schedule with the plan's predicted stage costs")?;
+    // `conveyor train` overlaps steps by default: its steady-state period, over a few steps.
+    let overlapped = simulate_steps(&schedule, &costs, OVERLAPPED_STEPS_SIMULATED, StepOverlap::Overlapped)
+        .context("simulating overlapped steps with the plan's predicted stage costs")?;
+    Ok(Prediction { one_step, overlapped_step_s: overlapped.step_period_s })
+}
+
+/// Steps simulated for the overlapped period (its steady state is reached from the second step).
+const OVERLAPPED_STEPS_SIMULATED: usize = 4;
+
+/// What the plan predicts of a step: one step alone (as `conveyor simulate` draws it), and the
+/// period of overlapped steps in steady state (`train --overlap-steps on`, its default).
+pub(super) struct Prediction {
+    pub one_step: SimulationReport,
+    pub overlapped_step_s: f64,
 }
 
 pub(super) fn plan_json(
     plan: &Plan,
-    report: &SimulationReport,
+    prediction: &Prediction,
     args: &PlanArgs,
     graph: &Graph,
     n_devices: usize,
@@ -272,8 +287,9 @@ pub(super) fn plan_json(
         "placement": args.placement,
         "stages": stages,
         "bottleneck_s": plan.bottleneck_s(),
-        "predicted_step_s": report.makespan_s,
-        "predicted_bubble_fraction": report.bubble_fraction,
+        "predicted_step_s": prediction.one_step.makespan_s,
+        "predicted_overlapped_step_s": prediction.overlapped_step_s,
+        "predicted_bubble_fraction": prediction.one_step.bubble_fraction,
         "recompute": recompute_name(args.recompute),
         "weight_cache": args.weight_cache.name(),
         "device_peak_bytes": plan.device_peaks(n_devices).iter().map(|d| d[0]).collect::<Vec<_>>(),
@@ -291,7 +307,7 @@ pub(super) fn recompute_name(recompute: Recompute) -> &'static str {
 
 pub(super) fn print_table(
     plan: &Plan,
-    report: &SimulationReport,
+    prediction: &Prediction,
     args: &PlanArgs,
     micro_batch_rows: usize,
     n_devices: usize,
@@ -379,11 +395,13 @@ pub(super) fn print_table(
         format_seconds(bottleneck.time_per_micro_batch_s())
     );
     outln!(
-        "predicted step: {} ({} simulated with these stage times)",
-        format_seconds(report.makespan_s),
-        args.schedule
+        "predicted step: {} ({} simulated with these stage times); with overlapped steps (`train`'s default) {} \
+         per step in steady state",
+        format_seconds(prediction.one_step.makespan_s),
+        args.schedule,
+        format_seconds(prediction.overlapped_step_s)
     );
-    outln!("predicted bubble fraction: {:.4}", report.bubble_fraction);
+    outln!("predicted bubble fraction: {:.4}", prediction.one_step.bubble_fraction);
 }
 
 /// The data-parallel view of the plan: each replica's memory per stage (with ZeRO-1, its share of

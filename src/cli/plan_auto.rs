@@ -35,9 +35,9 @@ pub fn run(
     args.microbatches = chosen.n_micro_batches;
     args.recompute = chosen.recompute;
     let plan = choice.plan();
-    let report = simulate_plan(plan, &args, devices.len(), None)?;
+    let prediction = simulate_plan(plan, &args, devices.len(), None)?;
     if args.json {
-        let mut json = plan_json(plan, &report, &args, graph, devices.len());
+        let mut json = plan_json(plan, &prediction, &args, graph, devices.len());
         json["auto"] = auto_json(&choice);
         outln!("{}", serde_json::to_string(&json)?);
         return Ok(());
@@ -45,7 +45,7 @@ pub fn run(
     if args.explain {
         print_candidates(&choice);
     }
-    print_table(plan, &report, &args, plan.config.micro_batch_rows, devices.len());
+    print_table(plan, &prediction, &args, plan.config.micro_batch_rows, devices.len());
     outln!("--schedule auto chose {}: {}", chosen.label(), choice.why());
     Ok(())
 }

@@ -65,14 +65,14 @@ pub(super) fn run(
         stage.backward_weight_s += backward_weight;
     }
     let n_groups = devices.len() / k;
-    let report = simulate_plan(&plan, args, n_groups, None)?;
+    let prediction = simulate_plan(&plan, args, n_groups, None)?;
     if args.json {
-        let mut json = plan_json(&plan, &report, args, &graph, n_groups);
+        let mut json = plan_json(&plan, &prediction, args, &graph, n_groups);
         json["tensor_parallel"] = tensor_parallel_json(&plan, &collectives, devices, k);
         outln!("{}", serde_json::to_string(&json)?);
         return Ok(());
     }
-    print_table(&plan, &report, args, plan.config.micro_batch_rows, n_groups);
+    print_table(&plan, &prediction, args, plan.config.micro_batch_rows, n_groups);
     print_groups(&plan, &collectives, devices, k);
     Ok(())
 }
