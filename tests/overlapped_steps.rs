@@ -202,8 +202,15 @@ fn after_a_step_that_clipped_the_steps_run_with_the_barrier_until_one_does_not_c
             let expected = (0..8).filter(|&k| clips[k] && (k == 0 || !clips[k - 1])).count();
             let mut overlapped =
                 builder(2, 1, ScheduleKind::ZbH1, 1).max_grad_norm(Some(limit)).overlap_steps(true).build().unwrap();
-            let mut b = Vec::new();
-            let fitted = overlapped.fit(batches(8), |report| b.push(summary(report))).unwrap();
+            let (mut b, mut replayed) = (Vec::new(), Vec::new());
+            let fitted = overlapped
+                .fit(batches(8), |report| {
+                    b.push(summary(report));
+                    replayed.push(report.replayed);
+                })
+                .unwrap();
+            let expected_flags: Vec<bool> = (0..8).map(|k| clips[k] && (k == 0 || !clips[k - 1])).collect();
+            assert_eq!(replayed, expected_flags, "limit {limit}: which reports say they were replayed");
             assert_eq!(a, b, "limit {limit}: losses and norms");
             assert_eq!(state(&sync), state(&overlapped), "limit {limit}: parameters and state");
             assert_eq!(fitted.replayed_steps, expected, "limit {limit}: steps that clip {clips:?}");

@@ -80,6 +80,18 @@ fn clipping_binds_only_above_the_limit_and_overlapped_steps_clip_alike() {
     assert_ne!(off, free, "clipped steps change the model");
     assert_eq!(on, off, "overlapped steps clip as synchronous ones, bit for bit");
     assert_eq!(agreed(&on_metrics), agreed(&off_metrics), "losses, rates and norms");
+    // The overlapped run replays a clipping step only after one that did not clip (or first),
+    // and says which; the synchronous run replays none.
+    let clips: Vec<bool> = norms(&off_metrics).iter().map(|&n| conveyor::engine::optim::clips(limit, n)).collect();
+    let expected: Vec<bool> = (0..clips.len()).map(|k| clips[k] && (k == 0 || !clips[k - 1])).collect();
+    let replayed = |lines: &[serde_json::Value]| -> Vec<bool> {
+        lines.iter().filter(|l| l.get("summary").is_none()).map(|l| l.get("replayed").is_some()).collect()
+    };
+    assert_eq!(replayed(&on_metrics), expected, "replayed steps, for clipping steps {clips:?}");
+    assert!(replayed(&off_metrics).iter().all(|r| !r), "synchronous steps are never replayed");
+    let count = |lines: &[serde_json::Value]| lines.last().and_then(|l| l["replayed_steps"].as_u64());
+    assert_eq!(count(&on_metrics), Some(expected.iter().filter(|&&r| r).count() as u64), "the summary's count");
+    assert_eq!(count(&off_metrics), Some(0));
 }
 
 #[test]

@@ -273,6 +273,7 @@ impl StepReport {
             core_wake_latency_s: None,
             loss_scale: None,
             skipped: false,
+            replayed: false,
         }
     }
 }

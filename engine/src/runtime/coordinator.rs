@@ -439,6 +439,7 @@ impl Trainer {
                 }),
                 loss_scale: self.loss_scaler.map(|scaler| scaler.scale()).filter(|_| training),
                 skipped: false,
+                replayed: false,
             },
             outputs: outputs.into_iter().map(|(_, t)| t).collect(),
             replay: false,

@@ -219,6 +219,10 @@ pub struct StepReport {
     /// finite, so no parameter changed and the scale was lowered for the next step (as
     /// `GradScaler` skips `optimizer.step()`). `grad_norm` is then infinite or NaN.
     pub skipped: bool,
+    /// True when the step ran twice: with overlapped steps ([`TrainerBuilder::overlap_steps`]) it
+    /// was applied before its gradient norm was known, found to clip, rolled back and run again
+    /// with the barrier; this report is the second run's (the bits of a synchronous step).
+    pub replayed: bool,
 }
 
 /// The CPU time one op took on its worker thread.

@@ -86,7 +86,8 @@ impl Trainer {
                         // Rolled back (and the next step abandoned): once more with the barrier.
                         Ok(outcome) if outcome.replay => {
                             summary.replayed += 1;
-                            (self.train_batch(&batch)?, true)
+                            let replayed = StepReport { replayed: true, ..self.train_batch(&batch)? };
+                            (replayed, true)
                         }
                         Ok(outcome) => {
                             self.step_idx += 1;

@@ -313,6 +313,7 @@ mod tests {
             core_wake_latency_s: None,
             loss_scale: None,
             skipped: false,
+            replayed: false,
         };
         let mut auto = ShareState::new(ReplicaShares::Auto, 2);
         assert_eq!(auto.rows(64, 1).unwrap(), vec![32, 32]);

@@ -53,6 +53,8 @@ pub(super) struct StepRecords {
     /// Steps skipped in all, and in a row up to now.
     pub skipped_steps: u64,
     pub skipped_in_a_row: u64,
+    /// Overlapped steps that ran twice: applied before their norm was known, then clipped.
+    pub replayed_steps: u64,
     /// The last step's events, for --svg (start times from the recorder's origin), and that origin.
     pub last_step_events: Vec<TimelineEvent>,
     pub last_step_origin_s: f64,
@@ -148,6 +150,7 @@ impl StepBooks<'_> {
         // An f16 step whose gradient overflowed the loss scale: not committed, the scale lowered
         // (GradScaler's skip); the run goes on.
         self.records.skipped_steps += u64::from(report.skipped);
+        self.records.replayed_steps += u64::from(report.replayed);
         let facts = &self.facts;
         let (epoch, lr, batch) = (facts.epoch(step), facts.lr(step), facts.batch);
         self.state.step = step + 1;
@@ -186,6 +189,9 @@ impl StepBooks<'_> {
             }
             if let Some(scale) = report.loss_scale {
                 line["loss_scale"] = scale.into();
+            }
+            if report.replayed {
+                line["replayed"] = true.into();
             }
             if report.skipped {
                 line["skipped"] = true.into();

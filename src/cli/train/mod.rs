@@ -407,6 +407,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         samples,
         compute_s,
         skipped_steps,
+        replayed_steps,
         last_step_events,
         last_step_origin_s,
         ..
@@ -432,6 +433,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         "\ntrained {steps_run} steps in {wall_s:.2} s: {:.0} samples/s",
         samples as f64 / compute_s.max(f64::MIN_POSITIVE)
     );
+    if replayed_steps > 0 {
+        outln!(
+            "{replayed_steps} overlapped step(s) ran twice: applied before their gradient norm was known, it clipped \
+             (--clip-grad-norm), so each was rolled back and run again with the barrier"
+        );
+    }
     if let Some(report) = &last_report {
         outln!("final loss {:.4}", report.loss);
     }
@@ -492,6 +499,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             "summary": true,
             "steps": state.step,
             "skipped_steps": skipped_steps,
+            "replayed_steps": replayed_steps,
             "stopped_non_finite": diverged.as_ref().filter(|e| matches!(e, conveyor::engine::Error::NonFiniteStep { .. })).map(|e| e.to_string()),
             "stopped_by_error": diverged.as_ref().filter(|e| !matches!(e, conveyor::engine::Error::NonFiniteStep { .. })).map(|e| e.to_string()),
             "interrupted": interrupted.map(interrupt::signal_name),
