@@ -458,6 +458,23 @@ fn weight_cache_modes_keep_all_none_or_what_fits() -> Result<()> {
     refused.extend(args("on"));
     refused.extend(["--device-memory", &budget]);
     assert_usage_error(&refused, &["does not fit"])?;
+    // `train` plans alike with the default placement (it used to plan the cost model's cut again
+    // with the automatic caches, whatever --weight-cache said).
+    let train = |mode: &'static str, budget: &str| -> Result<Output> {
+        let mut all = vec!["train", "--data", "synthetic:64,1024,10", "--steps", "1", "--log-every", "0"];
+        all.extend(args(mode));
+        all.extend(["--device-memory", budget]);
+        conveyor(&all)
+    };
+    let fitting = train("auto", &budget)?;
+    let stdout = String::from_utf8_lossy(&fitting.stdout);
+    ensure!(fitting.status.success() && stdout.contains("drops the derived caches"), "train, auto: {stdout}");
+    let off_run = train("off", "1GiB")?;
+    let stdout = String::from_utf8_lossy(&off_run.stdout);
+    ensure!(off_run.status.success() && stdout.contains("weight cache off: no stage keeps derived caches"), "{stdout}");
+    let on_run = train("on", &budget)?;
+    let stderr = String::from_utf8_lossy(&on_run.stderr);
+    ensure!(on_run.status.code() == Some(2) && stderr.contains("does not fit"), "train, on, tight: {stderr}");
     assert_usage_error(&["plan", "--model", MLP, "--weight-cache", "sometimes"], &["--weight-cache", "sometimes"])?;
     assert_usage_error(
         &["train", "--model", MLP, "--steps", "1", "--weight-cache", "sometimes"],

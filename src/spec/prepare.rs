@@ -229,17 +229,10 @@ pub(super) fn place_and_build(
     let (stages, name) = match placement {
         PlacementSpec::Auto => {
             let may_profile = conveyor_engine::transport::launcher_world_size().is_none_or(|n| n <= 1);
-            let (measured, how) = plan_auto(&graph, &first, config, may_profile)?;
-            let trainer = match how {
-                AutoPlacement::Profiled { used_measured: true, .. } => {
-                    start(graph, Placement::Plan(Box::new(measured)))?
-                }
-                // The cost model's cut, planned by the builder as ever.
-                _ => start(graph, Placement::auto())?,
-            };
-            let plan = trainer.plan().cloned().ok_or_else(|| {
-                SpecError::from(conveyor_engine::Error::invalid("placement", "the trainer kept no plan"))
-            })?;
+            // The chosen cut (the cost model's, or the measured one), planned under this run's
+            // settings, the weight cache included, and used as planned: not planned again.
+            let (plan, how) = plan_auto(&graph, &first, config, may_profile)?;
+            let trainer = start(graph, Placement::Plan(Box::new(plan.clone())))?;
             return Ok((plan, trainer, Some(how)));
         }
         PlacementSpec::Time => {
