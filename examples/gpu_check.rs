@@ -23,7 +23,9 @@
 //!
 //! Each model also trains tensor-parallel and in two data-parallel replicas (`cpu:0,cpu:1 tp2`,
 //! `cpu:0,cpu:1 dp2`; on the first GPU `cuda:0x2 tp2` and `dp2`: two logical devices, one stage,
-//! and `cuda:0x4 tp2`: two stages of two), held to the same f32 tolerance and plan.
+//! and `cuda:0x4 tp2`: two stages of two), held to the same f32 tolerance and plan. Rows `ovl`
+//! train the 2-stage pipelines (`cpu:0,cpu:1`, `cpu:0,cuda:0`, `cuda:0x2`) with overlapped steps
+//! (`Trainer::fit`, `conveyor train`'s default), which must give the synchronous run's bits there.
 //!
 //! Run: `cargo run --release --features cuda --example gpu_check -- [--steps N] [--batch N]
 //! [--torch FILE] [MODEL ...]`; exit status 1 when any GPU row fails its tolerance or cannot train, unless
@@ -114,6 +116,12 @@ fn batch(spec: &ModelSpec, rows: usize, seed: u64) -> Result<(Tensor, Vec<usize>
 /// Trains `spec` for `args.steps` steps, one stage per device (layers cut evenly, 1F1B with two
 /// micro-batches).
 fn train(spec: &ModelSpec, devices: Vec<Device>, args: &Args, precision: Precision) -> Result<Run> {
+    train_with(spec, devices, args, precision, false)
+}
+
+/// [`train`], with overlapped steps (`Trainer::fit` with post-validation, `conveyor train`'s
+/// default) when `overlap`.
+fn train_with(spec: &ModelSpec, devices: Vec<Device>, args: &Args, precision: Precision, overlap: bool) -> Result<Run> {
     let graph = spec.build(7)?;
     let layers: Vec<String> = graph
         .topological_order()?
@@ -140,7 +148,7 @@ fn train(spec: &ModelSpec, devices: Vec<Device>, args: &Args, precision: Precisi
         .precision(precision)
         .seed(11)
         .build()?;
-    steps(trainer, None, spec, args, n_devices)
+    steps(trainer, None, spec, args, n_devices, overlap)
 }
 
 /// The optimizer of every run.
@@ -174,23 +182,49 @@ fn train_split(
     let n_stages = devices.len() / (tensor_parallel * replicas);
     let data_parallel = DataParallel::replicas(replicas);
     let (plan, trainer) = build_trainer_replicated(spec, 7, devices, tensor_parallel, &data_parallel, &config)?;
-    steps(trainer, Some(plan), spec, args, n_stages)
+    steps(trainer, Some(plan), spec, args, n_stages, false)
 }
 
 /// Runs `args.steps` steps of `trainer` and collects what [`Run`] holds. Its memory plan (`plan`,
 /// or the one the trainer keeps) places the stages on `n_stages` pipeline devices, each a group
-/// of one or more devices.
-fn steps(mut trainer: Trainer, plan: Option<Plan>, spec: &ModelSpec, args: &Args, n_stages: usize) -> Result<Run> {
+/// of one or more devices. With `overlap` the steps run through `Trainer::fit` with overlapped
+/// steps (refused when the trainer cannot overlap them), and a step's time is the wall time
+/// between two reports.
+fn steps(
+    mut trainer: Trainer,
+    plan: Option<Plan>,
+    spec: &ModelSpec,
+    args: &Args,
+    n_stages: usize,
+    overlap: bool,
+) -> Result<Run> {
     let n_devices = trainer.devices().len();
     let mut times = Vec::new();
     let mut measured = vec![0u64; n_devices];
-    for step in 0..args.steps {
-        let (x, y) = batch(spec, args.batch, step)?;
-        let start = Instant::now();
-        let report = trainer.train_step(&x, &y)?;
-        times.push(start.elapsed().as_secs_f64() * 1e3);
+    let mut record = |report: &conveyor::engine::runtime::StepReport, ms: f64| {
+        times.push(ms);
         for (peak, &bytes) in measured.iter_mut().zip(&report.peak_memory) {
             *peak = (*peak).max(bytes);
+        }
+    };
+    if overlap {
+        trainer.set_overlap_steps(true);
+        if let Some(why) = trainer.overlap_unavailable() {
+            anyhow::bail!("steps cannot overlap here: {why}");
+        }
+        let batches: Vec<(Tensor, Vec<usize>)> =
+            (0..args.steps).map(|step| batch(spec, args.batch, step)).collect::<Result<_>>()?;
+        let mut last = Instant::now();
+        trainer.fit(batches, |report| {
+            record(report, last.elapsed().as_secs_f64() * 1e3);
+            last = Instant::now();
+        })?;
+    } else {
+        for step in 0..args.steps {
+            let (x, y) = batch(spec, args.batch, step)?;
+            let start = Instant::now();
+            let report = trainer.train_step(&x, &y)?;
+            record(&report, start.elapsed().as_secs_f64() * 1e3);
         }
     }
     // One figure per device: each pipeline device's group members in order.
@@ -417,6 +451,47 @@ fn main() -> Result<()> {
                         failures += 1;
                         print_failure(model, &row, "f32", &error);
                     }
+                }
+            }
+        }
+        // Overlapped steps (`conveyor train`'s default): each 2-stage pipeline trained through
+        // `Trainer::fit` with post-validation must give the bits of its synchronous steps on the
+        // same devices (undo snapshots and rollbacks of device tensors, the optimistic apply on a
+        // device's stream).
+        let mut overlap_placements = vec!["cpu:0,cpu:1".to_string()];
+        if let Some(&first) = gpus.first() {
+            overlap_placements.extend([format!("cpu:0,cuda:{first}"), format!("cuda:{first}x2")]);
+        }
+        for label in overlap_placements {
+            let row = format!("{label} ovl");
+            let runs = Device::parse_list(&label).map_err(anyhow::Error::from).and_then(|devices| {
+                let synchronous = train(&spec, devices.clone(), &args, Precision::F32)?;
+                let overlapped = train_with(&spec, devices, &args, Precision::F32, true)?;
+                Ok((synchronous, overlapped))
+            });
+            match runs {
+                Ok((synchronous, overlapped)) => {
+                    let (diff, _) = rel_diffs(&overlapped.weights, &reference.weights);
+                    let same_bits = overlapped.weights.iter().zip(&synchronous.weights).all(|((_, a), (_, b))| {
+                        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+                    }) && overlapped.weights.len() == synchronous.weights.len();
+                    let pass = same_bits && overlapped.peak_over_plan <= 1.0;
+                    failures += usize::from(!pass);
+                    println!(
+                        "{model:<24} {row:<12} {:<9} {:>10.3} {:>10} {diff:>12.2e} {:>9.3}  {} (synchronous {:.3} ms \
+                         on the same devices; {})",
+                        "f32",
+                        overlapped.step_ms,
+                        "-",
+                        overlapped.peak_over_plan,
+                        if pass { "PASS" } else { "FAIL" },
+                        synchronous.step_ms,
+                        if same_bits { "the same bits" } else { "NOT the synchronous bits" }
+                    );
+                }
+                Err(error) => {
+                    failures += 1;
+                    print_failure(model, &row, "f32", &error);
                 }
             }
         }

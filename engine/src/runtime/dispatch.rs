@@ -215,12 +215,13 @@ impl Trainer {
             let mut data: HashMap<usize, Vec<Payload>> = HashMap::new();
             for info in &my_stages {
                 if info.data_inputs.contains(&input_id) {
-                    let device = &stage_devices[info.stage_idx];
+                    // Rows of the caller's tensor, moved to the stage's device by its worker when
+                    // the micro-batch's forward begins: a step launched while the previous one
+                    // runs (overlapped steps) then holds no inputs on the device ahead of time,
+                    // and the memory plan's bound holds for it as for a synchronous step.
                     let per_mb = splits[replica]
                         .iter()
-                        .map(|&(start, len)| {
-                            Ok(vec![(input_id, inputs.narrow_rows(start, len)?.move_to_device(device)?)])
-                        })
+                        .map(|&(start, len)| Ok(vec![(input_id, inputs.narrow_rows(start, len)?)]))
                         .collect::<Result<Vec<Payload>>>()?;
                     data.insert(info.stage_idx, per_mb);
                 }

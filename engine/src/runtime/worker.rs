@@ -67,7 +67,8 @@ pub(crate) struct StepJob {
     pub program: Vec<Instruction>,
     pub n_micro_batches: usize,
     pub normalizer: f32,
-    /// Per stage held by this worker: per micro-batch, the graph inputs it reads.
+    /// Per stage held by this worker: per micro-batch, the graph inputs it reads (rows of the
+    /// caller's tensors, moved to the stage's device when the micro-batch's forward begins).
     pub data: HashMap<usize, Vec<Payload>>,
     /// Per micro-batch targets, on the host (for the stage holding the output, when training).
     pub targets: Vec<Option<Targets>>,
@@ -557,7 +558,10 @@ fn execute(
                         if let Some(per_mb) = job.data.get_mut(&stage_idx)
                             && let Some(payload) = per_mb.get_mut(micro_batch_idx)
                         {
-                            inputs.append(payload);
+                            // The batch's rows reach the stage's device now (see `dispatch`).
+                            for (node, rows) in payload.drain(..) {
+                                inputs.push((node, rows.move_to_device(&stages[s].device)?));
+                            }
                         }
                         rec.end_wait(wait, queued_at);
                         let targets = match stages[s].output_node {
