@@ -276,6 +276,17 @@ fn measured_peaks_are_within_the_plan_and_close_to_it() {
     );
 }
 
+/// Adam at `MICRO_BATCHES` x `BATCH` rows, no recomputation, the workers on one core slot: the
+/// configuration of the upper-bound checks.
+fn adam_config(schedule: ScheduleKind, n_chunks: usize) -> PipelineConfig {
+    PipelineConfig {
+        n_chunks,
+        optimizer: OptimizerConfig::adam(1e-3),
+        core_slots: CoreSlotPolicy::Slots(1),
+        ..PipelineConfig::new(schedule, MICRO_BATCHES, BATCH)
+    }
+}
+
 /// Under a mixed precision (bf16, f16) the plan still bounds every device's measured peak: half
 /// activations, the f32 results that products and rounding ops make before rounding them, and the
 /// f32 copies through which the runtime sums two half gradients of one output (ResNet's and the
@@ -288,18 +299,7 @@ fn mixed_precision_peaks_are_within_the_plan() {
     for spec in models() {
         for precision in [Precision::Bf16, Precision::F16] {
             for (schedule, n_chunks) in [(ScheduleKind::OneFOneB, 1), (ScheduleKind::ZbH2, 1)] {
-                let config = PipelineConfig {
-                    schedule,
-                    n_chunks,
-                    n_micro_batches: MICRO_BATCHES,
-                    batch_rows: BATCH,
-                    optimizer: OptimizerConfig::adam(1e-3),
-                    recompute: Recompute::Never,
-                    seed: 0,
-                    core_slots: CoreSlotPolicy::Slots(1),
-                    precision,
-                    weight_cache: Default::default(),
-                };
+                let config = PipelineConfig { precision, ..adam_config(schedule, n_chunks) };
                 let graph = spec.build(0).unwrap();
                 let free = plan(&graph, &devices(PIPELINE_DEVICES, None), &config).unwrap();
                 let hi = free.device_peaks(PIPELINE_DEVICES).iter().map(|d| d[0]).max().unwrap() * 2;
@@ -337,18 +337,7 @@ fn overlapped_steps_peaks_are_within_the_plan() {
     let mut failures = Vec::new();
     for spec in models() {
         for (schedule, n_chunks) in [(ScheduleKind::OneFOneB, 1), (ScheduleKind::ZbH2, 1), (ScheduleKind::ZbV, 2)] {
-            let config = PipelineConfig {
-                schedule,
-                n_chunks,
-                n_micro_batches: MICRO_BATCHES,
-                batch_rows: BATCH,
-                optimizer: OptimizerConfig::adam(1e-3),
-                recompute: Recompute::Never,
-                seed: 0,
-                core_slots: CoreSlotPolicy::Slots(1),
-                precision: Default::default(),
-                weight_cache: Default::default(),
-            };
+            let config = adam_config(schedule, n_chunks);
             // The smallest budget whose plan keeps every stage's undo snapshot (without it steps
             // cannot overlap).
             let graph = spec.build(0).unwrap();
