@@ -18,9 +18,10 @@ pub use conveyor_engine::placement::MAX_STAGES;
 /// Micro-batches per step in `conveyor simulate` (`train` and `plan` are bounded by the batch).
 pub const MAX_SIMULATED_MICRO_BATCHES: usize = 1 << 16;
 
-/// (micro-batch, stage) pairs `conveyor simulate` times: stages x chunks x micro-batches. The
-/// validator, the simulator and the drawn timeline each take time and memory in proportion (about
-/// 4 µs and 1 KiB per pair), so 2^18 pairs answer within about a second.
+/// (micro-batch, stage) pairs `conveyor simulate` times and `conveyor plan` plans: stages x chunks x
+/// micro-batches. The validator, the simulator, the memory plan's walk and the drawn timeline each
+/// take time and memory in proportion (about 4 µs and 2 KiB per pair), so 2^18 pairs answer
+/// within about a second.
 pub const MAX_SIMULATED_PAIRS: usize = 1 << 18;
 
 /// Columns `conveyor simulate --show` draws: a wider `$COLUMNS` is clamped to this.

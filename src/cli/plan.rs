@@ -8,7 +8,7 @@ use anyhow::Context;
 use conveyor::engine::graph::Graph;
 use conveyor::engine::placement::{Plan, ReplicaPlan, format_bytes, format_seconds, predicted_costs, replica_plan};
 use conveyor::engine::runtime::Recompute;
-use conveyor::limits::{MAX_BATCH_ROWS, MAX_STAGES};
+use conveyor::limits::{MAX_BATCH_ROWS, MAX_SIMULATED_PAIRS, MAX_STAGES};
 use conveyor::pipeline::{PipelineConfig, memory_notes, plan, plan_manually};
 use conveyor::schedules::{OpKind, Schedule, ScheduleKind, SimulationReport, StepOverlap, simulate, simulate_steps};
 use conveyor::zoo::ModelSpec;
@@ -119,6 +119,17 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             devices.len()
         )));
     }
+    let pairs = devices.len() * args.chunks * args.microbatches;
+    if pairs > MAX_SIMULATED_PAIRS {
+        return Err(usage(format!(
+            "--microbatches {} on {} stages makes {pairs} (micro-batch, stage) pairs, over the limit of \
+             {MAX_SIMULATED_PAIRS} (MAX_SIMULATED_PAIRS: the memory plan and the simulator walk every pair); give at \
+             most --microbatches {}, or fewer stages",
+            args.microbatches,
+            devices.len() * args.chunks,
+            MAX_SIMULATED_PAIRS / (devices.len() * args.chunks)
+        )));
+    }
     // The graph is built for its shapes: its parameters are zeros the operating system maps only
     // when written, so planning a model costs no memory for its weights. The memory plan runs
     // each layer up to `MAX_PROBED_PARAMETER_BYTES` once on a micro-batch to see which tensors it
@@ -218,7 +229,10 @@ pub(super) fn simulate_plan(
     let one_step =
         simulate(&schedule, &costs).context("simulating the schedule with the plan's predicted stage costs")?;
     // `conveyor train` overlaps steps by default: its steady-state period, over a few steps.
-    let overlapped = simulate_steps(&schedule, &costs, OVERLAPPED_STEPS_SIMULATED, StepOverlap::Overlapped)
+    // (Fewer steps where a step has many pairs: the period is steady from the second.)
+    let pairs = schedule.n_stages() * schedule.n_micro_batches();
+    let n_steps = OVERLAPPED_STEPS_SIMULATED.min(MAX_SIMULATED_PAIRS / pairs.max(1)).max(2);
+    let overlapped = simulate_steps(&schedule, &costs, n_steps, StepOverlap::Overlapped)
         .context("simulating overlapped steps with the plan's predicted stage costs")?;
     Ok(Prediction { one_step, overlapped_step_s: overlapped.step_period_s })
 }
@@ -374,7 +388,7 @@ pub(super) fn print_table(
     outln!(
         "memory: the most each stage holds at once (persistent: parameters, gradients, optimizer state, \
          the commit's undo snapshot, packed weight caches; at its busiest moment of a step: activations kept for \
-         backward, messages and data waiting, the running op's working set)"
+         backward, messages waiting, the running op's working set)"
     );
     if args.chunks > 1 {
         let peaks: Vec<String> = plan.device_peaks(n_devices).iter().map(|d| format_bytes(d[0])).collect();

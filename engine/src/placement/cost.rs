@@ -234,7 +234,7 @@ impl PlanConfig {
 
 /// Memory of one stage on one device, bytes: what it holds all the time (parameters, gradients,
 /// optimizer state, the undo snapshot, derived caches) plus what it holds at its busiest moment
-/// of a step (activations kept for backward, messages and data waiting, the running op's working
+/// of a step (activations kept for backward, messages waiting, the running op's working
 /// set). With tensor parallelism a stage has one of these per device of its group.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StageMemory {
@@ -534,8 +534,7 @@ impl NodeCosts {
         let mut received: Vec<usize> = Vec::new();
         let mut data: Vec<(usize, u64)> = Vec::new();
         let output = self.output_position.filter(|p| (start..end).contains(p)).map_or(0, output_bytes);
-        let mut waiting =
-            Waiting { forward: vec![0; stage_idx], gradient: vec![0; n_stages - stage_idx - 1], data: 0, output };
+        let mut waiting = Waiting { forward: vec![0; stage_idx], gradient: vec![0; n_stages - stage_idx - 1], output };
         let inputs: Vec<Vec<StageInput>> = (start..end)
             .map(|node| {
                 self.inputs[node]
@@ -561,7 +560,6 @@ impl NodeCosts {
                         NodeInput::Data { input_idx, bytes_per_sample } => {
                             let i = data.iter().position(|&(d, _)| d == input_idx).unwrap_or_else(|| {
                                 data.push((input_idx, bytes_per_sample * rows as u64));
-                                waiting.data += bytes_per_sample * rows as u64;
                                 data.len() - 1
                             });
                             StageInput::Data(i)
@@ -739,8 +737,8 @@ impl NodeCosts {
     }
 }
 
-/// The bytes of one moment on `rank`: (activations kept, messages and data waiting, the running
-/// op's working set beyond them).
+/// The bytes of one moment on `rank`: (activations kept, messages waiting, the running op's
+/// working set beyond them).
 fn moment_bytes(
     moment: &Moment,
     print: &StageFootprint,
@@ -762,7 +760,6 @@ fn moment_bytes(
     let waiting = if rank == 0 {
         dot(&moment.queued_forward, &waiting.forward)
             + dot(&moment.queued_gradient, &waiting.gradient)
-            + moment.data_pending as u64 * waiting.data
             + moment.outputs_held as u64 * waiting.output
     } else {
         0
@@ -796,13 +793,13 @@ struct StageParts {
 }
 
 /// Bytes per micro-batch of what a stage receives or keeps outside its ops: activations by
-/// sending stage (index `t`), gradients by sending stage (index `t - stage_idx - 1`), data, and
-/// the graph output an evaluation step keeps.
+/// sending stage (index `t`), gradients by sending stage (index `t - stage_idx - 1`), and the
+/// graph output an evaluation step keeps. (A micro-batch's data reaches the device when its
+/// forward begins, so it is part of the running op.)
 #[derive(Clone, Debug)]
 struct Waiting {
     forward: Vec<u64>,
     gradient: Vec<u64>,
-    data: u64,
     output: u64,
 }
 

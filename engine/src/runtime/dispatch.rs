@@ -9,8 +9,7 @@ use conveyor_schedules::{Instruction, Schedule};
 use crossbeam::channel;
 
 use super::super::coordinator::Dispatched;
-use super::super::stage::Payload;
-use super::super::worker::{Command, Links, StepJob};
+use super::super::worker::{Command, InputRows, Links, StepJob};
 use super::build::wall_clock_s;
 use super::{StageInfo, StepOutcome, Trainer};
 use crate::optim::OptimizerConfig;
@@ -212,17 +211,14 @@ impl Trainer {
                 links.remote_receivers.insert(key.1, remote_receivers.remove(&key).expect("listed"));
             }
             let stage_devices = &self.stage_devices[replica];
-            let mut data: HashMap<usize, Vec<Payload>> = HashMap::new();
+            let mut data: HashMap<usize, Vec<Vec<InputRows>>> = HashMap::new();
             for info in &my_stages {
                 if info.data_inputs.contains(&input_id) {
-                    // Rows of the caller's tensor, moved to the stage's device by its worker when
-                    // the micro-batch's forward begins: a step launched while the previous one
-                    // runs (overlapped steps) then holds no inputs on the device ahead of time,
-                    // and the memory plan's bound holds for it as for a synchronous step.
+                    // Cut out and moved onto the stage's device by its worker (`InputRows`).
                     let per_mb = splits[replica]
                         .iter()
-                        .map(|&(start, len)| Ok(vec![(input_id, inputs.narrow_rows(start, len)?)]))
-                        .collect::<Result<Vec<Payload>>>()?;
+                        .map(|&(start, len)| vec![InputRows { node: input_id, tensor: inputs.share(), start, len }])
+                        .collect();
                     data.insert(info.stage_idx, per_mb);
                 }
             }

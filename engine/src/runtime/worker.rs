@@ -15,6 +15,7 @@ use super::gradient_buckets::BucketReducer;
 use super::gradient_groups::{GradientGroups, GroupComm};
 use super::stage::{Payload, Stage, StepCtx};
 use super::{FaultInjection, FaultPoint};
+use crate::graph::NodeId;
 use crate::transport::{Tag, Transport};
 use crate::{Device, Error, Loss, Result, Targets, Tensor};
 
@@ -59,6 +60,24 @@ fn missing_link(key: ChannelKey) -> Error {
     Error::invalid("links", format!("no channel from stage {} to stage {} (gradient: {})", key.0, key.1, key.2))
 }
 
+/// Rows `start..start + len` of a caller's input tensor for graph input `node`: cut out and moved
+/// onto the stage's device by the worker when the micro-batch's forward begins, so that a step
+/// launched while another runs (overlapped steps) holds none of its inputs on a device before
+/// that device starts it, and a device holds only the running micro-batch's rows.
+pub(crate) struct InputRows {
+    pub node: NodeId,
+    pub tensor: Tensor,
+    pub start: usize,
+    pub len: usize,
+}
+
+impl InputRows {
+    /// The rows on `device`.
+    fn take(self, device: &Device) -> Result<(NodeId, Tensor)> {
+        Ok((self.node, self.tensor.narrow_rows(self.start, self.len)?.move_to_device(device)?))
+    }
+}
+
 /// One step's work for one worker.
 pub(crate) struct StepJob {
     pub step_idx: u64,
@@ -67,9 +86,8 @@ pub(crate) struct StepJob {
     pub program: Vec<Instruction>,
     pub n_micro_batches: usize,
     pub normalizer: f32,
-    /// Per stage held by this worker: per micro-batch, the graph inputs it reads (rows of the
-    /// caller's tensors, moved to the stage's device when the micro-batch's forward begins).
-    pub data: HashMap<usize, Vec<Payload>>,
+    /// Per stage held by this worker: per micro-batch, the graph inputs it reads.
+    pub data: HashMap<usize, Vec<Vec<InputRows>>>,
     /// Per micro-batch targets, on the host (for the stage holding the output, when training).
     pub targets: Vec<Option<Targets>>,
     pub links: Links,
@@ -558,9 +576,8 @@ fn execute(
                         if let Some(per_mb) = job.data.get_mut(&stage_idx)
                             && let Some(payload) = per_mb.get_mut(micro_batch_idx)
                         {
-                            // The batch's rows reach the stage's device now (see `dispatch`).
-                            for (node, rows) in payload.drain(..) {
-                                inputs.push((node, rows.move_to_device(&stages[s].device)?));
+                            for rows in payload.drain(..) {
+                                inputs.push(rows.take(&stages[s].device)?);
                             }
                         }
                         rec.end_wait(wait, queued_at);
