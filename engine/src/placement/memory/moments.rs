@@ -33,6 +33,21 @@ pub(crate) enum Running {
     BackwardWeight,
 }
 
+impl Running {
+    /// The op `instruction` runs (one before the optimizer step).
+    fn of(instruction: &Instruction) -> Running {
+        match *instruction {
+            Instruction::Forward { .. } => Running::Forward,
+            Instruction::BackwardInput { micro_batch_idx, .. } => {
+                Running::BackwardInput { micro_batch_idx, fused: false }
+            }
+            Instruction::Backward { micro_batch_idx, .. } => Running::BackwardInput { micro_batch_idx, fused: true },
+            Instruction::BackwardWeight { .. } => Running::BackwardWeight,
+            Instruction::OptimizerStep => unreachable!("moments stop before the optimizer step"),
+        }
+    }
+}
+
 /// One stage at one instruction of its device's program.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Moment {
@@ -337,17 +352,7 @@ impl StageBooks {
         let m = self.forward_done.len();
         let mine = running.stage_idx() == Some(stage_idx);
         let running_mb = running.micro_batch_idx().filter(|_| mine);
-        let running_kind = mine.then(|| match running {
-            Instruction::Forward { .. } => Running::Forward,
-            Instruction::BackwardInput { micro_batch_idx, .. } => {
-                Running::BackwardInput { micro_batch_idx: *micro_batch_idx, fused: false }
-            }
-            Instruction::Backward { micro_batch_idx, .. } => {
-                Running::BackwardInput { micro_batch_idx: *micro_batch_idx, fused: true }
-            }
-            Instruction::BackwardWeight { .. } => Running::BackwardWeight,
-            Instruction::OptimizerStep => unreachable!("moments stop before the optimizer step"),
-        });
+        let running_kind = mine.then(|| Running::of(running));
         // The running micro-batch's own state is the running op's, not counted here.
         let open = |mb: usize| self.forward_done[mb] && !self.backward_done[mb];
         let held = |mb: usize| self.backward_done[mb] && mb >= self.freed;
@@ -530,17 +535,7 @@ mod tests {
         }
         // Weight passes free micro-batches in order (a later one waits for the earlier ones).
         let freed = weight_done.iter().take_while(|&&w| w).count();
-        let running_kind = mine.then(|| match running {
-            Instruction::Forward { .. } => Running::Forward,
-            Instruction::BackwardInput { micro_batch_idx, .. } => {
-                Running::BackwardInput { micro_batch_idx: *micro_batch_idx, fused: false }
-            }
-            Instruction::Backward { micro_batch_idx, .. } => {
-                Running::BackwardInput { micro_batch_idx: *micro_batch_idx, fused: true }
-            }
-            Instruction::BackwardWeight { .. } => Running::BackwardWeight,
-            Instruction::OptimizerStep => unreachable!("moments stop before the optimizer step"),
-        });
+        let running_kind = mine.then(|| Running::of(running));
         let mut moment = Moment { running: running_kind, ..Moment::default() };
         for mb in 0..m {
             if Some(mb) == running_mb {
