@@ -73,9 +73,8 @@ fn softmax_row<V: Lanes>(row: &[f32], out: &mut [f32], log: bool) {
             max_v = V::load(src.add(i)).max(max_v);
             i += V::N;
         }
-        let mut lanes = [0.0f32; SUM_LANES];
-        max_v.store(lanes.as_mut_ptr());
-        let mut max = lanes[..V::N].iter().fold(f32::NEG_INFINITY, |m, &v| v.max(m));
+        // (The vector's lanes never hold a NaN: `max` keeps its right operand where either is.)
+        let mut max = max_v.reduce_max();
         for &x in &row[i..] {
             max = x.max(max);
         }
@@ -94,24 +93,38 @@ fn softmax_row<V: Lanes>(row: &[f32], out: &mut [f32], log: bool) {
             }
             i += SUM_LANES;
         }
-        for (j, a) in acc.iter().enumerate().take(per_group) {
-            a.store(lanes.as_mut_ptr().add(j * V::N));
-        }
-        for k in whole..n {
-            let e = exp_minus(row[k], max);
-            if !log {
-                *dst.add(k) = e;
+        let sum = if whole == n {
+            // The canonical order in registers: whole vectors pairwise by halves, then the lanes
+            // of the last one by halves.
+            let mut groups = per_group;
+            while groups > 1 {
+                groups /= 2;
+                for k in 0..groups {
+                    acc[k] = acc[k].add(acc[k + groups]);
+                }
             }
-            lanes[k % SUM_LANES] += e;
-        }
-        let mut width = SUM_LANES / 2;
-        while width > 0 {
-            for k in 0..width {
-                lanes[k] += lanes[k + width];
+            acc[0].sum_halves()
+        } else {
+            let mut lanes = [0.0f32; SUM_LANES];
+            for (j, a) in acc.iter().enumerate().take(per_group) {
+                a.store(lanes.as_mut_ptr().add(j * V::N));
             }
-            width /= 2;
-        }
-        let sum = lanes[0];
+            for k in whole..n {
+                let e = exp_minus(row[k], max);
+                if !log {
+                    *dst.add(k) = e;
+                }
+                lanes[k % SUM_LANES] += e;
+            }
+            let mut width = SUM_LANES / 2;
+            while width > 0 {
+                for k in 0..width {
+                    lanes[k] += lanes[k + width];
+                }
+                width /= 2;
+            }
+            lanes[0]
+        };
         if log {
             let shift = V::splat(max);
             let log_sum = ((sum as f64).ln() as f32, V::splat((sum as f64).ln() as f32));

@@ -1,6 +1,7 @@
 //! f32 vector math with the same bits on every instruction set: `exp`, the normal CDF `Φ` (erfc
-//! form) and density `φ`, `tanh`, the GELUs built on them, and the run-time dispatch that picks
-//! AVX-512, AVX2+FMA, NEON (aarch64) or scalar code.
+//! form) and density `φ`, `tanh`, the GELUs built on them (in `vecmath/special.rs`), the lane
+//! reductions softmax needs (a maximum, and a sum in one canonical order), and the run-time
+//! dispatch that picks AVX-512, AVX2+FMA, NEON (aarch64) or scalar code.
 //!
 //! Every function is written once, generic over [`Lanes`]: a vector of 16 (`__m512`), 8
 //! (`__m256`) or 4 (NEON's `float32x4_t`) floats, or one `f32`. The generic body is instantiated inside a
@@ -81,6 +82,68 @@ pub(crate) trait Lanes: Copy {
     fn is_nan(self) -> Self::Mask;
     /// `mask ? if_true : if_false` per lane.
     fn select(mask: Self::Mask, if_true: Self, if_false: Self) -> Self;
+    /// `mask ? lhs - rhs : if_false` per lane (one masked subtraction on AVX-512).
+    #[inline(always)]
+    fn select_sub(mask: Self::Mask, lhs: Self, rhs: Self, if_false: Self) -> Self {
+        Self::select(mask, lhs.sub(rhs), if_false)
+    }
+    /// The largest lane, for lanes that are not NaN (then every order gives the same value).
+    #[inline(always)]
+    fn reduce_max(self) -> f32 {
+        lanes_of(self)[..Self::N].iter().fold(f32::NEG_INFINITY, |m, &v| v.max(m))
+    }
+    /// The lanes' sum in the canonical order: the upper half added to the lower, lane by lane,
+    /// halving until one lane is left (so every ISA's sum has the same bits).
+    #[inline(always)]
+    fn sum_halves(self) -> f32 {
+        let mut lanes = lanes_of(self);
+        let mut width = Self::N / 2;
+        while width > 0 {
+            for k in 0..width {
+                lanes[k] += lanes[k + width];
+            }
+            width /= 2;
+        }
+        lanes[0]
+    }
+}
+
+/// The lanes of `v` (at most 16) in an array.
+#[inline(always)]
+fn lanes_of<V: Lanes>(v: V) -> [f32; 16] {
+    const { assert!(V::N <= 16) };
+    let mut lanes = [0.0f32; 16];
+    // SAFETY: `lanes` holds 16 >= N floats.
+    unsafe { v.store(lanes.as_mut_ptr()) };
+    lanes
+}
+
+/// [`Lanes::sum_halves`] of 8 lanes.
+///
+/// # Safety
+/// AVX is enabled (AVX2 and AVX-512F imply it).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn sum_halves_256(v: __m256) -> f32 {
+    unsafe {
+        let four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+        _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps::<1>(two, two)))
+    }
+}
+
+/// The largest of 8 lanes that are not NaN.
+///
+/// # Safety
+/// AVX is enabled.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn reduce_max_256(v: __m256) -> f32 {
+    unsafe {
+        let four = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let two = _mm_max_ps(four, _mm_movehl_ps(four, four));
+        _mm_cvtss_f32(_mm_max_ss(two, _mm_shuffle_ps::<1>(two, two)))
+    }
 }
 
 impl Lanes for f32 {
@@ -261,6 +324,24 @@ impl Lanes for Avx512 {
     fn select(mask: __mmask16, if_true: Self, if_false: Self) -> Self {
         Avx512(unsafe { _mm512_mask_blend_ps(mask, if_false.0, if_true.0) })
     }
+    #[inline(always)]
+    fn select_sub(mask: __mmask16, lhs: Self, rhs: Self, if_false: Self) -> Self {
+        Avx512(unsafe { _mm512_mask_sub_ps(if_false.0, mask, lhs.0, rhs.0) })
+    }
+    #[inline(always)]
+    fn reduce_max(self) -> f32 {
+        unsafe {
+            let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(self.0)));
+            reduce_max_256(_mm256_max_ps(_mm512_castps512_ps256(self.0), high))
+        }
+    }
+    #[inline(always)]
+    fn sum_halves(self) -> f32 {
+        unsafe {
+            let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(self.0)));
+            sum_halves_256(_mm256_add_ps(_mm512_castps512_ps256(self.0), high))
+        }
+    }
 }
 
 /// 8 lanes of AVX2 with FMA. Only instantiated inside `#[target_feature(enable = "avx2,fma")]`
@@ -354,6 +435,14 @@ impl Lanes for Avx2 {
     #[inline(always)]
     fn select(mask: __m256, if_true: Self, if_false: Self) -> Self {
         Avx2(unsafe { _mm256_blendv_ps(if_false.0, if_true.0, mask) })
+    }
+    #[inline(always)]
+    fn reduce_max(self) -> f32 {
+        unsafe { reduce_max_256(self.0) }
+    }
+    #[inline(always)]
+    fn sum_halves(self) -> f32 {
+        unsafe { sum_halves_256(self.0) }
     }
 }
 
@@ -550,197 +639,10 @@ unsafe fn run_scalar_fma<J: Job>(job: J) -> J::Output {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The functions, generic over the lanes.
+// The functions, generic over the lanes (`vecmath/special.rs`).
 
-const LOG2_E: f32 = std::f32::consts::LOG2_E;
-/// `ln 2 = LN2_HI + LN2_LO`, the high part short enough that `n · LN2_HI` is exact (Cephes).
-const LN2_HI: f32 = 0.693_359_4;
-const LN2_LO: f32 = -2.121_944_4e-4;
-const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
-/// `1/√(2π)`.
-const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
-
-/// `e^r` for `|r| ≤ ln2/2` (a little beyond is fine): Cephes expf, `1 + r + r²·P(r)`.
-#[inline(always)]
-fn exp_reduced<V: Lanes>(r: V) -> V {
-    let p = V::splat(1.987_569_1e-4);
-    let p = p.fma(r, V::splat(1.398_199_9e-3));
-    let p = p.fma(r, V::splat(8.333_452e-3));
-    let p = p.fma(r, V::splat(4.166_579_6e-2));
-    let p = p.fma(r, V::splat(1.666_666_5e-1));
-    let p = p.fma(r, V::splat(0.5));
-    p.fma(r.mul(r), r).add(V::splat(1.0))
-}
-
-/// `e^(hi + lo)` for a small correction `lo` (|lo| ≤ ulp(hi)), NaN propagating.
-#[inline(always)]
-pub(crate) fn exp2parts<V: Lanes>(hi: V, lo: V) -> V {
-    // Beyond [-104, 89] the result is 0 or inf either way; the clamp keeps the exponent in range.
-    let x = hi.max(V::splat(-104.0)).min(V::splat(89.0));
-    let n = x.mul(V::splat(LOG2_E)).round();
-    let r = n.fma(V::splat(-LN2_HI), x);
-    let r = n.fma(V::splat(-LN2_LO), r).add(lo);
-    // 2^n with n in [-150, 128], rounded once (subnormal results kept).
-    let y = exp_reduced(r).scale2(n);
-    V::select(hi.is_nan(), hi, y)
-}
-
-/// `e^x`.
-#[inline(always)]
-pub(crate) fn exp<V: Lanes>(x: V) -> V {
-    exp2parts(x, V::splat(0.0))
-}
-
-/// `R(t) = erfcx(z)/t` for `t = 1/(1 + z/2)` on [0.15, 1] (`z ≤ 16/√2`), evaluated at
-/// `th = t/2`: a degree-8 polynomial in `t` fitted for relative error (7e-8 in exact arithmetic,
-/// 1.4e-7 evaluated in f32), its coefficients of `t^k` times `2^k` here (exact), so that Horner in
-/// `th` gives the same bits as Horner in `t` would.
-#[inline(always)]
-fn erfcx_over_t<V: Lanes>(th: V) -> V {
-    let p = V::splat(-5.932_692_4e-2 * 256.0);
-    let p = p.fma(th, V::splat(2.858_342_5e-1 * 128.0));
-    let p = p.fma(th, V::splat(-4.898_085_3e-1 * 64.0));
-    let p = p.fma(th, V::splat(2.810_523e-1 * 32.0));
-    let p = p.fma(th, V::splat(-2.868_201e-2 * 16.0));
-    let p = p.fma(th, V::splat(2.035_565_7e-1 * 8.0));
-    let p = p.fma(th, V::splat(2.428_841_7e-1 * 4.0));
-    let p = p.fma(th, V::splat(2.824_054_4e-1 * 2.0));
-    p.fma(th, V::splat(2.820_847e-1))
-}
-
-/// `e^{w/2}` for `|w| ≤ ln 2` (a little beyond is fine): `1 + w·q(w)`, `q` of degree 5 fitted
-/// for relative error (2e-9 exact, 8e-8 evaluated in f32), written in `w = 2r` so that the caller
-/// need not halve its argument.
-#[inline(always)]
-fn exp_of_half<V: Lanes>(w: V) -> V {
-    let p = V::splat(1.384_271_1e-3 / 64.0);
-    let p = p.fma(w, V::splat(8.374_965e-3 / 32.0));
-    let p = p.fma(w, V::splat(4.166_805_7e-2 / 16.0));
-    let p = p.fma(w, V::splat(1.666_642_1e-1 / 8.0));
-    let p = p.fma(w, V::splat(0.499_999_94 / 4.0));
-    let p = p.fma(w, V::splat(0.5));
-    p.fma(w, V::splat(1.0))
-}
-
-/// For `xc` clamped to [-16, 16]: the lower tail `Φ(-|x|) = erfc(z)/2` (`z = |x|/√2`) and the
-/// Gaussian `e^{-x²/2}`, from one `exp`.
-///
-/// `erfc(z) = erfcx(z)·e^{-z²}` with `erfcx(z) = t·R(t)`, `t = 1/(1 + z/2)` ([`erfcx_over_t`]).
-/// `x²` is carried as an exact double-float (`sq = fl(x·x)`, `sq - x²` by one fused
-/// multiply-add) into the exponential, so the lower tail stays accurate relative to its own
-/// value, where `1 + erf` would cancel. The reduction works on `-x²` and `2n·ln 2` (both halves
-/// of `ln 2` doubled exactly) and the polynomial takes the doubled residual ([`exp_of_half`]).
-#[inline(always)]
-fn normal_tail_and_gauss<V: Lanes>(xc: V) -> (V, V) {
-    let sq = xc.mul(xc);
-    let sq_minus_exact = xc.fnma(xc, sq);
-    // -x²/2 ∈ [-128, 0], so n ∈ [-185, 0]: no clamp needed for `scale2`.
-    let n = sq.mul(V::splat(-0.5 * LOG2_E)).round();
-    // sq + 2n·LN2_HI is exact (the terms nearly cancel); w = -x² - 2n·ln 2 = 2r.
-    let u = n.fma(V::splat(2.0 * LN2_HI), sq);
-    let v = n.fnma(V::splat(2.0 * LN2_LO), sq_minus_exact);
-    let gauss = exp_of_half(v.sub(u)).scale2(n);
-    // th = t/2 = 1/(2 + z).
-    let th = V::splat(1.0).div(xc.abs().fma(V::splat(FRAC_1_SQRT_2), V::splat(2.0)));
-    let tail = th.mul(erfcx_over_t(th)).mul(gauss);
-    (tail, gauss)
-}
-
-/// `Φ(x)` from the lower tail `Φ(-|x|)`.
-#[inline(always)]
-fn cdf_from_tail<V: Lanes>(x: V, tail: V) -> V {
-    V::select(V::splat(0.0).lt(x), V::splat(1.0).sub(tail), tail)
-}
-
-/// `x` clamped to [-16, 16], where `Φ` and `φ` are already 0/1 and 0 in f32 beyond.
-#[inline(always)]
-fn clamp_for_cdf<V: Lanes>(x: V) -> V {
-    x.max(V::splat(-16.0)).min(V::splat(16.0))
-}
-
-/// The standard normal CDF `Φ(x)`, NaN propagating.
-#[inline(always)]
-pub(crate) fn normal_cdf<V: Lanes>(x: V) -> V {
-    let (tail, _) = normal_tail_and_gauss(clamp_for_cdf(x));
-    V::select(x.is_nan(), x, cdf_from_tail(x, tail))
-}
-
-/// The standard normal density `φ(x) = e^{-x²/2}/√(2π)`, NaN propagating.
-#[inline(always)]
-pub(crate) fn normal_pdf<V: Lanes>(x: V) -> V {
-    let (_, gauss) = normal_tail_and_gauss(clamp_for_cdf(x));
-    V::select(x.is_nan(), x, gauss.mul(V::splat(FRAC_1_SQRT_2PI)))
-}
-
-/// Exact GELU `x·Φ(x)` (PyTorch's `approximate='none'`).
-#[inline(always)]
-pub(crate) fn gelu<V: Lanes>(x: V) -> V {
-    let (tail, _) = normal_tail_and_gauss(clamp_for_cdf(x));
-    // x·Φ(x) propagates NaN by itself (NaN · anything).
-    x.mul(cdf_from_tail(x, tail))
-}
-
-/// Exact GELU's input gradient `dy·(Φ(x) + x·φ(x))`: `Φ` and `φ` share one `exp`.
-#[inline(always)]
-pub(crate) fn gelu_grad<V: Lanes>(x: V, dy: V) -> V {
-    let (tail, gauss) = normal_tail_and_gauss(clamp_for_cdf(x));
-    let pdf = gauss.mul(V::splat(FRAC_1_SQRT_2PI));
-    x.fma(pdf, cdf_from_tail(x, tail)).mul(dy)
-}
-
-/// `√(2/π)` and the cubic coefficient of PyTorch's tanh-approximate GELU.
-const GELU_TANH_BETA: f32 = 0.797_884_6;
-const GELU_TANH_KAPPA: f32 = 0.044_715;
-
-/// `2u` for the tanh-approximate GELU, `u = √(2/π)·(x + 0.044715·x³)`.
-#[inline(always)]
-fn gelu_tanh_twice_inner<V: Lanes>(x: V) -> V {
-    let cubic = x.mul(x).mul(V::splat(GELU_TANH_KAPPA)).fma(x, x);
-    cubic.mul(V::splat(2.0 * GELU_TANH_BETA))
-}
-
-/// PyTorch's `GELU(approximate='tanh')`: `x/2·(1 + tanh(u))`, evaluated as the equal
-/// `x / (1 + e^{-2u})`, which does not cancel for negative `x`.
-#[inline(always)]
-pub(crate) fn gelu_tanh<V: Lanes>(x: V) -> V {
-    let e = exp(V::splat(0.0).sub(gelu_tanh_twice_inner(x)));
-    x.div(V::splat(1.0).add(e))
-}
-
-/// The tanh-approximate GELU's input gradient: with `σ = 1/(1 + e^{-2u})`,
-/// `dy·(σ + 2x·σ(1-σ)·u')`, `u' = √(2/π)·(1 + 3·0.044715·x²)`, `1 - σ = e^{-2u}·σ`.
-#[inline(always)]
-pub(crate) fn gelu_tanh_grad<V: Lanes>(x: V, dy: V) -> V {
-    // Beyond |2u| = 80 σ is 0 or 1 to f32 precision; the clamp keeps e^{-2u} finite.
-    let twice_inner = gelu_tanh_twice_inner(x).max(V::splat(-80.0)).min(V::splat(80.0));
-    let e = exp(V::splat(0.0).sub(twice_inner));
-    let sigma = V::splat(1.0).div(V::splat(1.0).add(e));
-    let one_minus_sigma = e.mul(sigma);
-    let inner_slope = x.mul(x).mul(V::splat(3.0 * GELU_TANH_KAPPA * 2.0 * GELU_TANH_BETA));
-    let inner_slope = inner_slope.add(V::splat(2.0 * GELU_TANH_BETA));
-    let derivative = x.mul(sigma).mul(one_minus_sigma).fma(inner_slope, sigma);
-    // NaN in x reaches the result through σ and the product.
-    derivative.mul(dy)
-}
-
-/// `tanh(x)`, odd (the sign of zero kept), NaN propagating.
-#[inline(always)]
-pub(crate) fn tanh<V: Lanes>(x: V) -> V {
-    let a = x.abs();
-    // |x| < 0.625: Cephes tanhf, a + a·z·P(z) with z = a².
-    let z = a.mul(a);
-    let p = V::splat(-5.704_988_7e-3);
-    let p = p.fma(z, V::splat(2.063_909e-2));
-    let p = p.fma(z, V::splat(-5.373_971_6e-2));
-    let p = p.fma(z, V::splat(1.333_144_2e-1));
-    let p = p.fma(z, V::splat(-3.333_328e-1));
-    let small = p.mul(z).fma(a, a);
-    // Otherwise 1 - 2/(e^{2a} + 1) (1 once e^{2a} overflows).
-    let large = V::splat(1.0).sub(V::splat(2.0).div(exp(a.add(a)).add(V::splat(1.0))));
-    let y = V::select(a.lt(V::splat(0.625)), small, large).copysign(x);
-    V::select(x.is_nan(), x, y)
-}
-
+mod special;
+pub(crate) use special::{exp, exp2parts, gelu, gelu_grad, gelu_tanh, gelu_tanh_grad, normal_cdf, normal_pdf, tanh};
 // ---------------------------------------------------------------------------------------------
 // Slice drivers.
 
