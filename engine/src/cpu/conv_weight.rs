@@ -32,7 +32,7 @@ use super::conv::Im2col;
 use super::conv_lanes::ShiftedViews;
 use super::lanes_gemm::{gemm, gemm_indirect_a};
 use super::transpose::transpose_strided;
-use super::vecmath::{Isa, Job, Lanes, dispatch, dispatch_on};
+use super::vecmath::{Isa, Job, Lanes, dispatch, dispatch_on, sum_halves_in_place};
 use super::window::{Window2d, check_len};
 use crate::{Error, Result};
 
@@ -416,18 +416,11 @@ fn padded_lanes(src: &[f32]) -> [f32; LANES] {
 }
 
 /// The lanes summed as a fixed tree: halves added lane by lane, `N → N/2 → … → 1` (`N` a power
-/// of two).
+/// of two; [`sum_halves_in_place`]).
 #[inline(always)]
 fn sum_lanes<const N: usize>(lanes: &[f32; N]) -> f32 {
-    let mut v = *lanes;
-    let mut width = N / 2;
-    while width > 0 {
-        for l in 0..width {
-            v[l] += v[l + width];
-        }
-        width /= 2;
-    }
-    v[0]
+    let mut scratch = *lanes;
+    sum_halves_in_place(&mut scratch)
 }
 
 /// Lanes per partial sum of the bias gradient: 8 AVX2 or 4 AVX-512 registers, so the additions of

@@ -5,7 +5,7 @@
 use super::vecmath::Isa;
 #[cfg(test)]
 use super::vecmath::dispatch_on;
-use super::vecmath::{Job, Lanes, dispatch, exp2parts};
+use super::vecmath::{Job, Lanes, dispatch, exp2parts, sum_halves_in_place};
 use super::window::check_len;
 use crate::{Error, Result};
 
@@ -116,14 +116,7 @@ fn softmax_row<V: Lanes>(row: &[f32], out: &mut [f32], log: bool) {
                 }
                 lanes[k % SUM_LANES] += e;
             }
-            let mut width = SUM_LANES / 2;
-            while width > 0 {
-                for k in 0..width {
-                    lanes[k] += lanes[k + width];
-                }
-                width /= 2;
-            }
-            lanes[0]
+            sum_halves_in_place(&mut lanes)
         };
         if log {
             let shift = V::splat(max);

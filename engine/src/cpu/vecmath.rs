@@ -96,16 +96,23 @@ pub(crate) trait Lanes: Copy {
     /// halving until one lane is left (so every ISA's sum has the same bits).
     #[inline(always)]
     fn sum_halves(self) -> f32 {
-        let mut lanes = lanes_of(self);
-        let mut width = Self::N / 2;
-        while width > 0 {
-            for k in 0..width {
-                lanes[k] += lanes[k + width];
-            }
-            width /= 2;
-        }
-        lanes[0]
+        sum_halves_in_place(&mut lanes_of(self)[..Self::N])
     }
+}
+
+/// The sum of `lanes` (a power of two of them) in the canonical order of [`Lanes::sum_halves`]:
+/// the upper half added to the lower, lane by lane, halving until one is left (`lanes` is used as
+/// scratch).
+#[inline(always)]
+pub(crate) fn sum_halves_in_place(lanes: &mut [f32]) -> f32 {
+    let mut width = lanes.len() / 2;
+    while width > 0 {
+        for k in 0..width {
+            lanes[k] += lanes[k + width];
+        }
+        width /= 2;
+    }
+    lanes[0]
 }
 
 /// The lanes of `v` (at most 16) in an array.
