@@ -356,7 +356,7 @@ fn overlapped_steps_peaks_are_within_the_plan() {
                 trainer.set_overlap_steps(true);
                 assert!(trainer.overlaps_steps(), "{label}: {:?}", trainer.overlap_unavailable());
                 let planned: Vec<u64> = plan.device_peaks(PIPELINE_DEVICES).into_iter().flatten().collect();
-                let mut measured = vec![0u64; PIPELINE_DEVICES];
+                let mut measured = [0u64; PIPELINE_DEVICES];
                 let batches: Vec<_> = (0..6).map(|step| batch(&spec, seed * 100 + step)).collect();
                 trainer
                     .fit(batches, |report| {
