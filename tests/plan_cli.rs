@@ -164,6 +164,12 @@ fn many_micro_batches_plan_and_too_many_pairs_are_refused() -> Result<()> {
     assert_usage_error(
         &with(&["--microbatches", "200000", "--batch", "200000"]),
         &["400000 (micro-batch, stage) pairs", "MAX_SIMULATED_PAIRS", "at most --microbatches 131072"],
+    )?;
+    // A tensor-parallel pair of devices runs one stage.
+    let split = ["plan", "--model", "mlp:16,32,32,10", "--devices", "cpu:4", "--tensor-parallel", "2"];
+    assert_usage_error(
+        &[&split[..], &["--microbatches", "200000", "--batch", "200000"]].concat(),
+        &["on 2 stages makes 400000 (micro-batch, stage) pairs"],
     )
 }
 

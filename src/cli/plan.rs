@@ -119,15 +119,16 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             devices.len()
         )));
     }
-    let pairs = devices.len() * args.chunks * args.microbatches;
+    // (A tensor-parallel group of devices runs one stage.)
+    let stages = (devices.len() / args.tensor_parallel.max(1)).max(1) * args.chunks;
+    let pairs = stages * args.microbatches;
     if pairs > MAX_SIMULATED_PAIRS {
         return Err(usage(format!(
-            "--microbatches {} on {} stages makes {pairs} (micro-batch, stage) pairs, over the limit of \
+            "--microbatches {} on {stages} stages makes {pairs} (micro-batch, stage) pairs, over the limit of \
              {MAX_SIMULATED_PAIRS} (MAX_SIMULATED_PAIRS: the memory plan and the simulator walk every pair); give at \
              most --microbatches {}, or fewer stages",
             args.microbatches,
-            devices.len() * args.chunks,
-            MAX_SIMULATED_PAIRS / (devices.len() * args.chunks)
+            MAX_SIMULATED_PAIRS / stages
         )));
     }
     // The graph is built for its shapes: its parameters are zeros the operating system maps only
