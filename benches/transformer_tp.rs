@@ -1,7 +1,8 @@
 //! Tensor parallelism for the transformer on two cores: a transformer large enough for the split
 //! to pay (`transformer:64,64,256,8,2,10`, D = 256, 8 heads, 2 blocks, 1.6 M parameters; batch 32
 //! sequences of 64 tokens, Adam) trained on one device, split by `--tensor-parallel 2` over
-//! `cpu:2` (attention by heads, the MLP block column-then-row, the head column-parallel), and as a
+//! `cpu:2` (attention by heads, the MLP block as one `ParallelMlp` node: column-then-row with its
+//! hidden activation kept on its shard, the head column-parallel), and as a
 //! 2-stage 1F1B pipeline of 4 micro-batches for comparison; then each block's communication: the
 //! exact collectives a split block makes per step (broadcasts, scatters, all-reduces and
 //! all-gathers of its activations, as the layers' docs list them) replayed alone on a 2-rank
@@ -59,10 +60,14 @@ fn trainer(config: &str) -> Trainer {
     match config {
         "1 device" => builder(whole, vec![Device::cpu(0)], vec![layers], ScheduleKind::GPipe, 1).build().unwrap(),
         "tensor-parallel 2" => {
+            // The tensor-parallel form: each MLP block is one node.
+            let form = spec().build_split(3, &TensorParallelSplits::new()).unwrap();
+            let layers: Vec<_> =
+                form.topological_order().unwrap().into_iter().filter(|&id| form.layer(id).is_some()).collect();
             let devices = vec![Device::cpu(0), Device::cpu(1)];
             let mut splits = TensorParallelSplits::new();
             for &id in &layers {
-                splits.insert(whole.node(id).unwrap().name.clone(), devices.clone());
+                splits.insert(form.node(id).unwrap().name.clone(), devices.clone());
             }
             let graph = spec().build_split(3, &splits).unwrap();
             builder(graph, devices, vec![layers], ScheduleKind::GPipe, 1).tensor_parallel(2).build().unwrap()
@@ -81,11 +86,11 @@ fn median(mut values: Vec<f64>) -> f64 {
 }
 
 /// The collectives one split block makes per step on one micro-batch of `ROWS` sequences, with
-/// the elements of each buffer: `a` = rows x T x D activations, `h` = 4a hidden activations.
-/// (Attention: `ParallelSelfAttention`; fc1: `ColumnParallelLinear`; fc2: `RowParallelLinear`.)
+/// the elements of each buffer: `a` = rows x T x D activations. (Attention:
+/// `ParallelSelfAttention`; the MLP block: `ParallelMlp`, whose 4a hidden activations stay on
+/// their shards.)
 fn block_collectives() -> Vec<(&'static str, CollectiveOp, usize)> {
     let a = ROWS * CONFIG.tokens * CONFIG.dim;
-    let h = 4 * a;
     use CollectiveOp::*;
     vec![
         ("attn forward: broadcast x", Broadcast, a),
@@ -93,16 +98,11 @@ fn block_collectives() -> Vec<(&'static str, CollectiveOp, usize)> {
         ("attn input grad: broadcast dy", Broadcast, a),
         ("attn input grad: all-reduce dx", AllReduce, a),
         ("attn weight grad: broadcast dy", Broadcast, a),
-        ("fc1 forward: broadcast x", Broadcast, a),
-        ("fc1 forward: all-gather y", AllGather, h),
-        ("fc1 input grad: scatter dy", Scatter, h),
-        ("fc1 input grad: all-reduce dx", AllReduce, a),
-        ("fc1 weight grad: scatter dy", Scatter, h),
-        ("fc2 forward: scatter x", Scatter, h),
-        ("fc2 forward: all-reduce y", AllReduce, a),
-        ("fc2 input grad: broadcast dy", Broadcast, a),
-        ("fc2 input grad: all-gather dx", AllGather, h),
-        ("fc2 weight grad: broadcast dy", Broadcast, a),
+        ("mlp forward: broadcast x", Broadcast, a),
+        ("mlp forward: all-reduce y", AllReduce, a),
+        ("mlp input grad: broadcast dy", Broadcast, a),
+        ("mlp input grad: all-reduce dx", AllReduce, a),
+        ("mlp weight grad: broadcast dy", Broadcast, a),
     ]
 }
 

@@ -149,7 +149,8 @@ pub fn plan_tensor_parallel(
     config: &PipelineConfig,
 ) -> Result<(Plan, Graph)> {
     let groups = device_groups(devices, tensor_parallel)?;
-    let whole = spec.build(seed)?;
+    // The tensor-parallel form unsplit: the nodes the split graph will have.
+    let whole = spec.build_split(seed, &TensorParallelSplits::new())?;
     let (specs, mut plan_config) = planner_inputs_tensor_parallel(
         devices,
         tensor_parallel,

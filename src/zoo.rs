@@ -8,20 +8,24 @@
 //! `transformer:VOCAB,T,D,H,L,C` (or `transformer` for [`TransformerConfig::default`]) is a
 //! pre-norm encoder classifier over token ids; see [`transformer`].
 //!
-//! Tensor parallelism: [`ModelSpec::build_split`] builds the same graph (same nodes, same names,
-//! the same initial values drawn in the same order) with chosen Linear and Conv2d nodes split
+//! Tensor parallelism: [`ModelSpec::build_split`] builds the model's tensor-parallel form (the
+//! same initial values drawn in the same order, the same parameter names) with chosen nodes split
 //! over groups of devices: Linears alternate column- and row-parallel along the model (Megatron's
 //! column-then-row pairs), convolutions split their output channels (AlexNet), a transformer's
-//! attention splits by heads and its MLP block column-then-row. Checkpoints of a split graph
-//! carry the unsplit tensors under the unsplit names.
+//! attention splits by heads and its MLP block column-then-row. The form has the nodes of
+//! [`ModelSpec::build`] but for the transformer's MLP blocks: `fc1`, `act`, `fc2` of block `i`
+//! are one node there, `blocks.i` (a [`ParallelMlp`], so its parameters keep their names
+//! `blocks.i.fc1.weight` ...), whose hidden activation never leaves its shard: one all-reduce
+//! forward and one backward per block, as in Megatron. Checkpoints of either form carry the
+//! unsplit tensors under the unsplit names, so they load into the other.
 use std::collections::HashMap;
 
 use conveyor_engine::graph::Graph;
 use conveyor_engine::{Device, Error, Layer, Result, init};
 use conveyor_layers::{
     Add, ChannelParallelConv2d, ColumnParallelLinear, Conv2d, Conv2dOptions, Dropout, Embedding, Flatten, Gelu,
-    LayerNorm, Linear, MaxPool2d, MeanOverTokens, MultiheadSelfAttention, ParallelSelfAttention, PositionalEmbedding,
-    RankShard, Relu, RowParallelLinear, Shards, VocabParallelEmbedding,
+    LayerNorm, Linear, MaxPool2d, MeanOverTokens, MlpActivation, MultiheadSelfAttention, ParallelMlp,
+    ParallelSelfAttention, PositionalEmbedding, RankShard, Relu, RowParallelLinear, Shards, VocabParallelEmbedding,
 };
 use rand::rngs::StdRng;
 
@@ -194,8 +198,10 @@ impl ModelSpec {
         }
     }
 
-    /// [`ModelSpec::build`] with the nodes named in `splits` split over their devices (see the
-    /// module docs). With no splits it is exactly [`ModelSpec::build`].
+    /// The model's tensor-parallel form with the nodes named in `splits` split over their devices
+    /// (see the module docs). With no splits it is [`ModelSpec::build`]'s graph, but for a
+    /// transformer, whose MLP blocks are one node each (unsplit); plan and cut a tensor-parallel
+    /// model on this form.
     pub fn build_split(&self, seed: u64, splits: &TensorParallelSplits) -> Result<Graph> {
         self.build_split_on(seed, splits, None)
     }
@@ -207,6 +213,7 @@ impl ModelSpec {
     pub fn build_split_on(&self, seed: u64, splits: &TensorParallelSplits, here: Option<&RankShard>) -> Result<Graph> {
         let mut splitter = Splitter::new(splits);
         splitter.here = here;
+        splitter.mlp_blocks_as_nodes = true;
         match self {
             ModelSpec::Mlp(dims) => mlp_with(dims, seed, &mut splitter),
             ModelSpec::Cnn => cnn_with(seed, &mut splitter),
@@ -235,11 +242,13 @@ struct Splitter<'a> {
     here: Option<&'a RankShard>,
     /// The next split Linear is column-parallel (then row, then column, ...).
     column_next: bool,
+    /// A transformer's MLP blocks are one node each (the tensor-parallel form).
+    mlp_blocks_as_nodes: bool,
 }
 
 impl<'a> Splitter<'a> {
     fn new(splits: &'a TensorParallelSplits) -> Self {
-        Splitter { splits, here: None, column_next: true }
+        Splitter { splits, here: None, column_next: true, mlp_blocks_as_nodes: false }
     }
 
     fn group(&self, name: &str) -> Option<&'a [Device]> {
@@ -278,21 +287,17 @@ impl<'a> Splitter<'a> {
         }
     }
 
-    /// Megatron's MLP block `fc1 → act → fc2` of a transformer: when split, `fc1` column-parallel
-    /// (output gathered) and `fc2` row-parallel, whatever the alternation stood at.
-    fn mlp_pair(
-        &mut self,
-        names: [&str; 2],
-        dim: usize,
-        hidden: usize,
-        rng: &mut StdRng,
-    ) -> Result<(Box<dyn Layer>, Box<dyn Layer>)> {
-        self.column_next = true;
-        let fc1 = self.linear(names[0], dim, hidden, rng)?;
-        self.column_next = false;
-        let fc2 = self.linear(names[1], hidden, dim, rng)?;
-        self.column_next = true;
-        Ok((fc1, fc2))
+    /// A transformer's MLP block `fc1 → GELU → fc2` (`Linear(dim, hidden)`, `Linear(hidden, dim)`,
+    /// drawn in that order) as one [`ParallelMlp`] node: split by the hidden features over the
+    /// node's group, or whole on the host (a group of one device) when `name` is not split.
+    fn mlp_block(&mut self, name: &str, dim: usize, hidden: usize, rng: &mut StdRng) -> Result<Box<dyn Layer>> {
+        let fc1 = Linear::new(dim, hidden, true, rng)?;
+        let fc2 = Linear::new(hidden, dim, true, rng)?;
+        let shards = match self.group(name) {
+            Some(group) => self.shards(group),
+            None => Shards::Local(vec![Device::host()]),
+        };
+        Ok(Box::new(ParallelMlp::from_linears_on(&fc1, MlpActivation::Gelu, &fc2, &shards)?))
     }
 
     /// `embedding`, split by vocabulary rows when `name` is split (and the vocabulary has a row
@@ -446,10 +451,12 @@ pub fn transformer(config: &TransformerConfig, seed: u64) -> Result<Graph> {
     transformer_with(config, seed, &mut Splitter::new(&TensorParallelSplits::new()))
 }
 
-/// [`transformer`] with its split nodes built split (see [`ModelSpec::build_split`]): the token
-/// embedding by vocabulary rows, each block's attention by heads, its `fc1` column- and `fc2`
-/// row-parallel, and `head` column-parallel (the embedding and the head stay whole when tied). The
-/// positional table, the LayerNorms and the GELU stay whole on the stage's first device.
+/// [`transformer`], or with `split.mlp_blocks_as_nodes` its tensor-parallel form (see
+/// [`ModelSpec::build_split`]) with its split nodes built split: the token embedding by
+/// vocabulary rows, each block's attention by heads, its MLP block (`fc1`, GELU, `fc2` as the one
+/// node `blocks.i`) by the hidden features, and `head` column-parallel (the embedding and the
+/// head stay whole when tied). The positional table and the LayerNorms stay whole on the stage's
+/// first device.
 fn transformer_with(config: &TransformerConfig, seed: u64, split: &mut Splitter<'_>) -> Result<Graph> {
     let &TransformerConfig { vocab, tokens, dim, n_heads, n_layers, classes, tied } = config;
     if tied && classes != vocab {
@@ -475,10 +482,17 @@ fn transformer_with(config: &TransformerConfig, seed: u64, split: &mut Splitter<
         let h = g.add_boxed(&name("attn"), split.attention(&name("attn"), dim, n_heads, &mut rng)?, &[h])?;
         let sum = g.add(&name("add1"), Add::new(), &[x, h])?;
         let h = g.add(&name("ln2"), LayerNorm::new(dim)?, &[sum])?;
-        let (fc1, fc2) = split.mlp_pair([&name("fc1"), &name("fc2")], dim, 4 * dim, &mut rng)?;
-        let h = g.add_boxed(&name("fc1"), fc1, &[h])?;
-        let h = g.add(&name("act"), Gelu::new(), &[h])?;
-        let h = g.add_boxed(&name("fc2"), fc2, &[h])?;
+        let h = if split.mlp_blocks_as_nodes {
+            // The node `blocks.{block}`: its parameters are `blocks.{block}.fc1.weight` ...
+            let mlp_node = format!("blocks.{block}");
+            g.add_boxed(&mlp_node, split.mlp_block(&mlp_node, dim, 4 * dim, &mut rng)?, &[h])?
+        } else {
+            let fc1 = Linear::new(dim, 4 * dim, true, &mut rng)?;
+            let fc2 = Linear::new(4 * dim, dim, true, &mut rng)?;
+            let h = g.add(&name("fc1"), fc1, &[h])?;
+            let h = g.add(&name("act"), Gelu::new(), &[h])?;
+            g.add(&name("fc2"), fc2, &[h])?
+        };
         x = g.add(&name("add2"), Add::new(), &[sum, h])?;
     }
     let x = g.add("ln_f", LayerNorm::new(dim)?, &[x])?;

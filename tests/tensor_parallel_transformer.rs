@@ -1,10 +1,10 @@
-//! The zoo transformer split by tensor parallelism (attention by heads, the MLP block
+//! The zoo transformer split by tensor parallelism (attention by heads, the MLP block as one node
 //! column-then-row, the classifier head column-parallel) trains the weights one device trains:
 //! degrees 2 and 4 alone, and 2 inside a 2-stage pipeline under every schedule (the V schedules
 //! and the interleaved one with two chunks per group) and every recompute mode, after several
 //! Adam steps; checkpoints carry PyTorch's unsplit names and shapes; the planner's path
 //! (`build_trainer_tensor_parallel`) does the same; a head count the degree does not divide is
-//! refused with the valid degrees named.
+//! refused with the valid degrees named; the MLP block's hidden activation never leaves its shard.
 //!
 //! Tolerance: the split sums the same products in another order (per-shard partial sums, then the
 //! ring's), so after three Adam steps each weight differs from one device's by f32 rounding only:
@@ -71,7 +71,8 @@ fn split_trainer_for(
 ) -> Trainer {
     let spec = ModelSpec::Transformer(config);
     let devices: Vec<Device> = (0..groups * k).map(Device::cpu).collect();
-    let whole = spec.build(3).unwrap();
+    // The tensor-parallel form, unsplit: the nodes the split graph has.
+    let whole = spec.build_split(3, &TensorParallelSplits::new()).unwrap();
     let stages = even_stages(&whole, groups * chunks);
     let mut splits = TensorParallelSplits::new();
     for (stage_idx, nodes) in stages.iter().enumerate() {
@@ -128,8 +129,76 @@ fn train_for(config: TransformerConfig, trainer: &mut Trainer) -> Vec<(String, V
     weights(trainer)
 }
 
+/// The model as one device trains it: [`ModelSpec::build`]'s graph (`fc1`, `act` and `fc2` as
+/// nodes of their own), not the tensor-parallel form.
+fn one_device_trainer(config: TransformerConfig) -> Trainer {
+    let graph = ModelSpec::Transformer(config).build(3).unwrap();
+    Trainer::builder(graph, Arc::new(CrossEntropyLoss::new()))
+        .devices(vec![Device::cpu(0)])
+        .schedule(ScheduleKind::GPipe, 1)
+        .micro_batches(MICRO_BATCHES)
+        .optimizer(OptimizerConfig::adam(LR))
+        .seed(11)
+        .build()
+        .unwrap()
+}
+
 fn one_device() -> Vec<(String, Vec<f32>)> {
-    train(&mut split_trainer(1, 1, ScheduleKind::GPipe, 1, Recompute::Never))
+    train(&mut one_device_trainer(CONFIG))
+}
+
+#[test]
+fn the_tensor_parallel_form_on_one_device_trains_like_the_plain_model() {
+    let form = train(&mut split_trainer(1, 1, ScheduleKind::GPipe, 1, Recompute::Never));
+    let rel = differs_by(&form, &one_device());
+    assert!(rel <= RELATIVE, "the form with its MLP blocks as nodes differs from the plain model by {rel}");
+}
+
+/// Megatron's block: with the MLP as one node, a forward and an input-gradient call each move
+/// less than one hidden activation between the devices (a broadcast and an all-reduce of
+/// `[rows, T, D]`), where `fc1` column-parallel all-gathered its `[rows, T, 4D]` output and `fc2`
+/// row-parallel scattered it again.
+#[test]
+fn each_mlp_block_is_one_node_whose_hidden_activation_never_leaves_its_shard() {
+    let devices = vec![Device::cpu(0), Device::cpu(1)];
+    let form = spec().build_split(3, &TensorParallelSplits::new()).unwrap();
+    let mut splits = TensorParallelSplits::new();
+    for name in form.names() {
+        splits.insert(name.to_string(), devices.clone());
+    }
+    let graph = spec().build_split(3, &splits).unwrap();
+    let names = graph.names();
+    for gone in ["blocks.0.fc1", "blocks.0.act", "blocks.0.fc2"] {
+        assert!(!names.contains(&gone), "{gone} is part of the node blocks.0: {names:?}");
+    }
+    let mlp = graph.layer(graph.find("blocks.0").unwrap()).unwrap();
+    assert_eq!(mlp.kind(), "ParallelMlp");
+    let param_names: Vec<&str> = mlp.parameters().iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(
+        param_names,
+        ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc1.weight", "fc1.bias", "fc2.weight"]
+    );
+
+    let rows = 4;
+    let activation_bytes = (rows * CONFIG.tokens * CONFIG.dim * 4) as f64;
+    let hidden_bytes = 4.0 * activation_bytes;
+    let values =
+        |seed: usize| (0..rows * CONFIG.tokens * CONFIG.dim).map(move |i| ((i * 37 + seed) % 17) as f32 / 8.0 - 1.0);
+    let on = |seed| Tensor::from_vec(values(seed).collect(), [rows, CONFIG.tokens, CONFIG.dim], &devices[0]).unwrap();
+    let (x, dy) = (on(1), on(5));
+    let sent = || -> f64 { mlp.collective_traffic().iter().map(|t| t.bytes).sum() };
+    let (y, saved) = mlp.forward(&[&x], &conveyor::engine::ForwardCtx::train(1)).unwrap();
+    assert_eq!(y.dims(), x.dims());
+    let forward = sent();
+    mlp.backward_input(&saved, &dy).unwrap();
+    let backward_input = sent() - forward;
+    eprintln!(
+        "MLP block sent {forward} bytes in forward, {backward_input} in the input gradient; activation {activation_bytes}, hidden {hidden_bytes}"
+    );
+    for (call, bytes) in [("forward", forward), ("input gradient", backward_input)] {
+        assert!(bytes >= activation_bytes, "{call}: {bytes} bytes: the input or gradient is broadcast");
+        assert!(bytes < hidden_bytes, "{call}: {bytes} bytes sent, a hidden activation is {hidden_bytes}");
+    }
 }
 
 #[test]
@@ -184,7 +253,7 @@ fn the_planner_splits_the_transformer_and_checkpoints_keep_pytorch_names() {
     let rel = differs_by(&trained, &reference);
     assert!(rel <= RELATIVE, "planned 2 stages x 2: weights differ from one device by {rel}");
 
-    let single = split_trainer(1, 1, ScheduleKind::GPipe, 1, Recompute::Never);
+    let single = one_device_trainer(CONFIG);
     let shapes = |t: &Trainer| -> Vec<(String, Vec<usize>)> {
         t.parameters().unwrap().into_iter().map(|(n, t)| (n, t.dims().to_vec())).collect()
     };
@@ -192,7 +261,7 @@ fn the_planner_splits_the_transformer_and_checkpoints_keep_pytorch_names() {
     assert!(shapes(&planned).iter().any(|(n, d)| n == "blocks.0.attn.in_proj_weight" && d == &[48, 16]));
 
     // The unsplit tensors load into one device and predict what the split model predicts.
-    let mut fresh = split_trainer(1, 1, ScheduleKind::GPipe, 1, Recompute::Never);
+    let mut fresh = one_device_trainer(CONFIG);
     fresh.load_parameters(planned.parameters().unwrap()).unwrap();
     let (x, _) = tokens(7);
     let (a, b) = (planned.predict(&x).unwrap().to_vec_f32(), fresh.predict(&x).unwrap().to_vec_f32());
@@ -219,7 +288,7 @@ fn a_head_count_the_degree_does_not_divide_is_refused() {
 #[test]
 fn a_tied_transformer_split_inside_two_stages_trains_like_one_device() {
     let config = tied();
-    let reference = train_for(config, &mut split_trainer_for(config, 1, 1, ScheduleKind::GPipe, 1, Recompute::Never));
+    let reference = train_for(config, &mut one_device_trainer(config));
     let mut split = split_trainer_for(config, 2, 2, ScheduleKind::OneFOneB, 1, Recompute::Never);
     let rel = differs_by(&train_for(config, &mut split), &reference);
     assert!(rel <= RELATIVE, "tied, 2 stages x 2: weights differ from one device by {rel}");

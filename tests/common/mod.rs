@@ -101,7 +101,8 @@ pub fn split_trainer(
     optimizer: OptimizerConfig,
 ) -> Trainer {
     let devices: Vec<Device> = (0..n_stages * k).map(Device::cpu).collect();
-    let whole = spec.build(3).unwrap();
+    // The tensor-parallel form, unsplit: the nodes the split graph has.
+    let whole = spec.build_split(3, &conveyor::zoo::TensorParallelSplits::new()).unwrap();
     let stages = even_stages(&whole, n_stages);
     let mut splits = conveyor::zoo::TensorParallelSplits::new();
     for (stage_idx, nodes) in stages.iter().enumerate() {

@@ -57,6 +57,31 @@ pub(crate) fn all_gather_columns(
     Tensor::unpack_columns(&gathered, outer, &widths(parts), dims)
 }
 
+/// A row-parallel weight `[outer, parts.total()]` and its bias `[outer]` unsplit on the host, on
+/// every rank of a group with one shard per rank: the weight's column blocks (`block`, this
+/// rank's) all-gathered, and with `has_bias` the bias broadcast from shard 0, which holds it
+/// (`held`: this rank's copy when it is shard 0).
+pub(crate) fn gather_row_parallel(
+    comm: &(impl Communicator + ?Sized),
+    block: &Tensor,
+    has_bias: bool,
+    held: Option<&Tensor>,
+    outer: usize,
+    parts: &Partition,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let host = Device::host();
+    let weight = all_gather_columns(comm, block, outer, parts, vec![outer, parts.total()], &host)?;
+    if !has_bias {
+        return Ok((weight, None));
+    }
+    let mut bias = match held {
+        Some(bias) => bias.to_device(&host)?,
+        None => Tensor::zeros([outer], DType::F32, &host)?,
+    };
+    comm.broadcast_tensor(&mut bias, 0)?;
+    Ok((weight, Some(bias)))
+}
+
 /// Splits `grads` (aligned with a split layer's `parameters()`, rank-major) into each rank's run of
 /// `counts[r]` tensors.
 pub(crate) fn grads_per_rank<'a>(mut grads: &'a mut [Tensor], counts: &[usize]) -> Result<Vec<&'a mut [Tensor]>> {

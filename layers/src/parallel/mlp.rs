@@ -5,12 +5,12 @@ use conveyor_engine::device::ops::Activation;
 use conveyor_engine::{DType, Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 use rand::rngs::StdRng;
 
-use super::exchange::{broadcast_from_first, grads_per_rank};
-use super::group::ShardGroup;
+use super::exchange::{gather_row_parallel, grads_per_rank, input_for_shard};
+use super::group::{ShardGroup, Shards};
 use super::layout::{column_block, with_last};
 use super::{
-    check_linear_input, check_linear_params, linear_cost, linear_shard, load_shard, shard_rows, split_features,
-    unsplit_columns, unsplit_rows,
+    check_linear_input, check_linear_params, gather_rows, linear_cost, linear_shard, load_shard, shard_rows,
+    split_features, unsplit_columns,
 };
 use crate::Linear;
 use crate::tensor_io::{check_grad_shape, check_param_grads, expect_inputs, f32_bytes, into_dtype};
@@ -56,10 +56,16 @@ impl MlpActivation {
 ///
 /// Exchanges per call: forward broadcasts `x` and all-reduces `y`; `backward_input` broadcasts
 /// `dy` and all-reduces the partial `dx_r = (act'(h_r) ⊙ dy · fc2.weight_r) · fc1.weight_r`;
-/// `backward_weight` broadcasts `dy` and recomputes `a_r` and the hidden gradient locally.
+/// `backward_weight` broadcasts `dy` and recomputes `a_r` and the hidden gradient locally. With
+/// one shard per rank (MPI, [`Shards::Rank`]) every rank is called with the same `x` and `dy`, so
+/// nothing is broadcast.
 ///
-/// `parameters()` is rank-major: for each device its `fc1.weight` shard, `fc1.bias` shard,
-/// `fc2.weight` shard, and on the first device `fc2.bias` (unsplit) after its `fc2.weight`.
+/// `parameters()` is rank-major over the shards held here: for each its `fc1.weight` shard,
+/// `fc1.bias` shard, `fc2.weight` shard, and with shard 0 `fc2.bias` (unsplit) after its
+/// `fc2.weight`.
+///
+/// A group of one device is the unsplit block (what the transformer's tensor-parallel form holds
+/// for a block no group splits); it alone can move to another device ([`Layer::to_device`]).
 #[derive(Debug)]
 pub struct ParallelMlp {
     in_features: usize,
@@ -70,7 +76,7 @@ pub struct ParallelMlp {
     fc1_bias: bool,
     fc2_bias: bool,
     params: Vec<Parameter>,
-    /// Index of rank r's first parameter.
+    /// Index of the first parameter of the i-th shard held here.
     offsets: Vec<usize>,
     group: ShardGroup,
 }
@@ -93,7 +99,13 @@ impl ParallelMlp {
 
     /// `fc2(act(fc1(x)))` from unsplit layers, split over `devices` by the hidden features.
     pub fn from_linears(fc1: &Linear, activation: MlpActivation, fc2: &Linear, devices: &[Device]) -> Result<Self> {
-        let group = ShardGroup::new(KIND, &super::Shards::Local(devices.to_vec()))?;
+        ParallelMlp::from_linears_on(fc1, activation, fc2, &Shards::Local(devices.to_vec()))
+    }
+
+    /// [`Self::from_linears`] split as `shards` says (all shards here, or this rank's one); only
+    /// the shards held here are created (`fc2.bias` with shard 0).
+    pub fn from_linears_on(fc1: &Linear, activation: MlpActivation, fc2: &Linear, shards: &Shards) -> Result<Self> {
+        let group = ShardGroup::new(KIND, shards)?;
         let (hidden_features, in_features) = check_linear_params(KIND, fc1.weight(), fc1.bias())?;
         let (out_features, fc2_in) = check_linear_params(KIND, fc2.weight(), fc2.bias())?;
         if fc2_in != hidden_features {
@@ -108,7 +120,7 @@ impl ParallelMlp {
         let w2 = into_dtype(fc2.weight().share(), DType::F32)?;
         let mut params = Vec::new();
         let mut offsets = Vec::new();
-        for (rank, device) in group.devices().iter().enumerate() {
+        for (rank, device) in group.local_devices() {
             offsets.push(params.len());
             let hidden = parts.range(rank);
             let value = shard_rows(fc1.weight(), hidden.clone(), [hidden.len(), in_features], device)?;
@@ -145,7 +157,8 @@ impl ParallelMlp {
         &self.parts
     }
 
-    /// The devices, shard `r` on `devices()[r]`; inputs arrive on and outputs leave from the first.
+    /// The devices of the shards held here, in shard order; inputs arrive on and outputs leave
+    /// from the first.
     pub fn devices(&self) -> &[Device] {
         self.group.devices()
     }
@@ -161,41 +174,56 @@ impl ParallelMlp {
         self.group.reset_traffic()
     }
 
-    /// Indices of rank `r`'s (fc1.weight, fc1.bias, fc2.weight, fc2.bias) in `parameters()`.
+    /// Indices of shard `rank`'s (fc1.weight, fc1.bias, fc2.weight, fc2.bias) in `parameters()`
+    /// (a shard held here).
     fn slots(&self, rank: usize) -> (usize, Option<usize>, usize, Option<usize>) {
-        let at = self.offsets[rank];
+        let at = self.offsets[self.group.local_index(rank)];
         let b1 = self.fc1_bias.then_some(at + 1);
         let w2 = at + 1 + usize::from(self.fc1_bias);
         let b2 = (rank == 0 && self.fc2_bias).then_some(w2 + 1);
         (at, b1, w2, b2)
     }
 
+    /// The parameters of each shard held here.
     fn counts(&self) -> Vec<usize> {
-        (0..self.group.k())
-            .map(|r| self.offsets.get(r + 1).copied().unwrap_or(self.params.len()) - self.offsets[r])
+        (0..self.group.n_local())
+            .map(|i| self.offsets.get(i + 1).copied().unwrap_or(self.params.len()) - self.offsets[i])
             .collect()
     }
 
     /// The unsplit parameters on the host under PyTorch's names: `fc1.weight`, `fc1.bias`,
-    /// `fc2.weight`, `fc2.bias`.
+    /// `fc2.weight`, `fc2.bias`. With one shard per rank this is a collective (all-gathers and a
+    /// broadcast from shard 0): every rank of the group calls it, and every rank gets the unsplit
+    /// tensors.
     pub fn gather_parameters(&self) -> Result<Vec<(String, Tensor)>> {
-        let k = self.group.k();
-        let slots: Vec<_> = (0..k).map(|r| self.slots(r)).collect();
+        let slots: Vec<_> = self.group.local().map(|r| self.slots(r)).collect();
+        let w1: Vec<&Tensor> = slots.iter().map(|s| &self.params[s.0].value).collect();
+        let w1_parts = self.parts.scaled(self.in_features);
         let mut out = vec![(
             "fc1.weight".to_string(),
-            unsplit_rows(slots.iter().map(|s| &self.params[s.0]), [self.hidden_features, self.in_features])?,
+            gather_rows(&self.group, &w1, &w1_parts, [self.hidden_features, self.in_features])?,
         )];
         if self.fc1_bias {
-            out.push((
-                "fc1.bias".to_string(),
-                unsplit_rows(slots.iter().filter_map(|s| s.1).map(|i| &self.params[i]), [self.hidden_features])?,
-            ));
+            let b1: Vec<&Tensor> = slots.iter().filter_map(|s| s.1).map(|i| &self.params[i].value).collect();
+            out.push(("fc1.bias".to_string(), gather_rows(&self.group, &b1, &self.parts, [self.hidden_features])?));
         }
-        let w2: Vec<&Tensor> = slots.iter().map(|s| &self.params[s.2].value).collect();
-        out.push(("fc2.weight".to_string(), unsplit_columns(&w2, self.out_features, &self.parts)?));
-        if let Some(b2) = slots[0].3 {
-            out.push(("fc2.bias".to_string(), self.params[b2].value.to_device(&Device::host())?));
+        let host = Device::host();
+        if self.group.n_local() == self.group.k() {
+            let w2: Vec<&Tensor> = slots.iter().map(|s| &self.params[s.2].value).collect();
+            out.push(("fc2.weight".to_string(), unsplit_columns(&w2, self.out_features, &self.parts)?));
+            if let Some(b2) = slots[0].3 {
+                out.push(("fc2.bias".to_string(), self.params[b2].value.to_device(&host)?));
+            }
+            return Ok(out);
         }
+        let mut gathered = self.group.run(vec![(); self.group.n_local()], |rank, comm, ()| {
+            let (_, _, w2, b2) = self.slots(rank);
+            let held = b2.map(|i| &self.params[i].value);
+            gather_row_parallel(comm, &self.params[w2].value, self.fc2_bias, held, self.out_features, &self.parts)
+        })?;
+        let (weight, bias) = gathered.swap_remove(0);
+        out.push(("fc2.weight".to_string(), weight));
+        out.extend(bias.map(|b| ("fc2.bias".to_string(), b)));
         Ok(out)
     }
 
@@ -217,7 +245,7 @@ impl ParallelMlp {
             return Err(Error::shape(format!("{KIND} {name}"), format!("{expected:?}"), value.shape().to_string()));
         }
         let value = into_dtype(value.share(), DType::F32)?;
-        for rank in 0..self.group.k() {
+        for rank in self.group.local() {
             let (w1, b1, w2, b2) = self.slots(rank);
             let hidden = self.parts.range(rank);
             let (index, block) = match name {
@@ -237,13 +265,16 @@ impl ParallelMlp {
         Ok(())
     }
 
+    /// The input's shape from a `Saved` of [`Layer::forward`]: the input copies, then the hidden
+    /// blocks, of the shards held here.
     fn check_saved(&self, saved: &Saved) -> Result<Shape> {
-        let k = self.group.k();
+        let k = self.group.n_local();
+        let first = self.group.local().start;
         let bad = saved.tensors.len() != 2 * k
             || (0..k).any(|r| {
                 saved.tensors[r].dims().last() != Some(&self.in_features)
                     || saved.tensors[r].dims() != saved.tensors[0].dims()
-                    || saved.tensors[k + r].dims() != with_last(saved.tensors[0].shape(), self.parts.len(r))
+                    || saved.tensors[k + r].dims() != with_last(saved.tensors[0].shape(), self.parts.len(first + r))
             });
         if bad {
             return Err(Error::invalid(
@@ -278,16 +309,17 @@ impl Layer for ParallelMlp {
         expect_inputs(KIND, inputs, 1)?;
         let input = inputs[0];
         check_linear_input(KIND, &self.group, input, self.in_features)?;
-        let results = self.group.run(vec![(); self.group.k()], |rank, comm, ()| {
-            let device = &self.group.devices()[rank];
+        let replicated = self.group.inputs_replicated();
+        let results = self.group.run(vec![(); self.group.n_local()], |rank, comm, ()| {
+            let device = self.group.device(rank);
             let (w1, b1, w2, b2) = self.slots(rank);
-            let x = broadcast_from_first(comm, input, device)?;
+            let x = input_for_shard(comm, input, device, replicated)?;
             let hidden = linear_shard::forward(&x, &self.params[w1].value, b1.map(|i| &self.params[i].value))?;
             let activated = self.activation.forward(&hidden)?;
             let mut y = linear_shard::forward(&activated, &self.params[w2].value, b2.map(|i| &self.params[i].value))?;
             drop(activated);
             comm.all_reduce_tensor(&mut y)?;
-            Ok((x, hidden, (rank == 0).then_some(y)))
+            Ok((x, hidden, self.group.returns_output(rank).then_some(y)))
         })?;
         let mut copies = Vec::with_capacity(2 * results.len());
         let mut hiddens = Vec::with_capacity(results.len());
@@ -306,19 +338,20 @@ impl Layer for ParallelMlp {
         let input_shape = self.check_saved(saved)?;
         check_grad_shape(KIND, grad_output, &Shape::new(with_last(&input_shape, self.out_features)))?;
         self.group.check_input(KIND, grad_output)?;
-        let k = self.group.k();
+        let k = self.group.n_local();
+        let replicated = self.group.inputs_replicated();
         let mut results = self.group.run(vec![(); k], |rank, comm, ()| {
-            let device = &self.group.devices()[rank];
+            let device = self.group.device(rank);
             let (w1, _, w2, _) = self.slots(rank);
-            let hidden = &saved.tensors[k + rank];
-            let dy = broadcast_from_first(comm, grad_output, device)?;
+            let hidden = &saved.tensors[k + self.group.local_index(rank)];
+            let dy = input_for_shard(comm, grad_output, device, replicated)?;
             let grad_activated = linear_shard::input_grad(&dy, &self.params[w2].value, hidden.shape())?;
             drop(dy);
             let grad_hidden = self.activation.backward(hidden, &grad_activated)?;
             drop(grad_activated);
             let mut dx = linear_shard::input_grad(&grad_hidden, &self.params[w1].value, &input_shape)?;
             comm.all_reduce_tensor(&mut dx)?;
-            Ok((comm.rank() == 0).then_some(dx))
+            Ok(self.group.returns_output(rank).then_some(dx))
         })?;
         Ok(vec![results.swap_remove(0)])
     }
@@ -328,14 +361,16 @@ impl Layer for ParallelMlp {
         let input_shape = self.check_saved(saved)?;
         check_grad_shape(KIND, grad_output, &Shape::new(with_last(&input_shape, self.out_features)))?;
         self.group.check_input(KIND, grad_output)?;
-        let k = self.group.k();
+        let k = self.group.n_local();
+        let replicated = self.group.inputs_replicated();
         let grads = grads_per_rank(param_grads, &self.counts())?;
         self.group.run(grads, |rank, comm, grads| {
-            let device = &self.group.devices()[rank];
+            let device = self.group.device(rank);
             let (w1, b1, w2, b2) = self.slots(rank);
-            let at = self.offsets[rank];
-            let (x, hidden) = (&saved.tensors[rank], &saved.tensors[k + rank]);
-            let dy = broadcast_from_first(comm, grad_output, device)?;
+            let i = self.group.local_index(rank);
+            let at = self.offsets[i];
+            let (x, hidden) = (&saved.tensors[i], &saved.tensors[k + i]);
+            let dy = input_for_shard(comm, grad_output, device, replicated)?;
             // Local indices into this rank's run of gradients.
             let (fc1_grads, fc2_grads) = grads.split_at_mut(w2 - at);
             let (w2_grad, b2_grad) = fc2_grads.split_at_mut(1);
@@ -377,7 +412,15 @@ impl Layer for ParallelMlp {
         })
     }
 
+    /// A group of one device moves whole; a split block stays on its devices.
     fn to_device(&mut self, device: &Device) -> Result<()> {
+        if self.group.k() == 1 && !self.group.inputs_replicated() && !device.same_device(self.group.first()) {
+            for param in &mut self.params {
+                param.value = param.value.to_device(device)?;
+            }
+            self.group = ShardGroup::new(KIND, &Shards::Local(vec![device.clone()]))?;
+            return Ok(());
+        }
         self.group.to_device(KIND, device)
     }
 
@@ -403,7 +446,15 @@ impl Layer for ParallelMlp {
         self.load_unsplit(name, value)
     }
 
+    /// Nothing for the unsplit block (a group of one device): it is not a split layer.
     fn collective_traffic(&self) -> Vec<Traffic> {
+        if self.group.k() == 1 {
+            return Vec::new();
+        }
         self.group.traffic()
+    }
+
+    fn recover_collectives(&self) -> Result<()> {
+        self.group.recover()
     }
 }

@@ -4,7 +4,9 @@ use conveyor_engine::collective::{Partition, Traffic};
 use conveyor_engine::{DType, Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 use rand::rngs::StdRng;
 
-use super::exchange::{all_gather_columns, columns_for_shard, grads_per_rank, input_for_shard, rows};
+use super::exchange::{
+    all_gather_columns, columns_for_shard, gather_row_parallel, grads_per_rank, input_for_shard, rows,
+};
 use super::group::{ShardGroup, Shards};
 use super::layout::{column_block, with_last};
 use super::{
@@ -155,23 +157,8 @@ impl RowParallelLinear {
             }
             return Ok(out);
         }
-        let host = Device::host();
-        let dims = vec![self.out_features, self.in_features];
         let mut gathered = self.group.run(vec![(); self.group.n_local()], |rank, comm, ()| {
-            let weight =
-                all_gather_columns(comm, self.weight(rank), self.out_features, &self.parts, dims.clone(), &host)?;
-            let bias = match self.has_bias {
-                true => {
-                    let mut bias = match self.bias() {
-                        Some(bias) => bias.to_device(&host)?,
-                        None => Tensor::zeros([self.out_features], DType::F32, &host)?,
-                    };
-                    comm.broadcast_tensor(&mut bias, 0)?;
-                    Some(bias)
-                }
-                false => None,
-            };
-            Ok((weight, bias))
+            gather_row_parallel(comm, self.weight(rank), self.has_bias, self.bias(), self.out_features, &self.parts)
         })?;
         let (weight, bias) = gathered.swap_remove(0);
         let mut out = vec![("weight".to_string(), weight)];
