@@ -444,11 +444,12 @@ const LOCKS: [LockSite; 19] = [
         departure: false,
     },
     LockSite {
-        path: "layers/src/parallel/attention.rs",
+        path: "layers/src/parallel/pending.rs",
         item: "*",
-        why: "the head-split attention's slot for ∂L/∂qkv between its two backward calls, taken only on the \
-              calling pipeline worker's thread (a Mutex rather than MultiheadSelfAttention's RefCell because the \
-              layer is shared with its shard threads): never contended",
+        why: "a split layer's slots for the gradient its two backward calls share (the head-split attention's \
+              ∂L/∂qkv, the MLP block's hidden gradient), taken only on the calling pipeline worker's thread (a \
+              Mutex rather than MultiheadSelfAttention's RefCell because the layer is shared with its shard \
+              threads): never contended",
         departure: false,
     },
     LockSite {

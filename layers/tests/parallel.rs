@@ -183,6 +183,42 @@ fn parallel_mlp_matches_linear_activation_linear() {
     }
 }
 
+/// The hidden gradient both backward calls need is computed once: the first call leaves it in a
+/// slot (a hidden activation's bytes over the shards), the second takes it, and either order gives
+/// the same bits as the other.
+#[test]
+fn parallel_mlp_computes_its_hidden_gradient_once_in_either_order() {
+    let mut rng = init::rng(5);
+    let (fc1, fc2) = (Linear::new(6, 10, true, &mut rng).unwrap(), Linear::new(10, 5, true, &mut rng).unwrap());
+    let devs = devices(2);
+    let x = random(&[3, 4, 6], &mut rng, &devs[0]);
+    let dy = random(&[3, 4, 5], &mut rng, &devs[0]);
+    let hidden_bytes = 3 * 4 * 10 * 4;
+    let run = |weight_first: bool| -> (Vec<f32>, Vec<Vec<f32>>) {
+        let mlp = ParallelMlp::from_linears(&fc1, MlpActivation::Gelu, &fc2, &devs).unwrap();
+        let (_, saved) = mlp.forward(&[&x], &ForwardCtx::train(0)).unwrap();
+        let mut grads = zero_grads(&mlp);
+        let dx = if weight_first {
+            mlp.backward_weight(&saved, &dy, &mut grads).unwrap();
+            assert_eq!(mlp.pending_gradient_bytes(), hidden_bytes, "the weight call leaves the hidden gradient");
+            mlp.backward_input(&saved, &dy).unwrap().remove(0).unwrap()
+        } else {
+            let dx = mlp.backward_input(&saved, &dy).unwrap().remove(0).unwrap();
+            assert_eq!(mlp.pending_gradient_bytes(), hidden_bytes, "the input call leaves the hidden gradient");
+            mlp.backward_weight(&saved, &dy, &mut grads).unwrap();
+            dx
+        };
+        assert_eq!(mlp.pending_gradient_bytes(), 0, "the second call empties the slot");
+        (dx.to_vec_f32(), grads.iter().map(Tensor::to_vec_f32).collect())
+    };
+    let (input_first, weight_first) = (run(false), run(true));
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&input_first.0), bits(&weight_first.0), "input gradient");
+    for (a, b) in input_first.1.iter().zip(&weight_first.1) {
+        assert_eq!(bits(a), bits(b), "parameter gradients");
+    }
+}
+
 /// A conv stack: split conv (3 → c1, 3x3, padding 1) → ReLU → split conv (c1 → c2, 2x2, stride 2).
 #[test]
 fn channel_split_conv_stacks_match_the_unsplit_stack() {

@@ -19,8 +19,6 @@
 //! backward calls. Whichever runs first computes every shard's part and leaves it in a pending
 //! slot keyed by the saved logsumexp and the output gradient; the other call takes it out. The
 //! memory plan counts the slot as the unsplit layer's (`backward_held_bytes_per_sample`).
-use std::sync::{Mutex, MutexGuard};
-
 use conveyor_engine::collective::{Partition, Traffic};
 use conveyor_engine::cpu::attention::AttentionDims;
 use conveyor_engine::device::ops::{Matrix, attention_gpu_scratch};
@@ -31,6 +29,7 @@ use conveyor_engine::{
 use super::exchange::{all_gather_columns, grads_per_rank, input_for_shard};
 use super::group::{ShardGroup, Shards};
 use super::layout::column_block;
+use super::pending::{Half, PendingSlots};
 use super::{gather_rows, linear_shard, load_shard, shard_rows, unsplit_columns};
 use crate::MultiheadSelfAttention;
 use crate::attention::{self_attention_flops, self_attention_output_shape};
@@ -65,31 +64,7 @@ pub struct ParallelSelfAttention {
     params: Vec<Parameter>,
     group: ShardGroup,
     /// Every local shard's `∂L/∂qkv`, computed by one backward call and waiting for the other.
-    pending: Mutex<Vec<PendingGrads>>,
-}
-
-/// Which backward call filled a [`PendingGrads`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Half {
-    Input,
-    Weight,
-}
-
-/// Every local shard's `∂L/∂qkv` for one (`Saved`, output gradient) pair.
-#[derive(Debug)]
-struct PendingGrads {
-    /// A share of the first local shard's saved logsumexp: identifies the `Saved`.
-    logsumexp: Tensor,
-    /// A share of the output gradient the slot was computed from.
-    grad_output: Tensor,
-    grad_qkv: Vec<Tensor>,
-    filled_by: Half,
-}
-
-impl PendingGrads {
-    fn is_for(&self, logsumexp: &Tensor, grad_output: &Tensor) -> bool {
-        self.logsumexp.shares_storage_with(logsumexp) && self.grad_output.shares_storage_with(grad_output)
-    }
+    pending: PendingSlots,
 }
 
 /// The heads' rows of each third of a packed `[3·D, ...]` tensor (q, k, v) for the features
@@ -175,7 +150,7 @@ impl ParallelSelfAttention {
             heads,
             params,
             group,
-            pending: Mutex::new(Vec::new()),
+            pending: PendingSlots::default(),
         })
     }
 
@@ -203,11 +178,7 @@ impl ParallelSelfAttention {
 
     /// Bytes of `∂L/∂qkv` waiting in slots for their second backward call.
     pub fn pending_gradient_bytes(&self) -> usize {
-        self.pending_slots().iter().flat_map(|p| &p.grad_qkv).map(Tensor::size_in_bytes).sum()
-    }
-
-    fn pending_slots(&self) -> MutexGuard<'_, Vec<PendingGrads>> {
-        self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.pending.bytes()
     }
 
     /// Index in `params` of shard `rank`'s `in_proj_weight` (shard 0 has one more parameter).
@@ -295,28 +266,15 @@ impl ParallelSelfAttention {
         grad_context.attention_backward(qkv, context, logsumexp, kernel)
     }
 
-    /// Every local shard's `∂L/∂qkv` taken from the slot the other backward call filled, if any.
+    /// Every local shard's `∂L/∂qkv` taken from the slot the other backward call filled, if any
+    /// (keyed by the first local shard's saved logsumexp).
     fn take_pending(&self, saved: &Saved, grad_output: &Tensor, half: Half) -> Option<Vec<Tensor>> {
-        let logsumexp = &saved.tensors[2];
-        let mut pending = self.pending_slots();
-        // A slot whose `Saved` is gone (only the slot still holds its logsumexp) is stale.
-        pending.retain(|slot| slot.logsumexp.is_shared());
-        let i = pending.iter().position(|p| p.is_for(logsumexp, grad_output) && p.filled_by != half)?;
-        Some(pending.swap_remove(i).grad_qkv)
+        self.pending.take(&saved.tensors[2], grad_output, half)
     }
 
     /// Leaves `grad_qkv` for the other backward call of the same `Saved` and `dy`.
     fn leave_pending(&self, saved: &Saved, grad_output: &Tensor, grad_qkv: &[Tensor], half: Half) {
-        let logsumexp = &saved.tensors[2];
-        let mut pending = self.pending_slots();
-        if !pending.iter().any(|p| p.is_for(logsumexp, grad_output)) {
-            pending.push(PendingGrads {
-                logsumexp: logsumexp.share(),
-                grad_output: grad_output.share(),
-                grad_qkv: grad_qkv.iter().map(Tensor::share).collect(),
-                filled_by: half,
-            });
-        }
+        self.pending.leave(&saved.tensors[2], grad_output, grad_qkv, half)
     }
 
     /// The unsplit parameters on the host under PyTorch's names and shapes: `in_proj_weight`

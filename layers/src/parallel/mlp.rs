@@ -8,6 +8,7 @@ use rand::rngs::StdRng;
 use super::exchange::{gather_row_parallel, grads_per_rank, input_for_shard};
 use super::group::{ShardGroup, Shards};
 use super::layout::{column_block, with_last};
+use super::pending::{Half, PendingSlots};
 use super::{
     check_linear_input, check_linear_params, gather_rows, linear_cost, linear_shard, load_shard, shard_rows,
     split_features, unsplit_columns,
@@ -56,9 +57,13 @@ impl MlpActivation {
 ///
 /// Exchanges per call: forward broadcasts `x` and all-reduces `y`; `backward_input` broadcasts
 /// `dy` and all-reduces the partial `dx_r = (act'(h_r) ⊙ dy · fc2.weight_r) · fc1.weight_r`;
-/// `backward_weight` broadcasts `dy` and recomputes `a_r` and the hidden gradient locally. With
-/// one shard per rank (MPI, [`Shards::Rank`]) every rank is called with the same `x` and `dy`, so
-/// nothing is broadcast.
+/// `backward_weight` broadcasts `dy` and recomputes `a_r` locally. With one shard per rank (MPI,
+/// [`Shards::Rank`]) every rank is called with the same `x` and `dy`, so nothing is broadcast.
+///
+/// The hidden gradient `act'(h_r) ⊙ dy · fc2.weight_r` is needed by both backward calls: whichever
+/// runs first computes every local shard's and leaves it in a pending slot keyed by the saved
+/// hidden block and the output gradient, and the other takes it out (as `ParallelSelfAttention`
+/// does with `∂L/∂qkv`); the memory plan counts the slot (`backward_held_bytes_per_sample`).
 ///
 /// `parameters()` is rank-major over the shards held here: for each its `fc1.weight` shard,
 /// `fc1.bias` shard, `fc2.weight` shard, and with shard 0 `fc2.bias` (unsplit) after its
@@ -79,6 +84,8 @@ pub struct ParallelMlp {
     /// Index of the first parameter of the i-th shard held here.
     offsets: Vec<usize>,
     group: ShardGroup,
+    /// Every local shard's hidden gradient, computed by one backward call and waiting for the other.
+    pending: PendingSlots,
 }
 
 impl ParallelMlp {
@@ -149,6 +156,7 @@ impl ParallelMlp {
             params,
             offsets,
             group,
+            pending: PendingSlots::default(),
         })
     }
 
@@ -288,6 +296,32 @@ impl ParallelMlp {
     }
 }
 
+impl ParallelMlp {
+    /// Bytes of hidden gradients waiting in slots for their second backward call.
+    pub fn pending_gradient_bytes(&self) -> usize {
+        self.pending.bytes()
+    }
+
+    /// Every local shard's hidden gradient from the slot the other backward call filled, if any
+    /// (keyed by the first local shard's saved hidden block).
+    fn take_pending(&self, saved: &Saved, grad_output: &Tensor, half: Half) -> Option<Vec<Tensor>> {
+        self.pending.take(&saved.tensors[self.group.n_local()], grad_output, half)
+    }
+
+    /// Leaves `grad_hidden` for the other backward call of the same `Saved` and `dy`.
+    fn leave_pending(&self, saved: &Saved, grad_output: &Tensor, grad_hidden: &[Tensor], half: Half) {
+        self.pending.leave(&saved.tensors[self.group.n_local()], grad_output, grad_hidden, half)
+    }
+
+    /// Shard `rank`'s hidden gradient `act'(h_r) ⊙ (dy · fc2.weight_r)` from its copy of `dy`.
+    fn shard_grad_hidden(&self, rank: usize, saved: &Saved, dy: &Tensor) -> Result<Tensor> {
+        let (_, _, w2, _) = self.slots(rank);
+        let hidden = &saved.tensors[self.group.n_local() + self.group.local_index(rank)];
+        let grad_activated = linear_shard::input_grad(dy, &self.params[w2].value, hidden.shape())?;
+        self.activation.backward(hidden, &grad_activated)
+    }
+}
+
 impl Layer for ParallelMlp {
     fn kind(&self) -> &'static str {
         KIND
@@ -338,22 +372,31 @@ impl Layer for ParallelMlp {
         let input_shape = self.check_saved(saved)?;
         check_grad_shape(KIND, grad_output, &Shape::new(with_last(&input_shape, self.out_features)))?;
         self.group.check_input(KIND, grad_output)?;
-        let k = self.group.n_local();
         let replicated = self.group.inputs_replicated();
-        let mut results = self.group.run(vec![(); k], |rank, comm, ()| {
+        let states: Vec<Option<Tensor>> = match self.take_pending(saved, grad_output, Half::Input) {
+            Some(grads) => grads.into_iter().map(Some).collect(),
+            None => (0..self.group.n_local()).map(|_| None).collect(),
+        };
+        let was_pending = states.iter().all(Option::is_some);
+        let results = self.group.run(states, |rank, comm, grad_hidden| {
             let device = self.group.device(rank);
-            let (w1, _, w2, _) = self.slots(rank);
-            let hidden = &saved.tensors[k + self.group.local_index(rank)];
-            let dy = input_for_shard(comm, grad_output, device, replicated)?;
-            let grad_activated = linear_shard::input_grad(&dy, &self.params[w2].value, hidden.shape())?;
-            drop(dy);
-            let grad_hidden = self.activation.backward(hidden, &grad_activated)?;
-            drop(grad_activated);
+            let (w1, ..) = self.slots(rank);
+            let grad_hidden = match grad_hidden {
+                Some(grad_hidden) => grad_hidden,
+                None => {
+                    let dy = input_for_shard(comm, grad_output, device, replicated)?;
+                    self.shard_grad_hidden(rank, saved, &dy)?
+                }
+            };
             let mut dx = linear_shard::input_grad(&grad_hidden, &self.params[w1].value, &input_shape)?;
             comm.all_reduce_tensor(&mut dx)?;
-            Ok(self.group.returns_output(rank).then_some(dx))
+            Ok((grad_hidden, self.group.returns_output(rank).then_some(dx)))
         })?;
-        Ok(vec![results.swap_remove(0)])
+        let (grads, outputs): (Vec<Tensor>, Vec<Option<Tensor>>) = results.into_iter().unzip();
+        if !was_pending {
+            self.leave_pending(saved, grad_output, &grads, Half::Input);
+        }
+        Ok(vec![outputs.into_iter().flatten().next()])
     }
 
     fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()> {
@@ -363,8 +406,13 @@ impl Layer for ParallelMlp {
         self.group.check_input(KIND, grad_output)?;
         let k = self.group.n_local();
         let replicated = self.group.inputs_replicated();
+        let pending = self.take_pending(saved, grad_output, Half::Weight);
+        let was_pending = pending.is_some();
+        let mut pending = pending.map(|grads| grads.into_iter().map(Some).collect::<Vec<_>>());
         let grads = grads_per_rank(param_grads, &self.counts())?;
-        self.group.run(grads, |rank, comm, grads| {
+        let states: Vec<_> =
+            grads.into_iter().enumerate().map(|(i, g)| (g, pending.as_mut().and_then(|p| p[i].take()))).collect();
+        let computed = self.group.run(states, |rank, comm, (grads, grad_hidden)| {
             let device = self.group.device(rank);
             let (w1, b1, w2, b2) = self.slots(rank);
             let i = self.group.local_index(rank);
@@ -377,12 +425,18 @@ impl Layer for ParallelMlp {
             let activated = self.activation.forward(hidden)?;
             linear_shard::weight_grad(&dy, &activated, &mut w2_grad[0], b2.and(b2_grad.first_mut()))?;
             drop(activated);
-            let grad_activated = linear_shard::input_grad(&dy, &self.params[w2].value, hidden.shape())?;
-            let grad_hidden = self.activation.backward(hidden, &grad_activated)?;
+            let grad_hidden = match grad_hidden {
+                Some(grad_hidden) => grad_hidden,
+                None => self.shard_grad_hidden(rank, saved, &dy)?,
+            };
             let (w1_grad, b1_grad) = fc1_grads.split_at_mut(1);
             debug_assert_eq!(w1, at);
-            linear_shard::weight_grad(&grad_hidden, x, &mut w1_grad[0], b1.and(b1_grad.first_mut()))
+            linear_shard::weight_grad(&grad_hidden, x, &mut w1_grad[0], b1.and(b1_grad.first_mut()))?;
+            Ok(grad_hidden)
         })?;
+        if !was_pending {
+            self.leave_pending(saved, grad_output, &computed, Half::Weight);
+        }
         Ok(())
     }
 
@@ -398,16 +452,17 @@ impl Layer for ParallelMlp {
             backward_input_flops_per_sample: fc1.backward_input_flops_per_sample
                 + activation_flops
                 + fc2.backward_input_flops_per_sample,
-            // backward_weight recomputes the activation and fc2's input gradient.
+            // backward_weight recomputes the activation; the hidden gradient comes from
+            // backward_input's pending slot.
             backward_weight_flops_per_sample: fc1.backward_weight_flops_per_sample
                 + fc2.backward_weight_flops_per_sample
-                + fc2.backward_input_flops_per_sample
-                + 2 * activation_flops,
+                + activation_flops,
             param_bytes: fc1.param_bytes + fc2.param_bytes,
             activation_bytes_per_sample: f32_bytes(k * input_shapes[0].numel() + hidden.numel()),
             output_bytes_per_sample: fc2.output_bytes_per_sample,
             workspace_bytes: 0,
-            backward_held_bytes_per_sample: 0,
+            // The hidden gradient of every shard, left by backward_input for backward_weight.
+            backward_held_bytes_per_sample: f32_bytes(hidden.numel()),
             gpu_scratch_bytes_per_sample: Default::default(),
         })
     }

@@ -73,6 +73,7 @@ mod group;
 mod layout;
 mod linear_shard;
 mod mlp;
+mod pending;
 mod row;
 mod shard_threads;
 
