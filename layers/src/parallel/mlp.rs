@@ -294,9 +294,7 @@ impl ParallelMlp {
         }
         Ok(saved.tensors[0].shape().clone())
     }
-}
 
-impl ParallelMlp {
     /// Bytes of hidden gradients waiting in slots for their second backward call.
     pub fn pending_gradient_bytes(&self) -> usize {
         self.pending.bytes()
