@@ -18,7 +18,7 @@ mod support;
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
-use conveyor::engine::collective::{CollectiveOp, Communicator, Partition, ProcessGroup, cost_s};
+use conveyor::engine::collective::{CollectiveOp, Communicator, ProcessGroup, cost_s};
 use conveyor::engine::optim::OptimizerConfig;
 use conveyor::engine::placement::Link;
 use conveyor::engine::runtime::Trainer;
@@ -112,7 +112,6 @@ fn block_collectives() -> Vec<(&'static str, CollectiveOp, usize)> {
 fn replay(op: CollectiveOp, n: usize, reps: usize) -> f64 {
     let devices = [Device::cpu(0), Device::cpu(1)];
     let handles = ProcessGroup::new(&devices).unwrap();
-    let parts = Partition::even(n, 2).unwrap();
     let barrier = Barrier::new(2);
     let mut times = Vec::with_capacity(reps);
     for _ in 0..reps {
@@ -121,20 +120,14 @@ fn replay(op: CollectiveOp, n: usize, reps: usize) -> f64 {
                 .iter()
                 .enumerate()
                 .map(|(rank, comm)| {
-                    let (device, parts, barrier) = (&devices[rank], &parts, &barrier);
+                    let (device, barrier) = (&devices[rank], &barrier);
                     scope.spawn(move || {
                         let mut full = Tensor::full(1.0, [n], DType::F32, device).unwrap();
-                        let mut block = Tensor::full(1.0, [parts.len(rank)], DType::F32, device).unwrap();
-                        let send = Tensor::full(1.0, [n], DType::F32, device).unwrap();
                         barrier.wait();
                         let started = Instant::now();
                         match op {
                             CollectiveOp::Broadcast => comm.broadcast_tensor(&mut full, 0),
                             CollectiveOp::AllReduce => comm.all_reduce_tensor(&mut full),
-                            CollectiveOp::AllGather => comm.all_gather_tensor(&block, &mut full, parts),
-                            CollectiveOp::Scatter => {
-                                comm.scatter_tensor((rank == 0).then_some(&send), &mut block, 0, parts)
-                            }
                             _ => unreachable!("not made by a split block"),
                         }
                         .unwrap();

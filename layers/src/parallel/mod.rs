@@ -47,8 +47,10 @@
 //! broadcasting (or scattering) `dy`. Outputs are all-gathered or all-reduced as in Megatron, so
 //! every shard holds the full result, ready for a pipeline that one day passes replicated tensors
 //! between tensor-parallel stages; today only the first device's copy is returned. The Layer API's
-//! two backward calls cannot share state (`Saved` is immutable), so `backward_weight` repeats the
-//! exchange of `dy` that `backward_input` made (and the MLP recomputes its hidden gradient).
+//! two backward calls cannot share state through `Saved` (it is immutable), so `backward_weight`
+//! repeats the exchange of `dy` that `backward_input` made; what both need and is costly to
+//! compute (the attention's `∂L/∂qkv`, the MLP's hidden gradient) the first call leaves in the
+//! layer's pending slots (`pending.rs`) for the second.
 //!
 //! # Devices
 //!
