@@ -18,7 +18,7 @@ pub use conveyor_engine::placement::pipeline_plan::{
     planner_inputs, planner_inputs_for, simulated_inflight,
 };
 use conveyor_engine::placement::{
-    DeviceSpec, Link, NodeCosts, OptimizerMemory, Placement, Plan, PlanConfig, measure_node_memory_on,
+    DeviceSpec, Link, NodeCosts, OptimizerMemory, Placement, Plan, PlanConfig, measure_node_memory_on_cross_entropy,
     place_manually_with_costs, place_with_costs,
 };
 use conveyor_engine::runtime::{ReplicaShares, Trainer, TrainerBuilder};
@@ -185,7 +185,8 @@ pub fn plan_tensor_parallel(
         }
     }
     let stage_of = placement.stage_of_nodes();
-    let measured = measure_node_memory_on(&graph, rows, |id| {
+    // The zoo's models train with softmax cross-entropy: a split head computes it itself.
+    let measured = measure_node_memory_on_cross_entropy(&graph, rows, |id| {
         stage_of.iter().find(|(n, _)| *n == id).map(|&(_, s)| group_of_stage(s).clone())
     })?;
     let costs = NodeCosts::of_graph(&graph)?.with_measured_memory(&measured)?;
@@ -370,7 +371,9 @@ impl StageCollectives {
 /// What each stage of `plan` over the split `graph` (from [`plan_tensor_parallel`]) exchanges per
 /// micro-batch of `plan`'s rows: every split layer run once per call kind on seeded inputs of a
 /// micro-batch, its collectives' traffic counted (split layers report it per device), summed over
-/// the stage's split layers through each layer's busiest device.
+/// the stage's split layers through each layer's busiest device. An output layer that computes a
+/// softmax cross-entropy over its split output ([`conveyor_engine::Layer::forward_cross_entropy`])
+/// is run that way, as training with [`conveyor_layers::CrossEntropyLoss`] runs it.
 pub fn tensor_parallel_collectives(graph: &Graph, plan: &Plan) -> Result<Vec<StageCollectives>> {
     let rows = plan.config.micro_batch_rows.max(1);
     let mut rng = conveyor_engine::init::rng(0xC011);
@@ -405,10 +408,24 @@ pub fn tensor_parallel_collectives(graph: &Graph, plan: &Plan) -> Result<Vec<Sta
                 .collect::<Result<Vec<_>>>()?;
             let refs: Vec<&conveyor_engine::Tensor> = inputs.iter().collect();
             let t0 = layer.collective_traffic();
-            let (output, saved) = layer.forward(&refs, &conveyor_engine::ForwardCtx::train(1))?;
+            let ctx = conveyor_engine::ForwardCtx::train(1);
+            let labels = vec![0; rows];
+            let own_loss = match graph.output().ok() == Some(id) {
+                true => layer.forward_cross_entropy(&refs, &labels, rows as f32, &ctx),
+                false => None,
+            };
+            let (saved, grad) = match own_loss {
+                Some(own_loss) => {
+                    let saved = own_loss?.1;
+                    (saved, conveyor_engine::Tensor::full(1.0, [1], conveyor_engine::DType::F32, &device)?)
+                }
+                None => {
+                    let (output, saved) = layer.forward(&refs, &ctx)?;
+                    let shape = output.shape().clone();
+                    (saved, conveyor_engine::Tensor::full(1.0, shape, output.dtype(), output.device())?)
+                }
+            };
             let t1 = layer.collective_traffic();
-            let grad = conveyor_engine::Tensor::full(1.0, output.shape().clone(), output.dtype(), output.device())?;
-            drop(output);
             drop(layer.backward_input(&saved, &grad)?);
             let t2 = layer.collective_traffic();
             let mut grads = layer

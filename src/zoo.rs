@@ -287,6 +287,30 @@ impl<'a> Splitter<'a> {
         }
     }
 
+    /// A model's output layer `Linear(in, classes)` with bias: when `name` is split,
+    /// column-parallel if there is a class for every device (else row-parallel), computing the softmax cross-entropy over
+    /// its split logits without gathering them
+    /// ([`ColumnParallelLinear::with_split_cross_entropy`]).
+    fn output_head(
+        &mut self,
+        name: &str,
+        in_features: usize,
+        classes: usize,
+        rng: &mut StdRng,
+    ) -> Result<Box<dyn Layer>> {
+        let linear = Linear::new(in_features, classes, true, rng)?;
+        match self.group(name) {
+            Some(group) if classes >= group.len() => Ok(Box::new(
+                ColumnParallelLinear::from_linear_on(&linear, &self.shards(group))?.with_split_cross_entropy(),
+            )),
+            // Fewer classes than devices: split by the input features instead.
+            Some(group) if in_features >= group.len() => {
+                Ok(Box::new(RowParallelLinear::from_linear_on(&linear, &self.shards(group))?))
+            }
+            _ => Ok(Box::new(linear)),
+        }
+    }
+
     /// A transformer's MLP block `fc1 → GELU → fc2` (`Linear(dim, hidden)`, `Linear(hidden, dim)`,
     /// drawn in that order) as one [`ParallelMlp`] node: split by the hidden features over the
     /// node's group, or whole on the host (a group of one device) when `name` is not split.
@@ -454,8 +478,9 @@ pub fn transformer(config: &TransformerConfig, seed: u64) -> Result<Graph> {
 /// [`transformer`], or with `split.mlp_blocks_as_nodes` its tensor-parallel form (see
 /// [`ModelSpec::build_split`]) with its split nodes built split: the token embedding by
 /// vocabulary rows, each block's attention by heads, its MLP block (`fc1`, GELU, `fc2` as the one
-/// node `blocks.i`) by the hidden features, and `head` column-parallel (the embedding and the
-/// head stay whole when tied). The positional table and the LayerNorms stay whole on the stage's
+/// node `blocks.i`) by the hidden features, and `head` column-parallel with the loss over its
+/// split logits (vocabulary-parallel cross-entropy; the embedding and the head stay whole when
+/// tied). The positional table and the LayerNorms stay whole on the stage's
 /// first device.
 fn transformer_with(config: &TransformerConfig, seed: u64, split: &mut Splitter<'_>) -> Result<Graph> {
     let &TransformerConfig { vocab, tokens, dim, n_heads, n_layers, classes, tied } = config;
@@ -500,7 +525,7 @@ fn transformer_with(config: &TransformerConfig, seed: u64, split: &mut Splitter<
     // A tied head stays whole: its weight is the embedding's, which is not split.
     let head = match tied {
         true => Box::new(Linear::new(dim, classes, true, &mut rng)?),
-        false => split.linear("head", dim, classes, &mut rng)?,
+        false => split.output_head("head", dim, classes, &mut rng)?,
     };
     let x = g.add_boxed("head", head, &[x])?;
     g.set_output(x)?;

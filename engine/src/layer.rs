@@ -202,6 +202,28 @@ pub trait Layer: Send + std::fmt::Debug {
     /// Forward pass on a batch; returns the output and what backward needs.
     fn forward(&self, inputs: &[&Tensor], ctx: &ForwardCtx) -> Result<(Tensor, Saved)>;
 
+    /// Softmax cross-entropy of this layer's output against `labels`, computed where the output's
+    /// pieces live, for a layer whose output is split over devices (a vocabulary-parallel output
+    /// layer): returns `Σ_rows (logsumexp(z_r) - z_r[label_r]) / normalizer` and what the backward
+    /// calls need, without ever gathering the output onto one device. `None`: not offered (the
+    /// default), and the runtime runs [`Layer::forward`] and the loss.
+    ///
+    /// A training step calls it instead of `forward` for the graph's output node when the
+    /// trainer's loss is softmax cross-entropy ([`crate::Loss::is_softmax_cross_entropy`]), the
+    /// targets are class labels and no other stage consumes the output. The backward calls then
+    /// get the saved state this call returned and, as `grad_output`, a `[1]` tensor holding 1
+    /// (the loss's gradient with respect to itself; the normalizer already holds any loss scale).
+    fn forward_cross_entropy(
+        &self,
+        inputs: &[&Tensor],
+        labels: &[usize],
+        normalizer: f32,
+        ctx: &ForwardCtx,
+    ) -> Option<Result<(f64, Saved)>> {
+        let _ = (inputs, labels, normalizer, ctx);
+        None
+    }
+
     /// The whole backward pass: returns the gradient with respect to each input (`None` for
     /// inputs that take no gradient) and ADDS the gradients with respect to the parameters into
     /// `param_grads` (aligned with [`Layer::parameters`], on their devices).

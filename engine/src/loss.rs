@@ -194,6 +194,14 @@ pub trait Loss: Send + Sync + std::fmt::Debug {
     /// [`Targets::classes_for`] and [`Targets::values_for`]).
     fn loss_and_grad(&self, output: &Tensor, targets: &Targets, normalizer: f32) -> Result<(f64, Tensor)>;
 
+    /// Whether this loss is softmax cross-entropy over the output's last dimension with class
+    /// labels, normalised as [`Loss::loss_and_grad`] says (PyTorch's `nn.CrossEntropyLoss`). A
+    /// training step may then let an output layer split over devices compute it where its pieces
+    /// live ([`crate::Layer::forward_cross_entropy`]). Default: false.
+    fn is_softmax_cross_entropy(&self) -> bool {
+        false
+    }
+
     /// Checks, before a step runs, that a batch's `targets` suit this loss for outputs of the
     /// per-sample shape `output_shape` (the graph output's, without the rows): the kind, and for
     /// real values their per-sample shape. The trainer calls it on every batch it is given, so a

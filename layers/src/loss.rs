@@ -41,6 +41,10 @@ impl Loss for CrossEntropyLoss {
         output.softmax_cross_entropy(labels, normalizer)
     }
 
+    fn is_softmax_cross_entropy(&self) -> bool {
+        true
+    }
+
     /// Class labels, each below the output's last dimension (the class count).
     fn check_targets(&self, output_shape: &Shape, targets: &Targets) -> Result<()> {
         let labels = targets.classes_for("CrossEntropyLoss")?;

@@ -57,15 +57,16 @@ fn exp_minus<V: Lanes>(x: V, max: V) -> V {
     exp2parts(diff, V::select(error.is_nan(), zero, error))
 }
 
-/// One row: `out = e^(x - max) / Σ e^(x - max)`, or `(x - max) - ln Σ e^(x - max)` when `log`.
-/// NaN anywhere in the row, `+inf`, or a row of `-inf` give a row of NaN (as torch).
+/// A row's maximum and `Σ e^(x - max)`, summed in the canonical lane order; with `out`, each
+/// `e^(x - max)` is stored there too (`out.len() == row.len()`).
 #[inline(always)]
-fn softmax_row<V: Lanes>(row: &[f32], out: &mut [f32], log: bool) {
+fn max_and_sum_exp<V: Lanes>(row: &[f32], out: Option<&mut [f32]>) -> (f32, f32) {
     let n = row.len();
     let whole = n - n % SUM_LANES;
-    let (src, dst) = (row.as_ptr(), out.as_mut_ptr());
-    // SAFETY: every index below is < n = row.len() = out.len() (the caller's chunks), whole
-    // vectors of V::N (which divides SUM_LANES) only below `whole`.
+    let src = row.as_ptr();
+    let dst = out.map(|out| out.as_mut_ptr());
+    // SAFETY: every index below is < n = row.len() (= out.len() when stored), whole vectors of
+    // V::N (which divides SUM_LANES) only below `whole`.
     unsafe {
         let mut max_v = V::splat(f32::NEG_INFINITY);
         let mut i = 0;
@@ -86,7 +87,7 @@ fn softmax_row<V: Lanes>(row: &[f32], out: &mut [f32], log: bool) {
         while i < whole {
             for (j, a) in acc.iter_mut().enumerate().take(per_group) {
                 let e = exp_minus(V::load(src.add(i + j * V::N)), max_splat);
-                if !log {
+                if let Some(dst) = dst {
                     e.store(dst.add(i + j * V::N));
                 }
                 *a = a.add(e);
@@ -111,13 +112,26 @@ fn softmax_row<V: Lanes>(row: &[f32], out: &mut [f32], log: bool) {
             }
             for k in whole..n {
                 let e = exp_minus(row[k], max);
-                if !log {
+                if let Some(dst) = dst {
                     *dst.add(k) = e;
                 }
                 lanes[k % SUM_LANES] += e;
             }
             sum_halves_in_place(&mut lanes)
         };
+        (max, sum)
+    }
+}
+
+/// One row: `out = e^(x - max) / Σ e^(x - max)`, or `(x - max) - ln Σ e^(x - max)` when `log`.
+/// NaN anywhere in the row, `+inf`, or a row of `-inf` give a row of NaN (as torch).
+#[inline(always)]
+fn softmax_row<V: Lanes>(row: &[f32], out: &mut [f32], log: bool) {
+    let n = row.len();
+    let (max, sum) = max_and_sum_exp::<V>(row, (!log).then_some(&mut *out));
+    let (src, dst) = (row.as_ptr(), out.as_mut_ptr());
+    // SAFETY: every index below is < n = row.len() = out.len() (the caller's chunks).
+    unsafe {
         if log {
             let shift = V::splat(max);
             let log_sum = ((sum as f64).ln() as f32, V::splat((sum as f64).ln() as f32));
@@ -157,6 +171,28 @@ pub fn log_softmax_rows(input: &[f32], cols: usize, output: &mut [f32]) -> Resul
     check_rows("log_softmax", input, cols, output)?;
     dispatch(Rows { input, output, cols, log: true });
     Ok(())
+}
+
+/// Each row's maximum and `Σ e^(x - max)` (the canonical sum, as [`softmax_rows`] sums), for
+/// rows of `cols` elements: the per-shard statistics of a softmax over columns split across
+/// devices.
+pub fn row_max_and_sum_exp(input: &[f32], cols: usize) -> Result<Vec<(f32, f32)>> {
+    check_rows("row_max_and_sum_exp", input, cols, input)?;
+    Ok(dispatch(MaxSums { input, cols }))
+}
+
+/// [`row_max_and_sum_exp`] on one ISA.
+struct MaxSums<'a> {
+    input: &'a [f32],
+    cols: usize,
+}
+
+impl Job for MaxSums<'_> {
+    type Output = Vec<(f32, f32)>;
+    #[inline(always)]
+    fn run<V: Lanes>(self) -> Vec<(f32, f32)> {
+        self.input.chunks_exact(self.cols).map(|row| max_and_sum_exp::<V>(row, None)).collect()
+    }
 }
 
 /// [`softmax_rows`] or [`log_softmax_rows`] on a chosen ISA (tests compare them).

@@ -8,7 +8,8 @@
 //! normalisation, embedding lookups and the token reductions of the sequence layers
 //! ([`Tensor::layer_norm`], [`Tensor::embedding`], [`Tensor::add_positions`],
 //! [`Tensor::mean_over_tokens`] and their gradients), `squared_error.rs` the MSE loss
-//! ([`Tensor::squared_error`]), `columns.rs` the column blocks of tensor-parallel layouts
+//! ([`Tensor::squared_error`]), `split_cross_entropy.rs` softmax cross-entropy over logits split
+//! by classes ([`Tensor::logit_shard_stats`] and its two partners), `columns.rs` the column blocks of tensor-parallel layouts
 //! ([`Tensor::narrow_columns`], [`Tensor::cat_columns`], [`Tensor::pack_columns`]).
 //!
 //! # Dispatch rule
@@ -36,10 +37,12 @@ mod columns;
 mod conv;
 mod norm;
 mod pool;
+mod split_cross_entropy;
 mod squared_error;
 
 pub use attention::attention_gpu_scratch;
 pub use conv::conv2d_gpu_scratch;
+pub use split_cross_entropy::LOGIT_SHARD_STATS;
 
 use crate::cpu::activation::{self, relu, relu_grad, tanh_grad};
 use crate::cpu::softmax::log_softmax_rows;

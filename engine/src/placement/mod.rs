@@ -40,8 +40,9 @@ pub(crate) use fit::DoesNotFitMessage;
 pub use fit::{FitHint, MemoryBreakdown, PlacedBy, StageFit};
 pub use manual::{place_manually, place_manually_with_costs};
 pub use memory::{
-    InputGradMemory, NodeMemory, OutputMemory, Rank, SavedMemory, ScheduleMemory, measure_node_memory,
-    measure_node_memory_at, measure_node_memory_on, measure_node_memory_on_device,
+    InputGradMemory, NodeMemory, OutputMemory, OwnLossMemory, Rank, SavedMemory, ScheduleMemory, measure_node_memory,
+    measure_node_memory_at, measure_node_memory_on, measure_node_memory_on_cross_entropy,
+    measure_node_memory_on_device,
 };
 pub use pipeline_plan::{
     AutoPlacement, CPU_FLOPS_PER_S, NoProfile, PipelineConfig, PlaceBy, Placement, plan_auto, plan_placement,

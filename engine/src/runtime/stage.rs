@@ -38,6 +38,8 @@ pub(crate) type ForwardOutcome = (Vec<(usize, Payload)>, Option<f64>, Option<Ten
 struct MicroBatchState {
     /// Stage inputs kept for recomputation.
     kept_inputs: Payload,
+    /// The labels of a loss the output layer computes itself, kept for recomputation.
+    kept_labels: Option<Vec<usize>>,
     /// Per local node: what its forward saved.
     saved: Vec<Option<Saved>>,
     /// Per local node: gradient of its output (accumulated, then kept for the weight pass).
@@ -108,6 +110,13 @@ pub(crate) struct StepCtx<'a> {
 }
 
 impl StepCtx<'_> {
+    /// What the loss divides its sum by. A loss divides by its normalizer, so dividing that by
+    /// the loss scale multiplies the gradient by it; the scale is a power of two, so the reported
+    /// loss is the unscaled one to the bit (barring overflow, which the vote catches).
+    fn loss_normalizer(&self) -> f32 {
+        self.normalizer / self.loss_scale
+    }
+
     /// The dropout seed of one node on one micro-batch of this step: the same wherever the node
     /// runs and whether or not it is recomputed.
     fn node_seed(&self, micro_batch_idx: usize, node: NodeId) -> u64 {
@@ -218,10 +227,20 @@ impl Stage {
     }
 
     /// Runs the stage's layers on `inputs`; returns each node's saved state and the outputs other
-    /// stages or the loss need.
-    fn run_layers(&self, ctx: &StepCtx<'_>, micro_batch_idx: usize, inputs: &Payload) -> Result<(Vec<Saved>, Payload)> {
+    /// stages or the loss need. With `output_labels`, the output node computes the softmax
+    /// cross-entropy against them itself when it offers to ([`Layer::forward_cross_entropy`]):
+    /// then its output is not among the outputs and its loss (scaled, as the loss's would be) is
+    /// returned.
+    fn run_layers(
+        &self,
+        ctx: &StepCtx<'_>,
+        micro_batch_idx: usize,
+        inputs: &Payload,
+        output_labels: Option<&[usize]>,
+    ) -> Result<(Vec<Saved>, Payload, Option<f64>)> {
         let mut values: Vec<Option<Tensor>> = Vec::with_capacity(self.nodes.len());
         let mut saved = Vec::with_capacity(self.nodes.len());
+        let mut layer_loss = None;
         for node in &self.nodes {
             let mut args: Vec<&Tensor> = Vec::with_capacity(node.inputs.len());
             for input in &node.inputs {
@@ -241,6 +260,17 @@ impl Stage {
                 seed: ctx.node_seed(micro_batch_idx, node.id),
                 precision: ctx.precision,
             };
+            let own_loss = match output_labels.filter(|_| self.output_node == Some(node.id)) {
+                Some(labels) => node.layer.forward_cross_entropy(&args, labels, ctx.loss_normalizer(), &fctx),
+                None => None,
+            };
+            if let Some(own_loss) = own_loss {
+                let (loss, node_saved) = own_loss?;
+                layer_loss = Some(loss);
+                values.push(None);
+                saved.push(node_saved);
+                continue;
+            }
             let (out, node_saved) = node.layer.forward(&args, &fctx)?;
             values.push(Some(out));
             saved.push(node_saved);
@@ -254,7 +284,7 @@ impl Stage {
                 outputs.push((node.id, value));
             }
         }
-        Ok((saved, outputs))
+        Ok((saved, outputs, layer_loss))
     }
 
     /// Forward of one micro-batch. Returns the messages for consumer stages (on this device; the
@@ -267,13 +297,30 @@ impl Stage {
         inputs: Payload,
         targets: Option<Targets>,
     ) -> Result<ForwardOutcome> {
-        let (saved, mut outputs) = self.run_layers(ctx, micro_batch_idx, &inputs)?;
+        // The output layer may compute a softmax cross-entropy itself (a vocabulary-parallel
+        // head, whose logits then never meet on one device) when nothing else reads its output.
+        let output_labels = match (&targets, self.output_node) {
+            (Some(Targets::Classes(labels)), Some(output_id))
+                if ctx.training
+                    && ctx.loss.is_softmax_cross_entropy()
+                    && !self.send_to.iter().any(|r| r.nodes.contains(&output_id)) =>
+            {
+                Some(labels.as_slice())
+            }
+            _ => None,
+        };
+        let (saved, mut outputs, layer_loss) = self.run_layers(ctx, micro_batch_idx, &inputs, output_labels)?;
         let mut loss_value = None;
         let mut eval_output = None;
         let n_nodes = self.nodes.len();
         let recompute = ctx.training && self.recomputes(micro_batch_idx, ctx.n_micro_batches);
         let mut grad_out: Vec<Option<Tensor>> = (0..n_nodes).map(|_| None).collect();
-        if let Some(output_id) = self.output_node {
+        let kept_labels = layer_loss.and(output_labels).filter(|_| recompute).map(<[usize]>::to_vec);
+        if let (Some(loss), Some(output_id)) = (layer_loss, self.output_node) {
+            loss_value = Some(loss / f64::from(ctx.loss_scale));
+            let ones = Tensor::full(1.0, [1], crate::DType::F32, &self.device)?;
+            grad_out[self.local_index(output_id).expect("output node is local")] = Some(ones);
+        } else if let Some(output_id) = self.output_node {
             let position = outputs.iter().position(|(id, _)| *id == output_id).expect("output node is always kept");
             let sent_elsewhere = self.send_to.iter().any(|r| r.nodes.contains(&output_id));
             let output = if sent_elsewhere { outputs[position].1.try_clone()? } else { outputs.remove(position).1 };
@@ -281,11 +328,7 @@ impl Stage {
                 let targets = targets
                     .ok_or_else(|| Error::invalid("targets", "a training step's output stage was given no targets"))?
                     .move_to_device(&self.device)?;
-                // A loss divides by its normalizer, so dividing that by the loss scale multiplies
-                // the gradient by it; the scale is a power of two, so the reported loss is the
-                // unscaled one to the bit (barring overflow, which the vote catches).
-                let normalizer = ctx.normalizer / ctx.loss_scale;
-                let (loss, grad) = ctx.loss.loss_and_grad(&output, &targets, normalizer)?;
+                let (loss, grad) = ctx.loss.loss_and_grad(&output, &targets, ctx.loss_normalizer())?;
                 loss_value = Some(loss / f64::from(ctx.loss_scale));
                 grad_out[self.local_index(output_id).expect("output node is local")] = Some(grad);
             } else {
@@ -309,6 +352,7 @@ impl Stage {
             state.grad_out = grad_out;
             if recompute {
                 state.kept_inputs = inputs;
+                state.kept_labels = kept_labels;
                 state.saved = (0..n_nodes).map(|_| None).collect();
             } else {
                 state.saved = saved.into_iter().map(Some).collect();
@@ -325,8 +369,9 @@ impl Stage {
 
     /// Re-runs the forward of a micro-batch from its kept inputs to restore what backward needs.
     pub fn recompute(&mut self, ctx: &StepCtx<'_>, micro_batch_idx: usize) -> Result<()> {
-        let inputs = std::mem::take(&mut self.micro_batch(micro_batch_idx)?.kept_inputs);
-        let (saved, _) = self.run_layers(ctx, micro_batch_idx, &inputs)?;
+        let state = self.micro_batch(micro_batch_idx)?;
+        let (inputs, labels) = (std::mem::take(&mut state.kept_inputs), state.kept_labels.take());
+        let (saved, _, _) = self.run_layers(ctx, micro_batch_idx, &inputs, labels.as_deref())?;
         let state = self.micro_batch(micro_batch_idx)?;
         state.saved = saved.into_iter().map(Some).collect();
         self.note_activation_bytes();

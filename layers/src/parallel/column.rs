@@ -1,7 +1,10 @@
 //! `ColumnParallelLinear`: a `Linear` whose weight is split by output features (rows of
-//! `weight [out, in]`) over `k` devices; the output is all-gathered.
+//! `weight [out, in]`) over `k` devices; the output is all-gathered, or, as a model's output
+//! layer with [`ColumnParallelLinear::with_split_cross_entropy`], never gathered: the softmax
+//! cross-entropy is computed over the split logits (Megatron's vocabulary-parallel loss).
 use conveyor_engine::collective::{Partition, Traffic};
-use conveyor_engine::{Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
+use conveyor_engine::device::ops::LOGIT_SHARD_STATS;
+use conveyor_engine::{DType, Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 use rand::rngs::StdRng;
 
 use super::exchange::{all_gather_columns, columns_for_shard, grads_per_rank, input_for_shard, rows};
@@ -25,6 +28,12 @@ const KIND: &str = "ColumnParallelLinear";
 /// the partial `dx_r = dy_r · weight_r`; `backward_weight` scatters `dy` and adds
 /// `dweight_r += dy_rᵀ · x` locally.
 ///
+/// As the graph's output layer under softmax cross-entropy, with
+/// [`ColumnParallelLinear::with_split_cross_entropy`], a training step never gathers the logits:
+/// each device reduces its block to three numbers per row, those are all-gathered, and each
+/// device keeps its block's gradient; the backward calls then need no scatter of `dy`
+/// ([`Layer::forward_cross_entropy`]).
+///
 /// `parameters()` is rank-major: for each shard held here, in order, its `weight` shard, then its `bias`
 /// shard; each keeps PyTorch's name. [`ColumnParallelLinear::gather_parameters`] returns the
 /// unsplit tensors and [`ColumnParallelLinear::load_unsplit`] splits one in.
@@ -36,6 +45,8 @@ pub struct ColumnParallelLinear {
     has_bias: bool,
     params: Vec<Parameter>,
     group: ShardGroup,
+    /// Computes a softmax cross-entropy over its split output when asked.
+    split_cross_entropy: bool,
 }
 
 impl ColumnParallelLinear {
@@ -81,7 +92,30 @@ impl ColumnParallelLinear {
                 params.push(Parameter { name: "bias".into(), value });
             }
         }
-        Ok(ColumnParallelLinear { in_features, out_features, parts, has_bias: bias.is_some(), params, group })
+        Ok(ColumnParallelLinear {
+            in_features,
+            out_features,
+            parts,
+            has_bias: bias.is_some(),
+            params,
+            group,
+            split_cross_entropy: false,
+        })
+    }
+
+    /// This layer computing, as a model's output layer, the softmax cross-entropy over its split
+    /// output where the blocks live ([`Layer::forward_cross_entropy`]): the logits
+    /// `[rows, out_features]` never meet on one device, only `3 · rows` numbers per device cross
+    /// between them. Evaluation and prediction still gather the logits.
+    pub fn with_split_cross_entropy(mut self) -> Self {
+        self.split_cross_entropy = true;
+        self
+    }
+
+    /// Whether the layer computes a softmax cross-entropy over its split output
+    /// ([`ColumnParallelLinear::with_split_cross_entropy`]).
+    pub fn splits_cross_entropy(&self) -> bool {
+        self.split_cross_entropy
     }
 
     /// Input features.
@@ -163,6 +197,94 @@ impl ColumnParallelLinear {
     }
 }
 
+/// Split cross-entropy ([`ColumnParallelLinear::with_split_cross_entropy`]): its saved state is
+/// the input copies, then each local shard's logit gradient `[rows, parts.len(r)]`.
+impl ColumnParallelLinear {
+    fn forward_split_cross_entropy(
+        &self,
+        inputs: &[&Tensor],
+        labels: &[usize],
+        normalizer: f32,
+    ) -> Result<(f64, Saved)> {
+        expect_inputs(KIND, inputs, 1)?;
+        let input = inputs[0];
+        check_linear_input(KIND, &self.group, input, self.in_features)?;
+        let n_rows = rows(input);
+        if labels.len() != n_rows {
+            return Err(Error::shape(
+                format!("{KIND} cross-entropy labels"),
+                format!("{n_rows} labels, one per row of the input {}", input.shape()),
+                format!("{} labels", labels.len()),
+            ));
+        }
+        if let Some((row, &label)) = labels.iter().enumerate().find(|&(_, &label)| label >= self.out_features) {
+            return Err(Error::invalid(
+                format!("{KIND} cross-entropy label"),
+                format!(
+                    "label {label} at row {row} is out of range for {} classes; labels must lie in 0..{}",
+                    self.out_features, self.out_features
+                ),
+            ));
+        }
+        crate::loss::check_normalizer(KIND, normalizer)?;
+        let k = self.group.k();
+        let stat_parts = Partition::even(k * n_rows * LOGIT_SHARD_STATS, k)?;
+        let replicated = self.group.inputs_replicated();
+        let results = self.group.run(vec![(); self.group.n_local()], |rank, comm, ()| {
+            let device = self.group.device(rank);
+            let x = input_for_shard(comm, input, device, replicated)?;
+            let (weight, bias) = self.shard(rank);
+            let logits = linear_shard::forward(&x, weight, bias)?;
+            let first = self.parts.range(rank).start;
+            let stats = logits.logit_shard_stats(labels, first)?;
+            let mut gathered = Tensor::zeros([stat_parts.total()], DType::F32, device)?;
+            comm.all_gather_tensor(&stats, &mut gathered, &stat_parts)?;
+            let (lse, loss_sum) = gathered.combine_logit_shard_stats(k, n_rows)?;
+            let grad = logits.logit_shard_grad(&lse, labels, first, normalizer)?;
+            Ok((x, grad, loss_sum))
+        })?;
+        // Every shard combined the same statistics in the same order: one loss.
+        let loss = results.first().map_or(0.0, |r| r.2) / f64::from(normalizer);
+        let (inputs, grads): (Vec<Tensor>, Vec<Tensor>) = results.into_iter().map(|(x, grad, _)| (x, grad)).unzip();
+        Ok((loss, Saved { tensors: inputs.into_iter().chain(grads).collect() }))
+    }
+
+    /// The input copies and logit gradients of a split cross-entropy's saved state, or `None`
+    /// for a plain forward's (one input copy per shard). The loss's own gradient must be the
+    /// `[1]` the runtime passes.
+    fn split_cross_entropy_saved<'a>(
+        &self,
+        saved: &'a Saved,
+        grad_output: &Tensor,
+    ) -> Result<Option<(&'a [Tensor], &'a [Tensor])>> {
+        let n_local = self.group.n_local();
+        if !self.split_cross_entropy || saved.tensors.len() != 2 * n_local {
+            return Ok(None);
+        }
+        if grad_output.dims() != [1] {
+            return Err(Error::shape(
+                format!("{KIND} gradient after its own cross-entropy"),
+                "[1] (the loss's gradient with respect to itself)",
+                grad_output.shape().to_string(),
+            ));
+        }
+        let (inputs, grads) = saved.tensors.split_at(n_local);
+        let in_dims = inputs[0].dims();
+        let shapes_fit =
+            inputs.iter().all(|x| x.dims() == in_dims && in_dims.last() == Some(&self.in_features))
+                && self.group.local().zip(grads).all(|(rank, g)| {
+                    g.dims().split_last() == Some((&self.parts.len(rank), &in_dims[..in_dims.len() - 1]))
+                });
+        if !shapes_fit {
+            return Err(Error::invalid(
+                format!("{KIND} saved state"),
+                "not the input copies and logit gradients its cross-entropy saved",
+            ));
+        }
+        Ok(Some((inputs, grads)))
+    }
+}
+
 impl Layer for ColumnParallelLinear {
     fn kind(&self) -> &'static str {
         KIND
@@ -204,7 +326,26 @@ impl Layer for ColumnParallelLinear {
         Ok((output, Saved { tensors }))
     }
 
+    fn forward_cross_entropy(
+        &self,
+        inputs: &[&Tensor],
+        labels: &[usize],
+        normalizer: f32,
+        _ctx: &ForwardCtx,
+    ) -> Option<Result<(f64, Saved)>> {
+        self.split_cross_entropy.then(|| self.forward_split_cross_entropy(inputs, labels, normalizer))
+    }
+
     fn backward_input(&self, saved: &Saved, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        if let Some((inputs, grads)) = self.split_cross_entropy_saved(saved, grad_output)? {
+            let input_shape = inputs[0].shape();
+            let mut results = self.group.run(grads.iter().collect(), |rank, comm, grad| {
+                let mut dx = linear_shard::input_grad(grad, self.shard(rank).0, input_shape)?;
+                comm.all_reduce_tensor(&mut dx)?;
+                Ok(self.group.returns_output(rank).then_some(dx))
+            })?;
+            return Ok(vec![results.swap_remove(0)]);
+        }
         let input_shape = check_saved_replicated(KIND, saved, self.group.n_local(), self.in_features)?;
         check_grad_shape(KIND, grad_output, &Shape::new(with_last(&input_shape, self.out_features)))?;
         self.group.check_input(KIND, grad_output)?;
@@ -224,11 +365,19 @@ impl Layer for ColumnParallelLinear {
 
     fn backward_weight(&self, saved: &Saved, grad_output: &Tensor, param_grads: &mut [Tensor]) -> Result<()> {
         check_param_grads(KIND, &self.params, param_grads)?;
+        let grads = grads_per_rank(param_grads, &vec![self.per_rank(); self.group.n_local()])?;
+        if let Some((inputs, logit_grads)) = self.split_cross_entropy_saved(saved, grad_output)? {
+            let states = grads.into_iter().zip(inputs.iter().zip(logit_grads)).collect();
+            self.group.run(states, |_, _, (grads, (x, logit_grad))| {
+                let (weight_grad, bias_grad) = grads.split_at_mut(1);
+                linear_shard::weight_grad(logit_grad, x, &mut weight_grad[0], bias_grad.first_mut())
+            })?;
+            return Ok(());
+        }
         let input_shape = check_saved_replicated(KIND, saved, self.group.n_local(), self.in_features)?;
         check_grad_shape(KIND, grad_output, &Shape::new(with_last(&input_shape, self.out_features)))?;
         self.group.check_input(KIND, grad_output)?;
         let n_rows = rows(grad_output);
-        let grads = grads_per_rank(param_grads, &vec![self.per_rank(); self.group.n_local()])?;
         let replicated = self.group.inputs_replicated();
         self.group.run(grads, |rank, comm, grads| {
             let device = self.group.device(rank);
@@ -241,15 +390,18 @@ impl Layer for ColumnParallelLinear {
         Ok(())
     }
 
+    /// With a split cross-entropy, the saved state also holds the logits' gradient, one block
+    /// per device (the runtime's output gradient is then one number, not the logits).
     fn cost(&self, input_shapes: &[Shape]) -> Result<LayerCost> {
         let output = self.output_shape(input_shapes)?;
+        let logit_grads = if self.split_cross_entropy { output.numel() } else { 0 };
         Ok(linear_cost(
             &input_shapes[0],
             &output,
             self.in_features,
             self.out_features,
             self.has_bias,
-            self.group.k() * input_shapes[0].numel(),
+            self.group.k() * input_shapes[0].numel() + logit_grads,
         ))
     }
 

@@ -12,7 +12,9 @@
 //! change. Shards, saved activations, messages and scratch buffers live on their shard's device and
 //! count against its budget, so a layer too large for one device is built and trained split.
 //!
-//! * [`ColumnParallelLinear`]: weight split by output features; output all-gathered.
+//! * [`ColumnParallelLinear`]: weight split by output features; output all-gathered, or, as a
+//!   model's output layer under softmax cross-entropy, never gathered: the loss is computed over
+//!   the split logits (Megatron's vocabulary-parallel cross-entropy, `Layer::forward_cross_entropy`).
 //! * [`RowParallelLinear`]: weight split by input features; partial outputs all-reduced.
 //! * [`ParallelSelfAttention`]: multi-head self-attention split by heads (Megatron's attention
 //!   block): q/k/v column-parallel, attention local, the output projection row-parallel, one

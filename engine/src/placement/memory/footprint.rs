@@ -186,7 +186,9 @@ fn arrive(arena: &mut Arena, shape: &StageShape<'_>) -> (Vec<Sid>, Vec<Sid>) {
 }
 
 /// `Stage::run_layers`: every node's forward, all outputs held until the end; returns the saved
-/// shares per node and the outputs something needs (sent on, or the graph output).
+/// shares per node and the outputs something needs (sent on, or the graph output). The graph's
+/// output node, when it computes the loss itself and nothing else reads its output
+/// ([`NodeMemory::own_loss`]), holds what that call saves and leaves an output of no bytes.
 fn run_layers(
     arena: &mut Arena,
     shape: &StageShape<'_>,
@@ -204,13 +206,18 @@ fn run_layers(
                 StageInput::Data(i) => data[i],
             })
             .collect();
-        arena.note_call(&node.forward_peak);
-        let out = match node.output {
-            OutputMemory::New(bytes) => arena.alloc(0, bytes),
-            OutputMemory::ShareOfInput(i) => arena.share(args[i]),
+        let own_loss = node.own_loss.as_ref().filter(|_| own_loss_at(shape) == Some(j));
+        let (forward_peak, node_saves) = match own_loss {
+            Some(own) => (&own.forward_peak, &own.saved),
+            None => (&node.forward_peak, &node.saved),
         };
-        let node_saved = node
-            .saved
+        arena.note_call(forward_peak);
+        let out = match (own_loss, &node.output) {
+            (Some(_), _) => arena.alloc(0, 0),
+            (None, OutputMemory::New(bytes)) => arena.alloc(0, *bytes),
+            (None, OutputMemory::ShareOfInput(i)) => arena.share(args[*i]),
+        };
+        let node_saved = node_saves
             .iter()
             .map(|s| match *s {
                 SavedMemory::Input(i) => arena.share(args[i]),
@@ -237,6 +244,12 @@ fn run_layers(
     (saved, outputs)
 }
 
+/// The stage's node that computes the loss itself (`Stage::forward`'s rule): the graph's output
+/// node, when its layer offers to ([`NodeMemory::own_loss`]) and no other stage reads its output.
+fn own_loss_at(shape: &StageShape<'_>) -> Option<usize> {
+    shape.output_node.filter(|&o| shape.routes[o] == 0 && shape.nodes[o].own_loss.is_some())
+}
+
 /// `Stage::forward` in training, then the sends.
 fn forward(arena: &mut Arena, shape: &StageShape<'_>, recompute: bool) -> MicroBatch {
     let (received, data) = arrive(arena, shape);
@@ -250,8 +263,10 @@ fn forward(arena: &mut Arena, shape: &StageShape<'_>, recompute: bool) -> MicroB
             outputs[o] = None;
             value
         };
-        // The loss gradient has the output's shape.
-        grad_out[o] = Some(arena.alloc(0, arena.bytes(output)));
+        // The loss gradient has the output's shape; the gradient of a loss a layer computed
+        // itself is one f32.
+        let grad_bytes = if own_loss_at(shape).is_some() { 4 } else { arena.bytes(output) };
+        grad_out[o] = Some(arena.alloc(0, grad_bytes));
         arena.release(output);
     }
     // One message per route: copies for all but the last.
@@ -398,6 +413,7 @@ pub(crate) fn footprint(shape: &StageShape<'_>) -> StageFootprint {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::placement::memory::OwnLossMemory;
 
     fn linear(input: u64, output: u64) -> NodeMemory {
         NodeMemory {
@@ -411,6 +427,7 @@ mod tests {
             backward_weight_peak: vec![0],
             backward_held: vec![0],
             params: vec![0],
+            own_loss: None,
         }
     }
 
@@ -426,6 +443,7 @@ mod tests {
             backward_weight_peak: vec![0],
             backward_held: vec![0],
             params: vec![0],
+            own_loss: None,
         }
     }
 
@@ -485,5 +503,38 @@ mod tests {
         assert_eq!(with.peak_backward_input[0], without.peak_backward_input[0] + 40);
         assert_eq!(with.peak_backward_weight[0], without.peak_backward_weight[0] + 40);
         assert_eq!(with.sent_backward, without.sent_backward);
+    }
+
+    /// A split output layer that computes the loss itself (logits of 80 bytes over two ranks):
+    /// instead of its 80-byte output and the loss gradient of the same size on rank 0, each rank
+    /// holds its 40 bytes of logit gradient and rank 0 a loss gradient of 4 bytes. Routed to
+    /// another stage too, the output is needed and the node runs as usual.
+    #[test]
+    fn an_output_layer_computing_its_own_loss_holds_its_logit_gradients_on_their_ranks() {
+        let mut head = linear(100, 80);
+        head.own_loss = Some(OwnLossMemory {
+            saved: vec![
+                SavedMemory::Input(0),
+                SavedMemory::Own { rank: 0, bytes: 40 },
+                SavedMemory::Own { rank: 1, bytes: 40 },
+            ],
+            forward_peak: vec![40, 40],
+        });
+        let shape_of = |routes| StageShape {
+            nodes: vec![&head],
+            inputs: vec![vec![StageInput::Received(0)]],
+            routes: vec![routes],
+            output_node: Some(0),
+            received: vec![100],
+            data: Vec::new(),
+            n_ranks: 2,
+            half_gradient_sums: false,
+        };
+        let own = footprint(&shape_of(0));
+        // Rank 0: the input (saved) 100, its logit gradient 40 and the loss gradient 4.
+        assert_eq!(own.stash_forward, vec![144, 40]);
+        let routed = footprint(&shape_of(1));
+        // The plain forward: the input 100 and the loss gradient 80.
+        assert_eq!(routed.stash_forward, vec![180, 0]);
     }
 }

@@ -22,7 +22,10 @@ mod probe;
 pub(crate) use footprint::{StageFootprint, StageInput, StageShape, footprint};
 pub use moments::ScheduleMemory;
 pub(crate) use moments::{Moment, Running};
-pub use probe::{measure_node_memory, measure_node_memory_at, measure_node_memory_on, measure_node_memory_on_device};
+pub use probe::{
+    measure_node_memory, measure_node_memory_at, measure_node_memory_on, measure_node_memory_on_cross_entropy,
+    measure_node_memory_on_device,
+};
 
 use crate::{CallScratch, LayerCost};
 
@@ -97,6 +100,20 @@ pub struct NodeMemory {
     pub backward_held: Vec<u64>,
     /// Per rank: parameter bytes (gradients take as many; optimizer state is counted as f32).
     pub params: Vec<u64>,
+    /// What the node holds instead when, as the graph's output in training, it computes the
+    /// loss itself ([`crate::Layer::forward_cross_entropy`]); `None`: it does not.
+    pub own_loss: Option<OwnLossMemory>,
+}
+
+/// What a node's [`crate::Layer::forward_cross_entropy`] call takes on one micro-batch: what it
+/// saves (a split output layer: its input copies and each shard's logit gradient) and its peak.
+/// Its output is no tensor, and the gradient the runtime gives its backward calls one number.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OwnLossMemory {
+    /// What the call saves.
+    pub saved: Vec<SavedMemory>,
+    /// Per rank: the most bytes reserved during the call beyond what was reserved before it.
+    pub forward_peak: Vec<u64>,
 }
 
 impl NodeMemory {
@@ -133,6 +150,7 @@ impl NodeMemory {
             backward_weight_peak: vec![weight_pass_scratch],
             backward_held: vec![held],
             params: vec![cost.param_bytes],
+            own_loss: None,
         }
     }
 
@@ -147,10 +165,12 @@ impl NodeMemory {
             .max(
                 self.saved
                     .iter()
+                    .chain(self.own_loss.iter().flat_map(|own| &own.saved))
                     .map(|s| if let SavedMemory::Own { rank, .. } = s { rank + 1 } else { 1 })
                     .max()
                     .unwrap_or(1),
             )
+            .max(self.own_loss.as_ref().map_or(0, |own| own.forward_peak.len()))
     }
 
     /// The same node on micro-batches of `rows` rows: every per-micro-batch figure scaled by
@@ -162,6 +182,15 @@ impl NodeMemory {
         let from = self.rows.max(1) as u64;
         let scale = |b: u64| (b * rows as u64).div_ceil(from);
         let scale_all = |v: &[u64]| v.iter().map(|&b| scale(b)).collect();
+        let scale_saved = |saved: &[SavedMemory]| {
+            saved
+                .iter()
+                .map(|s| match *s {
+                    SavedMemory::Own { rank, bytes } => SavedMemory::Own { rank, bytes: scale(bytes) },
+                    ref other => other.clone(),
+                })
+                .collect()
+        };
         NodeMemory {
             rows,
             output: match self.output {
@@ -169,14 +198,7 @@ impl NodeMemory {
                 ref share => share.clone(),
             },
             output_bytes: scale(self.output_bytes),
-            saved: self
-                .saved
-                .iter()
-                .map(|s| match *s {
-                    SavedMemory::Own { rank, bytes } => SavedMemory::Own { rank, bytes: scale(bytes) },
-                    ref other => other.clone(),
-                })
-                .collect(),
+            saved: scale_saved(&self.saved),
             forward_peak: scale_all(&self.forward_peak),
             input_grads: self
                 .input_grads
@@ -191,6 +213,10 @@ impl NodeMemory {
             backward_weight_peak: self.backward_weight_peak.iter().map(|&b| scale(b).max(b)).collect(),
             backward_held: scale_all(&self.backward_held),
             params: self.params.clone(),
+            own_loss: self.own_loss.as_ref().map(|own| OwnLossMemory {
+                saved: scale_saved(&own.saved),
+                forward_peak: scale_all(&own.forward_peak),
+            }),
         }
     }
 
@@ -204,6 +230,9 @@ impl NodeMemory {
             peaks.iter_mut().for_each(|p| *p = p.saturating_add(bytes));
         };
         add(&mut self.forward_peak, scratch.forward);
+        if let Some(own) = &mut self.own_loss {
+            add(&mut own.forward_peak, scratch.forward);
+        }
         add(&mut self.backward_input_peak, scratch.backward_input);
         add(&mut self.backward_weight_peak, scratch.backward_weight);
     }

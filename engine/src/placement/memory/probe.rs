@@ -21,7 +21,7 @@
 //! every interleaving. It counts a message from its send to the end of the call (its sender
 //! never releases it): for a split conv's input gradient that is 20 KiB against a worst
 //! interleaving of 16 KiB (the old bound, every byte the call reserved, was 28 KiB).
-use super::{InputGradMemory, NodeMemory, OutputMemory, Rank, SavedMemory};
+use super::{InputGradMemory, NodeMemory, OutputMemory, OwnLossMemory, Rank, SavedMemory};
 use crate::device::ThreadTally;
 use crate::graph::{Graph, NodeId};
 use crate::{DType, Device, ForwardCtx, Layer, Precision, Result, Saved, Tensor, init};
@@ -42,7 +42,7 @@ pub fn measure_node_memory(graph: &Graph, rows: usize) -> Result<Vec<(NodeId, No
 /// forward context, on inputs of the dtype its producers' outputs have (graph inputs f32), so a
 /// product's half-typed output and saved input are measured at their bytes.
 pub fn measure_node_memory_at(graph: &Graph, rows: usize, precision: Precision) -> Result<Vec<(NodeId, NodeMemory)>> {
-    measure(graph, rows, precision, None, |_| None)
+    measure(graph, rows, precision, None, |_| None, false)
 }
 
 /// [`measure_node_memory`] for a graph whose layers are all on `device` (moved there by the
@@ -51,7 +51,7 @@ pub fn measure_node_memory_at(graph: &Graph, rows: usize, precision: Precision) 
 /// [`crate::LayerCost::gpu_scratch_bytes_per_sample`] declares); `device`'s ledger must not be
 /// in use by anything else meanwhile.
 pub fn measure_node_memory_on_device(graph: &Graph, rows: usize, device: &Device) -> Result<Vec<(NodeId, NodeMemory)>> {
-    measure(graph, rows, Precision::F32, Some(device), |_| None)
+    measure(graph, rows, Precision::F32, Some(device), |_| None, false)
 }
 
 /// [`measure_node_memory`] for a graph whose tensor-parallel layers are already built on their
@@ -63,7 +63,19 @@ pub fn measure_node_memory_on(
     rows: usize,
     group_of: impl Fn(NodeId) -> Option<Vec<Device>>,
 ) -> Result<Vec<(NodeId, NodeMemory)>> {
-    measure(graph, rows, Precision::F32, None, group_of)
+    measure(graph, rows, Precision::F32, None, group_of, false)
+}
+
+/// [`measure_node_memory_on`] for a trainer whose loss is softmax cross-entropy
+/// ([`crate::Loss::is_softmax_cross_entropy`]): the graph's output node, when its layer computes
+/// that loss itself ([`Layer::forward_cross_entropy`], a vocabulary-parallel head), is also
+/// measured that way ([`NodeMemory::own_loss`]), as a training step runs it.
+pub fn measure_node_memory_on_cross_entropy(
+    graph: &Graph,
+    rows: usize,
+    group_of: impl Fn(NodeId) -> Option<Vec<Device>>,
+) -> Result<Vec<(NodeId, NodeMemory)>> {
+    measure(graph, rows, Precision::F32, None, group_of, true)
 }
 
 fn measure(
@@ -72,7 +84,9 @@ fn measure(
     precision: Precision,
     every_layer_on: Option<&Device>,
     group_of: impl Fn(NodeId) -> Option<Vec<Device>>,
+    cross_entropy: bool,
 ) -> Result<Vec<(NodeId, NodeMemory)>> {
+    let output = graph.output()?;
     // The dtype of each probed node's output, for its consumers' inputs.
     let mut output_dtypes: std::collections::HashMap<NodeId, DType> = std::collections::HashMap::new();
     let rows = rows.max(1);
@@ -126,7 +140,10 @@ fn measure(
         // the host it is neither returned nor saved, and the host's ledger cannot be read for
         // one call.
         let held = cost.backward_held_bytes_per_sample.saturating_mul(rows as u64);
-        let (memory, output_dtype) = probe(layer, &values, &needed, &group, !on_host, rows, held, precision)?;
+        let (mut memory, output_dtype) = probe(layer, &values, &needed, &group, !on_host, rows, held, precision)?;
+        if cross_entropy && id == output {
+            memory.own_loss = probe_own_loss(layer, &values, &group, !on_host, rows)?;
+        }
         output_dtypes.insert(id, output_dtype);
         out.push((id, memory));
     }
@@ -147,6 +164,57 @@ fn peaks_or(tallies: Vec<ThreadTally>, floor: &[u64]) -> Vec<u64> {
         return floor.to_vec();
     }
     tallies.iter().zip(floor).map(|(t, f)| t.bound().max(*f)).collect()
+}
+
+/// What `layer`'s [`Layer::forward_cross_entropy`] takes on `inputs` (labels of class 0), or
+/// `None` when the layer does not offer it. Its backward calls are bounded by the plain ones
+/// [`probe`] measured: they take a one-number gradient instead of the output's.
+fn probe_own_loss(
+    layer: &dyn Layer,
+    inputs: &[Tensor],
+    group: &[Device],
+    ledger: bool,
+    rows: usize,
+) -> Result<Option<OwnLossMemory>> {
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    let labels = vec![0; inputs.first().map_or(rows, |x| x.numel() / x.dims().last().copied().unwrap_or(1).max(1))];
+    let in_use_before: Vec<u64> = group.iter().map(Device::memory_in_use).collect();
+    let tallies = start(group, ledger)?;
+    let Some(own_loss) = layer.forward_cross_entropy(&refs, &labels, rows as f32, &ForwardCtx::train(1)) else {
+        return Ok(None);
+    };
+    let (_, saved) = own_loss?;
+    let mut new_bytes = vec![0u64; group.len()];
+    // No output: nothing saved can share it.
+    let no_output = Tensor::zeros([0], DType::F32, &Device::host())?;
+    let mut saved_memory = classify_saved(&saved, inputs, &no_output, group, &mut new_bytes);
+    let forward_peak = match ledger {
+        true => forward_peak_on_ledgers(tallies, group, &in_use_before, &new_bytes, &mut saved_memory),
+        false => new_bytes,
+    };
+    Ok(Some(OwnLossMemory { saved: saved_memory, forward_peak }))
+}
+
+/// A forward call's peak per device from its ledgers' `tallies` (at least the `new_bytes` it
+/// returned and saved). Bytes the call left reserved beyond those (`in_use_before` the call) are
+/// held by the saved state in ways its tensors do not show: they are added to `saved_memory` as
+/// the layer's own.
+fn forward_peak_on_ledgers(
+    tallies: Vec<ThreadTally>,
+    group: &[Device],
+    in_use_before: &[u64],
+    new_bytes: &[u64],
+    saved_memory: &mut Vec<SavedMemory>,
+) -> Vec<u64> {
+    let peaks: Vec<u64> = tallies.iter().map(ThreadTally::bound).collect();
+    drop(tallies);
+    for (rank, (d, b)) in group.iter().zip(in_use_before).enumerate() {
+        let left = d.memory_in_use().saturating_sub(*b);
+        if left > new_bytes[rank] {
+            saved_memory.push(SavedMemory::Own { rank, bytes: left - new_bytes[rank] });
+        }
+    }
+    peaks.iter().zip(new_bytes).map(|(p, n)| (*p).max(*n)).collect()
 }
 
 fn rank_of(group: &[Device], tensor: &Tensor) -> Rank {
@@ -192,20 +260,9 @@ fn probe(
     if let OutputMemory::New(b) = output_memory {
         new_bytes[rank_of(group, &output)] += b;
     }
-    let saved_memory = classify_saved(&saved, inputs, &output, group, &mut new_bytes);
-    let mut saved_memory = saved_memory;
+    let mut saved_memory = classify_saved(&saved, inputs, &output, group, &mut new_bytes);
     let forward_peak = if ledger {
-        let peaks: Vec<u64> = tallies.iter().map(ThreadTally::bound).collect();
-        drop(tallies);
-        // Bytes the call left reserved beyond what it returned and saved: held by the saved state
-        // in ways its tensors do not show; count them as the layer's own.
-        for (rank, (d, b)) in group.iter().zip(&in_use_before).enumerate() {
-            let left = d.memory_in_use().saturating_sub(*b);
-            if left > new_bytes[rank] {
-                saved_memory.push(SavedMemory::Own { rank, bytes: left - new_bytes[rank] });
-            }
-        }
-        peaks.iter().zip(&new_bytes).map(|(p, n)| (*p).max(*n)).collect()
+        forward_peak_on_ledgers(tallies, group, &in_use_before, &new_bytes, &mut saved_memory)
     } else {
         // The product's f32 result before it is rounded to a half output, too.
         let f32_result = if output.dtype() == DType::F32 { 0 } else { (output.numel() * 4) as u64 };
@@ -272,6 +329,7 @@ fn probe(
         backward_weight_peak,
         backward_held,
         params,
+        own_loss: None,
     };
     Ok((memory, output_dtype))
 }
