@@ -409,7 +409,9 @@ pub fn tensor_parallel_collectives(graph: &Graph, plan: &Plan) -> Result<Vec<Sta
             let refs: Vec<&conveyor_engine::Tensor> = inputs.iter().collect();
             let t0 = layer.collective_traffic();
             let ctx = conveyor_engine::ForwardCtx::train(1);
-            let labels = vec![0; rows];
+            // One label (class 0) per row of the output layer's input.
+            let label_rows = inputs.first().map_or(rows, |x| x.numel() / x.dims().last().copied().unwrap_or(1).max(1));
+            let labels = vec![0; label_rows];
             let own_loss = match graph.output().ok() == Some(id) {
                 true => layer.forward_cross_entropy(&refs, &labels, rows as f32, &ctx),
                 false => None,

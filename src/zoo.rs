@@ -287,10 +287,10 @@ impl<'a> Splitter<'a> {
         }
     }
 
-    /// A model's output layer `Linear(in, classes)` with bias: when `name` is split,
-    /// column-parallel if there is a class for every device (else row-parallel), computing the softmax cross-entropy over
-    /// its split logits without gathering them
-    /// ([`ColumnParallelLinear::with_split_cross_entropy`]).
+    /// A model's output layer `Linear(in, classes)` with bias. When `name` is split: column-parallel
+    /// if there is a class for every device, computing the softmax cross-entropy over its split
+    /// logits without gathering them ([`ColumnParallelLinear::with_split_cross_entropy`]); else
+    /// row-parallel.
     fn output_head(
         &mut self,
         name: &str,

@@ -56,7 +56,7 @@ impl Loss for CrossEntropyLoss {
 }
 
 /// The error for the first label at or above `n_classes`, if any.
-fn check_label_range(labels: &[usize], n_classes: usize) -> Result<()> {
+pub(crate) fn check_label_range(labels: &[usize], n_classes: usize) -> Result<()> {
     match labels.iter().enumerate().find(|&(_, &label)| label >= n_classes) {
         None => Ok(()),
         Some((row, &label)) => Err(Error::invalid(

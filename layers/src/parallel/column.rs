@@ -217,15 +217,7 @@ impl ColumnParallelLinear {
                 format!("{} labels", labels.len()),
             ));
         }
-        if let Some((row, &label)) = labels.iter().enumerate().find(|&(_, &label)| label >= self.out_features) {
-            return Err(Error::invalid(
-                format!("{KIND} cross-entropy label"),
-                format!(
-                    "label {label} at row {row} is out of range for {} classes; labels must lie in 0..{}",
-                    self.out_features, self.out_features
-                ),
-            ));
-        }
+        crate::loss::check_label_range(labels, self.out_features)?;
         crate::loss::check_normalizer(KIND, normalizer)?;
         let k = self.group.k();
         let stat_parts = Partition::even(k * n_rows * LOGIT_SHARD_STATS, k)?;
