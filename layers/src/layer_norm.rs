@@ -49,6 +49,11 @@ impl LayerNorm {
         Ok(LayerNorm { normalized_len, eps: LAYER_NORM_EPS, params })
     }
 
+    /// The epsilon added to the variance.
+    pub fn eps(&self) -> f32 {
+        self.eps
+    }
+
     /// The same layer with another epsilon.
     pub fn with_eps(mut self, eps: f32) -> Result<LayerNorm> {
         if !(eps > 0.0 && eps.is_finite()) {

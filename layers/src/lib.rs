@@ -97,7 +97,7 @@ pub use loss::CrossEntropyLoss;
 pub use mse::MseLoss;
 pub use parallel::{
     ChannelParallelConv2d, ChannelParallelConvStack, ColumnParallelLinear, ConvStackLayer, MlpActivation, ParallelMlp,
-    ParallelSelfAttention, RankShard, RowParallelLinear, Shards, VocabParallelEmbedding,
+    ParallelSelfAttention, ParallelTransformerBlock, RankShard, RowParallelLinear, Shards, VocabParallelEmbedding,
 };
 pub use pool::{AvgPool2d, GlobalAvgPool2d, MaxPool2d};
 pub use residual::Add;

@@ -70,7 +70,7 @@ pub struct ParallelSelfAttention {
 /// The heads' rows of each third of a packed `[3·D, ...]` tensor (q, k, v) for the features
 /// `features`, packed `[3·len, ...]` on `device`: a shard's part of `in_proj_weight` or
 /// `in_proj_bias`.
-fn stride3_rows(value: &Tensor, embed_dim: usize, features: std::ops::Range<usize>, device: &Device) -> Result<Tensor> {
+pub(super) fn stride3_rows(value: &Tensor, embed_dim: usize, features: std::ops::Range<usize>, device: &Device) -> Result<Tensor> {
     let trailing: Vec<usize> = value.dims()[1..].to_vec();
     let thirds = (0..3)
         .map(|w| {
@@ -84,7 +84,7 @@ fn stride3_rows(value: &Tensor, embed_dim: usize, features: std::ops::Range<usiz
 
 /// The inverse of [`stride3_rows`] over every shard: `rank_major` holds the shards' packed blocks
 /// one after the other (`3·parts.len(r)` rows each, on the host); the result is PyTorch's packing.
-fn unpack_stride3(rank_major: &Tensor, parts: &Partition) -> Result<Tensor> {
+pub(super) fn unpack_stride3(rank_major: &Tensor, parts: &Partition) -> Result<Tensor> {
     let mut blocks = Vec::with_capacity(3 * parts.n_ranks());
     for w in 0..3 {
         for rank in 0..parts.n_ranks() {

@@ -67,6 +67,8 @@
 //! `k - 1` threads per layer, saves the spawns (tens of microseconds per call, see the test
 //! `thread_overhead_on_a_small_layer`) at the price of parked threads per layer.
 mod attention;
+mod block;
+mod block_pass;
 mod column;
 mod conv;
 mod conv_shard;
@@ -82,6 +84,7 @@ mod row;
 mod shard_threads;
 
 pub use attention::ParallelSelfAttention;
+pub use block::ParallelTransformerBlock;
 pub use column::ColumnParallelLinear;
 pub use conv::ChannelParallelConv2d;
 pub use conv_stack::{ChannelParallelConvStack, ConvStackLayer};
