@@ -17,7 +17,11 @@
 //! are one node there, `blocks.i` (a [`ParallelMlp`], so its parameters keep their names
 //! `blocks.i.fc1.weight` ...), whose hidden activation never leaves its shard: one all-reduce
 //! forward and one backward per block, as in Megatron. Checkpoints of either form carry the
-//! unsplit tensors under the unsplit names, so they load into the other.
+//! unsplit tensors under the unsplit names, so they load into the other. With sequence parallelism
+//! ([`TransformerConfig::sequence_parallel`], `--sequence-parallel`) each whole block of the
+//! transformer is one node `blocks.i` there instead (a [`ParallelTransformerBlock`]: parameters
+//! `blocks.i.ln1.weight` ... `blocks.i.fc2.bias`, the same names), its LayerNorm and residual
+//! regions split along the tokens.
 use std::collections::HashMap;
 
 use conveyor_engine::graph::Graph;
@@ -25,7 +29,8 @@ use conveyor_engine::{Device, Error, Layer, Result, init};
 use conveyor_layers::{
     Add, ChannelParallelConv2d, ColumnParallelLinear, Conv2d, Conv2dOptions, Dropout, Embedding, Flatten, Gelu,
     LayerNorm, Linear, MaxPool2d, MeanOverTokens, MlpActivation, MultiheadSelfAttention, ParallelMlp,
-    ParallelSelfAttention, PositionalEmbedding, RankShard, Relu, RowParallelLinear, Shards, VocabParallelEmbedding,
+    ParallelSelfAttention, ParallelTransformerBlock, PositionalEmbedding, RankShard, Relu, RowParallelLinear, Shards,
+    VocabParallelEmbedding,
 };
 use rand::rngs::StdRng;
 
@@ -73,12 +78,26 @@ pub struct TransformerConfig {
     /// The output projection's weight is the token embedding's (`head.weight = embed.weight`, as
     /// language models tie them); needs `classes == vocab`.
     pub tied: bool,
+    /// Sequence parallelism (`--sequence-parallel`, Megatron's): in the tensor-parallel form each
+    /// block is one node `blocks.i`, a [`ParallelTransformerBlock`] whose LayerNorm and residual
+    /// regions are split along the tokens across the node's group. The same parameters and names
+    /// as without; [`ModelSpec::build`]'s graph ignores it.
+    pub sequence_parallel: bool,
 }
 
 impl Default for TransformerConfig {
     /// `transformer:32,16,32,4,2,10`: 32 token ids, 16 tokens, width 32, 4 heads, 2 blocks, 10 classes.
     fn default() -> Self {
-        TransformerConfig { vocab: 32, tokens: 16, dim: 32, n_heads: 4, n_layers: 2, classes: 10, tied: false }
+        TransformerConfig {
+            vocab: 32,
+            tokens: 16,
+            dim: 32,
+            n_heads: 4,
+            n_layers: 2,
+            classes: 10,
+            tied: false,
+            sequence_parallel: false,
+        }
     }
 }
 
@@ -155,7 +174,16 @@ impl std::str::FromStr for ModelSpec {
                     let n = checked_product(factors.iter().copied()).unwrap_or(usize::MAX);
                     check_layer(name, &[n]).map_err(bad)?;
                 }
-                Ok(ModelSpec::Transformer(TransformerConfig { vocab, tokens, dim, n_heads, n_layers, classes, tied }))
+                Ok(ModelSpec::Transformer(TransformerConfig {
+                    vocab,
+                    tokens,
+                    dim,
+                    n_heads,
+                    n_layers,
+                    classes,
+                    tied,
+                    sequence_parallel: false,
+                }))
             }
             None if spec == "cnn" => Ok(ModelSpec::Cnn),
             None if spec == "resnet" => Ok(ModelSpec::Resnet),
@@ -220,6 +248,22 @@ impl ModelSpec {
             ModelSpec::Resnet => resnet_with(seed, 8, &mut splitter),
             ModelSpec::ResnetImages(side) => resnet_with(seed, *side, &mut splitter),
             ModelSpec::Transformer(config) => transformer_with(config, seed, &mut splitter),
+        }
+    }
+
+    /// The same model with sequence parallelism in its tensor-parallel form
+    /// ([`TransformerConfig::sequence_parallel`]); an error for a model other than the
+    /// transformer, which has no sequence to split.
+    pub fn with_sequence_parallel(self) -> Result<ModelSpec> {
+        match self {
+            ModelSpec::Transformer(config) => {
+                Ok(ModelSpec::Transformer(TransformerConfig { sequence_parallel: true, ..config }))
+            }
+            _ => Err(Error::invalid(
+                "sequence parallelism",
+                "it splits a transformer's LayerNorm and residual regions along the tokens; this model has none: use \
+                 a transformer model or turn sequence parallelism off",
+            )),
         }
     }
 
@@ -322,6 +366,28 @@ impl<'a> Splitter<'a> {
             None => Shards::Local(vec![Device::host()]),
         };
         Ok(Box::new(ParallelMlp::from_linears_on(&fc1, MlpActivation::Gelu, &fc2, &shards)?))
+    }
+
+    /// A transformer block (`ln1`, `attn`, `ln2`, `fc1`, `fc2`, drawn in the fine graph's order)
+    /// as one [`ParallelTransformerBlock`] node: split by heads, hidden features and tokens over
+    /// the node's group (sequence parallelism), or whole on the host when `name` is not split.
+    fn transformer_block(
+        &mut self,
+        name: &str,
+        dim: usize,
+        n_heads: usize,
+        rng: &mut StdRng,
+    ) -> Result<Box<dyn Layer>> {
+        let ln1 = LayerNorm::new(dim)?;
+        let attention = MultiheadSelfAttention::new(dim, n_heads, false, rng)?;
+        let ln2 = LayerNorm::new(dim)?;
+        let fc1 = Linear::new(dim, 4 * dim, true, rng)?;
+        let fc2 = Linear::new(4 * dim, dim, true, rng)?;
+        let shards = match self.group(name) {
+            Some(group) => self.shards(group),
+            None => Shards::Local(vec![Device::host()]),
+        };
+        Ok(Box::new(ParallelTransformerBlock::from_layers_on(&ln1, &attention, &ln2, &fc1, &fc2, &shards)?))
     }
 
     /// `embedding`, split by vocabulary rows when `name` is split (and the vocabulary has a row
@@ -483,7 +549,7 @@ pub fn transformer(config: &TransformerConfig, seed: u64) -> Result<Graph> {
 /// tied). The positional table and the LayerNorms stay whole on the stage's
 /// first device.
 fn transformer_with(config: &TransformerConfig, seed: u64, split: &mut Splitter<'_>) -> Result<Graph> {
-    let &TransformerConfig { vocab, tokens, dim, n_heads, n_layers, classes, tied } = config;
+    let &TransformerConfig { vocab, tokens, dim, n_heads, n_layers, classes, tied, sequence_parallel } = config;
     if tied && classes != vocab {
         return Err(Error::invalid(
             "transformer",
@@ -503,6 +569,12 @@ fn transformer_with(config: &TransformerConfig, seed: u64, split: &mut Splitter<
     let mut x = g.add("pos", PositionalEmbedding::new(tokens, dim, &mut rng)?, &[x])?;
     for block in 0..n_layers {
         let name = |part: &str| format!("blocks.{block}.{part}");
+        if sequence_parallel && split.mlp_blocks_as_nodes {
+            // The node `blocks.{block}`: its parameters are `blocks.{block}.ln1.weight` ...
+            let node = format!("blocks.{block}");
+            x = g.add_boxed(&node, split.transformer_block(&node, dim, n_heads, &mut rng)?, &[x])?;
+            continue;
+        }
         let h = g.add(&name("ln1"), LayerNorm::new(dim)?, &[x])?;
         let h = g.add_boxed(&name("attn"), split.attention(&name("attn"), dim, n_heads, &mut rng)?, &[h])?;
         let sum = g.add(&name("add1"), Add::new(), &[x, h])?;

@@ -39,6 +39,7 @@ pub struct PlanArgs {
     pub placement: String,
     pub data_parallel: usize,
     pub tensor_parallel: usize,
+    pub sequence_parallel: bool,
     pub zero: u8,
     pub bucket_size: conveyor::spec::BucketSize,
     pub json: bool,
@@ -49,8 +50,25 @@ pub struct PlanArgs {
 
 /// Runs `conveyor plan`.
 pub fn run(args: PlanArgs) -> anyhow::Result<()> {
-    let spec: ModelSpec =
+    let mut spec: ModelSpec =
         args.model.parse().map_err(|e| usage(format!("--model: invalid model spec {}", engine_reason(e))))?;
+    if args.sequence_parallel {
+        if args.tensor_parallel < 2 {
+            return Err(usage(format!(
+                "--sequence-parallel with --tensor-parallel {}: it splits each transformer block's tokens across a \
+                 stage's tensor-parallel group; give --tensor-parallel 2 or more, or drop --sequence-parallel",
+                args.tensor_parallel
+            )));
+        }
+        spec = spec.with_sequence_parallel().map_err(|_| {
+            usage(format!(
+                "--sequence-parallel with --model {}: it splits a transformer's LayerNorm and residual regions along \
+                 the tokens, and this model has none; use --model transformer[:VOCAB,T,D,H,L,C] or drop \
+                 --sequence-parallel",
+                args.model
+            ))
+        })?;
+    }
     if args.chunks == 0 {
         return Err(usage("--chunks 0: each device needs at least 1 chunk; give --chunks 1 or more"));
     }

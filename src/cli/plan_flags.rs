@@ -77,6 +77,10 @@ pub struct PlanFlags {
     /// layers' collectives [default: 1].
     #[arg(long, value_name = "K")]
     pub tensor_parallel: Option<usize>,
+    /// With --tensor-parallel K and a transformer: sequence parallelism (as `train
+    /// --sequence-parallel`); the plan shows each device's share of the blocks' activations.
+    #[arg(long)]
+    pub sequence_parallel: bool,
     /// ZeRO stage with --data-parallel: 1 shards the optimizer state across the replicas; the
     /// plan shows each device's share [default: 0].
     #[arg(long, value_name = "STAGE")]
@@ -169,6 +173,7 @@ impl PlanFlags {
             placement,
             data_parallel: self.data_parallel.or(pipeline.map(|p| p.data_parallel)).unwrap_or(1),
             tensor_parallel: self.tensor_parallel.or(pipeline.map(|p| p.tensor_parallel)).unwrap_or(1),
+            sequence_parallel: self.sequence_parallel || pipeline.is_some_and(|p| p.sequence_parallel),
             zero: self.zero.or(pipeline.map(|p| p.zero)).unwrap_or(0),
             bucket_size: match &self.bucket_size {
                 Some(text) => text.parse()?,

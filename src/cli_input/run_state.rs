@@ -7,7 +7,7 @@
 //! `--log-every`), `--on-nonfinite`, and how the work is laid out: `--devices`, `--stages`,
 //! `--schedule`, `--chunks`, `--placement`, `--recompute`, `--core-slots`, `--device-memory` (every
 //! schedule and stage count gives bit-identical weights, `tests/pipeline_equivalence.rs`) and
-//! `--tensor-parallel` and `--data-parallel` (the same weights up to f32 rounding). What it may not: the data, the model,
+//! `--tensor-parallel`, `--sequence-parallel` and `--data-parallel` (the same weights up to f32 rounding). What it may not: the data, the model,
 //! the optimizer and its hyperparameters (`--lr`, `--lr-schedule`, `--momentum`,
 //! `--weight-decay`), `--batch`, `--microbatches` (a different split sums the gradients in another
 //! order and draws other dropout masks), `--seed` and `--no-shuffle`.

@@ -318,6 +318,26 @@ pub enum SpecError {
         /// Why it is refused.
         reason: String,
     },
+    /// Sequence parallelism without a tensor-parallel group to split the sequence over.
+    #[error(
+        "--sequence-parallel with --tensor-parallel {tensor_parallel}: it splits each transformer block's tokens \
+         across a stage's tensor-parallel group; give --tensor-parallel 2 or more, or drop --sequence-parallel \
+         (pipeline.sequence_parallel)"
+    )]
+    SequenceParallelNeedsGroup {
+        /// The tensor-parallel degree given.
+        tensor_parallel: usize,
+    },
+    /// Sequence parallelism with a model that has no sequence.
+    #[error(
+        "--sequence-parallel with --model {model}: it splits a transformer's LayerNorm and residual regions along \
+         the tokens, and this model has none; use --model transformer[:VOCAB,T,D,H,L,C] or drop --sequence-parallel \
+         (pipeline.sequence_parallel)"
+    )]
+    SequenceParallelModel {
+        /// The model spec given.
+        model: String,
+    },
     /// A mixed precision with split (tensor-parallel) layers, which compute in f32 only.
     #[error(
         "--precision {precision} with --tensor-parallel {tensor_parallel}: the split layers compute in f32 only; \

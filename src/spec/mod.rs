@@ -169,6 +169,12 @@ pub struct PipelineSection {
     /// `tensor_parallel` (`--tensor-parallel`): devices per stage. Default 1.
     #[serde(with = "toml::wide")]
     pub tensor_parallel: usize,
+    /// `sequence_parallel` (`--sequence-parallel`): with `tensor_parallel` > 1 and a transformer,
+    /// split each block's LayerNorm and residual regions along the tokens across the stage's group
+    /// (Megatron's sequence parallelism: all-gathers and reduce-scatters instead of all-reduces,
+    /// activations spread over the group). The same weights as without, up to f32 rounding.
+    /// Default false.
+    pub sequence_parallel: bool,
     /// `data_parallel` (`--data-parallel`): replicas of the pipeline, each on its own devices
     /// (devices = replicas x stages x tensor_parallel, replica-major), each taking its share of
     /// every batch; `microbatches` is per replica. Default 1.
@@ -284,6 +290,7 @@ impl Default for PipelineSection {
             device_memory: None,
             stages: None,
             tensor_parallel: 1,
+            sequence_parallel: false,
             data_parallel: 1,
             zero: 0,
             replica_shares: ReplicaShares::Even,

@@ -161,7 +161,12 @@ impl RunSpec {
             Some(text) => text.clone(),
             None => data::default_model(&self.data.source, &splits.train),
         };
-        let model = model_spec(&model_text)?;
+        let mut model = model_spec(&model_text)?;
+        if pipeline.sequence_parallel {
+            model = model
+                .with_sequence_parallel()
+                .map_err(|_| SpecError::SequenceParallelModel { model: model_text.clone() })?;
+        }
         let mut devices = parse_devices(&pipeline.devices, pipeline.device_memory)?;
         let k = pipeline.tensor_parallel;
         devices.truncate(devices_used(self, devices.len())?);

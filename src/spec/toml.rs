@@ -25,6 +25,7 @@ const FLAGS: &[(&str, &str)] = &[
     ("pipeline.device_memory", "--device-memory"),
     ("pipeline.stages", "--stages"),
     ("pipeline.tensor_parallel", "--tensor-parallel"),
+    ("pipeline.sequence_parallel", "--sequence-parallel"),
     ("pipeline.data_parallel", "--data-parallel"),
     ("pipeline.zero", "--zero"),
     ("pipeline.replica_shares", "--replica-shares"),

@@ -74,6 +74,9 @@ impl RunSpec {
                 replicas: pipeline.data_parallel,
             });
         }
+        if pipeline.sequence_parallel && pipeline.tensor_parallel < 2 {
+            return Err(SpecError::SequenceParallelNeedsGroup { tensor_parallel: pipeline.tensor_parallel });
+        }
         if pipeline.tensor_parallel > 1 && pipeline.placement != PlacementSpec::Auto {
             return Err(SpecError::TensorParallelPlacement);
         }

@@ -70,7 +70,12 @@ pub struct ParallelSelfAttention {
 /// The heads' rows of each third of a packed `[3·D, ...]` tensor (q, k, v) for the features
 /// `features`, packed `[3·len, ...]` on `device`: a shard's part of `in_proj_weight` or
 /// `in_proj_bias`.
-pub(super) fn stride3_rows(value: &Tensor, embed_dim: usize, features: std::ops::Range<usize>, device: &Device) -> Result<Tensor> {
+pub(super) fn stride3_rows(
+    value: &Tensor,
+    embed_dim: usize,
+    features: std::ops::Range<usize>,
+    device: &Device,
+) -> Result<Tensor> {
     let trailing: Vec<usize> = value.dims()[1..].to_vec();
     let thirds = (0..3)
         .map(|w| {

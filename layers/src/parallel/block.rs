@@ -42,11 +42,13 @@
 //! The input-gradient chain (`backward_input`) mirrors the forward: the MLP's input gradient is
 //! reduce-scattered into `ln2`'s token blocks, the attention's into `ln1`'s, and the input
 //! gradient is gathered at the edge. The weight-gradient pass needs the chain's intermediate
-//! gradients (the hidden gradient, `∂L/∂qkv`, the LayerNorms' output gradients and the residual
-//! stream's), so whichever call runs first computes the chain and leaves what the other needs in
+//! gradients (the hidden gradient, `∂L/∂qkv`, the residual stream's, the LayerNorms' weight
+//! gradients), so whichever call runs first computes the chain and leaves what the other needs in
 //! the layer's pending slots (`pending.rs`), as the attention and MLP layers do; the memory plan
-//! counts them through `backward_held_bytes_per_sample`. The LayerNorms' weight gradients are
-//! summed over the shards by one all-reduce of `4·D` floats and added on the first shard.
+//! counts them through `backward_held_bytes_per_sample`. The LayerNorms' weight gradients over a
+//! shard's tokens are summed in the chain (`4·D` floats kept instead of two token blocks of their
+//! output gradients), then over the shards by one all-reduce in the weight pass, and added on the
+//! first shard.
 use conveyor_engine::collective::{Partition, Traffic};
 use conveyor_engine::device::ops::attention_gpu_scratch;
 use conveyor_engine::{
@@ -435,18 +437,17 @@ impl Layer for ParallelTransformerBlock {
         let (n64, hidden64) = (n as u64, hidden.numel() as u64);
         // Two LayerNorms (LayerNorm's own figures), GELU and its gradient, the two residual adds.
         let forward = attn_forward + fc1.forward_flops_per_sample + fc2.forward_flops_per_sample + 16 * n64 + hidden64;
+        // The LayerNorms' weight gradients are summed over the tokens in the input-gradient chain.
         let backward_input = attn_input
             + fc1.backward_input_flops_per_sample
             + fc2.backward_input_flops_per_sample
             + 20 * n64
             + hidden64
-            + 2 * n64;
-        // The weight pass recomputes GELU; the LayerNorms' weight gradients are LayerNorm's.
-        let backward_weight = attn_weight
-            + fc1.backward_weight_flops_per_sample
-            + fc2.backward_weight_flops_per_sample
-            + 8 * n64
-            + hidden64;
+            + 2 * n64
+            + 8 * n64;
+        // The weight pass recomputes GELU.
+        let backward_weight =
+            attn_weight + fc1.backward_weight_flops_per_sample + fc2.backward_weight_flops_per_sample + hidden64;
         let param_count = 4 * d * d + 4 * d + 4 * d + 2 * d * self.hidden_features + self.hidden_features + d;
         // Saved over every shard: x, ln1's output, the residual s and ln2's output (token blocks),
         // q/k/v, the context, the hidden block, the logsumexp, the LayerNorms' mean and rstd, and
@@ -462,9 +463,10 @@ impl Layer for ParallelTransformerBlock {
             param_bytes: f32_bytes(param_count),
             activation_bytes_per_sample: f32_bytes(saved),
             output_bytes_per_sample: f32_bytes(n),
-            // Left by backward_input for backward_weight: the hidden gradient, ∂L/∂qkv and three
-            // token-block gradients, over all shards.
-            backward_held_bytes_per_sample: f32_bytes(hidden.numel() + 3 * n + 3 * n),
+            // Left by backward_input for backward_weight, over all shards: the hidden gradient,
+            // ∂L/∂qkv, the residual stream's gradient (token blocks) and each shard's LayerNorm
+            // weight gradients (counted per sample: a bound).
+            backward_held_bytes_per_sample: f32_bytes(hidden.numel() + 3 * n + n + k * 4 * d),
             gpu_scratch_bytes_per_sample: {
                 let ops = attention_gpu_scratch(t, d, h);
                 CallScratch {

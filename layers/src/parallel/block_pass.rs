@@ -19,9 +19,11 @@ use crate::tensor_io::{check_grad_shape, expect_inputs};
 const SAVED_PER_SHARD: usize = 13;
 
 /// What the input-gradient chain leaves per shard for the weight pass, in this order: the hidden
-/// gradient, `∂L/∂qkv`, ln2's and ln1's output gradients (token blocks) and the residual stream's
-/// gradient `ds_r` (the attention's output gradient, token block).
-const CHAIN_PER_SHARD: usize = 5;
+/// gradient, `∂L/∂qkv`, the residual stream's gradient `ds_r` (the attention's output gradient,
+/// token block) and the LayerNorms' weight gradients over the shard's tokens
+/// (`[ln1.weight; ln1.bias; ln2.weight; ln2.bias]`, `4·D` floats: summed here rather than keeping
+/// their output gradients, two token blocks).
+const CHAIN_PER_SHARD: usize = 4;
 
 /// The sizes of one call: `[batch, tokens, D]` with the tokens split over the shards.
 struct CallDims {
@@ -52,19 +54,18 @@ fn every(grad: Option<&mut Tensor>) -> Result<&mut Tensor> {
 struct Chain {
     grad_hidden: Tensor,
     grad_qkv: Tensor,
-    grad_h2: Tensor,
-    grad_h1: Tensor,
     grad_s: Tensor,
+    norm_grads: Tensor,
 }
 
 impl Chain {
     fn into_vec(self) -> [Tensor; CHAIN_PER_SHARD] {
-        [self.grad_hidden, self.grad_qkv, self.grad_h2, self.grad_h1, self.grad_s]
+        [self.grad_hidden, self.grad_qkv, self.grad_s, self.norm_grads]
     }
 
     fn from_slice(tensors: &mut Vec<Tensor>) -> Chain {
         let mut take = || tensors.remove(0);
-        Chain { grad_hidden: take(), grad_qkv: take(), grad_h2: take(), grad_h1: take(), grad_s: take() }
+        Chain { grad_hidden: take(), grad_qkv: take(), grad_s: take(), norm_grads: take() }
     }
 }
 
@@ -279,7 +280,13 @@ impl ParallelTransformerBlock {
         drop(partial);
         let ln1_weight = self.norm_part(norms, 0)?;
         let grad_x = grad_s.add(&grad_h1.layer_norm_input_grad(x, &ln1_weight, mean1, rstd1)?)?;
-        Ok((grad_x, Chain { grad_hidden, grad_qkv, grad_h2, grad_h1, grad_s }))
+        // The LayerNorms' weight gradients over this shard's tokens.
+        let zeros = || Tensor::zeros([d], DType::F32, device);
+        let (mut w1, mut b1, mut w2, mut b2) = (zeros()?, zeros()?, zeros()?, zeros()?);
+        grad_h1.layer_norm_weight_grad_accumulate(x, mean1, rstd1, &mut w1, &mut b1)?;
+        grad_h2.layer_norm_weight_grad_accumulate(s, mean2, rstd2, &mut w2, &mut b2)?;
+        let norm_grads = Tensor::cat_rows(&[&w1, &b1, &w2, &b2], device)?;
+        Ok((grad_x, Chain { grad_hidden, grad_qkv, grad_s, norm_grads }))
     }
 
     /// `[Layer::backward_input]`: the chain (or the one the weight pass left), the input gradient
@@ -374,7 +381,7 @@ impl ParallelTransformerBlock {
         dims: &CallDims,
         grads: &mut [Tensor],
     ) -> Result<()> {
-        let [x, mean1, rstd1, h1, _qkv, _logsumexp, context, s, mean2, rstd2, h2, hidden, _norms] =
+        let [_, _, _, h1, _, _, context, _, _, _, h2, hidden, _] =
             <&[Tensor; SAVED_PER_SHARD]>::try_from(self.saved(saved, rank))
                 .map_err(|_| Error::invalid(KIND, "saved"))?;
         let (d, device) = (self.dim, self.group.device(rank));
@@ -404,12 +411,8 @@ impl ParallelTransformerBlock {
         let grad_attended = all_gather_columns(comm, &chain.grad_s, dims.batch, &dims.flat, dims.full(d), device)?;
         linear_shard::weight_grad(&grad_attended, context, out_weight, out_bias)?;
         drop(grad_attended);
-        // The LayerNorms' gradients over this shard's tokens, summed over the shards.
-        let zeros = || Tensor::zeros([d], DType::F32, device);
-        let (mut w1, mut b1, mut w2, mut b2) = (zeros()?, zeros()?, zeros()?, zeros()?);
-        chain.grad_h1.layer_norm_weight_grad_accumulate(x, mean1, rstd1, &mut w1, &mut b1)?;
-        chain.grad_h2.layer_norm_weight_grad_accumulate(s, mean2, rstd2, &mut w2, &mut b2)?;
-        let mut summed = Tensor::cat_rows(&[&w1, &b1, &w2, &b2], device)?;
+        // The LayerNorms' gradients, summed over the shards' tokens.
+        let mut summed = chain.norm_grads.try_clone()?;
         comm.all_reduce_tensor(&mut summed)?;
         for (i, grad) in norm_grads.into_iter().enumerate() {
             if let Some(grad) = grad {

@@ -64,6 +64,12 @@ pub struct TrainArgs {
     /// transformer's heads); stages x K must not exceed the devices. [default: 1]
     #[arg(long, value_name = "K")]
     pub tensor_parallel: Option<usize>,
+    /// With --tensor-parallel K and a transformer: split each block's LayerNorm and residual
+    /// regions along the tokens across the K devices too (Megatron's sequence parallelism:
+    /// all-gathers and reduce-scatters instead of all-reduces, each device saving about 1/K of the
+    /// block's activations). The same weights as without, up to f32 rounding.
+    #[arg(long)]
+    pub sequence_parallel: bool,
     /// Data parallelism: R replicas of the pipeline, each on its own devices (devices = R x stages
     /// x K, replica-major), each taking 1/R of every batch (--microbatches is per replica); the
     /// gradients are summed across replicas before every step. [default: 1]
@@ -319,6 +325,9 @@ impl TrainArgs {
         }
         set_some(&mut pipeline.stages, &self.stages);
         set(&mut pipeline.tensor_parallel, &self.tensor_parallel);
+        if self.sequence_parallel {
+            pipeline.sequence_parallel = true;
+        }
         set(&mut pipeline.data_parallel, &self.data_parallel);
         set(&mut pipeline.zero, &self.zero);
         if let Some(text) = &self.replica_shares {
