@@ -30,8 +30,16 @@ use conveyor::zoo::{ModelSpec, TensorParallelSplits, TransformerConfig};
 const ROUNDS: usize = 5;
 const WARMUP: usize = 2;
 const ROWS: usize = 32;
-const CONFIG: TransformerConfig =
-    TransformerConfig { vocab: 64, tokens: 64, dim: 256, n_heads: 8, n_layers: 2, classes: 10, tied: false };
+const CONFIG: TransformerConfig = TransformerConfig {
+    vocab: 64,
+    tokens: 64,
+    dim: 256,
+    n_heads: 8,
+    n_layers: 2,
+    classes: 10,
+    tied: false,
+    sequence_parallel: false,
+};
 
 fn spec() -> ModelSpec {
     ModelSpec::Transformer(CONFIG)

@@ -60,7 +60,11 @@ const SCHEDULES: [(ScheduleKind, usize); 8] = [
 const RECOMPUTE: [Recompute; 3] = [Recompute::Never, Recompute::ExceptLast, Recompute::Always];
 
 fn models() -> Vec<ModelSpec> {
-    ["mlp:32,64,64,10", "cnn", "resnet", "transformer:16,8,16,2,1,10"].iter().map(|s| s.parse().unwrap()).collect()
+    let mut models: Vec<ModelSpec> =
+        ["mlp:32,64,64,10", "cnn", "resnet", "transformer:16,8,16,2,1,10"].iter().map(|s| s.parse().unwrap()).collect();
+    // Sequence parallelism (each block one node split by tokens; one device ignores it).
+    models.push("transformer:16,8,16,2,2,10".parse::<ModelSpec>().unwrap().with_sequence_parallel().unwrap());
+    models
 }
 
 /// Seeded inputs for `spec` (token ids for a transformer) and labels in 0..10.

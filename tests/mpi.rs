@@ -127,16 +127,17 @@ fn drive() -> Result<()> {
     let result = h.equivalence_tensor_parallel(2, 2);
     h.record("equivalence --tensor-parallel 2 on 2 ranks (cpu:4)", result);
     // A rank per tensor-parallel shard (rank = stage x k + shard), checkpoints with Adam's state.
-    for (model, devices, k, schedule) in [
-        ("mlp:64,96,96,96,10", 4, 2, "1f1b"),
-        ("cnn", 4, 2, "zb-h2"),
-        ("resnet", 2, 2, "gpipe"),
-        ("mlp:64,96,96,96,10", 4, 4, "gpipe"),
-        ("transformer", 4, 2, "1f1b"),
+    for (model, devices, k, schedule, extra) in [
+        ("mlp:64,96,96,96,10", 4, 2, "1f1b", ""),
+        ("cnn", 4, 2, "zb-h2", ""),
+        ("resnet", 2, 2, "gpipe", ""),
+        ("mlp:64,96,96,96,10", 4, 4, "gpipe", ""),
+        ("transformer", 4, 2, "1f1b", ""),
+        ("transformer", 4, 2, "zb-h2", "--sequence-parallel"),
     ] {
-        let result = h.equivalence_rank_per_shard(model, devices, k, schedule);
+        let result = h.equivalence_rank_per_shard(model, devices, k, schedule, extra);
         h.record(
-            &format!("equivalence {model} --tensor-parallel {k} {schedule}: -n {devices}, a rank per shard"),
+            &format!("equivalence {model} --tensor-parallel {k} {extra} {schedule}: -n {devices}, a rank per shard"),
             result,
         );
     }
@@ -533,7 +534,14 @@ impl Harness {
 
     /// `mpirun -n devices` with a rank per tensor-parallel shard against the same layout in one
     /// process: every tensor of the checkpoint (parameters and Adam's state) bit for bit.
-    fn equivalence_rank_per_shard(&self, model: &str, devices: usize, k: usize, schedule: &str) -> Result<String> {
+    fn equivalence_rank_per_shard(
+        &self,
+        model: &str,
+        devices: usize,
+        k: usize,
+        schedule: &str,
+        extra: &str,
+    ) -> Result<String> {
         let args = strings(&[
             "--model",
             model,
@@ -555,7 +563,8 @@ impl Harness {
             true => [args, strings(&["--data", "tokens:256,16,32,4"])].concat(),
             false => args,
         };
-        let name = model.split(':').next().unwrap_or(model);
+        let args = [args, extra.split_whitespace().map(str::to_string).collect()].concat();
+        let name = format!("{}{}", model.split(':').next().unwrap_or(model), extra.replace(' ', ""));
         let mpi = self.path(&format!("eq-ranks-{name}-{k}-{schedule}-mpi.safetensors"));
         let local = self.path(&format!("eq-ranks-{name}-{k}-{schedule}-in-process.safetensors"));
         let trace = self.path(&format!("eq-ranks-{name}-{k}-{schedule}.trace.json"));

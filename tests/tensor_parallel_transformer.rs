@@ -6,7 +6,10 @@
 //! (`build_trainer_tensor_parallel`) does the same; a head count the degree does not divide is
 //! refused with the valid degrees named; the MLP block's hidden activation never leaves its shard;
 //! the head computes the loss over its split logits (vocabulary-parallel cross-entropy) without
-//! gathering them.
+//! gathering them; with sequence parallelism (each block one node, its LayerNorm and residual
+//! regions split by tokens) degrees 2 and 4 (6 tokens: blocks of 2, 2, 1, 1 at degree 4) alone
+//! and 2 inside two stages under several schedules and recompute modes, tied or not and through
+//! the planner, train the same weights under the same names.
 //!
 //! Tolerance: the split sums the same products in another order (per-shard partial sums, then the
 //! ring's), so after three Adam steps each weight differs from one device's by f32 rounding only:
@@ -34,8 +37,16 @@ const STEPS: usize = 3;
 const RELATIVE: f32 = 1e-5;
 const MICRO_BATCHES: usize = 4;
 const ROWS: usize = 16;
-const CONFIG: TransformerConfig =
-    TransformerConfig { vocab: 12, tokens: 6, dim: 16, n_heads: 4, n_layers: 2, classes: 4, tied: false };
+const CONFIG: TransformerConfig = TransformerConfig {
+    vocab: 12,
+    tokens: 6,
+    dim: 16,
+    n_heads: 4,
+    n_layers: 2,
+    classes: 4,
+    tied: false,
+    sequence_parallel: false,
+};
 
 fn spec() -> ModelSpec {
     ModelSpec::Transformer(CONFIG)
@@ -319,4 +330,96 @@ fn a_tied_transformer_split_inside_two_stages_trains_like_one_device() {
     let mut split = split_trainer_for(config, 2, 2, ScheduleKind::OneFOneB, 1, Recompute::Never);
     let rel = differs_by(&train_for(config, &mut split), &reference);
     assert!(rel <= RELATIVE, "tied, 2 stages x 2: weights differ from one device by {rel}");
+}
+
+/// [`CONFIG`] (or another) with sequence parallelism in its tensor-parallel form.
+fn sequence_parallel(config: TransformerConfig) -> TransformerConfig {
+    TransformerConfig { sequence_parallel: true, ..config }
+}
+
+/// Megatron's sequence parallelism: each block is one node whose LayerNorm and residual regions
+/// are split by tokens (6 tokens: 3 and 3 at degree 2; 2, 2, 1 and 1 at degree 4), and the model
+/// trains what one device trains, alone and inside two stages.
+#[test]
+fn sequence_parallelism_trains_like_one_device_alone_and_inside_two_stages() {
+    let reference = one_device();
+    let config = sequence_parallel(CONFIG);
+    let cases = [
+        (1, 2, ScheduleKind::OneFOneB, 1, Recompute::Never),
+        (1, 4, ScheduleKind::GPipe, 1, Recompute::Always),
+        (2, 2, ScheduleKind::ZbH2, 1, Recompute::ExceptLast),
+        (2, 2, ScheduleKind::Interleaved, 2, Recompute::Never),
+        (2, 2, ScheduleKind::ZbV, 2, Recompute::Always),
+    ];
+    for (groups, k, kind, chunks, recompute) in cases {
+        let mut split = split_trainer_for(config, groups, k, kind, chunks, recompute);
+        let graph_names = split.parameters().unwrap().into_iter().map(|(n, _)| n).collect::<Vec<_>>();
+        let rel = differs_by(&train_for(config, &mut split), &reference);
+        let what = format!("sequence-parallel {groups} stages x {k}, {kind} x{chunks}, recompute {recompute:?}");
+        assert!(rel <= RELATIVE, "{what}: weights differ from one device by {rel}");
+        assert!(rel > 0.0, "{what}: the split really ran (its sums differ in order)");
+        let plain: Vec<String> = reference.iter().map(|(n, _)| n.clone()).collect();
+        assert_eq!(graph_names, plain, "{what}: the unsplit names, in graph order");
+    }
+}
+
+#[test]
+fn with_sequence_parallelism_each_block_is_one_node_split_by_tokens() {
+    let spec = ModelSpec::Transformer(sequence_parallel(CONFIG));
+    let form = spec.build_split(3, &TensorParallelSplits::new()).unwrap();
+    let names = form.names();
+    for gone in ["blocks.0.ln1", "blocks.0.attn", "blocks.0.add1", "blocks.0.ln2", "blocks.0.add2"] {
+        assert!(!names.contains(&gone), "{gone} is part of the node blocks.0: {names:?}");
+    }
+    let devices = vec![Device::cpu(0), Device::cpu(1)];
+    let mut splits = TensorParallelSplits::new();
+    for name in form.names() {
+        splits.insert(name.to_string(), devices.clone());
+    }
+    let graph = spec.build_split(3, &splits).unwrap();
+    let block = graph.layer(graph.find("blocks.1").unwrap()).unwrap();
+    assert_eq!(block.kind(), "ParallelTransformerBlock");
+    // ModelSpec::build (one device's graph) ignores the option.
+    let plain = spec.build(3).unwrap();
+    assert!(plain.names().contains(&"blocks.0.ln1"));
+}
+
+#[test]
+fn a_tied_transformer_with_sequence_parallelism_inside_two_stages_trains_like_one_device() {
+    let config = tied();
+    let reference = train_for(config, &mut one_device_trainer(config));
+    let mut split = split_trainer_for(sequence_parallel(config), 2, 2, ScheduleKind::OneFOneB, 1, Recompute::Never);
+    let rel = differs_by(&train_for(config, &mut split), &reference);
+    assert!(rel <= RELATIVE, "tied, sequence-parallel, 2 stages x 2: weights differ from one device by {rel}");
+}
+
+/// The planner's path with sequence parallelism: planned, trained, and its checkpoint loads into
+/// one device's model (the same names and shapes) and predicts what the split model predicts.
+#[test]
+fn the_planner_runs_sequence_parallelism_and_its_checkpoints_load_into_one_device() {
+    let reference = one_device();
+    let config = PipelineConfig {
+        schedule: ScheduleKind::OneFOneB,
+        n_chunks: 1,
+        n_micro_batches: MICRO_BATCHES,
+        batch_rows: ROWS,
+        optimizer: OptimizerConfig::adam(LR),
+        recompute: Recompute::Never,
+        seed: 11,
+        core_slots: Default::default(),
+        precision: Default::default(),
+        weight_cache: Default::default(),
+    };
+    let devices: Vec<Device> = (0..4).map(Device::cpu).collect();
+    let spec = ModelSpec::Transformer(sequence_parallel(CONFIG));
+    let (plan, mut planned) = build_trainer_tensor_parallel(&spec, 3, devices, 2, &config).unwrap();
+    assert_eq!(plan.stages.len(), 2);
+    let rel = differs_by(&train(&mut planned), &reference);
+    assert!(rel <= RELATIVE, "planned 2 stages x 2, sequence-parallel: weights differ from one device by {rel}");
+    let mut fresh = one_device_trainer(CONFIG);
+    fresh.load_parameters(planned.parameters().unwrap()).unwrap();
+    let (x, _) = tokens(7);
+    let (a, b) = (planned.predict(&x).unwrap().to_vec_f32(), fresh.predict(&x).unwrap().to_vec_f32());
+    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    assert!(a.iter().zip(&b).all(|(p, q)| (p - q).abs() <= RELATIVE * scale), "{a:?} vs {b:?}");
 }

@@ -2,7 +2,9 @@
 //! (within 1e-5 relative: splitting a product across devices changes the order of f32 sums), and
 //! device counts that do not split into groups are refused with exit code 2; a 2-stage x 2-way run
 //! stopped after 3 steps and resumed from its `--checkpoint` saves bit-for-bit the weights and
-//! optimizer state (under the unsplit names) of an uninterrupted 6-step run.
+//! optimizer state (under the unsplit names) of an uninterrupted 6-step run; `--sequence-parallel`
+//! without a group or a transformer is refused (exit 2), and `plan --sequence-parallel` shows less
+//! memory on the busiest device and fewer bytes moved forward.
 mod train_cli_support;
 
 use std::process::{Command, Output};
@@ -99,4 +101,74 @@ fn a_split_run_resumed_from_a_checkpoint_matches_an_uninterrupted_run() {
         let (a, b) = (want.get(name).unwrap(), got.get(name).unwrap());
         assert!(a.bit_eq(b), "`{name}` differs after resuming");
     }
+}
+
+/// `--sequence-parallel` without a tensor-parallel group, or with a model that has no sequence,
+/// is refused before anything runs (exit 2, naming the flag and the fix); `plan` refuses the same.
+#[test]
+fn sequence_parallelism_without_a_group_or_a_transformer_is_refused() {
+    let transformer = ["--model", "transformer", "--data", "tokens:64,16,32,10"];
+    let cases: [(Vec<&str>, &str); 3] = [
+        (
+            [&["train"][..], &transformer, &["--sequence-parallel", "--steps", "1"]].concat(),
+            "--tensor-parallel 2 or more",
+        ),
+        (
+            [
+                &["train", "--model", "mlp:8,4", "--data", "synthetic:64,8,4"][..],
+                &["--devices", "cpu:2"],
+                &["--tensor-parallel", "2", "--sequence-parallel", "--steps", "1"],
+            ]
+            .concat(),
+            "use --model transformer",
+        ),
+        (
+            vec!["plan", "--model", "cnn", "--devices", "cpu:2", "--tensor-parallel", "2", "--sequence-parallel"],
+            "use --model transformer",
+        ),
+    ];
+    for (args, fix) in cases {
+        let out = conveyor(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains("--sequence-parallel") && stderr.contains(fix), "{args:?}: {stderr}");
+    }
+}
+
+/// `conveyor plan --sequence-parallel` shows the activation memory the split along the tokens
+/// saves: the first device of the group, which held the LayerNorm and residual regions whole,
+/// plans less, and so does the busier device; the collectives move fewer bytes forward.
+#[test]
+fn plan_shows_what_sequence_parallelism_saves() {
+    let plan = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "plan",
+            "--model",
+            "transformer:64,64,128,8,2,10",
+            "--devices",
+            "cpu:2",
+            "--tensor-parallel",
+            "2",
+            "--batch",
+            "256",
+            "--microbatches",
+            "2",
+            "--json",
+        ];
+        args.extend(extra);
+        let out = conveyor(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let (without, with) = (plan(&[]), plan(&["--sequence-parallel"]));
+    let memory = |json: &serde_json::Value| -> Vec<u64> {
+        let stage = &json["tensor_parallel"]["stages"][0];
+        stage["memory_bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap()).collect()
+    };
+    let forward = |json: &serde_json::Value| json["tensor_parallel"]["stages"][0]["forward"]["bytes"].as_f64().unwrap();
+    let (a, b) = (memory(&without), memory(&with));
+    eprintln!("planned bytes per device: {a:?} without, {b:?} with sequence parallelism");
+    assert!(b[0] < a[0], "the first device: {} with, {} without", b[0], a[0]);
+    assert!(b.iter().max() < a.iter().max(), "the busiest device: {b:?} against {a:?}");
+    assert!(forward(&with) < forward(&without), "forward bytes: {} against {}", forward(&with), forward(&without));
 }

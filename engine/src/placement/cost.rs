@@ -767,6 +767,7 @@ fn moment_bytes(
     let scratch = match moment.running {
         None => 0,
         Some(Running::Forward) => at(&print.peak_forward, rank),
+        Some(Running::Evaluate) => at(&print.peak_evaluation, rank),
         Some(Running::BackwardInput { micro_batch_idx, fused }) => {
             let recompute = config.recomputes(micro_batch_idx, n_micro_batches);
             if fused {

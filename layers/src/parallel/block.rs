@@ -463,10 +463,13 @@ impl Layer for ParallelTransformerBlock {
             param_bytes: f32_bytes(param_count),
             activation_bytes_per_sample: f32_bytes(saved),
             output_bytes_per_sample: f32_bytes(n),
-            // Left by backward_input for backward_weight, over all shards: the hidden gradient,
-            // ∂L/∂qkv, the residual stream's gradient (token blocks) and each shard's LayerNorm
-            // weight gradients (counted per sample: a bound).
-            backward_held_bytes_per_sample: f32_bytes(hidden.numel() + 3 * n + n + k * 4 * d),
+            // Left by backward_input for backward_weight on the first device (the memory plan
+            // puts what a layer declares there; the other shards' parts it measures): its hidden
+            // gradient, its heads' ∂L/∂qkv, its token block of the residual stream's gradient and
+            // its LayerNorm weight gradients (counted per sample: a bound).
+            backward_held_bytes_per_sample: f32_bytes(
+                t * self.hidden.len(0) + 3 * t * self.heads.len(0) * self.head_dim + t.div_ceil(k) * d + 4 * d,
+            ),
             gpu_scratch_bytes_per_sample: {
                 let ops = attention_gpu_scratch(t, d, h);
                 CallScratch {

@@ -56,6 +56,10 @@ pub(crate) struct StageFootprint {
     pub stash_backward: Vec<u64>,
     /// Most held during the forward, inputs included.
     pub peak_forward: Vec<u64>,
+    /// Most held during an evaluation step's forward: the same but for an output layer that
+    /// computes its own loss in training, which runs its plain forward there (its output, not
+    /// the loss's state).
+    pub peak_evaluation: Vec<u64>,
     /// Most held during the input-gradient pass, from the forward's stash and the received
     /// gradients to the gradients sent on.
     pub peak_backward_input: Vec<u64>,
@@ -391,6 +395,10 @@ pub(crate) fn footprint(shape: &StageShape<'_>) -> StageFootprint {
     arena.reset_peak();
     backward_weight(&mut arena, shape, state);
     let peak_backward_weight = arena.peak.clone();
+    // An evaluation step's forward computes no loss.
+    let mut arena = Arena::new(k, shape.half_gradient_sums);
+    forward(&mut arena, &StageShape { output_node: None, ..shape.clone() }, false);
+    let peak_evaluation = arena.peak.clone();
     // Recomputation.
     let mut arena = Arena::new(k, shape.half_gradient_sums);
     let mut state = forward(&mut arena, shape, true);
@@ -403,6 +411,7 @@ pub(crate) fn footprint(shape: &StageShape<'_>) -> StageFootprint {
         stash_kept,
         stash_backward,
         peak_forward,
+        peak_evaluation,
         peak_backward_input,
         peak_backward_input_recompute,
         peak_backward_weight,
@@ -536,5 +545,9 @@ mod tests {
         let routed = footprint(&shape_of(1));
         // The plain forward: the input 100 and the loss gradient 80.
         assert_eq!(routed.stash_forward, vec![180, 0]);
+        // An evaluation step computes no loss: the head's plain forward, its 80-byte output on
+        // rank 0 beside the received 100 (the own-loss call would have held 140 there).
+        assert_eq!(own.peak_evaluation, vec![180, 0]);
+        assert_eq!(own.peak_forward, vec![144, 40]);
     }
 }

@@ -22,6 +22,9 @@ use conveyor_schedules::{Instruction, Schedule};
 pub(crate) enum Running {
     /// A forward.
     Forward,
+    /// A forward of an evaluation step: no loss, so an output layer that computes its own loss
+    /// in training ([`crate::Layer::forward_cross_entropy`]) runs its plain forward.
+    Evaluate,
     /// An input-gradient pass of `micro_batch_idx` (with the weight pass when `fused`).
     BackwardInput {
         /// The micro-batch (recomputed or not, by the recompute mode).
@@ -177,6 +180,7 @@ fn moments_of(schedule: &Schedule, programs: &[Vec<Instruction>], eval: bool) ->
                 let mut moment = books[stage_idx].moment(running, stage_idx, &closure.done);
                 if eval {
                     // Nothing is kept for a backward; the outputs are kept until the step ends.
+                    moment.running = moment.running.map(|_| Running::Evaluate);
                     moment.outputs_held = moment.n_forward;
                     moment.n_forward = 0;
                     moment.forward_has_last = false;
@@ -491,6 +495,7 @@ mod tests {
                         moment(program, i, &program[i], stage_idx, n_stages, n_micro_batches, &|k| done(&positions, k));
                     if eval {
                         // Nothing is kept for a backward; the outputs are kept until the step ends.
+                        moment.running = moment.running.map(|_| Running::Evaluate);
                         moment.outputs_held = moment.n_forward;
                         moment.n_forward = 0;
                         moment.forward_has_last = false;
