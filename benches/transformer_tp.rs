@@ -2,8 +2,11 @@
 //! to pay (`transformer:64,64,256,8,2,10`, D = 256, 8 heads, 2 blocks, 1.6 M parameters; batch 32
 //! sequences of 64 tokens, Adam) trained on one device, split by `--tensor-parallel 2` over
 //! `cpu:2` (attention by heads, the MLP block as one `ParallelMlp` node: column-then-row with its
-//! hidden activation kept on its shard, the head column-parallel), and as a
-//! 2-stage 1F1B pipeline of 4 micro-batches for comparison; then each block's communication: the
+//! hidden activation kept on its shard, the head column-parallel), the same with
+//! `--sequence-parallel` (each block one `ParallelTransformerBlock` node, its LayerNorm and
+//! residual regions split by tokens), and as a
+//! 2-stage 1F1B pipeline of 4 micro-batches for comparison; then each block's communication, with
+//! and without sequence parallelism: the
 //! exact collectives a split block makes per step (broadcasts, scatters, all-reduces and
 //! all-gathers of its activations, as the layers' docs list them) replayed alone on a 2-rank
 //! in-process group on the same cores (measured), against `collective::cost_s` on
@@ -18,7 +21,7 @@ mod support;
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
-use conveyor::engine::collective::{CollectiveOp, Communicator, ProcessGroup, cost_s};
+use conveyor::engine::collective::{CollectiveOp, Communicator, Partition, ProcessGroup, cost_s};
 use conveyor::engine::optim::OptimizerConfig;
 use conveyor::engine::placement::Link;
 use conveyor::engine::runtime::Trainer;
@@ -45,6 +48,10 @@ fn spec() -> ModelSpec {
     ModelSpec::Transformer(CONFIG)
 }
 
+fn sequence_parallel_spec() -> ModelSpec {
+    ModelSpec::Transformer(TransformerConfig { sequence_parallel: true, ..CONFIG })
+}
+
 /// Seeded token ids and labels.
 fn batch() -> (Tensor, Vec<usize>) {
     let ids = (0..ROWS * CONFIG.tokens).map(|i| ((i * 13 + i / 7) % CONFIG.vocab) as f32).collect();
@@ -67,9 +74,11 @@ fn trainer(config: &str) -> Trainer {
     };
     match config {
         "1 device" => builder(whole, vec![Device::cpu(0)], vec![layers], ScheduleKind::GPipe, 1).build().unwrap(),
-        "tensor-parallel 2" => {
-            // The tensor-parallel form: each MLP block is one node.
-            let form = spec().build_split(3, &TensorParallelSplits::new()).unwrap();
+        "tensor-parallel 2" | "tensor-parallel 2, sequence-parallel" => {
+            // The tensor-parallel form: each MLP block (each block, with sequence parallelism) is
+            // one node.
+            let spec = if config == "tensor-parallel 2" { spec() } else { sequence_parallel_spec() };
+            let form = spec.build_split(3, &TensorParallelSplits::new()).unwrap();
             let layers: Vec<_> =
                 form.topological_order().unwrap().into_iter().filter(|&id| form.layer(id).is_some()).collect();
             let devices = vec![Device::cpu(0), Device::cpu(1)];
@@ -77,7 +86,7 @@ fn trainer(config: &str) -> Trainer {
             for &id in &layers {
                 splits.insert(form.node(id).unwrap().name.clone(), devices.clone());
             }
-            let graph = spec().build_split(3, &splits).unwrap();
+            let graph = spec.build_split(3, &splits).unwrap();
             builder(graph, devices, vec![layers], ScheduleKind::GPipe, 1).tensor_parallel(2).build().unwrap()
         }
         _ => {
@@ -114,6 +123,33 @@ fn block_collectives() -> Vec<(&'static str, CollectiveOp, usize)> {
     ]
 }
 
+/// The same for a sequence-parallel block (`ParallelTransformerBlock`): the input scattered and
+/// the output gathered by tokens at the node's edges, an all-gather before and a reduce-scatter
+/// after each of the attention and the MLP, and in the weight pass the gathers Megatron's column
+/// layers repeat (the LayerNorm outputs, the attention's output gradient). The LayerNorm weights'
+/// broadcast and their gradients' all-reduce (4·D floats each) are left out.
+fn sequence_parallel_block_collectives() -> Vec<(&'static str, CollectiveOp, usize)> {
+    let a = ROWS * CONFIG.tokens * CONFIG.dim;
+    use CollectiveOp::*;
+    vec![
+        ("forward: scatter x by tokens", Scatter, a),
+        ("forward: all-gather ln1(x)", AllGather, a),
+        ("forward: reduce-scatter attention", ReduceScatter, a),
+        ("forward: all-gather ln2(s)", AllGather, a),
+        ("forward: reduce-scatter mlp", ReduceScatter, a),
+        ("forward: gather the output", Gather, a),
+        ("input grad: broadcast dy", Broadcast, a),
+        ("input grad: reduce-scatter mlp dx", ReduceScatter, a),
+        ("input grad: all-gather ds", AllGather, a),
+        ("input grad: reduce-scatter attention dx", ReduceScatter, a),
+        ("input grad: gather dx", Gather, a),
+        ("weight grad: broadcast dy", Broadcast, a),
+        ("weight grad: all-gather ln2(s)", AllGather, a),
+        ("weight grad: all-gather ln1(x)", AllGather, a),
+        ("weight grad: all-gather ds", AllGather, a),
+    ]
+}
+
 /// Seconds for one run of `op` on `n` f32 elements over a 2-rank in-process group, each rank on
 /// its own thread as the split layers run them, buffers allocated and touched beforehand: from a
 /// barrier to the last rank's return (median of `reps`).
@@ -130,12 +166,18 @@ fn replay(op: CollectiveOp, n: usize, reps: usize) -> f64 {
                 .map(|(rank, comm)| {
                     let (device, barrier) = (&devices[rank], &barrier);
                     scope.spawn(move || {
+                        let parts = Partition::even(n, 2).unwrap();
                         let mut full = Tensor::full(1.0, [n], DType::F32, device).unwrap();
+                        let mut block = Tensor::full(1.0, [parts.len(rank)], DType::F32, device).unwrap();
                         barrier.wait();
                         let started = Instant::now();
                         match op {
                             CollectiveOp::Broadcast => comm.broadcast_tensor(&mut full, 0),
                             CollectiveOp::AllReduce => comm.all_reduce_tensor(&mut full),
+                            CollectiveOp::Scatter => comm.scatter_tensor(Some(&full), &mut block, 0, &parts),
+                            CollectiveOp::Gather => comm.gather_tensor(&block, Some(&mut full), 0, &parts),
+                            CollectiveOp::AllGather => comm.all_gather_tensor(&block, &mut full, &parts),
+                            CollectiveOp::ReduceScatter => comm.reduce_scatter_tensor(&full, &mut block, &parts),
                             _ => unreachable!("not made by a split block"),
                         }
                         .unwrap();
@@ -175,7 +217,7 @@ fn main() {
         parameters as f64 * 4.0 / 1e6,
         CONFIG.tokens
     );
-    let configs = ["1 device", "tensor-parallel 2", "2-stage 1F1B, m=4"];
+    let configs = ["1 device", "tensor-parallel 2", "tensor-parallel 2, sequence-parallel", "2-stage 1F1B, m=4"];
     let mut trainers: Vec<Trainer> = configs.iter().map(|c| trainer(c)).collect();
     let mut all: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
     let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
@@ -201,23 +243,27 @@ fn main() {
         println!("| {config} | {:.1} ms | {:.0} | {:.2}x |", step * 1e3, ROWS as f64 / step, median(ratios[i].clone()));
     }
 
-    println!("\nCommunication of one split block per step (k = 2, one micro-batch of {ROWS} sequences):");
-    println!("| collective | MB | measured (replayed alone) | predicted (Link::default) |");
-    println!("|---|---|---|---|");
-    let link = Link::default();
-    let (mut measured, mut predicted) = (0.0, 0.0);
-    for (what, op, n) in block_collectives() {
-        let m = replay(op, n, 7);
-        let p = cost_s(op, (4 * n) as u64, 2, &link);
-        measured += m;
-        predicted += p;
-        println!("| {what} | {:.2} | {:.3} ms | {:.3} ms |", (4 * n) as f64 / 1e6, m * 1e3, p * 1e3);
+    for (title, collectives) in
+        [("", block_collectives()), (" with sequence parallelism", sequence_parallel_block_collectives())]
+    {
+        println!("\nCommunication of one split block{title} per step (k = 2, one micro-batch of {ROWS} sequences):");
+        println!("| collective | MB | measured (replayed alone) | predicted (Link::default) |");
+        println!("|---|---|---|---|");
+        let link = Link::default();
+        let (mut measured, mut predicted) = (0.0, 0.0);
+        for (what, op, n) in collectives {
+            let m = replay(op, n, 7);
+            let p = cost_s(op, (4 * n) as u64, 2, &link);
+            measured += m;
+            predicted += p;
+            println!("| {what} | {:.2} | {:.3} ms | {:.3} ms |", (4 * n) as f64 / 1e6, m * 1e3, p * 1e3);
+        }
+        println!("| **per block** | | **{:.2} ms** | **{:.2} ms** |", measured * 1e3, predicted * 1e3);
+        println!(
+            "{} blocks: {:.1} ms measured, {:.1} ms predicted per step",
+            CONFIG.n_layers,
+            measured * 1e3 * CONFIG.n_layers as f64,
+            predicted * 1e3 * CONFIG.n_layers as f64
+        );
     }
-    println!("| **per block** | | **{:.2} ms** | **{:.2} ms** |", measured * 1e3, predicted * 1e3);
-    println!(
-        "{} blocks: {:.1} ms measured, {:.1} ms predicted per step",
-        CONFIG.n_layers,
-        measured * 1e3 * CONFIG.n_layers as f64,
-        predicted * 1e3 * CONFIG.n_layers as f64
-    );
 }

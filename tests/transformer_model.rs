@@ -42,7 +42,19 @@ fn config() -> TransformerConfig {
 #[test]
 fn spec_parses_and_names_parameters_like_pytorch() {
     let config = config();
-    assert_eq!(config, TransformerConfig { vocab: 8, tokens: 4, dim: 16, n_heads: 2, n_layers: 2, classes: 4, tied: false });
+    assert_eq!(
+        config,
+        TransformerConfig {
+            vocab: 8,
+            tokens: 4,
+            dim: 16,
+            n_heads: 2,
+            n_layers: 2,
+            classes: 4,
+            tied: false,
+            sequence_parallel: false
+        }
+    );
     assert_eq!("transformer".parse::<ModelSpec>().unwrap(), ModelSpec::Transformer(TransformerConfig::default()));
     for bad in ["transformer:8,4,16,3,2,4", "transformer:8,4,16,2,2", "transformer:8,4,0,2,2,4", "transformer:a"] {
         assert!(bad.parse::<ModelSpec>().is_err(), "{bad} should not parse");

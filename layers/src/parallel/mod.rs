@@ -23,6 +23,10 @@
 //!   shards' outputs (rows of zeros for other shards' ids) all-reduced.
 //! * [`ParallelMlp`]: Megatron's pairing, column then activation then row inside one layer, so
 //!   the hidden activation stays split: one all-reduce forward and one in `backward_input`.
+//! * [`ParallelTransformerBlock`]: a whole pre-norm transformer block (LayerNorm, attention by
+//!   heads, residual, LayerNorm, MLP by hidden features, residual) with Megatron's sequence
+//!   parallelism: between the products its activations are token blocks (all-gather before,
+//!   reduce-scatter after), so the LayerNorm and residual regions are split too.
 //! * [`ChannelParallelConv2d`]: AlexNet's split, each device computing its share of the output
 //!   filters; outputs gathered by concatenating channels.
 //! * [`ChannelParallelConvStack`]: AlexNet's stack of split convs as one layer, each conv either
