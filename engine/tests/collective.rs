@@ -316,14 +316,45 @@ fn a_rank_that_never_calls_times_out_and_a_dropped_rank_disconnects() {
 
 #[test]
 fn messages_count_against_the_receivers_budget() {
-    // Rank 1 may hold 64 bytes; rank 0's 32-float part of a gather (128 bytes) cannot be
-    // delivered to it. (The in-process all-reduce and broadcast send no messages: they read the
-    // callers' buffers in place, which their callers' ledgers already count.)
+    // Rank 1 may hold 64 bytes; rank 0's 32-float part of an all-to-all (128 bytes) cannot be
+    // delivered to it. (The in-process all-reduce, broadcast, scatter, gather, all-gather and
+    // reduce-scatter send no messages: they read the callers' buffers in place, which their
+    // callers' ledgers already count.)
     let devices = [Device::cpu(0), Device::cpu_with_budget(1, Some(64))];
     let handles = ProcessGroup::with_timeout(&devices, WATCHDOG).unwrap();
     let parts = Partition::even(64, 2).unwrap();
-    let results = on_ranks(&handles, |h| h.gather(&[1.0; 32], &mut [0.0; 64], 1, &parts));
+    let results = on_ranks(&handles, |h| h.all_to_all(&[1.0; 64], &parts, &mut [0.0; 64], &parts));
     assert!(matches!(results[0], Err(Error::OutOfDeviceMemory { .. })), "{:?}", results[0]);
     assert!(matches!(results[1], Err(Error::CollectiveAborted { failed_rank: 0, .. })), "{:?}", results[1]);
     assert_eq!(devices[1].memory_in_use(), 0);
+}
+
+/// The in-process reduce-scatter adds in the ring's nesting, as the in-process all-reduce does
+/// (and the transport group's ring, across ranks): each rank's block is the all-reduce's bit for
+/// bit, for every group size and lengths the group does not divide.
+#[test]
+fn reduce_scatter_blocks_are_the_all_reduce_bit_for_bit() {
+    let mut rng = init::rng(17);
+    for n in 1..=5 {
+        let handles = group(n);
+        for len in [1, n, 3 * n + 2, 1000 + n] {
+            let inputs: Vec<Vec<f32>> = (0..n).map(|_| random_vec(len, &mut rng)).collect();
+            let parts = Partition::even(len, n).unwrap();
+            let reduced = all_ok(on_ranks(&handles, |h| {
+                let mut buf = inputs[h.rank()].clone();
+                h.all_reduce(&mut buf).map(|()| buf)
+            }));
+            let blocks = all_ok(on_ranks(&handles, |h| {
+                let mut block = vec![0.0; parts.len(h.rank())];
+                h.reduce_scatter(&inputs[h.rank()], &mut block, &parts).map(|()| block)
+            }));
+            for (rank, block) in blocks.iter().enumerate() {
+                let expected = &reduced[rank][parts.range(rank)];
+                assert!(
+                    block.iter().zip(expected).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "n={n} len={len} rank {rank}"
+                );
+            }
+        }
+    }
 }

@@ -1,9 +1,10 @@
-//! The in-process all-reduce, broadcast, all-gather and scatter without messages: the ranks are
-//! threads of one process, so each reads the others' buffers in place ([`all_reduce`],
-//! [`broadcast`], [`all_gather`], [`scatter`]; the last three are phase 1, every rank copying
-//! what it needs from the published buffers into its own, and phase 3). It adds every element in the ring's
-//! order, so its results are the ring all-reduce's bit for bit (the transport group, across
-//! ranks, runs the ring), with no copies, no allocations and no bytes on any ledger.
+//! The in-process all-reduce, broadcast, all-gather, scatter, gather and reduce-scatter without
+//! messages: the ranks are threads of one process, so each reads the others' buffers in place
+//! ([`all_reduce`], [`broadcast`], [`all_gather`], [`scatter`], [`gather`], [`reduce_scatter`];
+//! all but the first are phase 1, every rank reading what it needs from the published buffers
+//! into its own, and phase 3). It adds every element in the ring's order, so its results are the
+//! ring all-reduce's and reduce-scatter's bit for bit (the transport group, across ranks, runs
+//! the ring), with no copies, no allocations and no bytes on any ledger.
 //!
 //! The protocol, for `n` ranks on one call (phases numbered from the call's sequence number):
 //! 1. each rank publishes its buffer's address and length and waits for every rank's;
@@ -318,4 +319,103 @@ pub(super) fn scatter(
     }
     ctx.arrive_and_wait(3, None, false).map_err(|e| ctx.leave(e))?;
     Ok((rank == root).then(|| parts.total() - parts.len(root)))
+}
+
+/// The gather without messages: every rank publishes its block `send` (read only during the
+/// call), the root copies every block into its `recv` at the block's place (its own too), then
+/// every rank waits for every rank before it returns. Only the root writes, and only its own
+/// `recv`. Returns the elements a rank other than the root would have sent (its block), `None` on
+/// the root.
+pub(super) fn gather(
+    ctx: &Ctx<'_>,
+    send: &[f32],
+    recv: &mut [f32],
+    root: usize,
+    parts: &Partition,
+) -> Result<Option<usize>> {
+    let rank = ctx.rank;
+    let reads = rank == root;
+    let slots = ctx.arrive_and_wait(1, Some((send.as_ptr() as usize, send.len())), reads).map_err(|e| ctx.leave(e))?;
+    if reads {
+        let reading = Reading(ctx.board);
+        // Each rank checked its own block against `parts` before publishing; a rank that passed
+        // another `parts` shows here, and the root fails (the others end at its abort).
+        if let Some(other) = (0..slots.len()).find(|&r| slots[r].len != parts.len(r)) {
+            drop(reading);
+            let error = (ctx.failed)(format!(
+                "rank {other} gave {} elements for its block of {}",
+                slots[other].len,
+                parts.len(other)
+            ));
+            return Err(ctx.leave(error));
+        }
+        let _reading = reading;
+        for (owner, slot) in slots.iter().enumerate() {
+            // SAFETY: every published `send` is read only during the call (its owner returns only
+            // after the barrier below); the root alone writes its own `recv`.
+            let src = unsafe { std::slice::from_raw_parts(slot.ptr as *const f32, slot.len) };
+            recv[parts.range(owner)].copy_from_slice(src);
+        }
+    }
+    ctx.arrive_and_wait(3, None, false).map_err(|e| ctx.leave(e))?;
+    Ok((rank != root).then(|| parts.len(rank)))
+}
+
+/// The reduce-scatter without messages: every rank publishes its `send` (`parts.total()`
+/// elements, read only during the call), and rank `c` sums block `c` of every rank's `send` into
+/// its own `recv` in the ring's nesting, `v_c + (v_{c-1} + (... + (v_{c+2} + v_{c+1})))` (as
+/// [`all_reduce`] does), then waits for every rank before it returns. Each rank writes only its own
+/// `recv`. Returns the elements the ring reduce-scatter would have sent from this rank.
+pub(super) fn reduce_scatter(
+    ctx: &Ctx<'_>,
+    send: &[f32],
+    recv: &mut [f32],
+    parts: &Partition,
+) -> Result<Option<usize>> {
+    let rank = ctx.rank;
+    let slots = ctx.arrive_and_wait(1, Some((send.as_ptr() as usize, send.len())), true).map_err(|e| ctx.leave(e))?;
+    let n = slots.len();
+    let reading = Reading(ctx.board);
+    // Every rank sees the same published lengths, so every rank fails here alike, before any read.
+    if let Some(other) = (0..n).find(|&r| slots[r].len != parts.total()) {
+        drop(reading);
+        let error = (ctx.failed)(format!(
+            "rank {other} gave {} elements where the partition has {}",
+            slots[other].len,
+            parts.total()
+        ));
+        return Err(ctx.leave(error));
+    }
+    {
+        let _reading = reading;
+        let mine = parts.range(rank);
+        // SAFETY: every published `send` is read only during the call (its owner returns only
+        // after the barrier below); this rank alone writes its own `recv`.
+        let block =
+            |r: usize| unsafe { std::slice::from_raw_parts((slots[r].ptr as *const f32).add(mine.start), mine.len()) };
+        if n == 1 {
+            recv.copy_from_slice(block(rank));
+        } else {
+            // Blocks on the stack: v_{c+1}, then v_{c+2} + acc, ..., then v_c + acc into `recv`.
+            const BLOCK: usize = 1024;
+            let mut acc = [0.0f32; BLOCK];
+            let mut start = 0;
+            while start < mine.len() {
+                let count = BLOCK.min(mine.len() - start);
+                let acc = &mut acc[..count];
+                acc.copy_from_slice(&block((rank + 1) % n)[start..start + count]);
+                for k in 2..n {
+                    let v = &block((rank + k) % n)[start..start + count];
+                    acc.iter_mut().zip(v).for_each(|(a, &x)| *a += x);
+                }
+                let own = &block(rank)[start..start + count];
+                let dst = &mut recv[start..start + count];
+                dst.iter_mut().zip(own).zip(acc.iter()).for_each(|((d, &o), &a)| *d = o + a);
+                start += count;
+            }
+        }
+    }
+    ctx.arrive_and_wait(3, None, false).map_err(|e| ctx.leave(e))?;
+    // What the ring would have sent: chunk r-1-s at step s.
+    Ok(Some((0..n.saturating_sub(1)).map(|s| parts.len((rank + 2 * n - 1 - s) % n)).sum()))
 }

@@ -439,8 +439,17 @@ impl Communicator for RankHandle {
         })
     }
 
+    /// In place across the threads (`direct.rs`), counted as each non-root rank's send.
     fn gather(&self, send: &[f32], recv: &mut [f32], root: usize, parts: &Partition) -> Result<()> {
-        self.run(CollectiveOp::Gather, |call| algorithms::gather(call, send, recv, root, parts))
+        self.run(CollectiveOp::Gather, |call| {
+            algorithms::check_root(call, root)?;
+            parts.check_ranks("gather", self.shared.n_ranks)?;
+            algorithms::check_len(call, "send", parts.len(self.rank), send.len())?;
+            if self.rank == root {
+                algorithms::check_len(call, "the root's recv", parts.total(), recv.len())?;
+            }
+            self.direct(call, |ctx| super::direct::gather(ctx, send, recv, root, parts), |_| 1)
+        })
     }
 
     /// In place across the threads (`direct.rs`), counted as the ring's traffic.
@@ -453,8 +462,14 @@ impl Communicator for RankHandle {
         })
     }
 
+    /// In place across the threads (`direct.rs`), counted as the ring's traffic.
     fn reduce_scatter(&self, send: &[f32], recv: &mut [f32], parts: &Partition) -> Result<()> {
-        self.run(CollectiveOp::ReduceScatter, |call| algorithms::reduce_scatter(call, send, recv, parts))
+        self.run(CollectiveOp::ReduceScatter, |call| {
+            parts.check_ranks("reduce_scatter", self.shared.n_ranks)?;
+            algorithms::check_len(call, "send", parts.total(), send.len())?;
+            algorithms::check_len(call, "recv", parts.len(self.rank), recv.len())?;
+            self.direct(call, |ctx| super::direct::reduce_scatter(ctx, send, recv, parts), |n| n.saturating_sub(1))
+        })
     }
 
     fn all_to_all(&self, send: &[f32], send_parts: &Partition, recv: &mut [f32], recv_parts: &Partition) -> Result<()> {
