@@ -161,6 +161,43 @@ impl Drop for Reading<'_> {
     }
 }
 
+/// `dst[i] = v_c[i] + (v_{c-1}[i] + (... + (v_{c+2}[i] + v_{c+1}[i])))` for `i < len`, where `v_r`
+/// is the `len` elements at `at(r)` and `c = rank`: the nesting the ring's reduce-scatter produces
+/// for chunk `c` (f32 addition commutes, so `a + b` and `b + a` are the same bits). `dst` may be
+/// `at(rank)` (the all-reduce sums in place).
+///
+/// # Safety
+/// Every `at(r)` is valid for `len` reads and `dst` for `len` writes, and no other thread writes
+/// them during the call.
+unsafe fn sum_in_ring_order(at: impl Fn(usize) -> *const f32, rank: usize, n: usize, len: usize, dst: *mut f32) {
+    // Blocks on the stack: v_{c+1}, then v_{c+2} + acc, ..., then v_c + acc into dst.
+    const BLOCK: usize = 1024;
+    let mut acc = [0.0f32; BLOCK];
+    let mut start = 0;
+    while start < len {
+        let count = BLOCK.min(len - start);
+        // SAFETY: the caller's contract; each element of `dst` is written after its `v_c` element
+        // was read.
+        unsafe {
+            if n == 1 {
+                std::ptr::copy(at(rank).add(start), dst.add(start), count);
+            } else {
+                let acc = &mut acc[..count];
+                acc.copy_from_slice(std::slice::from_raw_parts(at((rank + 1) % n).add(start), count));
+                for k in 2..n {
+                    let v = std::slice::from_raw_parts(at((rank + k) % n).add(start), count);
+                    acc.iter_mut().zip(v).for_each(|(a, &x)| *a += x);
+                }
+                let own = at(rank).add(start);
+                for (i, &a) in acc.iter().enumerate() {
+                    *dst.add(start + i) = *own.add(i) + a;
+                }
+            }
+        }
+        start += count;
+    }
+}
+
 /// The broadcast of the module comment: every rank's buffer becomes the root's. Returns the
 /// elements this rank would have sent by messages (the root: its buffer to each other rank), or
 /// `None` for a rank that sends nothing.
@@ -210,24 +247,8 @@ pub(super) fn all_reduce(ctx: &Ctx<'_>, buf: &mut [f32]) -> Result<Option<usize>
         // SAFETY: see the module comment: chunk `rank` of every published buffer is read by this
         // rank alone in this phase, and written (its own) by this rank alone.
         unsafe {
-            let at = |r: usize| (slots[r].ptr as *mut f32).add(mine.start) as *const f32;
-            let own = slots[rank].ptr as *mut f32;
-            // Blocks on the stack: v_{c+1}, then v_{c+2} + acc, ..., then v_c + acc into own.
-            const BLOCK: usize = 1024;
-            let mut acc = [0.0f32; BLOCK];
-            let mut start = 0;
-            while start < mine.len() && n > 1 {
-                let count = BLOCK.min(mine.len() - start);
-                let acc = &mut acc[..count];
-                acc.copy_from_slice(std::slice::from_raw_parts(at((rank + 1) % n).add(start), count));
-                for k in 2..n {
-                    let v = std::slice::from_raw_parts(at((rank + k) % n).add(start), count);
-                    acc.iter_mut().zip(v).for_each(|(a, &x)| *a += x);
-                }
-                let dst = std::slice::from_raw_parts_mut(own.add(mine.start + start), count);
-                dst.iter_mut().zip(acc.iter()).for_each(|(d, &a)| *d += a);
-                start += count;
-            }
+            let at = |r: usize| (slots[r].ptr as *const f32).add(mine.start);
+            sum_in_ring_order(at, rank, n, mine.len(), (slots[rank].ptr as *mut f32).add(mine.start));
         }
     }
     ctx.arrive_and_wait(2, None, true).map_err(|e| ctx.leave(e))?;
@@ -259,10 +280,19 @@ pub(super) fn all_gather(ctx: &Ctx<'_>, send: &[f32], recv: &mut [f32], parts: &
     let rank = ctx.rank;
     let slots = ctx.arrive_and_wait(1, Some((send.as_ptr() as usize, send.len())), true).map_err(|e| ctx.leave(e))?;
     let n = slots.len();
+    // Every rank sees the same published lengths, so every rank fails alike, before any read (each
+    // checked its own block and `recv` against `parts` before publishing).
+    collect_blocks(ctx, &slots, recv, parts)?;
+    ctx.arrive_and_wait(3, None, false).map_err(|e| ctx.leave(e))?;
+    Ok(Some(parts.total() - parts.len((rank + 1) % n)))
+}
+
+/// The read phase of [`all_gather`] and [`gather`], for a rank counted as a reader: every rank's
+/// published block copied into `recv` at its place, after checking every block's length against
+/// `parts` (an error, before any read, names the first rank whose block differs).
+fn collect_blocks(ctx: &Ctx<'_>, slots: &[Slot], recv: &mut [f32], parts: &Partition) -> Result<()> {
     let reading = Reading(ctx.board);
-    // Every rank sees the same published lengths, so every rank fails here alike, before any read
-    // (each checked its own block and `recv` against `parts` before publishing).
-    if let Some(other) = (0..n).find(|&r| slots[r].len != parts.len(r)) {
+    if let Some(other) = (0..slots.len()).find(|&r| slots[r].len != parts.len(r)) {
         drop(reading);
         let error = (ctx.failed)(format!(
             "rank {other} gave {} elements for its block of {}",
@@ -271,17 +301,15 @@ pub(super) fn all_gather(ctx: &Ctx<'_>, send: &[f32], recv: &mut [f32], parts: &
         ));
         return Err(ctx.leave(error));
     }
-    {
-        let _reading = reading;
-        for (owner, slot) in slots.iter().enumerate() {
-            // SAFETY: every published `send` is read only during the call (its owner returns only
-            // after the barrier below); this rank alone writes its own `recv`.
-            let src = unsafe { std::slice::from_raw_parts(slot.ptr as *const f32, slot.len) };
-            recv[parts.range(owner)].copy_from_slice(src);
-        }
+    for (owner, slot) in slots.iter().enumerate() {
+        // SAFETY: every published `send` is read only during the call (its owner returns only
+        // after the phase-3 barrier, which this rank reaches after this read); this rank alone
+        // writes its own `recv`.
+        let src = unsafe { std::slice::from_raw_parts(slot.ptr as *const f32, slot.len) };
+        recv[parts.range(owner)].copy_from_slice(src);
     }
-    ctx.arrive_and_wait(3, None, false).map_err(|e| ctx.leave(e))?;
-    Ok(Some(parts.total() - parts.len((rank + 1) % n)))
+    drop(reading);
+    Ok(())
 }
 
 /// The scatter without messages: the root publishes `send` (read only during the call), every
@@ -337,25 +365,9 @@ pub(super) fn gather(
     let reads = rank == root;
     let slots = ctx.arrive_and_wait(1, Some((send.as_ptr() as usize, send.len())), reads).map_err(|e| ctx.leave(e))?;
     if reads {
-        let reading = Reading(ctx.board);
         // Each rank checked its own block against `parts` before publishing; a rank that passed
         // another `parts` shows here, and the root fails (the others end at its abort).
-        if let Some(other) = (0..slots.len()).find(|&r| slots[r].len != parts.len(r)) {
-            drop(reading);
-            let error = (ctx.failed)(format!(
-                "rank {other} gave {} elements for its block of {}",
-                slots[other].len,
-                parts.len(other)
-            ));
-            return Err(ctx.leave(error));
-        }
-        let _reading = reading;
-        for (owner, slot) in slots.iter().enumerate() {
-            // SAFETY: every published `send` is read only during the call (its owner returns only
-            // after the barrier below); the root alone writes its own `recv`.
-            let src = unsafe { std::slice::from_raw_parts(slot.ptr as *const f32, slot.len) };
-            recv[parts.range(owner)].copy_from_slice(src);
-        }
+        collect_blocks(ctx, &slots, recv, parts)?;
     }
     ctx.arrive_and_wait(3, None, false).map_err(|e| ctx.leave(e))?;
     Ok((rank != root).then(|| parts.len(rank)))
@@ -390,29 +402,10 @@ pub(super) fn reduce_scatter(
         let _reading = reading;
         let mine = parts.range(rank);
         // SAFETY: every published `send` is read only during the call (its owner returns only
-        // after the barrier below); this rank alone writes its own `recv`.
-        let block =
-            |r: usize| unsafe { std::slice::from_raw_parts((slots[r].ptr as *const f32).add(mine.start), mine.len()) };
-        if n == 1 {
-            recv.copy_from_slice(block(rank));
-        } else {
-            // Blocks on the stack: v_{c+1}, then v_{c+2} + acc, ..., then v_c + acc into `recv`.
-            const BLOCK: usize = 1024;
-            let mut acc = [0.0f32; BLOCK];
-            let mut start = 0;
-            while start < mine.len() {
-                let count = BLOCK.min(mine.len() - start);
-                let acc = &mut acc[..count];
-                acc.copy_from_slice(&block((rank + 1) % n)[start..start + count]);
-                for k in 2..n {
-                    let v = &block((rank + k) % n)[start..start + count];
-                    acc.iter_mut().zip(v).for_each(|(a, &x)| *a += x);
-                }
-                let own = &block(rank)[start..start + count];
-                let dst = &mut recv[start..start + count];
-                dst.iter_mut().zip(own).zip(acc.iter()).for_each(|((d, &o), &a)| *d = o + a);
-                start += count;
-            }
+        // after the barrier below); this rank alone writes its own `recv`, which nobody reads.
+        unsafe {
+            let at = |r: usize| (slots[r].ptr as *const f32).add(mine.start);
+            sum_in_ring_order(at, rank, n, mine.len(), recv.as_mut_ptr());
         }
     }
     ctx.arrive_and_wait(3, None, false).map_err(|e| ctx.leave(e))?;

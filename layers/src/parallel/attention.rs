@@ -100,6 +100,35 @@ pub(super) fn unpack_stride3(rank_major: &Tensor, parts: &Partition) -> Result<T
     Tensor::cat_rows(&blocks.iter().collect::<Vec<_>>(), &Device::host())
 }
 
+/// `n_heads` heads split evenly over `k` devices; an error naming the valid degrees when `k` does
+/// not divide them (each device needs whole heads and the same number, as in Megatron).
+pub(super) fn split_heads(kind: &str, n_heads: usize, k: usize) -> Result<Partition> {
+    if !n_heads.is_multiple_of(k) {
+        let valid: Vec<String> = (1..=n_heads).filter(|d| n_heads.is_multiple_of(*d)).map(|d| d.to_string()).collect();
+        return Err(Error::invalid(
+            format!("{kind} devices"),
+            format!(
+                "{n_heads} heads cannot be split over {k} devices: each device needs whole heads and the same \
+                 number of them; use a tensor-parallel degree of {}",
+                valid.join(", ")
+            ),
+        ));
+    }
+    Partition::even(n_heads, k)
+}
+
+/// Checks a `[batch, tokens, dim]` f32 input (tokens at least 1) on `group`'s first device.
+pub(super) fn check_sequence_input(kind: &str, group: &ShardGroup, input: &Tensor, dim: usize) -> Result<()> {
+    match input.dims() {
+        &[_, tokens, d] if d == dim && tokens > 0 => group.check_input(kind, input),
+        _ => Err(Error::shape(
+            kind,
+            format!("an input [batch, tokens, {dim}] with tokens >= 1"),
+            input.shape().to_string(),
+        )),
+    }
+}
+
 impl ParallelSelfAttention {
     /// `attention`'s parameters split by heads over `devices` (each shard created on its device).
     pub fn from_attention(attention: &MultiheadSelfAttention, devices: &[Device]) -> Result<Self> {
@@ -109,21 +138,9 @@ impl ParallelSelfAttention {
     /// `attention`'s parameters split as `shards` says (all shards here, or this rank's one).
     pub fn from_attention_on(attention: &MultiheadSelfAttention, shards: &Shards) -> Result<Self> {
         let group = ShardGroup::new(KIND, shards)?;
-        let (embed_dim, n_heads, k) = (attention.embed_dim(), attention.n_heads(), group.k());
-        if !n_heads.is_multiple_of(k) {
-            let valid: Vec<String> =
-                (1..=n_heads).filter(|d| n_heads.is_multiple_of(*d)).map(|d| d.to_string()).collect();
-            return Err(Error::invalid(
-                format!("{KIND} devices"),
-                format!(
-                    "{n_heads} heads cannot be split over {k} devices: each device needs whole heads and the same \
-                     number of them; use a tensor-parallel degree of {}",
-                    valid.join(", ")
-                ),
-            ));
-        }
+        let (embed_dim, n_heads) = (attention.embed_dim(), attention.n_heads());
+        let heads = split_heads(KIND, n_heads, group.k())?;
         let head_dim = attention.head_dim();
-        let heads = Partition::even(n_heads, k)?;
         let features = heads.scaled(head_dim);
         let source = attention.parameters();
         let [in_weight, in_bias, out_weight, out_bias] = [0, 1, 2, 3].map(|i| &source[i].value);
@@ -214,17 +231,6 @@ impl ParallelSelfAttention {
             n_heads: self.heads.len(rank),
             head_dim: self.head_dim,
             causal: self.causal,
-        }
-    }
-
-    fn check_input(&self, input: &Tensor) -> Result<()> {
-        match input.dims() {
-            &[_, tokens, d] if d == self.embed_dim && tokens > 0 => self.group.check_input(KIND, input),
-            _ => Err(Error::shape(
-                KIND,
-                format!("an input [batch, tokens, {}] with tokens >= 1", self.embed_dim),
-                input.shape().to_string(),
-            )),
         }
     }
 
@@ -377,7 +383,7 @@ impl Layer for ParallelSelfAttention {
     fn forward(&self, inputs: &[&Tensor], _ctx: &ForwardCtx) -> Result<(Tensor, Saved)> {
         expect_inputs(KIND, inputs, 1)?;
         let input = inputs[0];
-        self.check_input(input)?;
+        check_sequence_input(KIND, &self.group, input, self.embed_dim)?;
         let replicated = self.group.inputs_replicated();
         let results = self.group.run(vec![(); self.group.n_local()], |rank, comm, ()| {
             let device = self.group.device(rank);

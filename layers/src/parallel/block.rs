@@ -55,7 +55,7 @@ use conveyor_engine::{
     CallScratch, DType, Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor,
 };
 
-use super::attention::{stride3_rows, unpack_stride3};
+use super::attention::{split_heads, stride3_rows, unpack_stride3};
 use super::exchange::{all_gather_columns, grads_per_rank};
 use super::group::{ShardGroup, Shards};
 use super::layout::column_block;
@@ -133,18 +133,7 @@ impl ParallelTransformerBlock {
     ) -> Result<Self> {
         let group = ShardGroup::new(KIND, shards)?;
         let (dim, n_heads, k) = (attention.embed_dim(), attention.n_heads(), group.k());
-        if !n_heads.is_multiple_of(k) {
-            let valid: Vec<String> =
-                (1..=n_heads).filter(|d| n_heads.is_multiple_of(*d)).map(|d| d.to_string()).collect();
-            return Err(Error::invalid(
-                format!("{KIND} devices"),
-                format!(
-                    "{n_heads} heads cannot be split over {k} devices: each device needs whole heads and the same \
-                     number of them; use a tensor-parallel degree of {}",
-                    valid.join(", ")
-                ),
-            ));
-        }
+        let heads = split_heads(KIND, n_heads, k)?;
         for (name, norm) in [("ln1", ln1), ("ln2", ln2)] {
             let len = norm.parameters()[0].value.numel();
             if len != dim {
@@ -167,7 +156,6 @@ impl ParallelTransformerBlock {
             ));
         };
         let head_dim = attention.head_dim();
-        let heads = Partition::even(n_heads, k)?;
         let hidden = split_features(KIND, "hidden_features", hidden_features, k)?;
         let features = heads.scaled(head_dim);
         let source = attention.parameters();
@@ -483,14 +471,7 @@ impl Layer for ParallelTransformerBlock {
 
     /// A group of one device moves whole; a split block stays on its devices.
     fn to_device(&mut self, device: &Device) -> Result<()> {
-        if self.group.k() == 1 && !self.group.inputs_replicated() && !device.same_device(self.group.first()) {
-            for param in &mut self.params {
-                param.value = param.value.to_device(device)?;
-            }
-            self.group = ShardGroup::new(KIND, &Shards::Local(vec![device.clone()]))?;
-            return Ok(());
-        }
-        self.group.to_device(KIND, device)
+        self.group.move_unsplit(KIND, &mut self.params, device)
     }
 
     fn export_parameter_shapes(&self) -> Vec<(String, Shape)> {

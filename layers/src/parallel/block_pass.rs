@@ -6,6 +6,7 @@ use conveyor_engine::cpu::attention::AttentionDims;
 use conveyor_engine::device::ops::{Activation, Matrix};
 use conveyor_engine::{DType, Device, Error, Result, Saved, Shape, Tensor};
 
+use super::attention::check_sequence_input;
 use super::block::{FIRST_SHARD, KIND, OTHER_SHARD, ParallelTransformerBlock};
 use super::exchange::{all_gather_columns, columns_for_shard, gather_columns, input_for_shard, reduce_scatter_columns};
 use super::layout::column_block;
@@ -124,17 +125,6 @@ impl ParallelTransformerBlock {
         gather_columns(comm, block, dims.batch, &dims.flat, dims.full(self.dim), &device)
     }
 
-    fn check_input(&self, input: &Tensor) -> Result<()> {
-        match input.dims() {
-            &[_, tokens, d] if d == self.dim && tokens > 0 => self.group.check_input(KIND, input),
-            _ => Err(Error::shape(
-                KIND,
-                format!("an input [batch, tokens, {}] with tokens >= 1", self.dim),
-                input.shape().to_string(),
-            )),
-        }
-    }
-
     /// Checks the saved state and `dy`; returns the call's sizes.
     fn check_saved(&self, saved: &Saved, grad_output: &Tensor) -> Result<CallDims> {
         let n = self.group.n_local();
@@ -175,7 +165,7 @@ impl ParallelTransformerBlock {
     pub(super) fn forward_split(&self, inputs: &[&Tensor]) -> Result<(Tensor, Saved)> {
         expect_inputs(KIND, inputs, 1)?;
         let input = inputs[0];
-        self.check_input(input)?;
+        check_sequence_input(KIND, &self.group, input, self.dim)?;
         let dims = self.call_dims(input.dims()[0], input.dims()[1])?;
         let replicated = self.group.inputs_replicated();
         let d = self.dim;

@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use conveyor_engine::collective::{Communicator, ProcessGroup, RankHandle, Traffic, TransportGroup};
-use conveyor_engine::{CudaDevice, DType, Device, Error, Result, Tensor};
+use conveyor_engine::{CudaDevice, DType, Device, Error, Parameter, Result, Tensor};
 
 use super::shard_threads::ShardThreads;
 
@@ -324,6 +324,20 @@ impl ShardGroup {
             return Err(Error::UnsupportedDType { op: kind.into(), dtype: tensor.dtype() });
         }
         Ok(())
+    }
+
+    /// `Layer::to_device` for a layer that may be a group of one device (the unsplit form of a
+    /// block the planner has not split yet): that group moves whole, `params` with it, to a new
+    /// group on `device`; a split layer answers as [`ShardGroup::to_device`].
+    pub(crate) fn move_unsplit(&mut self, kind: &str, params: &mut [Parameter], device: &Device) -> Result<()> {
+        if self.k == 1 && !self.inputs_replicated() && !device.same_device(self.first()) {
+            for param in params.iter_mut() {
+                param.value = param.value.to_device(device)?;
+            }
+            *self = ShardGroup::new(kind, &Shards::Local(vec![device.clone()]))?;
+            return Ok(());
+        }
+        self.to_device(kind, device)
     }
 
     /// `Layer::to_device` for a split layer: its shards stay on their devices, so only the group's

@@ -467,14 +467,7 @@ impl Layer for ParallelMlp {
 
     /// A group of one device moves whole; a split block stays on its devices.
     fn to_device(&mut self, device: &Device) -> Result<()> {
-        if self.group.k() == 1 && !self.group.inputs_replicated() && !device.same_device(self.group.first()) {
-            for param in &mut self.params {
-                param.value = param.value.to_device(device)?;
-            }
-            self.group = ShardGroup::new(KIND, &Shards::Local(vec![device.clone()]))?;
-            return Ok(());
-        }
-        self.group.to_device(KIND, device)
+        self.group.move_unsplit(KIND, &mut self.params, device)
     }
 
     fn export_parameter_shapes(&self) -> Vec<(String, Shape)> {
