@@ -590,11 +590,12 @@ struct HostReadGroup {
 /// `layers_compute_through_device_ops`; so does an entry (or one of its accessors) nothing reads
 /// any more, and a permitted read whose guard is gone.
 const HOST_READS: [HostReadGroup; 1] = [HostReadGroup {
-    why: "the permitted exception: Linear's packed weight. `refresh` builds the panels only for an f32 weight \
+    why: "the permitted exception: Linear's packed weight. `refresh` builds the strips only for an f32 weight \
               on a CPU device (`Device::Cpu(_)`), so `packed` exists only there; forward and the input gradient \
               read them only when fresh, after `check_same_device` put the input on the weight's CPU device. Any \
-              other weight goes through `Tensor::matmul`. `tensor_io::values` is the two arms' reader (the scan \
-              follows every call to it)",
+              other weight goes through `Tensor::matmul`, and so does any product our small-row kernel does not \
+              take (`rows_gemm::suits`, a shape test). `cost` sizes the strips (`packed_len`, arithmetic on the \
+              dimensions). `tensor_io::values` is the two arms' reader (the scan follows every call to it)",
     departure: false,
     sites: &[
         guarded(
@@ -611,6 +612,7 @@ const HOST_READS: [HostReadGroup; 1] = [HostReadGroup {
                 "cpu::MatRef::row_major",
                 "cpu::packed::matmul_packed",
                 "cpu::packed::matmul_packed_uninit",
+                "cpu::rows_gemm::suits",
                 "cpu::uninit::broadcast_rows",
                 "from_f32_init",
                 "tensor_io::values",
@@ -624,11 +626,13 @@ const HOST_READS: [HostReadGroup; 1] = [HostReadGroup {
                 "as_f32",
                 "cpu::MatRef::row_major",
                 "cpu::packed::matmul_packed_uninit",
+                "cpu::rows_gemm::suits",
                 "from_f32_init",
                 "tensor_io::values",
             ],
             "self.packed.as_ref().filter(|_| self.packed_fresh)",
         ),
+        site("layers/src/linear.rs", "Linear::cost", &["cpu::packed::packed_len"]),
         site("layers/src/tensor_io.rs", "values", &["as_f32", "try_to_vec_f32"]),
     ],
 }];

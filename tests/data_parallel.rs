@@ -11,7 +11,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{data, even_stages, max_rel_diff, weights};
+use common::{data, even_stages, max_rel_diff, max_rel_diff_above, weights};
 use conveyor::Sequential;
 use conveyor::engine::graph::Graph;
 use conveyor::engine::optim::{OptimizerConfig, SgdConfig};
@@ -124,8 +124,11 @@ fn replicated_pipelines_train_what_one_pipeline_trains() {
         for (x, y) in a.iter().zip(&b) {
             assert!((x - y).abs() <= 1e-6 * x.abs().max(1.0), "{schedule:?}: losses {a:?} against {b:?}");
         }
-        let diff = max_rel_diff(&weights(&two), &weights(&one));
-        assert!(diff < 1e-5, "{schedule:?}: weights differ by {diff} (relative)");
+        // The gradients are summed in another order: rounding, except where a gradient cancels to
+        // 0 in one order and not in the other, which Adam turns into up to lr·δ/(δ + eps) (up to
+        // 3.4e-6 here): within 1e-5 in absolute terms below 1, relative above.
+        let diff = max_rel_diff_above(&weights(&two), &weights(&one), 1.0);
+        assert!(diff < 1e-5, "{schedule:?}: weights differ by {diff}");
     }
 }
 
@@ -353,8 +356,9 @@ fn unequal_replica_shares_train_what_one_device_trains_on_the_whole_batch() {
         for (x, y) in a.iter().zip(&b) {
             assert!((x - y).abs() <= 1e-6 * x.abs().max(1.0), "{optimizer:?}: losses {a:?} against {b:?}");
         }
-        let diff = max_rel_diff(&weights(&uneven), &weights(&one));
-        assert!(diff < 1e-5, "{optimizer:?}: weights differ by {diff} (relative)");
+        // Summed in another order: as in `replicated_pipelines_train_what_one_pipeline_trains`.
+        let diff = max_rel_diff_above(&weights(&uneven), &weights(&one), 1.0);
+        assert!(diff < 1e-5, "{optimizer:?}: weights differ by {diff}");
     }
     // A share smaller than the micro-batch count is refused at the step, naming the replica.
     let mut short = shared(ReplicaShares::Weights(vec![20.0, 1.0]), 2, OptimizerConfig::adam(0.01));

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 use anyhow::{Context, Result, ensure};
+use conveyor::engine::cpu::packed::packed_len;
 use serde_json::Value;
 
 /// Eight 1024-wide Linear layers: about 28 MiB of parameters, gradients and Adam state per
@@ -444,14 +445,16 @@ fn tensor_parallel_plans_show_each_device_and_the_collectives() -> Result<()> {
     )
 }
 
-/// `--weight-cache`: `off` keeps no packed copy (0 bytes of caches, each listed as dropped), `on`
-/// keeps both copies of every Linear (twice the weights) and refuses a budget that only fits
-/// without them, where `auto` fits by dropping some.
+/// `--weight-cache`: `off` (the default) keeps no packed copy (0 bytes of caches, their bytes
+/// counted as dropped, no note), `on` keeps both copies of every Linear (twice the weights) and
+/// refuses a budget that only fits without them, where `auto` fits by dropping some.
 #[test]
 fn weight_cache_modes_keep_all_none_or_what_fits() -> Result<()> {
     const MLP: &str = "mlp:1024,1024,1024,10";
-    // Weights of the three Linears (f32): each packed copy is as large.
-    let weights: u64 = 4 * (1024 * 1024 * 2 + 1024 * 10);
+    // The two packed copies of the three Linears (f32): each as large as the weight, with the
+    // columns rounded up to the strip width (the head's 10 outputs).
+    let copies = |n_in: usize, n_out: usize| 4 * (packed_len(n_in, n_out) + packed_len(n_out, n_in)) as u64;
+    let caches: u64 = 2 * copies(1024, 1024) + copies(1024, 10);
     let cache_bytes = |json: &Value| -> Result<(u64, u64)> {
         let stages = json["stages"].as_array().context("stages")?;
         let kept = stages.iter().map(|s| u64_of(&s["memory"], "workspace")).sum::<Result<u64>>()?;
@@ -462,19 +465,19 @@ fn weight_cache_modes_keep_all_none_or_what_fits() -> Result<()> {
         |mode: &'static str| vec!["--model", MLP, "--devices", "cpu:1", "--optimizer", "sgd", "--weight-cache", mode];
     let on = plan_json(&args("on"))?;
     ensure!(on["weight_cache"] == "on", "{on}");
-    ensure!(cache_bytes(&on)? == (2 * weights, 0), "on: both copies of every weight kept: {:?}", cache_bytes(&on)?);
+    ensure!(cache_bytes(&on)? == (caches, 0), "on: both copies of every weight kept: {:?}", cache_bytes(&on)?);
     let off = plan_json(&args("off"))?;
-    ensure!(cache_bytes(&off)? == (0, 2 * weights), "off: none kept: {:?}", cache_bytes(&off)?);
+    ensure!(cache_bytes(&off)? == (0, caches), "off: none kept: {:?}", cache_bytes(&off)?);
     let off_total = u64_of(&off["stages"][0], "memory_bytes")?;
     let on_total = u64_of(&on["stages"][0], "memory_bytes")?;
-    ensure!(on_total == off_total + 2 * weights, "the caches are the whole difference: {on_total} vs {off_total}");
+    ensure!(on_total == off_total + caches, "the caches are the whole difference: {on_total} vs {off_total}");
     // A budget between the two: auto fits by dropping caches, on is refused.
     let budget = format!("{}", (off_total + on_total) / 2);
     let mut tight = args("auto");
     tight.extend(["--device-memory", &budget]);
     let auto = plan_json(&tight)?;
     let (kept, dropped) = cache_bytes(&auto)?;
-    ensure!(dropped > 0 && kept + dropped == 2 * weights, "auto drops some to fit: kept {kept}, dropped {dropped}");
+    ensure!(dropped > 0 && kept + dropped == caches, "auto drops some to fit: kept {kept}, dropped {dropped}");
     let mut refused = vec!["plan"];
     refused.extend(args("on"));
     refused.extend(["--device-memory", &budget]);
@@ -490,9 +493,12 @@ fn weight_cache_modes_keep_all_none_or_what_fits() -> Result<()> {
     let fitting = train("auto", &budget)?;
     let stdout = String::from_utf8_lossy(&fitting.stdout);
     ensure!(fitting.status.success() && stdout.contains("drops the derived caches"), "train, auto: {stdout}");
-    let off_run = train("off", "1GiB")?;
+    // `off` (the default) drops nothing: it asked for no caches.
+    let off_run = train("off", &budget)?;
     let stdout = String::from_utf8_lossy(&off_run.stdout);
-    ensure!(off_run.status.success() && stdout.contains("weight cache off: no stage keeps derived caches"), "{stdout}");
+    ensure!(off_run.status.success() && !stdout.contains("derived caches"), "{stdout}");
+    let default = plan_json(&["--model", MLP, "--devices", "cpu:1", "--optimizer", "sgd"])?;
+    ensure!(default["weight_cache"] == "off" && cache_bytes(&default)? == (0, caches), "default: {default}");
     let on_run = train("on", &budget)?;
     let stderr = String::from_utf8_lossy(&on_run.stderr);
     ensure!(on_run.status.code() == Some(2) && stderr.contains("does not fit"), "train, on, tight: {stderr}");

@@ -8,10 +8,10 @@
 //! `BENCH_ONLY=x_wt` runs the ops whose name starts so). The ops, `R` the row count:
 //!
 //! - `x_wt_R`: `y = x · Wᵀ`, `W` `[out, in]` viewed transposed (Linear's forward without the
-//!   cache, `cpu::matmul_uninit`); `x_wt_packed_R`: the same product from `Wᵀ` in panels
+//!   cache, `cpu::matmul_uninit`); `x_wt_packed_R`: the same product from `Wᵀ` in strips
 //!   (`cpu::packed::matmul_packed_uninit`, the forward with the cache);
 //! - `x_w_R`: `dx = dy · W`, `W` `[out, in]` row-major (the input gradient without the cache);
-//!   `x_w_packed_R`: from `W` in panels (with it);
+//!   `x_w_packed_R`: from `W` in strips (with it);
 //! - `dyt_x_R`: `dW += dyᵀ · x` (`cpu::matmul` accumulating; the weight gradient, cache or not),
 //!   `R` its inner dimension;
 //! - `transpose_weight`, `transpose_nine_weights`: the 1024x1024 transpose, one hot weight or

@@ -322,9 +322,11 @@ pub trait Layer: Send + std::fmt::Debug {
 
     /// Whether the layer keeps the state [`Layer::refresh`] derives from its parameters (such as
     /// Linear's packed weights, [`LayerCost::workspace_bytes`]): with `false` it frees that state
-    /// now and derives none until enabled again (the next refresh rebuilds it), running a little
-    /// slower without it. The planner drops caches that do not fit a device's budget; results
-    /// are the same either way. Default: nothing to keep, nothing to do.
+    /// now and derives none until enabled again (the next refresh rebuilds it). The planner
+    /// follows `--weight-cache` (off by default) and drops caches that do not fit a device's
+    /// budget. Results agree either way up to f32 rounding (bit for bit for the products
+    /// `cpu::rows_gemm` takes, a Linear's at micro-batch sizes). Default: nothing to keep,
+    /// nothing to do.
     fn set_derived_cache(&mut self, enabled: bool) {
         let _ = enabled;
     }

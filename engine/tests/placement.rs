@@ -3,8 +3,8 @@
 use conveyor_engine::device::DeviceKind;
 use conveyor_engine::graph::Graph;
 use conveyor_engine::placement::{
-    DeviceSpec, FLOPS_PER_BYTE_MOVED, FitHint, Link, OptimizerMemory, PlacedBy, PlanConfig, place_automatically,
-    place_manually,
+    DeviceSpec, FLOPS_PER_BYTE_MOVED, FitHint, Link, OptimizerMemory, PlacedBy, PlanConfig, WeightCache,
+    place_automatically, place_manually,
 };
 use conveyor_engine::{CallScratch, Error, ForwardCtx, Layer, LayerCost, Parameter, Result, Saved, Shape, Tensor};
 
@@ -335,7 +335,9 @@ fn the_plan_keeps_the_snapshot_then_the_caches_that_fit_and_says_what_it_dropped
         x = g.add(&format!("l{i}"), layer, &[x]).unwrap();
     }
     g.set_output(x).unwrap();
-    let cfg = config(8, OptimizerMemory::Adam);
+    let mut cfg = config(8, OptimizerMemory::Adam);
+    assert_eq!(cfg.weight_cache, WeightCache::Off, "no caches unless asked for");
+    cfg.weight_cache = WeightCache::Auto;
     let free = place_automatically(&g, &devices(1, None), &cfg).unwrap();
     let stage = &free.stages[0];
     assert_eq!(stage.memory.workspace, 6 << 20, "no budget: every cache kept");

@@ -6,7 +6,7 @@
 //! its parameters live: the CPU kernels on a CPU device, cuBLAS and the reduction kernels on a GPU.
 //! The one CPU-specific path is the packed weight (see the `packed` field), used only for f32
 //! weights in host memory.
-use conveyor_engine::cpu::{MatRef, packed, uninit};
+use conveyor_engine::cpu::{MatRef, packed, rows_gemm, uninit};
 use conveyor_engine::device::ops::Matrix;
 use conveyor_engine::{
     DType, Device, Error, ForwardCtx, Layer, LayerCost, Parameter, Precision, Result, Saved, Shape, Tensor, init,
@@ -46,28 +46,31 @@ pub struct Linear {
     in_features: usize,
     out_features: usize,
     params: Vec<Parameter>,
-    /// The weight packed for the two products that use it (f32 weights only), rebuilt by
+    /// The weight packed for the two products that use it (f32 weights only), when enabled
+    /// ([`Layer::set_derived_cache`], `--weight-cache on|auto`; off by default): rebuilt by
     /// [`Layer::refresh`] after every optimizer step and reused for every micro-batch of the
     /// next one: `weightᵀ` (`[in, out]`) for the forward `x · weightᵀ` and `weight` (`[out, in]`)
-    /// for the input gradient `dy · weight`, each in 64-column panels
-    /// ([`conveyor_engine::cpu::packed`]). Without them the GEMM repacks the whole weight on
-    /// every call: at 64 rows with weights coming from memory that is a third of the product's
-    /// time (`x · Wᵀ` 159 GFLOP/s against 202 packed; 110 against 185 at 32 rows). Stale (and
-    /// unused) after `parameters_mut` hands the weight out, until the next refresh; the products
-    /// then read `weight` directly. The buffers are reused across refreshes.
+    /// for the input gradient `dy · weight`, each in the strips of our small-row kernel
+    /// ([`conveyor_engine::cpu::packed`]). Only the products that kernel takes (a micro-batch's)
+    /// read them, so the results never depend on them. Read in place they make a 1024x1024
+    /// product 1.2-1.7x faster at 32-64 rows, but their rebuild (two weight-sized copies per
+    /// step) measured more than that saves in training (`benches/README.md`), hence off by
+    /// default. Stale (and unused) after `parameters_mut` hands the weight out, until the next
+    /// refresh; the products then read `weight` directly. The buffers are reused across
+    /// refreshes.
     packed: Option<PackedWeight>,
     packed_fresh: bool,
-    /// Whether `refresh` builds `packed` ([`Layer::set_derived_cache`]; the planner turns it off
-    /// when the two copies do not fit the device).
+    /// Whether `refresh` builds `packed` ([`Layer::set_derived_cache`]: off unless the run asks
+    /// for the copies, and the planner turns it off again where they do not fit the device).
     packing: bool,
 }
 
 /// A Linear weight packed for its forward and input-gradient products.
 #[derive(Debug)]
 struct PackedWeight {
-    /// `weightᵀ` (`k = in`, `n = out`) in panels.
+    /// `weightᵀ` (`k = in`, `n = out`) in strips.
     forward: Tensor,
-    /// `weight` (`k = out`, `n = in`) in panels.
+    /// `weight` (`k = out`, `n = in`) in strips.
     backward_input: Tensor,
 }
 
@@ -110,7 +113,7 @@ impl Linear {
             }
             params.push(Parameter { name: "bias".into(), value: bias });
         }
-        let mut layer = Linear { in_features, out_features, params, packed: None, packed_fresh: false, packing: true };
+        let mut layer = Linear { in_features, out_features, params, packed: None, packed_fresh: false, packing: false };
         // A model built only for its shapes gets no packed copies (they are rebuilt by the first
         // refresh once the weights are real).
         if !init::building_unwritten() {
@@ -195,7 +198,7 @@ impl Layer for Linear {
     fn refresh(&mut self) -> Result<()> {
         self.packed_fresh = false;
         let weight = &self.params[0].value;
-        // The panels are a layout of the CPU GEMM: only f32 weights in host memory have them.
+        // The strips are a layout of the CPU GEMM: only f32 weights in host memory have them.
         if !self.packing || weight.dtype() != conveyor_engine::DType::F32 || !matches!(weight.device(), Device::Cpu(_))
         {
             self.packed = None;
@@ -204,10 +207,10 @@ impl Layer for Linear {
         let reusable = self.packed.as_ref().is_some_and(|p| p.forward.device().same_device(weight.device()));
         if !reusable {
             self.packed = None; // free the old buffers before reserving new ones
-            let len = packed::packed_len(self.in_features, self.out_features);
+            let (n_in, n_out) = (self.in_features, self.out_features);
             self.packed = Some(PackedWeight {
-                forward: zeros_f32([len], weight.device())?,
-                backward_input: zeros_f32([len], weight.device())?,
+                forward: zeros_f32([packed::packed_len(n_in, n_out)], weight.device())?,
+                backward_input: zeros_f32([packed::packed_len(n_out, n_in)], weight.device())?,
             });
         }
         let packed_weight = self.packed.as_mut().expect("allocated above");
@@ -241,22 +244,23 @@ impl Layer for Linear {
             )?;
             return Ok((into_dtype(output, dtype)?, Saved { tensors: vec![x] }));
         }
-        let output = match self.packed.as_ref().filter(|_| self.packed_fresh) {
-            // f32 weights in host memory, refreshed: the product reads the panels in place.
+        let output = match self.packed.as_ref().filter(|_| self.packed_fresh).filter(|_| rows_gemm::suits(rows, k, n)) {
+            // f32 weights in host memory, refreshed, at a micro-batch size: the product reads the
+            // strips in place (the same bits as from the weight itself).
             Some(packed_weight) => {
                 let x = values(input);
                 let bias = self.bias().map(values);
                 let x_view = MatRef::row_major(&x, rows, k)?;
-                let panels = packed_weight.forward.as_f32()?;
+                let strips = packed_weight.forward.as_f32()?;
                 // Every element is written: the bias pre-fill (which the product then accumulates
                 // onto, so there is no second pass over y) or the product alone. No zero-fill first.
                 Tensor::from_f32_init(output_dims, input.device(), |dst| match &bias {
                     Some(bias) => {
                         let dst = uninit::broadcast_rows(bias, dst)?;
-                        packed::matmul_packed(dst, x_view, panels, k, n, true)?;
+                        packed::matmul_packed(dst, x_view, strips, k, n, true)?;
                         Ok(dst)
                     }
-                    None => packed::matmul_packed_uninit(dst, x_view, panels, k, n),
+                    None => packed::matmul_packed_uninit(dst, x_view, strips, k, n),
                 })?
             }
             // Any other weight, on any device: `x · weightᵀ (+ bias)` as a device op.
@@ -302,23 +306,24 @@ impl Layer for Linear {
             )?;
             return Ok(vec![Some(into_dtype(grad_input, input.dtype())?)]);
         }
-        let grad_input = match self.packed.as_ref().filter(|_| self.packed_fresh) {
-            Some(packed_weight) => {
-                let grad = values(grad_output);
-                let grad_view = MatRef::row_major(&grad, rows, k)?;
-                let panels = packed_weight.backward_input.as_f32()?;
-                Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
-                    packed::matmul_packed_uninit(dst, grad_view, panels, k, n)
-                })?
-            }
-            None => Tensor::matmul(
-                Matrix::new(grad_output, rows, k)?,
-                Matrix::new(self.weight(), k, n)?,
-                None,
-                input.shape().clone(),
-                input.device(),
-            )?,
-        };
+        let grad_input =
+            match self.packed.as_ref().filter(|_| self.packed_fresh).filter(|_| rows_gemm::suits(rows, k, n)) {
+                Some(packed_weight) => {
+                    let grad = values(grad_output);
+                    let grad_view = MatRef::row_major(&grad, rows, k)?;
+                    let strips = packed_weight.backward_input.as_f32()?;
+                    Tensor::from_f32_init(input.shape().clone(), input.device(), |dst| {
+                        packed::matmul_packed_uninit(dst, grad_view, strips, k, n)
+                    })?
+                }
+                None => Tensor::matmul(
+                    Matrix::new(grad_output, rows, k)?,
+                    Matrix::new(self.weight(), k, n)?,
+                    None,
+                    input.shape().clone(),
+                    input.device(),
+                )?,
+            };
         Ok(vec![Some(into_dtype(grad_input, input.dtype())?)])
     }
 
@@ -355,7 +360,8 @@ impl Layer for Linear {
         Ok(LayerCost {
             // The two packed weight copies (f32 weights; see the `packed` field).
             workspace_bytes: if self.weight().dtype() == conveyor_engine::DType::F32 {
-                2 * 4 * n_in * n_out
+                4 * (packed::packed_len(self.in_features, self.out_features)
+                    + packed::packed_len(self.out_features, self.in_features)) as u64
             } else {
                 0
             },
@@ -373,12 +379,13 @@ impl Layer for Linear {
 
 #[cfg(test)]
 mod tests {
+    use conveyor_engine::cpu::packed;
     use conveyor_engine::{Device, ForwardCtx, Layer, init};
 
     use super::Linear;
 
     /// Without its packed copies (dropped by the memory plan) a Linear reserves no bytes for them
-    /// on its device, and its products give the same values: the packed panels are a layout of
+    /// on its device, and its products give the same values: the packed strips are a layout of
     /// the same weight, and both paths sum each product in the same order.
     #[test]
     fn dropping_the_packed_copies_frees_them_and_keeps_the_results() {
@@ -391,11 +398,12 @@ mod tests {
             cached.bias().map(|b| b.try_clone().unwrap()),
         )
         .unwrap();
+        cached.set_derived_cache(true);
         cached.to_device(&device).unwrap();
         let with_cache = device.memory_in_use();
         plain.set_derived_cache(false);
         plain.to_device(&device).unwrap();
-        let packed_bytes = 2 * 4 * (n_in * n_out) as u64;
+        let packed_bytes = 4 * (packed::packed_len(n_in, n_out) + packed::packed_len(n_out, n_in)) as u64;
         assert_eq!(device.memory_in_use() - with_cache, with_cache - packed_bytes, "parameters only");
         let x = init::uniform([rows, n_in], -1.0, 1.0, &mut rng, &device).unwrap();
         let (a, saved_a) = cached.forward(&[&x], &ForwardCtx::eval()).unwrap();

@@ -54,8 +54,8 @@ pub struct PlanFlags {
     /// forward and backward) [default: never].
     #[arg(long, value_name = "MODE")]
     pub recompute: Option<Recompute>,
-    /// Which packed weight copies the stages keep, as `train --weight-cache`: auto (where the
-    /// memory plan has room), on (all) or off (none) [default: auto].
+    /// Which packed weight copies the stages keep, as `train --weight-cache`: off (none), auto
+    /// (where the memory plan has room) or on (all) [default: off].
     #[arg(long, value_name = "MODE")]
     pub weight_cache: Option<WeightCache>,
     /// Number format of activations, as `train --precision`: f32, bf16 or f16 (the memory plan

@@ -305,7 +305,7 @@ impl Default for PipelineSection {
             microbatches: 8,
             recompute: Recompute::Never,
             core_slots: CoreSlotPolicy::Auto,
-            weight_cache: WeightCache::Auto,
+            weight_cache: WeightCache::default(),
             overlap_steps: OverlapSteps::On,
         }
     }

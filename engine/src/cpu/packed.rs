@@ -1,81 +1,38 @@
-//! Right-hand operands packed once into column panels, for products that reuse the same matrix
-//! many times (a Linear layer's weight within a step): `pack_rhs` lays `B` (`k x n`) out as
-//! `ceil(n / PANEL)` panels, each `k x width` row-major and contiguous, and `matmul_packed`
-//! multiplies by it one panel and at most `ROW_CHUNK` rows at a time.
+//! Right-hand operands packed once for products that reuse the same matrix many times (a Linear
+//! layer's weight within a step, the weight cache): `pack_rhs` lays `B` (`k x n`) out as
+//! [`super::rows_gemm`]'s strips (`ceil(n / w)` strips of `k x w` columns, contiguous, `w` two
+//! vectors of this CPU's widest ISA, zero past column `n`), and `matmul_packed` multiplies by it.
 //!
-//! Why: the `gemm` crate packs the weight-sized operand into its own panel layout on every call
-//! once the other operand has more than 48 rows (`8 x NR`), and at micro-batch sizes that repacking
-//! is a third of the product's time (profiled at 64 rows: 35%). A panel here is exactly that
-//! layout (64 consecutive columns, unit stride within a k step), and each call stays at or under
-//! 48 rows, so the crate reads the panel in place: measured on one core over eight cold 1024x1024
-//! weights, x·B runs at 185/202/211/229 GFLOP/s at 32/64/128/256 rows against 110/159/193/215 with
-//! the crate's own packing. The micro-kernel and its k order are the same, so for k a multiple of
-//! the SIMD width the results are bit-for-bit those of [`super::matmul`] (the tests check it);
-//! every device runs this same path, so pipelines stay bit-for-bit equal to one device.
-//!
-//! The shapes [`super::rows_gemm::suits`] (a Linear's at micro-batch sizes) run our own kernel
-//! instead, reading the panels as `matmul` reads the unpacked operand: the same bits either way.
+//! The shapes [`super::rows_gemm::suits`] (a Linear's at micro-batch sizes) read the strips in
+//! place: the product copies nothing of the weight, where the unpacked one packs the whole weight
+//! into the same strips on every call. The bits are those of [`super::matmul`] (the same kernel
+//! and order). Other shapes go to the `gemm` crate, which reads each strip in place as a panel of
+//! `w` columns; there the bits equal `matmul`'s for depths that are a multiple of the SIMD width
+//! and at most 512 (the crate's depth block), and agree within f32 rounding otherwise. A Linear
+//! takes its cache only for the shapes our kernel takes, so its results never depend on it.
 use std::mem::MaybeUninit;
 
 use gemm::Parallelism;
 
 use super::MatRef;
+use super::rows_gemm::{Rhs, pack_strips, strip_width, strips_len, suits};
 use crate::{Error, Result};
 
-/// Columns per panel: the f32 AVX-512 micro-kernel's row block (4 vectors of 16).
-pub const PANEL: usize = 64;
-/// Rows of the left operand per call: at most `8 x NR` (NR = 6), under which the crate does not
-/// repack the panel.
-pub const ROW_CHUNK: usize = 48;
-
-/// Elements a packed `k x n` operand takes (the same as unpacked: panels are not padded).
+/// Elements a packed `k x n` operand takes: `k` rows of `n` rounded up to the strip width.
 pub fn packed_len(k: usize, n: usize) -> usize {
-    k * n
+    strips_len(k, n)
 }
 
-/// Packs `src` (`k x n`, any strides) into `dst` as panels of `PANEL` columns (the last one
-/// narrower when `PANEL` does not divide `n`), each `k x width` row-major.
+/// Packs `src` (`k x n`, any strides) into `dst` ([`packed_len`] elements) as strips.
 pub fn pack_rhs(src: MatRef<'_>, dst: &mut [f32]) -> Result<()> {
-    let (k, n) = (src.rows(), src.cols());
-    if dst.len() != packed_len(k, n) {
+    if dst.len() != packed_len(src.rows(), src.cols()) {
         return Err(Error::shape(
             "pack_rhs",
-            format!("{} elements for {k}x{n}", packed_len(k, n)),
+            format!("{} elements for {}x{}", packed_len(src.rows(), src.cols()), src.rows(), src.cols()),
             dst.len().to_string(),
         ));
     }
-    let (rs, cs) = src.strides();
-    let data = src.data();
-    let mut offset = 0;
-    for col0 in (0..n).step_by(PANEL) {
-        let width = PANEL.min(n - col0);
-        let panel = &mut dst[offset..offset + k * width];
-        if cs == 1 {
-            for (row, out) in panel.chunks_exact_mut(width).enumerate() {
-                let start = row * rs + col0;
-                out.copy_from_slice(&data[start..start + width]);
-            }
-        } else if rs == 1 && cs >= k {
-            // A transposed view of a row-major matrix (a Linear weight `[out, in]` seen as
-            // `[in, out]`): the panel is the transpose of `width` consecutive source rows.
-            let start = col0 * cs;
-            if cs == k {
-                super::transpose::transpose(&data[start..start + width * k], width, k, panel)?;
-            } else {
-                let block: Vec<f32> =
-                    (0..width).flat_map(|j| data[start + j * cs..start + j * cs + k].iter().copied()).collect();
-                super::transpose::transpose(&block, width, k, panel)?;
-            }
-        } else {
-            for (row, out) in panel.chunks_exact_mut(width).enumerate() {
-                for (j, value) in out.iter_mut().enumerate() {
-                    *value = data[row * rs + (col0 + j) * cs];
-                }
-            }
-        }
-        offset += k * width;
-    }
-    Ok(())
+    pack_strips(src, dst)
 }
 
 /// `dst = lhs · B` (or `dst += lhs · B` when `accumulate`), `B` (`k x n`) packed by [`pack_rhs`],
@@ -134,6 +91,10 @@ fn check(dst_len: usize, lhs: MatRef<'_>, packed: &[f32], k: usize, n: usize) ->
     Ok(())
 }
 
+/// Rows of the left operand per `gemm` crate call: at most `8 x NR` (NR = 6), under which the
+/// crate reads a strip in place instead of repacking it.
+const ROW_CHUNK: usize = 48;
+
 /// # Safety
 /// `dst` valid for writes of `lhs.rows x n` row-major elements (initialised when `accumulate`);
 /// dims checked by [`check`].
@@ -152,20 +113,20 @@ unsafe fn product_packed(dst: *mut f32, lhs: MatRef<'_>, packed: &[f32], k: usiz
         }
         return;
     }
-    if super::rows_gemm::suits(m, k, n) {
-        // SAFETY: dst valid for m x n (checked by the caller); the panels hold k·n elements.
-        unsafe { super::rows_gemm::product(dst, lhs, super::rows_gemm::Rhs::Panels(packed), n, accumulate) };
+    let strip = strip_width();
+    if suits(m, k, n) {
+        // SAFETY: dst valid for m x n (checked by the caller); the strips hold `packed_len(k, n)`.
+        unsafe { super::rows_gemm::product(dst, lhs, Rhs::Strips { data: packed, width: strip }, n, accumulate) };
         return;
     }
-    let mut offset = 0;
-    for col0 in (0..n).step_by(PANEL) {
-        let width = PANEL.min(n - col0);
-        let panel = &packed[offset..offset + k * width];
+    for (s, col0) in (0..n).step_by(strip).enumerate() {
+        let width = strip.min(n - col0);
+        let panel = &packed[s * k * strip..(s + 1) * k * strip];
         for row0 in (0..m).step_by(ROW_CHUNK) {
             let rows = ROW_CHUNK.min(m - row0);
             // SAFETY: the block dst[row0.., col0..col0 + width] with row stride n lies inside the
-            // m x n dst; the lhs rows row0..row0 + rows lie inside the checked view; the panel
-            // holds k x width elements, row-major.
+            // m x n dst; the lhs rows row0..row0 + rows lie inside the checked view; the strip
+            // holds k rows of `strip` elements, of which the first `width` are read.
             unsafe {
                 gemm::gemm(
                     rows,
@@ -180,7 +141,7 @@ unsafe fn product_packed(dst: *mut f32, lhs: MatRef<'_>, packed: &[f32], k: usiz
                     lhs_rs as isize,
                     panel.as_ptr(),
                     1,
-                    width as isize,
+                    strip as isize,
                     1.0,
                     1.0,
                     false,
@@ -190,7 +151,6 @@ unsafe fn product_packed(dst: *mut f32, lhs: MatRef<'_>, packed: &[f32], k: usiz
                 );
             }
         }
-        offset += k * width;
     }
 }
 
@@ -209,8 +169,9 @@ mod tests {
 
     #[test]
     fn equals_the_unpacked_product() {
-        // Bit for bit where k is a multiple of the SIMD width (the micro-kernel and its k order are
-        // the crate's); for other shapes the crate may pick another path, so within 1e-5.
+        // Bit for bit where our kernel takes the shape (the same kernel reads the strips), and
+        // where the crate does with a depth that is a multiple of the SIMD width and at most its
+        // depth block (the micro-kernel and its k order are the crate's); within 1e-5 otherwise.
         for (m, k, n, exact) in [
             (1, 1, 1, false),
             (5, 7, 3, false),
@@ -219,6 +180,9 @@ mod tests {
             (130, 256, 192, true),
             (49, 33, 200, false),
             (3, 0, 5, true),
+            (37, 512, 100, true),
+            (40, 1024, 1024, true),
+            (300, 1024, 96, false),
         ] {
             let a = values(m * k, 1);
             let b = values(k * n, 2);
@@ -249,11 +213,12 @@ mod tests {
     fn rejects_mismatched_shapes() {
         let a = values(6, 1);
         let lhs = MatRef::row_major(&a, 2, 3).unwrap();
-        let packed = vec![0.0; 12];
+        let packed = vec![0.0; packed_len(3, 4)];
         assert!(matmul_packed(&mut [0.0; 8], lhs, &packed, 3, 4, false).is_ok());
         assert!(matmul_packed(&mut [0.0; 8], lhs, &packed, 4, 3, false).is_err());
         assert!(matmul_packed(&mut [0.0; 7], lhs, &packed, 3, 4, false).is_err());
-        assert!(matmul_packed(&mut [0.0; 8], lhs, &packed[..11], 3, 4, false).is_err());
-        assert!(pack_rhs(MatRef::row_major(&packed, 3, 4).unwrap(), &mut [0.0; 11]).is_err());
+        assert!(matmul_packed(&mut [0.0; 8], lhs, &packed[..packed.len() - 1], 3, 4, false).is_err());
+        let b = values(12, 2);
+        assert!(pack_rhs(MatRef::row_major(&b, 3, 4).unwrap(), &mut [0.0; 11]).is_err());
     }
 }

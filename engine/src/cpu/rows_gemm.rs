@@ -13,18 +13,19 @@
 //!
 //! Blocking (BLIS's, without a depth block): the left operand is packed once into row blocks of
 //! `R` rows interleaved by depth (6 on AVX2, 8 on AVX-512); the right one is copied into strips
-//! of `2 x lanes` columns (`depth x 16` floats on AVX2, contiguous), from the weight cache's
-//! panels, a row-major weight or a transposed one (8x8 register transposes). Few rows: 64
-//! columns are packed at a time and each strip is then run by every row block while it is in L2.
-//! Shallow: the whole right operand is packed first, then each row block runs over every strip,
-//! so the destination streams in order. One `R x 2·lanes` tile of accumulators lives in
-//! registers over the whole depth (12 of AVX2's 16), so each output element is read and written
-//! once. The cache's panels are read in place (256 bytes between depth steps) up to 24 rows only:
-//! past that, copying them into strips measured faster.
+//! of `2 x lanes` columns (`depth x 16` floats on AVX2, contiguous), from a row-major weight or a
+//! transposed one (8x8 register transposes). Few rows: 64 columns are packed at a time and each
+//! strip is then run by every row block while it is in L2. Shallow: the whole right operand is
+//! packed first, then each row block runs over every strip, so the destination streams in order.
+//! One `R x 2·lanes` tile of accumulators lives in registers over the whole depth (12 of AVX2's
+//! 16), so each output element is read and written once.
+//!
+//! A weight used by several products between two updates (a Linear's, once per micro-batch) can
+//! be packed into those strips once ([`pack_strips`], the weight cache of `cpu::packed`): the
+//! products then read the strips in place and copy nothing.
 use std::cell::Cell;
 
 use super::MatRef;
-use super::packed::PANEL;
 use super::vecmath::{Isa, Job, Lanes, dispatch_on};
 
 /// Whether [`product`] takes an `m x k` by `k x n` product: few rows against a depth a strip
@@ -41,8 +42,71 @@ pub fn suits(m: usize, k: usize, n: usize) -> bool {
 pub enum Rhs<'a> {
     /// `b[p][j] = data[p·row_stride + j·col_stride]`.
     Strided(MatRef<'a>),
-    /// [`super::packed::pack_rhs`]'s panels of a `k x n` operand.
-    Panels(&'a [f32]),
+    /// [`pack_strips`]'s strips of a `k x n` operand.
+    Strips {
+        /// The strips, one after another.
+        data: &'a [f32],
+        /// Columns per strip: [`strip_width`] of the ISA that packed them, which the product
+        /// then runs on.
+        width: usize,
+    },
+}
+
+/// Columns per strip on this CPU: two vectors of its widest ISA (32 with AVX-512, 16 with AVX2,
+/// 8 with NEON, 2 without SIMD).
+pub fn strip_width() -> usize {
+    2 * Isa::detect().lanes()
+}
+
+/// Elements of [`pack_strips`]'s layout of a `k x n` operand: `ceil(n / w)` strips of `k x w`,
+/// `w` = [`strip_width`] (zero past column `n`).
+pub fn strips_len(k: usize, n: usize) -> usize {
+    let width = strip_width();
+    k * n.div_ceil(width) * width
+}
+
+/// Packs `src` (`k x n`, any strides) into `dst` ([`strips_len`] elements) as the strips
+/// [`product`] reads: strip `s` holds columns `s·w..(s + 1)·w` as `k` rows of `w`, contiguous,
+/// zero past column `n`.
+pub fn pack_strips(src: MatRef<'_>, dst: &mut [f32]) -> crate::Result<()> {
+    let (k, n) = (src.rows(), src.cols());
+    if dst.len() != strips_len(k, n) {
+        return Err(crate::Error::shape(
+            "pack_strips",
+            format!("{} elements for {k}x{n}", strips_len(k, n)),
+            dst.len().to_string(),
+        ));
+    }
+    if k > 0 && n > 0 {
+        dispatch_on(Isa::detect(), PackStrips { src, dst });
+    }
+    Ok(())
+}
+
+struct PackStrips<'a, 'b> {
+    src: MatRef<'a>,
+    dst: &'b mut [f32],
+}
+
+impl Job for PackStrips<'_, '_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<V: Lanes>(self) {
+        let PackStrips { src, dst } = self;
+        pack_all::<V>(src, dst);
+    }
+}
+
+/// Packs the whole `k x n` operand `view` into `out` as consecutive strips of `2·V::N` columns,
+/// one [`GROUP`] of columns at a time.
+fn pack_all<V: Lanes>(view: MatRef<'_>, out: &mut [f32]) {
+    let (k, n) = (view.rows(), view.cols());
+    let strip_len = k * 2 * V::N;
+    for g0 in (0..n).step_by(GROUP) {
+        let end = (g0 + GROUP).min(n).div_ceil(2 * V::N) * strip_len;
+        pack_group::<V>(view, k, n, g0, &mut out[g0 / (2 * V::N) * strip_len..end]);
+    }
 }
 
 /// `dst = lhs · rhs`, or `dst += lhs · rhs` (the product made whole, then added) when
@@ -51,7 +115,8 @@ pub enum Rhs<'a> {
 /// # Safety
 /// `dst` must be valid for writes of `lhs.rows() x n` elements (and initialised when
 /// `accumulate`); `rhs` must cover `k x n` elements (a `Strided` view `k` rows by `n` columns, or
-/// panels of `k·n` elements). Without `accumulate` every element is written and none read.
+/// [`strips_len`]`(k, n)` elements of strips). Without `accumulate` every element is written and
+/// none read.
 pub(crate) unsafe fn product(dst: *mut f32, lhs: MatRef<'_>, rhs: Rhs<'_>, n: usize, accumulate: bool) {
     // SAFETY: as the caller guarantees.
     unsafe { product_on(Isa::detect(), dst, lhs, rhs, n, accumulate) }
@@ -74,6 +139,13 @@ unsafe fn product_on(isa: Isa, dst: *mut f32, lhs: MatRef<'_>, rhs: Rhs<'_>, n: 
         }
         return;
     }
+    // Strips are read with the strip width they were packed for: on the ISA that packed them.
+    let isa = match rhs {
+        Rhs::Strips { width, .. } if 2 * isa.lanes() != width => {
+            Isa::ALL.into_iter().find(|i| i.available() && 2 * i.lanes() == width).unwrap_or(isa)
+        }
+        _ => isa,
+    };
     dispatch_on(isa, Product { dst, lhs, rhs, m, n, k, accumulate });
 }
 
@@ -111,47 +183,44 @@ impl Job for Product<'_> {
         let packed_lhs = &scratch.lhs[..m * k];
         let dims = Dims { dst, n, k, accumulate };
         let strip_len = k * nr;
-        if k * n <= SHALLOW_RHS {
-            // A shallow product (the weight gradient): the whole right operand packed (at most
-            // 1 MiB), then row block by row block, so the destination's rows stream in order.
-            let strips = n.div_ceil(nr);
-            grow(&mut scratch.strips, strips * strip_len);
-            for g0 in (0..n).step_by(PANEL) {
-                let end = (g0 + PANEL).min(n).div_ceil(nr) * strip_len;
-                pack_group::<V>(rhs, k, n, g0, &mut scratch.strips[g0 / nr * strip_len..end]);
-            }
-            for &block in &blocks {
-                for (s, strip) in scratch.strips[..strips * strip_len].chunks_exact(strip_len).enumerate() {
-                    run_tile::<V>(&dims, block, packed_lhs, (strip, nr), s * nr);
-                }
-            }
-        } else {
-            // Few rows against a deep operand: `PANEL` columns packed at a time (at most 1 MiB for
-            // a depth of 4096), each strip then run by every row block while it is in L2. (Depth
-            // blocks of 256 steps, so that a strip's block stays in L1 with the sums passed on
-            // through memory, measured 5% slower at 1024x1024.)
-            grow(&mut scratch.strips, PANEL.div_ceil(nr) * strip_len);
-            for g0 in (0..n).step_by(PANEL) {
-                let width = PANEL.min(n - g0);
-                if let Rhs::Panels(panels) = rhs
-                    && m <= IN_PLACE_ROWS
-                    && width.is_multiple_of(nr)
-                {
-                    // Few enough row blocks that copying the panel costs more than reading it in
-                    // place, a panel's width between depth steps.
-                    let panel = &panels[g0 * k..(g0 + width) * k];
-                    for s in 0..width / nr {
-                        for &block in &blocks {
-                            run_tile::<V>(&dims, block, packed_lhs, (&panel[s * nr..], width), g0 + s * nr);
-                        }
-                    }
-                    continue;
-                }
-                let group = &mut scratch.strips[..width.div_ceil(nr) * strip_len];
-                pack_group::<V>(rhs, k, n, g0, group);
-                for (s, strip) in group.chunks_exact(strip_len).enumerate() {
+        match rhs {
+            Rhs::Strips { data, width } => {
+                // Packed once for many products: each strip read in place by every row block.
+                // (`product_on` runs strips on the ISA that packed them; `packed::check` sized them.)
+                assert!(width == nr && data.len() >= n.div_ceil(nr) * strip_len, "strips packed for this ISA");
+                for (s, strip) in data.chunks_exact(strip_len).take(n.div_ceil(nr)).enumerate() {
                     for &block in &blocks {
-                        run_tile::<V>(&dims, block, packed_lhs, (strip, nr), g0 + s * nr);
+                        run_tile::<V>(&dims, block, packed_lhs, (strip, nr), s * nr);
+                    }
+                }
+            }
+            Rhs::Strided(rhs) if k * n <= SHALLOW_RHS => {
+                // A shallow product (the weight gradient): the whole right operand packed (at
+                // most 1 MiB), then row block by row block, so the destination's rows stream in
+                // order.
+                let strips = n.div_ceil(nr);
+                grow(&mut scratch.strips, strips * strip_len);
+                pack_all::<V>(rhs, &mut scratch.strips[..strips * strip_len]);
+                for &block in &blocks {
+                    for (s, strip) in scratch.strips[..strips * strip_len].chunks_exact(strip_len).enumerate() {
+                        run_tile::<V>(&dims, block, packed_lhs, (strip, nr), s * nr);
+                    }
+                }
+            }
+            Rhs::Strided(rhs) => {
+                // Few rows against a deep operand: `GROUP` columns packed at a time (at most 1 MiB
+                // for a depth of 4096), each strip then run by every row block while it is in L2.
+                // (Depth blocks of 256 steps, so that a strip's block stays in L1 with the sums
+                // passed on through memory, measured 5% slower at 1024x1024.)
+                grow(&mut scratch.strips, GROUP.div_ceil(nr) * strip_len);
+                for g0 in (0..n).step_by(GROUP) {
+                    let width = GROUP.min(n - g0);
+                    let group = &mut scratch.strips[..width.div_ceil(nr) * strip_len];
+                    pack_group::<V>(rhs, k, n, g0, group);
+                    for (s, strip) in group.chunks_exact(strip_len).enumerate() {
+                        for &block in &blocks {
+                            run_tile::<V>(&dims, block, packed_lhs, (strip, nr), g0 + s * nr);
+                        }
                     }
                 }
             }
@@ -198,10 +267,9 @@ fn run_tile<V: Lanes>(
     }
 }
 
-/// Most rows for which [`product`] reads the weight cache's panels in place rather than copying
-/// them into strips: at 16 rows (three row blocks per strip) in place measured about 1.15x
-/// faster at 1024x1024; at 32 rows the two were within the noise of a loaded 2-core machine.
-const IN_PLACE_ROWS: usize = 24;
+/// Columns of the right operand packed into strips at a time: a group's strips stay in L2 while
+/// every row block runs over them.
+const GROUP: usize = 64;
 
 /// Largest right operand (`k x n` elements, 1 MiB) packed whole, row blocks outside: a shallow
 /// product.
@@ -263,27 +331,20 @@ fn pack_lhs(lhs: MatRef<'_>, blocks: &[(usize, usize)], out: &mut [f32]) {
     }
 }
 
-/// Packs columns `g0..g0 + width` of the `k x n` right operand (`width = min(PANEL, n - g0)`,
-/// `g0` a multiple of `PANEL`) into `out` as strips of `2·V::N` columns, each `k x 2·V::N`
+/// Packs columns `g0..g0 + width` of the `k x n` right operand (`width = min(GROUP, n - g0)`,
+/// `g0` a multiple of `GROUP`) into `out` as strips of `2·V::N` columns, each `k x 2·V::N`
 /// row-major, one after another; zero past `width`. One pass over the source rows, so each row's
 /// `width` columns are read together (a row-major weight's rows are 4 KiB apart: one page each).
-fn pack_group<V: Lanes>(rhs: Rhs<'_>, k: usize, n: usize, g0: usize, out: &mut [f32]) {
+fn pack_group<V: Lanes>(view: MatRef<'_>, k: usize, n: usize, g0: usize, out: &mut [f32]) {
     let nr = 2 * V::N;
-    let width = PANEL.min(n - g0);
-    let (data, start, rs, cs) = match rhs {
-        Rhs::Strided(view) => {
-            let (rs, cs) = view.strides();
-            (view.data(), g0 * cs, rs, cs)
-        }
-        // Panel `g0 / PANEL` starts after `g0` full columns of `k` rows.
-        Rhs::Panels(panels) => (panels, g0 * k, width, 1),
-    };
+    let width = GROUP.min(n - g0);
+    let (rs, cs) = view.strides();
+    let (data, start) = (view.data(), g0 * cs);
     if !width.is_multiple_of(nr) {
         out.fill(0.0);
     }
     if cs == 1 {
-        // (The weight cache's panels are contiguous: no need.)
-        let prefetching = matches!(rhs, Rhs::Strided(_)) && rs >= 256;
+        let prefetching = rs >= 256;
         for p in 0..k {
             // Rows a page apart (a row-major weight) defeat the hardware prefetcher, which stays
             // within a page: ask for the row `AHEAD` steps on (`dy · W` unpacked at 1024x1024,

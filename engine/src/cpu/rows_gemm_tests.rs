@@ -4,13 +4,14 @@
 //! `matmul_packed`, and an accumulation that adds the whole product last.
 use super::*;
 use crate::cpu::packed::{matmul_packed, pack_rhs, packed_len};
+use crate::cpu::rows_gemm::strip_width;
 use crate::cpu::{matmul, test_values};
 
 const ISAS: [Isa; 4] = Isa::ALL;
 
 /// `(m, k, n)`: few rows against a deep operand (the two deepest packed a panel at a time, the
 /// rest whole), and shallow products with a wide output; each ragged somewhere (6- and 8-row
-/// blocks, 8 and 16 lanes, 64-column panels).
+/// blocks, 8 and 16 lanes, 64-column groups, strips packed once).
 const SHAPES: [(usize, usize, usize); 10] = [
     (1, 256, 64),
     (20, 1100, 300),
@@ -31,7 +32,7 @@ struct Operands {
     a_t: Vec<f32>,
     b: Vec<f32>,
     b_t: Vec<f32>,
-    panels: Vec<f32>,
+    strips: Vec<f32>,
 }
 
 fn operands(m: usize, k: usize, n: usize) -> Operands {
@@ -39,12 +40,12 @@ fn operands(m: usize, k: usize, n: usize) -> Operands {
     let b = test_values(k * n, 2, 0.5);
     let a_t = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
     let b_t = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
-    let mut panels = vec![0.0; packed_len(k, n)];
-    pack_rhs(MatRef::row_major(&b, k, n).unwrap(), &mut panels).unwrap();
-    Operands { a, a_t, b, b_t, panels }
+    let mut strips = vec![0.0; packed_len(k, n)];
+    pack_rhs(MatRef::row_major(&b, k, n).unwrap(), &mut strips).unwrap();
+    Operands { a, a_t, b, b_t, strips }
 }
 
-/// The product over every layout pair on `isa`: `[a · b, a · bᵀᵀ, a · panels, aᵀᵀ · b, ...]`.
+/// The product over every layout pair on `isa`: `[a · b, a · bᵀᵀ, a · strips, aᵀᵀ · b, ...]`.
 fn products(
     ops: &Operands,
     (m, k, n): (usize, usize, usize),
@@ -56,7 +57,7 @@ fn products(
     let rhs = [
         Rhs::Strided(MatRef::row_major(&ops.b, k, n).unwrap()),
         Rhs::Strided(MatRef::row_major(&ops.b_t, n, k).unwrap().t()),
-        Rhs::Panels(&ops.panels),
+        Rhs::Strips { data: &ops.strips, width: strip_width() },
     ];
     let mut out = Vec::new();
     for lhs in lhs {
@@ -137,7 +138,7 @@ fn matmul_and_matmul_packed_take_it_for_the_shapes_it_suits() {
         let mut unpacked = start.clone();
         matmul(&mut unpacked, lhs, MatRef::row_major(&ops.b_t, n, k).unwrap().t(), true).unwrap();
         let mut packed = start.clone();
-        matmul_packed(&mut packed, lhs, &ops.panels, k, n, true).unwrap();
+        matmul_packed(&mut packed, lhs, &ops.strips, k, n, true).unwrap();
         assert!(unpacked == expected && packed == expected, "{m}x{k}x{n}");
     }
     // The gemm crate's shapes: many rows against a deep operand, a narrow or shallow output.

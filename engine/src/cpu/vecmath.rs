@@ -570,6 +570,16 @@ impl Isa {
         Isa::ALL.into_iter().find(|isa| isa.available()).unwrap_or(Isa::Scalar)
     }
 
+    /// f32 lanes of one vector.
+    pub(crate) fn lanes(self) -> usize {
+        match self {
+            Isa::Avx512 => 16,
+            Isa::Avx2 => 8,
+            Isa::Neon => 4,
+            Isa::Scalar => 1,
+        }
+    }
+
     /// Whether this CPU can run `self`.
     pub(crate) fn available(self) -> bool {
         match self {

@@ -130,16 +130,23 @@ pub struct PlanConfig {
 }
 
 /// Which copies derived from parameters (Linear's packed weights: two per Linear, each as large
-/// as its weight, which make its products faster) the stages keep (`--weight-cache`).
+/// as its weight, rebuilt after every update and read by its forward and input-gradient
+/// products) the stages keep (`--weight-cache`).
+///
+/// `Off` is the default: since the small-row kernel (`cpu::rows_gemm`) takes a Linear's products
+/// at micro-batch sizes, the copies no longer pay for their rebuild. Measured on the 8 x 1024 MLP
+/// (batch 256, 1 to 32 micro-batches, one device, two stages and two replicas), runs without
+/// them were as fast or faster in every configuration, by up to 16% (`benches/README.md`,
+/// "Issues 19 and 25, 2026-12-07 (later)").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WeightCache {
     /// Keep each one where the stage's memory has room after everything else, the most used
     /// (largest FLOPs) first; drop the rest.
-    #[default]
     Auto,
     /// Keep every one; a stage they push over its budget does not fit.
     On,
-    /// Keep none: less memory, slower products.
+    /// Keep none (the default): less memory, and no rebuild after each update.
+    #[default]
     Off,
 }
 
@@ -188,7 +195,7 @@ impl PlanConfig {
             optimizer,
             link,
             count_workspace: true,
-            weight_cache: WeightCache::Auto,
+            weight_cache: WeightCache::default(),
             recompute: Recompute::Never,
             commit_snapshot: true,
             schedule: None,

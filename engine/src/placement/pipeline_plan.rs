@@ -380,20 +380,13 @@ pub fn plan_placement(
     }))
 }
 
-/// What the memory plan decided, one line per stage that dropped something to fit: its packed
-/// weight caches (slower, same results) or its commit undo snapshot (a failed update then
-/// cannot be rolled back on that stage). Empty when the plan keeps everything. With
-/// [`WeightCache::Off`] no stage keeps caches, which one note says, not as a drop to fit.
+/// What the memory plan decided, one line per stage that dropped something to fit: the packed
+/// weight caches `--weight-cache auto|on` asked for, or its commit undo snapshot (a failed
+/// update then cannot be rolled back on that stage). Empty when the plan keeps everything. With
+/// [`WeightCache::Off`] (the default) no stage keeps caches, which is no drop.
 pub fn memory_notes(plan: &Plan) -> Vec<String> {
     let mut notes = Vec::new();
     let caches_off = plan.config.weight_cache == WeightCache::Off;
-    let off_bytes: u64 = plan.stages.iter().map(|s| s.memory.workspace_dropped).sum();
-    if caches_off && off_bytes > 0 {
-        notes.push(format!(
-            "weight cache off: no stage keeps derived caches ({}; those layers run a little slower)",
-            format_bytes(off_bytes)
-        ));
-    }
     for stage in &plan.stages {
         let mut dropped = Vec::new();
         if !stage.dropped_caches.is_empty() && !caches_off {

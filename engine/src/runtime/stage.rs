@@ -633,7 +633,10 @@ impl Stage {
                 }
                 param_idx += 1;
             }
-            if let Err(error) = layer.refresh() {
+            // With ZeRO-1 every node refreshes once, after the broadcast below.
+            if zero.is_none()
+                && let Err(error) = layer.refresh()
+            {
                 tracing::warn!(node = %name, %error, "derived copies not refreshed; the layer runs without them");
             }
         }

@@ -278,7 +278,7 @@ impl TrainerBuilder {
 
     /// Per node, whether its layer keeps the caches it derives from its parameters
     /// ([`crate::Layer::set_derived_cache`], such as Linear's packed weights); nodes not listed keep
-    /// theirs. Set before the layers move to their devices, so a dropped cache is never allocated
+    /// the layer's own setting (a Linear keeps none unless enabled). Set before the layers move to their devices, so a dropped cache is never allocated
     /// there. The memory plan decides this per node (`Plan::derived_caches`).
     pub fn derived_caches(mut self, per_node: Vec<(NodeId, bool)>) -> Self {
         self.derived_caches = per_node;

@@ -193,9 +193,10 @@ pub struct TrainArgs {
     #[arg(long)]
     pub core_slots: Option<String>,
     /// Which packed weight copies the stages keep (two per Linear, each as large as its weight,
-    /// for faster products): auto (where the memory plan has room, the most used first), on
-    /// (all; a stage they push over its budget does not fit) or off (none).
-    /// [default: auto]
+    /// rebuilt after every update): off (none: they measured no faster than the weight itself
+    /// since the small-row kernel, benches/README.md), auto (where the memory plan has room, the
+    /// most used first) or on (all; a stage they push over its budget does not fit).
+    /// [default: off]
     #[arg(long)]
     pub weight_cache: Option<String>,
     /// `on`: each stage starts the next step as soon as it has applied its own update, without a
