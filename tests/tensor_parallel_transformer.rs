@@ -269,10 +269,9 @@ fn degree_two_inside_two_stages_trains_like_one_device_under_every_schedule_and_
     }
 }
 
-#[test]
-fn the_planner_splits_the_transformer_and_checkpoints_keep_pytorch_names() {
-    let reference = one_device();
-    let config = PipelineConfig {
+/// The planner's settings the two planner tests share: 1F1B, Adam, this file's batch.
+fn planner_config() -> PipelineConfig {
+    PipelineConfig {
         schedule: ScheduleKind::OneFOneB,
         n_chunks: 1,
         n_micro_batches: MICRO_BATCHES,
@@ -283,7 +282,13 @@ fn the_planner_splits_the_transformer_and_checkpoints_keep_pytorch_names() {
         core_slots: Default::default(),
         precision: Default::default(),
         weight_cache: Default::default(),
-    };
+    }
+}
+
+#[test]
+fn the_planner_splits_the_transformer_and_checkpoints_keep_pytorch_names() {
+    let reference = one_device();
+    let config = planner_config();
     let devices: Vec<Device> = (0..4).map(Device::cpu).collect();
     let (plan, mut planned) = build_trainer_tensor_parallel(&spec(), 3, devices, 2, &config).unwrap();
     assert_eq!(plan.stages.len(), 2);
@@ -398,18 +403,7 @@ fn a_tied_transformer_with_sequence_parallelism_inside_two_stages_trains_like_on
 #[test]
 fn the_planner_runs_sequence_parallelism_and_its_checkpoints_load_into_one_device() {
     let reference = one_device();
-    let config = PipelineConfig {
-        schedule: ScheduleKind::OneFOneB,
-        n_chunks: 1,
-        n_micro_batches: MICRO_BATCHES,
-        batch_rows: ROWS,
-        optimizer: OptimizerConfig::adam(LR),
-        recompute: Recompute::Never,
-        seed: 11,
-        core_slots: Default::default(),
-        precision: Default::default(),
-        weight_cache: Default::default(),
-    };
+    let config = planner_config();
     let devices: Vec<Device> = (0..4).map(Device::cpu).collect();
     let spec = ModelSpec::Transformer(sequence_parallel(CONFIG));
     let (plan, mut planned) = build_trainer_tensor_parallel(&spec, 3, devices, 2, &config).unwrap();

@@ -21,6 +21,9 @@ use conveyor_layers::{
 use rand::RngExt;
 use rand::rngs::StdRng;
 
+mod common;
+use common::zero_grads;
+
 const RELATIVE: f32 = 1e-5;
 
 fn assert_close(what: &str, actual: &Tensor, expected: &Tensor) {
@@ -40,14 +43,6 @@ fn devices(k: usize) -> Vec<Device> {
 fn random(dims: &[usize], rng: &mut StdRng, device: &Device) -> Tensor {
     let n = dims.iter().product();
     Tensor::from_vec((0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect(), dims.to_vec(), device).unwrap()
-}
-
-fn zero_grads(layer: &dyn Layer) -> Vec<Tensor> {
-    layer
-        .parameters()
-        .iter()
-        .map(|p| Tensor::zeros(p.value.shape().clone(), DType::F32, p.value.device()).unwrap())
-        .collect()
 }
 
 /// Forward, backward_input and backward_weight of one layer on `x`, with output gradient `dy`

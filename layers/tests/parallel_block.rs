@@ -9,34 +9,15 @@
 //! Tolerance: the shards sum the projections over their own heads and hidden features, the
 //! reduce-scatters add the partials, and the LayerNorms' weight gradients are summed per token
 //! block: every element within `1e-5 · ‖expected‖∞`, as in `parallel_attention.rs`.
-use conveyor_engine::{DType, Device, ForwardCtx, Layer, Saved, Tensor, init};
+use conveyor_engine::{Device, ForwardCtx, Layer, Saved, Tensor, init};
 use conveyor_layers::{Gelu, LayerNorm, Linear, MultiheadSelfAttention, ParallelTransformerBlock};
-use rand::RngExt;
-use rand::rngs::StdRng;
 
-const RELATIVE: f32 = 1e-5;
+mod common;
+use common::{assert_near, uniform, zero_grads};
+
 const DIM: usize = 12;
 const HEADS: usize = 6;
 const HIDDEN: usize = 4 * DIM;
-
-fn assert_near(what: &str, actual: &Tensor, expected: &Tensor) {
-    assert_eq!(actual.dims(), expected.dims(), "{what}: shapes");
-    let (a, e) = (actual.to_vec_f32(), expected.to_vec_f32());
-    let bound = RELATIVE * e.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-2);
-    for (i, (x, y)) in a.iter().zip(&e).enumerate() {
-        assert!((x - y).abs() <= bound, "{what}[{i}]: {x} vs {y} (bound {bound})");
-    }
-}
-
-fn uniform(dims: &[usize], rng: &mut StdRng) -> Tensor {
-    let n = dims.iter().product();
-    Tensor::from_vec((0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect(), dims.to_vec(), &Device::host()).unwrap()
-}
-
-fn zero_grads(layer: &dyn Layer) -> Vec<Tensor> {
-    let zeros = |p: &conveyor_engine::Parameter| Tensor::zeros(p.value.shape().clone(), DType::F32, p.value.device());
-    layer.parameters().iter().map(|p| zeros(p).unwrap()).collect()
-}
 
 /// The unsplit layers of one block, with every bias and LayerNorm parameter drawn at random
 /// (PyTorch's zeros and ones would hide a misplaced one).

@@ -15,6 +15,9 @@ use conveyor_engine::{DType, Device, ForwardCtx, Layer, Loss, Saved, Targets, Te
 use conveyor_layers::{ColumnParallelLinear, CrossEntropyLoss, Linear};
 use rand::RngExt;
 
+mod common;
+use common::zero_grads;
+
 const VOCAB: usize = 11;
 const DIM: usize = 5;
 const NORMALIZER: f32 = 8.0;
@@ -26,11 +29,6 @@ fn assert_close(what: &str, actual: &Tensor, expected: &Tensor) {
     for (i, (x, y)) in a.iter().zip(&e).enumerate() {
         assert!((x - y).abs() <= 1e-5 * scale, "{what}[{i}]: {x} vs {y}");
     }
-}
-
-fn zero_grads(layer: &dyn Layer) -> Vec<Tensor> {
-    let zeros = |p: &conveyor_engine::Parameter| Tensor::zeros(p.value.shape().clone(), DType::F32, p.value.device());
-    layer.parameters().iter().map(|p| zeros(p).unwrap()).collect()
 }
 
 /// The reference: the unsplit Linear, then the loss on its logits. Returns the loss, the input

@@ -3,20 +3,18 @@
 //! output and the table's gradient are bit for bit the unsplit layer's (each id's row comes from
 //! one shard, the others add zeros; each row's gradient is summed in the same order), the
 //! unsplit table round-trips, and ids outside the vocabulary or more devices than rows are errors.
-use conveyor_engine::{DType, Device, ForwardCtx, Layer, Tensor, init};
+use conveyor_engine::{Device, ForwardCtx, Layer, Tensor, init};
 use conveyor_layers::{Embedding, VocabParallelEmbedding};
 use rand::RngExt;
+
+mod common;
+use common::zero_grads;
 
 const VOCAB: usize = 10;
 const DIM: usize = 3;
 
 fn ids(values: &[usize], device: &Device) -> Tensor {
     Tensor::from_vec(values.iter().map(|&v| v as f32).collect(), [2, values.len() / 2], device).unwrap()
-}
-
-fn zero_grads(layer: &dyn Layer) -> Vec<Tensor> {
-    let zeros = |p: &conveyor_engine::Parameter| Tensor::zeros(p.value.shape().clone(), DType::F32, p.value.device());
-    layer.parameters().iter().map(|p| zeros(p).unwrap()).collect()
 }
 
 #[test]

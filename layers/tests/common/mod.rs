@@ -2,7 +2,7 @@
 //! checker that compares a layer against an f64 reference of its forward pass.
 #![allow(dead_code)]
 
-use conveyor_engine::{Device, ForwardCtx, Layer, Tensor};
+use conveyor_engine::{DType, Device, ForwardCtx, Layer, Tensor};
 use rand::RngExt;
 use rand::rngs::StdRng;
 
@@ -172,4 +172,28 @@ fn central_difference(values: &mut [Vec<f64>], index: usize, k: usize, f: impl F
     let minus = f(values);
     values[index][k] = original;
     (plus - minus) / (2.0 * FD_STEP)
+}
+
+/// The split layers' tolerance: shards sum over their own heads, features or tokens and the
+/// collectives add the partials, so every element of `actual` is within `1e-5 · ‖expected‖∞`
+/// (at least `1e-7`) of `expected`.
+pub fn assert_near(what: &str, actual: &Tensor, expected: &Tensor) {
+    assert_eq!(actual.dims(), expected.dims(), "{what}: shapes");
+    let (a, e) = (actual.to_vec_f32(), expected.to_vec_f32());
+    let bound = 1e-5 * e.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-2);
+    for (i, (x, y)) in a.iter().zip(&e).enumerate() {
+        assert!((x - y).abs() <= bound, "{what}[{i}]: {x} vs {y} (bound {bound})");
+    }
+}
+
+/// An f32 host tensor of `dims` drawn from U(-1, 1).
+pub fn uniform(dims: &[usize], rng: &mut StdRng) -> Tensor {
+    let n = dims.iter().product();
+    Tensor::from_vec((0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect(), dims.to_vec(), &Device::host()).unwrap()
+}
+
+/// Zeroed f32 gradients for every parameter of `layer`, each on its parameter's device.
+pub fn zero_grads(layer: &dyn Layer) -> Vec<Tensor> {
+    let zeros = |p: &conveyor_engine::Parameter| Tensor::zeros(p.value.shape().clone(), DType::F32, p.value.device());
+    layer.parameters().iter().map(|p| zeros(p).unwrap()).collect()
 }
