@@ -136,8 +136,8 @@ pub struct PlanConfig {
 /// `Off` is the default: since the small-row kernel (`cpu::rows_gemm`) takes a Linear's products
 /// at micro-batch sizes, the copies no longer pay for their rebuild. Measured on the 8 x 1024 MLP
 /// (batch 256, 1 to 32 micro-batches, one device, two stages and two replicas), runs without
-/// them were as fast or faster in every configuration, by up to 16% (`benches/README.md`,
-/// "Issues 19 and 25, 2026-12-07 (later)").
+/// them were faster in every configuration: medians of per-round ratios 1.02-1.23
+/// (`benches/README.md`, "Issues 19 and 25, 2026-12-07 (later)").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WeightCache {
     /// Keep each one where the stage's memory has room after everything else, the most used
