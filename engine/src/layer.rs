@@ -173,10 +173,20 @@ pub trait Layer: Send + std::fmt::Debug {
     }
 
     /// Whether the layer's inputs are integer ids carried as f32 (token ids for an embedding),
-    /// not values: code that runs a layer on made-up inputs (the profiler, the memory probe)
-    /// feeds such a layer zeros, an id every table has. Default: false.
+    /// not values: code that runs a layer on made-up inputs feeds such a layer ids below
+    /// [`Layer::index_count`] (the profiler zeros, an id every table has; the memory probe every
+    /// id in turn, see there). Default: false.
     fn takes_indices(&self) -> bool {
         false
+    }
+
+    /// For a layer that [`Layer::takes_indices`]: how many distinct ids it accepts (its table's
+    /// rows). The memory probe feeds it `0, 1, 2, ...` modulo this, so that a weight pass whose
+    /// buffer grows with the distinct ids it meets (an embedding's rows summed apart,
+    /// [`Layer::weight_pass_scratch_bytes`]) is measured at the most a micro-batch can make it
+    /// hold; ids all zero would show one row. Default: 1.
+    fn index_count(&self) -> usize {
+        1
     }
 
     /// The per-sample output shape for per-sample input shapes, or a shape error naming what was

@@ -74,6 +74,10 @@ impl Layer for Embedding {
         true
     }
 
+    fn index_count(&self) -> usize {
+        self.num_embeddings
+    }
+
     fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape> {
         Ok(Shape::new(self.output_dims(&expect_shapes("Embedding", input_shapes, 1)?[0])))
     }

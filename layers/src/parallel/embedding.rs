@@ -118,6 +118,10 @@ impl Layer for VocabParallelEmbedding {
         true
     }
 
+    fn index_count(&self) -> usize {
+        self.vocab
+    }
+
     fn output_shape(&self, input_shapes: &[Shape]) -> Result<Shape> {
         Ok(Shape::new(self.output_dims(&expect_shapes(KIND, input_shapes, 1)?[0])))
     }

@@ -130,7 +130,10 @@ fn measure(
             let shape = graph.node(*pred)?.output_shape.with_leading_dim(rows);
             let dtype = output_dtypes.get(pred).copied().unwrap_or(DType::F32);
             values.push(if layer.takes_indices() {
-                Tensor::zeros(shape, DType::F32, &group[0])?
+                // Every id in turn: the weight pass then meets as many distinct ids as a
+                // micro-batch can hold (`Layer::index_count`).
+                let ids = (0..shape.numel()).map(|i| (i % layer.index_count().max(1)) as f32).collect();
+                Tensor::from_vec(ids, shape, &group[0])?
             } else {
                 init::uniform(shape, -1.0, 1.0, &mut rng, &group[0])?.into_dtype(dtype)?
             });
