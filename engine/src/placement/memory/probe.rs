@@ -132,7 +132,8 @@ fn measure(
             values.push(if layer.takes_indices() {
                 // Every id in turn: the weight pass then meets as many distinct ids as a
                 // micro-batch can hold (`Layer::index_count`).
-                let ids = (0..shape.numel()).map(|i| (i % layer.index_count().max(1)) as f32).collect();
+                let count = layer.index_count().max(1);
+                let ids = (0..shape.numel()).map(|i| (i % count) as f32).collect();
                 Tensor::from_vec(ids, shape, &group[0])?
             } else {
                 init::uniform(shape, -1.0, 1.0, &mut rng, &group[0])?.into_dtype(dtype)?
